@@ -1,0 +1,261 @@
+"""Fallback mask predicates: sympy Boolean expression -> Python source of a ``@cute.jit`` function.
+
+The generated function has the signature::
+
+    @cute.jit
+    def <name>(q_idx, kv_idx, <scalar params...>, <row arrays...>) -> Boolean
+
+with every argument an ``Int32`` already loaded by the kernel: ``q_idx``/``kv_idx`` are the
+absolute row / column of the score, the scalar params are ``params[b, p]`` in the given order,
+and each per-row array ``name(i)`` is passed as its value at the current row,
+``row_params[b, q_idx, r]`` (only arguments equal to ``i`` are supported: the kernel loads the
+row's values once per q tile).
+
+Supported expression nodes: And / Or / Not / BooleanTrue / BooleanFalse, relationals
+(<, <=, >, >=, ==, !=), integers, symbols ``i`` (q_idx), ``j`` (kv_idx) and scalar params,
+``Function(name)(i)`` for per-row arrays, Add, Mul with integer (or rational, see below)
+coefficients, non-negative integer powers, ``floor(a/b)`` (floor division; the divisor must be
+positive at run time), ``Mod(a, b)`` (Python semantics, non-negative divisor), Min, Max, Abs.
+
+Rational coefficients (e.g. ``i/2 < j``) are cleared in relationals by multiplying both sides
+by the (positive) common denominator; inside ``floor`` the argument is split with
+``sympy.fraction(sympy.together(arg))``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import textwrap
+from typing import Iterable, Sequence
+
+import sympy
+
+__all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]
+
+
+class UnsupportedExpression(ValueError):
+    pass
+
+
+_REL_OPS = {
+    sympy.StrictLessThan: "<",
+    sympy.LessThan: "<=",
+    sympy.StrictGreaterThan: ">",
+    sympy.GreaterThan: ">=",
+    sympy.Equality: "==",
+    sympy.Unequality: "!=",
+}
+
+
+class _Emitter:
+    """Turns sympy nodes into straight-line SSA Python code over cutlass Int32 / Boolean values."""
+
+    def __init__(self, scalar_params: Sequence[str], array_params: Sequence[str]):
+        self.scalar_params = list(scalar_params)
+        self.array_params = list(array_params)
+        self.lines: list[str] = []
+        self.cache: dict[sympy.Basic, str] = {}
+        self.n = 0
+
+    def tmp(self, code: str) -> str:
+        name = f"t{self.n}"
+        self.n += 1
+        self.lines.append(f"{name} = {code}")
+        return name
+
+    # ---- integer expressions -------------------------------------------------------------
+    def int_expr(self, e: sympy.Basic) -> str:
+        e = sympy.sympify(e)
+        if e in self.cache:
+            return self.cache[e]
+        out = self._int_expr(e)
+        self.cache[e] = out
+        return out
+
+    def _int_expr(self, e: sympy.Basic) -> str:
+        if e.is_Integer:
+            return self.tmp(f"cutlass.Int32({int(e)})")
+        if e.is_Rational:
+            raise UnsupportedExpression(f"non-integer constant {e} outside floor / relational")
+        if isinstance(e, sympy.Symbol):
+            if e.name == "i":
+                return "q_idx"
+            if e.name == "j":
+                return "kv_idx"
+            if e.name in self.scalar_params:
+                return f"p_{e.name}"
+            raise UnsupportedExpression(f"unknown symbol {e.name!r}")
+        if isinstance(e, sympy.Function) and type(e).__name__ in self.array_params:
+            arg = e.args[0] if len(e.args) == 1 else None
+            if not (isinstance(arg, sympy.Symbol) and arg.name == "i"):
+                raise UnsupportedExpression(f"per-row array {e} must be indexed by i")
+            return f"a_{type(e).__name__}"
+        if isinstance(e, sympy.Add):
+            num, den = sympy.fraction(sympy.together(e))
+            if den != 1:
+                raise UnsupportedExpression(f"rational expression {e} outside floor / relational")
+            args = [self.int_expr(a) for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc} + {a}")
+            return acc
+        if isinstance(e, sympy.Mul):
+            coeff, rest = e.as_coeff_Mul()
+            if not coeff.is_Integer:
+                raise UnsupportedExpression(f"non-integer coefficient in {e}")
+            factors = [self.int_expr(a) for a in sympy.Mul.make_args(rest)]
+            acc = factors[0]
+            for f in factors[1:]:
+                acc = self.tmp(f"{acc} * {f}")
+            if coeff != 1:
+                acc = self.tmp(f"{acc} * cutlass.Int32({int(coeff)})")
+            return acc
+        if isinstance(e, sympy.Pow):
+            base, ex = e.args
+            if not (ex.is_Integer and int(ex) >= 0):
+                raise UnsupportedExpression(f"power {e}")
+            b = self.int_expr(base)
+            acc = self.tmp("cutlass.Int32(1)")
+            for _ in range(int(ex)):
+                acc = self.tmp(f"{acc} * {b}")
+            return acc
+        if isinstance(e, sympy.floor):
+            num, den = sympy.fraction(sympy.together(e.args[0]))
+            a = self.int_expr(sympy.expand(num))
+            if den == 1:
+                return a
+            b = self.int_expr(sympy.expand(den))
+            # floor(a / b) for b > 0, independent of the hardware's division/remainder rounding:
+            # m = ((a % b) + b) % b is the non-negative remainder; (a - m) is a multiple of b.
+            m = self.tmp(f"(({a} % {b}) + {b}) % {b}")
+            return self.tmp(f"({a} - {m}) // {b}")
+        if isinstance(e, sympy.ceiling):
+            return self.int_expr(-sympy.floor(-e.args[0]))
+        if isinstance(e, sympy.Mod):
+            a = self.int_expr(e.args[0])
+            b = self.int_expr(e.args[1])
+            return self.tmp(f"(({a} % {b}) + {b}) % {b}")
+        if isinstance(e, (sympy.Min, sympy.Max)):
+            fn = "cutlass.min" if isinstance(e, sympy.Min) else "cutlass.max"
+            args = [self.int_expr(a) for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{fn}({acc}, {a})")
+            return acc
+        if isinstance(e, sympy.Abs):
+            a = self.int_expr(e.args[0])
+            neg = self.tmp(f"cutlass.Int32(0) - {a}")
+            return self.tmp(f"cutlass.max({a}, {neg})")
+        if isinstance(e, sympy.Piecewise):
+            raise UnsupportedExpression("Piecewise is not supported")
+        raise UnsupportedExpression(f"unsupported integer node {type(e).__name__}: {e}")
+
+    # ---- boolean expressions -------------------------------------------------------------
+    def bool_expr(self, e: sympy.Basic) -> str:
+        if e in self.cache:
+            return self.cache[e]
+        out = self._bool_expr(e)
+        self.cache[e] = out
+        return out
+
+    def _bool_expr(self, e: sympy.Basic) -> str:
+        if e is sympy.true or e == sympy.true:
+            return self.tmp("cutlass.Boolean(True)")
+        if e is sympy.false or e == sympy.false:
+            return self.tmp("cutlass.Boolean(False)")
+        if isinstance(e, sympy.And):
+            args = [self.bool_expr(a) for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc} & {a}")
+            return acc
+        if isinstance(e, sympy.Or):
+            args = [self.bool_expr(a) for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc} | {a}")
+            return acc
+        if isinstance(e, sympy.Not):
+            a = self.bool_expr(e.args[0])
+            return self.tmp(f"{a} == cutlass.Boolean(False)")
+        if isinstance(e, (sympy.Xor,)):
+            args = [self.bool_expr(a) for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc} != {a}")
+            return acc
+        if type(e) in _REL_OPS:
+            op = _REL_OPS[type(e)]
+            diff = sympy.together(e.lhs - e.rhs)
+            num, den = sympy.fraction(diff)
+            if den != 1:
+                # clear denominators: only safe when the denominator is a positive constant
+                if not (den.is_number and den > 0):
+                    raise UnsupportedExpression(f"non-constant denominator in relational {e}")
+            lhs, rhs = self._split_sides(sympy.expand(num))
+            a = self.int_expr(lhs)
+            b = self.int_expr(rhs)
+            return self.tmp(f"{a} {op} {b}")
+        raise UnsupportedExpression(f"unsupported boolean node {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _split_sides(expr: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
+        """``expr (op) 0`` -> ``pos (op) neg`` with non-negative coefficients on each side."""
+        pos, neg = [], []
+        for term in sympy.Add.make_args(expr):
+            c, _ = term.as_coeff_Mul()
+            (neg if c < 0 else pos).append(term)
+        lhs = sympy.Add(*pos) if pos else sympy.Integer(0)
+        rhs = -sympy.Add(*neg) if neg else sympy.Integer(0)
+        return lhs, rhs
+
+
+def predicate_source(
+    expr: sympy.Basic,
+    scalar_params: Iterable[str] = (),
+    array_params: Iterable[str] = (),
+    name: str = "fallback_predicate",
+) -> str:
+    """Python source (with imports) of a ``@cute.jit`` predicate ``name(q_idx, kv_idx, ...)``."""
+    scalar_params = list(scalar_params)
+    array_params = list(array_params)
+    em = _Emitter(scalar_params, array_params)
+    result = em.bool_expr(sympy.sympify(expr))
+    args = ["q_idx", "kv_idx"] + [f"p_{p}" for p in scalar_params] + [f"a_{a}" for a in array_params]
+    body = "\n".join(em.lines + [f"return {result}"])
+    return (
+        "import cutlass\nimport cutlass.cute as cute\n\n\n"
+        f"# generated from: {sympy.sstr(expr)}\n"
+        "@cute.jit\n"
+        f"def {name}({', '.join(args)}):\n" + textwrap.indent(body, "    ") + "\n"
+    )
+
+
+def source_hash(src: str) -> str:
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def compile_predicate(src: str, name: str = "fallback_predicate"):
+    """Write the generated source to a cache file, import it, return the ``@cute.jit`` function.
+
+    (A real file, not ``exec``: the DSL's AST preprocessor reads the function's source.)
+    """
+    import importlib.util
+    import os
+    import tempfile
+
+    d = os.environ.get("COMPILEMASK_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"compilemask-{os.getuid()}", "predicates"
+    )
+    os.makedirs(d, exist_ok=True)
+    mod_name = f"cm_pred_{source_hash(src)}"
+    path = os.path.join(d, mod_name + ".py")
+    if not os.path.exists(path) or open(path).read() != src:
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(src)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)

@@ -1,0 +1,30 @@
+"""CompileMask: compile custom attention masks to interval descriptors.
+
+Declare a ``MaskSpec`` once, ``compile_mask`` it (offline), ``preprocess`` each batch's metadata
+into an ``ExecutionDescriptor`` (online), and call ``attention`` per layer.
+"""
+
+from compilemask.api import attention
+from compilemask.compiled import CompiledMask, compile_mask
+from compilemask.descriptor import ExecutionDescriptor, TileConfig
+from compilemask.dsl import MaskSpec, Region
+
+__all__ = [
+    "MaskSpec",
+    "Region",
+    "compile_mask",
+    "CompiledMask",
+    "ExecutionDescriptor",
+    "TileConfig",
+    "attention",
+    "visualize",
+]
+
+__version__ = "0.1.0"
+
+
+def visualize(desc, batch: int = 0, path: str = "mask.png", **kw):
+    """Picture one sequence's mask with its tile states (needs matplotlib: the [viz] extra)."""
+    from compilemask.viz import visualize as _visualize
+
+    return _visualize(desc, batch=batch, path=path, **kw)

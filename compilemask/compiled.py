@@ -1,0 +1,433 @@
+"""compile_mask: MaskSpec -> CompiledMask (offline), and CompiledMask.preprocess (per batch)."""
+
+from __future__ import annotations
+
+import linecache
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import sympy as sp
+import torch
+
+from compilemask.compiler import (
+    Interval,
+    Term,
+    canonicalize,
+    extract_intervals,
+    normalize,
+    to_dnf_terms,
+)
+from compilemask.descriptor import ExecutionDescriptor, TileConfig
+from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
+from compilemask.dsl.spec import MaskSpec, canonical_hash
+from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
+from compilemask.prover import Prover
+
+__all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "DEFAULT_FWD_TILES",
+           "DEFAULT_BWD_TILES"]
+
+log = logging.getLogger("compilemask")
+
+DEFAULT_FWD_TILES = TileConfig(128, 128)
+DEFAULT_BWD_TILES = TileConfig(64, 128)
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass
+class CompiledRegion:
+    """One region after passes 1-4."""
+
+    index: int
+    name: str
+    guard: sp.Basic
+    guard_source: str
+    rule: sp.Basic
+    rule_source: str
+    dnf: list
+    terms: list[Term]
+    intervals: list[Interval]
+    proofs: list[str]
+    fallback_reasons: list[str] = field(default_factory=list)
+    exclusive_with: dict = field(default_factory=dict)  # earlier region -> proven exclusive?
+
+    @property
+    def fallback(self) -> bool:
+        return bool(self.fallback_reasons)
+
+    @property
+    def num_intervals(self) -> int:
+        return len(self.intervals)
+
+
+@dataclass
+class _IR:
+    key: str
+    canonical: str
+    regions: list[CompiledRegion]
+    scalar_params: tuple[str, ...]
+    array_params: tuple[str, ...]
+    divisor_params: tuple[str, ...]
+    num_intervals: int
+    torch_source: str
+    torch_fns: dict
+
+
+_IR_CACHE: dict[str, _IR] = {}
+_LOCK = threading.Lock()
+
+
+def compile_mask(spec: MaskSpec) -> CompiledMask:
+    """Compile a MaskSpec (offline; cached by the canonical form of its rules)."""
+    if not isinstance(spec, MaskSpec):
+        raise TypeError(f"compile_mask expects a MaskSpec, got {type(spec).__name__}")
+    syms = rule_symbols(spec.params)
+    ctx_all = RuleContext("", "", spec.params, syms)
+    translated = []
+    for r in spec.regions:
+        ctx = RuleContext(r.name, "when", spec.params, syms, ctx_all.array_params,
+                          ctx_all.scalar_params, ctx_all.divisor_params)
+        g = translate_rule(r.when, ctx)
+        if g.expr.has(syms["j"]):
+            raise ValueError(f"Region {r.name!r}: the guard {g.func_name} must not use j")
+        ctx.role = "visible"
+        v = translate_rule(r.visible, ctx)
+        translated.append((r, g, v))
+    canonical = "\n".join(
+        [f"params={spec.params}"]
+        + [f"{r.name}|{sp.srepr(g.expr)}|{sp.srepr(v.expr)}" for r, g, v in translated]
+    )
+    key = canonical_hash(canonical)
+    with _LOCK:
+        ir = _IR_CACHE.get(key)
+        if ir is None:
+            ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
+            _IR_CACHE[key] = ir
+    return CompiledMask(spec, ir)
+
+
+def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
+    i, j = syms["i"], syms["j"]
+    divisors = tuple(p for p in spec.params if p in ctx.divisor_params)
+    regions = []
+    earlier_guards = []
+    for idx, (r, g, v) in enumerate(translated):
+        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
+        prover = Prover(assumptions, syms, divisors)
+        dnf = to_dnf_terms(normalize(v.expr, j))
+        terms = extract_intervals(dnf, i, j)
+        ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
+        reasons = [why for t in terms for why in t.reasons]
+        excl = {}
+        for k, (r2, g2, _) in enumerate(translated[:idx]):
+            excl[r2.name] = Prover([], syms, divisors).proves(sp.Not(sp.And(g.expr, g2.expr)))
+        regions.append(CompiledRegion(
+            index=idx, name=r.name, guard=g.expr, guard_source=g.source, rule=v.expr,
+            rule_source=v.source, dnf=dnf, terms=terms, intervals=ivs, proofs=proofs,
+            fallback_reasons=reasons, exclusive_with=excl,
+        ))
+        earlier_guards.append(g.expr)
+    K = max(1, max(r.num_intervals for r in regions))
+    scalar = tuple(p for p in spec.params if p not in ctx.array_params)
+    arrays = tuple(p for p in spec.params if p in ctx.array_params)
+    source = _torch_source(spec.name, key, regions, scalar, arrays, K)
+    fns = _exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
+    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns)
+
+
+def _exec_source(source: str, filename: str) -> dict:
+    """exec generated code under a linecache entry, so tracebacks show the generated lines."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    ns: dict = {}
+    exec(compile(source, filename, "exec"), ns)
+    return ns
+
+
+def _torch_source(name, key, regions, scalar, arrays, K) -> str:
+    pr = TorchPrinter()
+    args = ["i", "seqlen_q", "seqlen_k"] + list(scalar) + [f"{a}_i" for a in arrays]
+    out = [f"# Reference preprocess for mask {name!r} (canonical hash {key}), generated.",
+           TORCH_PRELUDE,
+           f"NUM_INTERVALS = {K}", "", "",
+           f"def interval_table({', '.join(args)}, *, batch_size):",
+           '    """Rows: i int64 [1, Sq]; scalar params int64 [B, 1]; arrays int64 [B, Sq].',
+           '    Returns starts, lens (int64 [B, Sq, K], clipped to [0, seqlen_k)), the row\'s',
+           '    region (int64 [B, Sq], -1: none) and the number of guards that hold per row."""',
+           "    shape = (batch_size, i.shape[-1])",
+           "    dev = i.device",
+           f"    lo = torch.zeros(shape + ({K},), dtype=torch.int64, device=dev)",
+           "    hi = torch.zeros_like(lo)",
+           "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)",
+           "    hits = torch.zeros(shape, dtype=torch.int32, device=dev)"]
+    for r in regions:
+        out.append("")
+        out.append(f"    # region {r.index} {r.name!r}: rows where {r.guard}")
+        out.append(f"    guard = torch.broadcast_to({pr(r.guard)}, shape)")
+        out.append("    hits += guard")
+        out.append("    take = guard & (region < 0)")
+        out.append(f"    region = torch.where(take, {r.index}, region)")
+        for k, iv in enumerate(r.intervals):
+            tag = "" if iv.exact else "  (over-approximation: fallback)"
+            out.append(f"    # slot {k}: [{iv.lower}, {iv.upper})"
+                       + (f" if {iv.cond}" if iv.cond is not sp.true else "") + tag)
+            ok = "take" if iv.cond is sp.true else f"take & {pr(iv.cond)}"
+            out.append(f"    ok = torch.broadcast_to({ok}, shape)")
+            out.append(f"    lo[..., {k}] = torch.where(ok, {pr(iv.lower)}, lo[..., {k}])")
+            out.append(f"    hi[..., {k}] = torch.where(ok, {pr(iv.upper)}, hi[..., {k}])")
+    out += ["",
+            "    # clip to the keys that exist; empty slots are (0, 0)",
+            "    starts = torch.clamp(lo, 0, seqlen_k)",
+            "    lens = torch.clamp(torch.clamp(hi, 0, seqlen_k) - starts, min=0)",
+            "    starts = torch.where(lens > 0, starts, 0)",
+            "    return starts, lens, region, hits", ""]
+    # Element predicates of fallback regions (the residual check), on [B, Sq, Sk] grids.
+    fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + list(scalar) + [
+        f"{a}_{x}" for a in arrays for x in "ij"]
+    for r in regions:
+        if r.fallback:
+            out += ["", f"def predicate_{r.index}({', '.join(fb_args)}):",
+                    f'    """Region {r.name!r}: {r.rule}"""',
+                    f"    return {pr(r.rule)}", ""]
+    return "\n".join(out)
+
+
+class CompiledMask:
+    """The offline artefact of one MaskSpec: per-region intervals, K, generated code."""
+
+    def __init__(self, spec: MaskSpec, ir: _IR):
+        self.spec = spec
+        self._ir = ir
+
+    # ---- inspection ------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def key(self) -> str:
+        """Semantic key (hash of the canonical rules); equal keys compile to equal code."""
+        return self._ir.key
+
+    @property
+    def regions(self) -> list[CompiledRegion]:
+        return self._ir.regions
+
+    @property
+    def num_intervals(self) -> int:
+        return self._ir.num_intervals
+
+    @property
+    def scalar_params(self) -> tuple[str, ...]:
+        return self._ir.scalar_params
+
+    @property
+    def array_params(self) -> tuple[str, ...]:
+        return self._ir.array_params
+
+    @property
+    def has_fallback(self) -> bool:
+        return any(r.fallback for r in self.regions)
+
+    @property
+    def fallback_regions(self) -> list[CompiledRegion]:
+        return [r for r in self.regions if r.fallback]
+
+    def reference_source(self) -> str:
+        """The generated torch source of the reference preprocess."""
+        return self._ir.torch_source
+
+    def preprocess_source(self, target: str = "cuda") -> str:
+        """The generated TileLang preprocess program (see compilemask.codegen)."""
+        from compilemask.codegen import tilelang_source
+
+        return tilelang_source(self, target=target)
+
+    def explain(self, meta=None, row: int | None = None, **kw) -> str:
+        from compilemask.render import explain
+
+        return explain(self, meta=meta, row=row, **kw)
+
+    def __repr__(self):
+        return (f"CompiledMask({self.name!r}, K={self.num_intervals}, "
+                f"regions={[r.name for r in self.regions]}, key={self.key})")
+
+    # ---- per batch ---------------------------------------------------------------------------
+    def normalize_meta(self, meta, seqlen_q: int, seqlen_k: int, batch_size=None, device=None,
+                       check_values: bool | None = None):
+        """Validate metadata; returns (B, {scalar: int64 [B, 1]}, {array: int64 [B, Sq]}, dev)."""
+        return _normalize_meta(self, meta, seqlen_q, seqlen_k, batch_size, device, check_values)
+
+    def preprocess(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None, *,
+                   batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
+                   bwd_tiles=DEFAULT_BWD_TILES, check: bool = False, device=None,
+                   backend: str = "auto") -> ExecutionDescriptor:
+        """Metadata of one batch -> Execution Descriptor (forward and backward).
+
+        ``backend``: "torch" (the generated reference), "tilelang" (the generated TileLang
+        kernel: CUDA on GPU metadata, the C target on CPU) or "auto" (TileLang on CUDA when
+        available, the torch reference on CPU). ``check=True`` validates values and that the
+        guards are exclusive for this metadata (this synchronizes with the device)."""
+        if seqlen_q is None:
+            raise ValueError("preprocess: seqlen_q is required")
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
+        bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
+        B, scal, arrs, dev = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
+                                                 check_values=None if not check else True)
+        if backend not in ("auto", "torch", "tilelang"):
+            raise ValueError(f"preprocess: backend must be auto, torch or tilelang, got {backend!r}")
+        if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and _has_tilelang()):
+            from compilemask.codegen.preprocess import tilelang_preprocess
+
+            return tilelang_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
+                                       bwd_tiles, check=check, device=dev)
+        return self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles,
+                                      check, dev)
+
+    def _torch_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, check,
+                          dev) -> ExecutionDescriptor:
+        from compilemask.tiles import bitmaps
+
+        i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
+        args = [i, seqlen_q, seqlen_k] + [scal[p] for p in self.scalar_params] + [
+            arrs[a] for a in self.array_params]
+        starts, lens, region, hits = self._ir.torch_fns["interval_table"](*args, batch_size=B)
+        if check:
+            _check_exclusive(self, hits, region)
+        always = self._fallback_rows(region)
+        fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k)
+        return self._descriptor(B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region,
+                                fwd_tiles, fwd, bwd_tiles, bwd)
+
+    def _fallback_rows(self, region):
+        always = torch.zeros_like(region, dtype=torch.bool)
+        for r in self.fallback_regions:
+            always |= region == r.index
+        return always
+
+    def _descriptor(self, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd_tiles, fwd,
+                    bwd_tiles, bwd) -> ExecutionDescriptor:
+        dev = starts.device
+        intervals = torch.stack([starts, lens], dim=-1).to(torch.int32).contiguous()
+        params = (torch.cat([scal[p].view(B, 1) for p in self.scalar_params], dim=1)
+                  if self.scalar_params else torch.zeros(B, 0, dtype=torch.int64, device=dev))
+        row_params = (torch.stack([arrs[a] for a in self.array_params], dim=-1)
+                      if self.array_params
+                      else torch.zeros(B, seqlen_q, 0, dtype=torch.int64, device=dev))
+        return ExecutionDescriptor(
+            mask=self, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
+            row_region=region.to(torch.int32).contiguous(), fwd_tiles=fwd_tiles, fwd_bitmap=fwd,
+            bwd_tiles=bwd_tiles, bwd_bitmap=bwd, params=params.to(torch.int32).contiguous(),
+            row_params=row_params.to(torch.int32).contiguous(),
+        )
+
+    def reference_mask(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
+                       *, batch_size: int | None = None) -> torch.Tensor:
+        """bool [B, Sq, Sk] by calling the user's Python rules on every (i, j): the oracle."""
+        from compilemask.reference import brute_force_mask
+
+        if seqlen_q is None:
+            raise ValueError("reference_mask: seqlen_q is required")
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        B, scal, arrs, _ = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, "cpu")
+        return brute_force_mask(self, B, scal, arrs, seqlen_q, seqlen_k)
+
+
+def _has_tilelang() -> bool:
+    try:
+        import tilelang  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _tiles_arg(t, name) -> TileConfig:
+    if isinstance(t, TileConfig):
+        tc = t
+    elif isinstance(t, (tuple, list)) and len(t) == 2:
+        tc = TileConfig(*t)
+    else:
+        raise TypeError(f"{name} must be a TileConfig or (tile_m, tile_n), got {t!r}")
+    for v in (tc.tile_m, tc.tile_n):
+        if not isinstance(v, int) or v <= 0 or v & (v - 1):
+            raise ValueError(f"{name}: tile sizes must be positive powers of two, got {tc}")
+    return tc
+
+
+def _check_exclusive(mask, hits, region):
+    bad = hits > 1
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"mask {mask.name!r}: row {i} of sequence {b} is covered by more than one region "
+            f"guard (first: {mask.regions[int(region[b, i])].name!r}); guards must be exclusive"
+        )
+
+
+def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_values):
+    spec = mask.spec
+    for nm, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{nm} must be a positive int, got {v!r}")
+        if v > _INT32_MAX // 2:
+            raise ValueError(f"{nm}={v} is beyond the int32 index range")
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict of param name -> int or tensor, got "
+                        f"{type(meta).__name__}")
+    missing = [p for p in spec.params if p not in meta]
+    if missing:
+        raise ValueError(f"mask {spec.name!r}: metadata is missing param(s) {missing}")
+    extra = [k for k in meta if k not in spec.params]
+    if extra:
+        raise ValueError(f"mask {spec.name!r}: unknown param(s) {extra}; declared: "
+                         f"{list(spec.params)}")
+    # batch size and device from the tensors
+    B = batch_size
+    dev = None
+    for p in spec.params:
+        v = meta[p]
+        if isinstance(v, torch.Tensor):
+            if v.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+                raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}")
+            want = 2 if p in mask.array_params else 1
+            if v.dim() != want:
+                shape = "[B, Sq]" if want == 2 else "[B]"
+                raise ValueError(f"param {p!r}: expected shape {shape}, got {list(v.shape)}")
+            if B is None:
+                B = v.shape[0]
+            elif v.shape[0] != B:
+                raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}")
+            if want == 2 and v.shape[1] != seqlen_q:
+                raise ValueError(f"param {p!r}: per-row array length {v.shape[1]} != seqlen_q "
+                                 f"{seqlen_q}")
+            dev = v.device if dev is None else dev
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if p in mask.array_params:
+                raise ValueError(f"param {p!r} is a per-row array: pass a [B, Sq] tensor")
+        else:
+            raise TypeError(f"param {p!r}: expected an int or an integer tensor, got "
+                            f"{type(v).__name__}")
+    B = 1 if B is None else B
+    if not isinstance(B, int) or B < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    dev = torch.device(device) if device is not None else (dev or torch.device("cpu"))
+    if check_values is None:
+        check_values = dev.type == "cpu"  # value checks would synchronize a GPU stream
+    scal, arrs = {}, {}
+    for p in spec.params:
+        v = meta[p]
+        t = (torch.as_tensor(v, dtype=torch.int64, device=dev) if not isinstance(v, torch.Tensor)
+             else v.to(device=dev, dtype=torch.int64))
+        if check_values:
+            lo = 1 if p in mask._ir.divisor_params else 0
+            if bool((t < lo).any()):
+                what = "positive (it is a divisor)" if lo else "non-negative"
+                raise ValueError(f"param {p!r} must be {what}; got min {int(t.min())}")
+            if bool((t > _INT32_MAX // 2).any()):
+                raise ValueError(f"param {p!r} is out of the int32 range: max {int(t.max())}")
+        if p in mask.array_params:
+            arrs[p] = t
+        else:
+            scal[p] = t.expand(B).reshape(B, 1) if t.dim() == 0 else t.view(B, 1)
+    return B, scal, arrs, dev

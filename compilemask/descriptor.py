@@ -1,0 +1,124 @@
+"""The Execution Descriptor: the contract between preprocess and the attention kernels.
+
+One ``preprocess`` call per batch writes every tensor below; the forward and the backward kernels
+read the same descriptor (the user writes one MaskSpec, never a second one for the backward).
+
+Shapes and dtypes (``B`` batch, ``Sq``/``Sk`` query/key lengths, ``K`` interval slots)
+
+``intervals``  int32 ``[B, Sq, K, 2]``
+    Interval Table. Row ``q_idx`` of sequence ``b`` sees key ``kv_idx`` iff for some slot ``k``
+    ``uint32(kv_idx - start) < uint32(len)`` with ``(start, len) = intervals[b, q_idx, k]``.
+    Intervals are clipped to ``[0, Sk)``; an empty slot is ``(0, 0)``. One row's K pairs are
+    contiguous (8·K bytes: one 16-byte vector load for K = 2), and consecutive rows are
+    consecutive, so the threads that own the rows of a q-tile read one contiguous span.
+    Slot order is the compiled order (canonicalized at compile time); slots may overlap at run
+    time where the compiler could not prove otherwise: the union is what counts.
+``row_region``  int32 ``[B, Sq]``
+    Index of the Region whose guard holds for the row (first in declaration order), -1 if none
+    (such rows see nothing: all slots empty). Kernels need it only for fallback regions.
+``fwd_bitmap``  int32 ``[B, n_m_blocks, ceil(n_n_blocks / 16)]`` for the forward tiling
+``bwd_bitmap``  int32 ``[B, n_n_blocks, ceil(n_m_blocks / 16)]`` for the backward tiling
+    Tile-State Bitmaps, 2 bits per tile. The forward one is indexed ``[b, m_block, word]`` with
+    ``n_block`` packed along the row (the forward kernel scans the kv-tiles of one q-tile in one
+    contiguous row); the backward one is ``[b, n_block, word]`` with ``m_block`` packed (the
+    backward kernel scans the q-tiles of one kv-tile). Tile ``t`` of a row lives in word
+    ``t // 16`` at bits ``2 * (t % 16)`` (``TILE_VISIBLE``: some element visible) and
+    ``2 * (t % 16) + 1`` (``TILE_MASKED``: some element masked). So ``00`` empty (skip, do not
+    load K/V), ``01`` full (no masking code), ``11`` partial (interval test), ``10`` never
+    occurs. Rows past ``Sq`` and columns past ``Sk`` of edge tiles are ignored (neither visible
+    nor masked). Tiles of fallback rows are never full.
+``params``  int32 ``[B, P]``: per-sequence scalar metadata, in ``CompiledMask.scalar_params`` order.
+``row_params``  int32 ``[B, Sq, R]``: per-row metadata arrays, in ``CompiledMask.array_params``
+    order (``R`` may be 0). With ``params`` and ``row_region`` this is what a kernel needs to
+    evaluate the fallback predicate of a region whose rule did not compile to intervals; for
+    such rows the interval slots are a sound over-approximation, and an element is visible iff
+    it is inside an interval AND the region's predicate holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from compilemask.compiled import CompiledMask
+
+__all__ = ["TileConfig", "ExecutionDescriptor", "TILE_VISIBLE", "TILE_MASKED", "TILES_PER_WORD"]
+
+TILE_VISIBLE = 1
+TILE_MASKED = 2
+TILES_PER_WORD = 16
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A tiling of the [Sq, Sk] score matrix: ``tile_m`` query rows by ``tile_n`` key columns."""
+
+    tile_m: int
+    tile_n: int
+
+    def num_blocks(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+        return -(-seqlen_q // self.tile_m), -(-seqlen_k // self.tile_n)
+
+
+@dataclass(frozen=True, eq=False)
+class ExecutionDescriptor:
+    """Per-batch output of ``CompiledMask.preprocess`` (see the module docstring for layouts)."""
+
+    mask: CompiledMask
+    seqlen_q: int
+    seqlen_k: int
+    intervals: torch.Tensor
+    row_region: torch.Tensor
+    fwd_tiles: TileConfig
+    fwd_bitmap: torch.Tensor
+    bwd_tiles: TileConfig
+    bwd_bitmap: torch.Tensor
+    params: torch.Tensor
+    row_params: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.intervals.shape[0]
+
+    @property
+    def num_intervals(self) -> int:
+        return self.intervals.shape[2]
+
+    @property
+    def has_fallback(self) -> bool:
+        return self.mask.has_fallback
+
+    @property
+    def device(self) -> torch.device:
+        return self.intervals.device
+
+    def tile_states(self, backward: bool = False) -> torch.Tensor:
+        """Unpacked 2-bit states, uint8 ``[B, n_m, n_n]`` (forward) or ``[B, n_n, n_m]``."""
+        from compilemask.tiles import unpack_bitmap
+
+        if backward:
+            n_m, n_n = self.bwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
+            return unpack_bitmap(self.bwd_bitmap, n_m)
+        n_m, n_n = self.fwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
+        return unpack_bitmap(self.fwd_bitmap, n_n)
+
+    def dense_mask(self) -> torch.Tensor:
+        """bool ``[B, Sq, Sk]``: the mask this descriptor encodes (for tests and pictures)."""
+        from compilemask.reference import descriptor_dense_mask
+
+        return descriptor_dense_mask(self)
+
+    def to_string(self, batch: int = 0, backward: bool = False) -> str:
+        from compilemask.render import descriptor_to_string
+
+        return descriptor_to_string(self, batch=batch, backward=backward)
+
+    def to(self, device: Any) -> ExecutionDescriptor:
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for k, v in fields.items():
+            if isinstance(v, torch.Tensor):
+                fields[k] = v.to(device)
+        return ExecutionDescriptor(**fields)

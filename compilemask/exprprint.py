@@ -1,0 +1,207 @@
+"""Print compiled sympy expressions as code. The torch printer drives the reference preprocess;
+codegen/ subclasses ``ExprPrinter`` for TileLang and CuTe."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+__all__ = ["ExprPrinter", "TorchPrinter", "split_floor"]
+
+
+def split_floor(arg):
+    """floor(arg) -> (numerator, denominator) with an integer numerator expression."""
+    num, den = sp.fraction(sp.together(arg))
+    if den.is_Integer and int(den) < 0:
+        num, den = -num, -den
+    return sp.expand(num), den
+
+
+class ExprPrinter:
+    """Recursive printer; subclasses override the leaf spellings."""
+
+    def __init__(self, names: dict[str, str] | None = None):
+        self.names = names or {}
+
+    def __call__(self, e) -> str:
+        return self.p(e)
+
+    def p(self, e) -> str:
+        if e is sp.true or e == sp.true:
+            return self.true()
+        if e is sp.false or e == sp.false:
+            return self.false()
+        if isinstance(e, sp.Symbol):
+            return self.names.get(e.name, e.name)
+        if isinstance(e, sp.Integer):
+            return self.integer(int(e))
+        if isinstance(e, sp.Add):
+            pos = [a for a in e.args if not _negative(a)]
+            neg = [-a for a in e.args if _negative(a)]
+            s = " + ".join(self.p(a) for a in pos) if pos else self.integer(0)
+            for a in neg:
+                s += " - " + self.atom(a)
+            return f"({s})"
+        if isinstance(e, sp.Mul):
+            num, den = sp.fraction(e)
+            if den != 1:
+                raise TypeError(f"non-integer product {e}")
+            coeff, rest = e.as_coeff_Mul()
+            if coeff == -1:
+                return f"(-{self.atom(rest)})"
+            return "(" + " * ".join(self.atom(a) for a in e.args) + ")"
+        if isinstance(e, sp.floor):
+            num, den = split_floor(e.args[0])
+            return self.floordiv(self.p(num), self.p(den))
+        if isinstance(e, sp.Mod):
+            return self.mod(self.p(e.args[0]), self.p(e.args[1]))
+        if isinstance(e, sp.Min):
+            return self.fold(self.minimum, e.args)
+        if isinstance(e, sp.Max):
+            return self.fold(self.maximum, e.args)
+        if isinstance(e, sp.Abs):
+            return self.abs(self.p(e.args[0]))
+        if isinstance(e, sp.Piecewise):
+            out = None
+            for val, cond in reversed(e.args):
+                out = self.p(val) if out is None else self.select(self.p(cond), self.p(val), out)
+            return out
+        if isinstance(e, sp.core.function.AppliedUndef):
+            return self.array(type(e).__name__, e.args[0])
+        if isinstance(e, (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)):
+            op = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.Ne: "!="}
+            return f"({self.p(e.lhs)} {op[type(e)]} {self.p(e.rhs)})"
+        if isinstance(e, sp.And):
+            return self.land([self.p(a) for a in e.args])
+        if isinstance(e, sp.Or):
+            return self.lor([self.p(a) for a in e.args])
+        if isinstance(e, sp.Not):
+            return self.lnot(self.p(e.args[0]))
+        raise TypeError(f"cannot print {type(e).__name__}: {e}")
+
+    def atom(self, e) -> str:
+        return self.p(e)
+
+    def fold(self, f, args):
+        out = self.p(args[0])
+        for a in args[1:]:
+            out = f(out, self.p(a))
+        return out
+
+    # leaves: Python/torch spelling
+    def true(self):
+        return "True"
+
+    def false(self):
+        return "False"
+
+    def integer(self, v):
+        return str(v) if v >= 0 else f"({v})"
+
+    def floordiv(self, a, b):
+        return f"({a} // {b})"
+
+    def mod(self, a, b):
+        return f"({a} % {b})"
+
+    def minimum(self, a, b):
+        return f"min({a}, {b})"
+
+    def maximum(self, a, b):
+        return f"max({a}, {b})"
+
+    def abs(self, a):
+        return f"abs({a})"
+
+    def select(self, c, a, b):
+        return f"({a} if {c} else {b})"
+
+    def array(self, name, index):
+        return f"{name}[{self.p(index)}]"
+
+    def land(self, xs):
+        return "(" + " and ".join(xs) + ")"
+
+    def lor(self, xs):
+        return "(" + " or ".join(xs) + ")"
+
+    def lnot(self, x):
+        return f"(not {x})"
+
+
+def _negative(a) -> bool:
+    c, _ = a.as_coeff_Mul()
+    return c.is_number and c < 0
+
+
+class TorchPrinter(ExprPrinter):
+    """Vectorized torch: every name is an int64 tensor (or broadcastable); booleans are tensors.
+
+    Per-row arrays print as the [B, Sq] tensor when subscripted by ``i`` and as a key-indexed
+    view when subscripted by ``j`` (``name_j``), both prepared by the caller."""
+
+    def true(self):
+        return "_TRUE"
+
+    def false(self):
+        return "_FALSE"
+
+    def floordiv(self, a, b):
+        return f"_fdiv({a}, {b})"
+
+    def mod(self, a, b):
+        return f"_mod({a}, {b})"
+
+    def minimum(self, a, b):
+        return f"_min({a}, {b})"
+
+    def maximum(self, a, b):
+        return f"_max({a}, {b})"
+
+    def abs(self, a):
+        return f"_abs({a})"
+
+    def select(self, c, a, b):
+        return f"_where({c}, {a}, {b})"
+
+    def array(self, name, index):
+        if index.is_Symbol and index.name in ("i", "j"):
+            return f"{name}_{index.name}"
+        raise NotImplementedError(f"per-row array {name} subscripted by {index} (only i or j)")
+
+    def land(self, xs):
+        return "(" + " & ".join(xs) + ")"
+
+    def lor(self, xs):
+        return "(" + " | ".join(xs) + ")"
+
+    def lnot(self, x):
+        return f"(~{x})"
+
+
+TORCH_PRELUDE = '''
+import torch
+
+def _t(x):
+    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
+
+def _fdiv(a, b):
+    return torch.div(_t(a), _t(b), rounding_mode="floor")
+
+def _mod(a, b):
+    return torch.remainder(_t(a), _t(b))
+
+def _min(a, b):
+    return torch.minimum(_t(a), _t(b))
+
+def _max(a, b):
+    return torch.maximum(_t(a), _t(b))
+
+def _abs(a):
+    return torch.abs(_t(a))
+
+def _where(c, a, b):
+    return torch.where(c, _t(a), _t(b))
+
+_TRUE = torch.tensor(True)
+_FALSE = torch.tensor(False)
+'''

@@ -1,0 +1,146 @@
+"""Proofs under assumptions, for canonicalization: sympy expressions -> z3 integer arithmetic.
+
+``Prover.proves(claim)`` is sound: it answers True only when z3 shows that no integer assignment
+satisfying the assumptions falsifies the claim. Unknown (timeout, nonlinear) counts as not proven.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+import z3
+
+__all__ = ["Prover", "to_z3"]
+
+_TIMEOUT_MS = 500
+
+
+class _Z3Env:
+    def __init__(self):
+        self.vars: dict[str, z3.ArithRef] = {}
+        self.funcs: dict[str, z3.FuncDeclRef] = {}
+        self.side: list = []  # facts about function applications (non-negative metadata)
+
+    def var(self, name):
+        if name not in self.vars:
+            self.vars[name] = z3.Int(name)
+        return self.vars[name]
+
+
+def to_z3(e, env: _Z3Env):
+    if e is sp.true or e == sp.true:
+        return z3.BoolVal(True)
+    if e is sp.false or e == sp.false:
+        return z3.BoolVal(False)
+    if isinstance(e, sp.Symbol):
+        return env.var(e.name)
+    if isinstance(e, sp.Integer):
+        return z3.IntVal(int(e))
+    if isinstance(e, sp.Rational):
+        raise TypeError(f"rational {e} outside floor()")
+    if isinstance(e, sp.Add):
+        out = to_z3(e.args[0], env)
+        for a in e.args[1:]:
+            out = out + to_z3(a, env)
+        return out
+    if isinstance(e, sp.Mul):
+        num, den = sp.fraction(e)
+        if den != 1:
+            raise TypeError(f"non-integer product {e}")
+        out = to_z3(e.args[0], env)
+        for a in e.args[1:]:
+            out = out * to_z3(a, env)
+        return out
+    if isinstance(e, sp.floor):
+        num, den = sp.fraction(sp.together(e.args[0]))
+        return to_z3(num, env) / to_z3(den, env)  # z3 div is floor for positive divisors
+    if isinstance(e, sp.Mod):
+        return to_z3(e.args[0], env) % to_z3(e.args[1], env)
+    if isinstance(e, (sp.Min, sp.Max)):
+        args = [to_z3(a, env) for a in e.args]
+        out = args[0]
+        for a in args[1:]:
+            out = z3.If(a < out, a, out) if isinstance(e, sp.Min) else z3.If(a > out, a, out)
+        return out
+    if isinstance(e, sp.Abs):
+        a = to_z3(e.args[0], env)
+        return z3.If(a < 0, -a, a)
+    if isinstance(e, sp.Piecewise):
+        out = None
+        for val, cond in reversed(e.args):
+            v = to_z3(val, env)
+            out = v if out is None else z3.If(to_z3(cond, env), v, out)
+        return out
+    if isinstance(e, sp.core.function.AppliedUndef):
+        name = type(e).__name__
+        if name not in env.funcs:
+            env.funcs[name] = z3.Function(name, z3.IntSort(), z3.IntSort())
+        app = env.funcs[name](*[to_z3(a, env) for a in e.args])
+        env.side.append(app >= 0)
+        return app
+    if isinstance(e, sp.Eq):
+        return to_z3(e.lhs, env) == to_z3(e.rhs, env)
+    if isinstance(e, sp.Ne):
+        return to_z3(e.lhs, env) != to_z3(e.rhs, env)
+    if isinstance(e, sp.Lt):
+        return to_z3(e.lhs, env) < to_z3(e.rhs, env)
+    if isinstance(e, sp.Le):
+        return to_z3(e.lhs, env) <= to_z3(e.rhs, env)
+    if isinstance(e, sp.Gt):
+        return to_z3(e.lhs, env) > to_z3(e.rhs, env)
+    if isinstance(e, sp.Ge):
+        return to_z3(e.lhs, env) >= to_z3(e.rhs, env)
+    if isinstance(e, sp.And):
+        return z3.And(*[to_z3(a, env) for a in e.args])
+    if isinstance(e, sp.Or):
+        return z3.Or(*[to_z3(a, env) for a in e.args])
+    if isinstance(e, sp.Not):
+        return z3.Not(to_z3(e.args[0], env))
+    raise TypeError(f"cannot translate {type(e).__name__}: {e}")
+
+
+class Prover:
+    """Proves claims about integer expressions under a fixed list of sympy assumptions."""
+
+    def __init__(self, assumptions, symbols, divisor_params=()):
+        self.env = _Z3Env()
+        facts = []
+        for s in symbols.values():
+            facts.append(self.env.var(s.name) >= 0)
+        facts.append(self.env.var("seqlen_q") >= 1)
+        facts.append(self.env.var("seqlen_k") >= 1)
+        facts.append(self.env.var("i") < self.env.var("seqlen_q"))
+        facts.append(self.env.var("j") < self.env.var("seqlen_k"))
+        for p in divisor_params:
+            facts.append(self.env.var(p) >= 1)
+        self.ok = True
+        try:
+            facts += [to_z3(a, self.env) for a in assumptions]
+        except TypeError:
+            self.ok = False  # unknown construct: prove nothing rather than something wrong
+        self.facts = facts
+        self._cache: dict = {}
+
+    def proves(self, claim) -> bool:
+        if claim is sp.true or claim == sp.true:
+            return True
+        if not self.ok:
+            return False
+        key = sp.srepr(claim)
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            c = to_z3(claim, self.env)
+        except TypeError:
+            self._cache[key] = False
+            return False
+        s = z3.Solver()
+        s.set("timeout", _TIMEOUT_MS)
+        s.add(*self.facts, *self.env.side)
+        s.add(z3.Not(c))
+        res = s.check() == z3.unsat
+        self._cache[key] = res
+        return res
+
+    def satisfiable(self, claim) -> bool:
+        """False only if the claim provably never holds under the assumptions."""
+        return not self.proves(sp.Not(claim))

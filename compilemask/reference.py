@@ -1,0 +1,129 @@
+"""Reference paths: the dense mask a descriptor encodes, the brute-force oracle that calls the
+user's Python rules, and dense masked attention (the CPU path of ``cm.attention``)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+__all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
+
+
+def descriptor_dense_mask(desc) -> torch.Tensor:
+    """bool [B, Sq, Sk] from the Interval Table (and fallback predicates), as a kernel sees it."""
+    mask = desc.mask
+    iv = desc.intervals.to(torch.int64)
+    starts, lens = iv[..., 0], iv[..., 1]
+    j = torch.arange(desc.seqlen_k, device=iv.device, dtype=torch.int64)
+    # uint32(j - start) < uint32(len), over the K slots
+    dense = torch.zeros(desc.batch_size, desc.seqlen_q, desc.seqlen_k, dtype=torch.bool,
+                        device=iv.device)
+    for k in range(desc.num_intervals):
+        s = starts[:, :, k : k + 1]
+        n = lens[:, :, k : k + 1]
+        dense |= (j >= s) & (j < s + n)
+    for r in mask.fallback_regions:
+        rows = desc.row_region == r.index  # [B, Sq]
+        pred = evaluate_predicate(desc, r.index)
+        dense = torch.where(rows.unsqueeze(-1), dense & pred, dense)
+    return dense
+
+
+def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
+    """The residual predicate of a fallback region on the whole [B, Sq, Sk] grid."""
+    mask = desc.mask
+    B, Sq, Sk = desc.batch_size, desc.seqlen_q, desc.seqlen_k
+    dev = desc.intervals.device
+    i = torch.arange(Sq, device=dev, dtype=torch.int64).view(1, Sq, 1)
+    j = torch.arange(Sk, device=dev, dtype=torch.int64).view(1, 1, Sk)
+    args = [i, j, Sq, Sk]
+    args += [desc.params[:, k].to(torch.int64).view(B, 1, 1) for k in range(len(mask.scalar_params))]
+    for k, name in enumerate(mask.array_params):
+        arr = desc.row_params[..., k].to(torch.int64)
+        if Sk > Sq:
+            arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))  # keys past Sq: see the note below
+        else:
+            arr_j = arr[:, :Sk]
+        args += [arr.view(B, Sq, 1), arr_j.view(B, 1, Sk)]
+    fn = mask._ir.torch_fns[f"predicate_{region_index}"]
+    return torch.broadcast_to(fn(*args), (B, Sq, Sk))
+
+
+def _rebind(fn, env: dict, memo: dict):
+    """A copy of ``fn`` whose free names (globals and closure cells) see ``env`` first; helper
+    functions it calls are rebound the same way."""
+    if fn in memo:
+        return memo[fn] or fn  # None: a recursive helper, being rebound
+    memo[fn] = None
+    g = dict(fn.__globals__)
+    for name in fn.__code__.co_names:
+        if name in env:
+            g[name] = env[name]
+        elif isinstance(g.get(name), types.FunctionType):
+            g[name] = _rebind(g[name], env, memo)
+    cells = None
+    if fn.__closure__:
+        cells = []
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            try:
+                val = cell.cell_contents
+            except ValueError:
+                cells.append(cell)
+                continue
+            if name in env:
+                val = env[name]
+            elif isinstance(val, types.FunctionType):
+                val = _rebind(val, env, memo)
+            cells.append(types.CellType(val))
+        cells = tuple(cells)
+    copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, cells)
+    memo[fn] = copy
+    return copy
+
+
+def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
+    """Call the user's rules on every (i, j): a row belongs to the first region whose guard
+    holds, and sees the keys its rule accepts. Slow by design; it is the oracle."""
+    spec = mask.spec
+    out = torch.zeros(B, seqlen_q, seqlen_k, dtype=torch.bool)
+    for b in range(B):
+        env = {p: int(scal[p][b, 0]) for p in scal}
+        env.update({a: arrs[a][b].tolist() for a in arrs})
+        env["seqlen_q"], env["seqlen_k"] = seqlen_q, seqlen_k
+        memo: dict = {}
+        regions = [(_rebind(r.when, env, memo), _rebind(r.visible, env, memo))
+                   for r in spec.regions]
+        rows = out[b]
+        for i in range(seqlen_q):
+            for when, visible in regions:
+                if when(i):
+                    rows[i] = torch.tensor([bool(visible(i, j)) for j in range(seqlen_k)])
+                    break
+    return out
+
+
+def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False):
+    """Dense masked attention in float32: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], mask [B, Sq, Sk].
+
+    Rows that see nothing give O = 0 and LSE = -inf (never NaN); differentiable."""
+    B, Sq, H, D = q.shape
+    Hkv = k.shape[2]
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    if Hkv != H:
+        kf = kf.repeat_interleave(H // Hkv, dim=1)
+        vf = vf.repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    m = dense_mask.to(s.device).unsqueeze(1)
+    s = s.masked_fill(~m, float("-inf"))
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
+    p = torch.exp(s - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p, vf) / torch.where(denom == 0, torch.ones_like(denom), denom)
+    o = o.transpose(1, 2).to(q.dtype)
+    if not return_lse:
+        return o
+    lse = (row_max + torch.log(denom)).squeeze(-1)  # [B, H, Sq]; -inf where denom == 0
+    return o, lse

@@ -1,0 +1,133 @@
+"""Text renderings: ``CompiledMask.explain`` and ``ExecutionDescriptor.to_string``."""
+
+from __future__ import annotations
+
+
+import torch
+
+from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+
+__all__ = ["explain", "descriptor_to_string", "row_intervals"]
+
+
+def _indent(text: str, pad: str = "      ") -> str:
+    return "\n".join(pad + line for line in text.rstrip().splitlines())
+
+
+def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=None,
+            show_code: bool = True) -> str:
+    """Per region: guard and rule as written, DNF, extracted intervals, proven merges, fallback
+    terms, K; then the generated code. With ``meta`` and ``row``: that row's concrete intervals."""
+    out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
+           f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
+    for r in mask.regions:
+        out.append("")
+        out.append(f"  region {r.index} {r.name!r}")
+        out.append("    guard, as written:")
+        out.append(_indent(r.guard_source))
+        out.append(f"    guard: {r.guard}")
+        excl = [f"{k}: {'proved exclusive' if v else 'NOT proved exclusive (checked at run time)'}"
+                for k, v in r.exclusive_with.items()]
+        if excl:
+            out.append("    vs earlier guards: " + "; ".join(excl))
+        out.append("    rule, as written:")
+        out.append(_indent(r.rule_source))
+        out.append(f"    DNF ({len(r.dnf)} term{'s' if len(r.dnf) != 1 else ''}):")
+        for t in r.dnf:
+            out.append("      " + (" & ".join(str(a) for a in t) or "True"))
+        out.append("    extracted intervals (per term, before canonicalization):")
+        for t in r.terms:
+            lo = ", ".join(str(x) for x in t.lowers) or "0"
+            hi = ", ".join(str(x) for x in t.uppers) or "seqlen_k"
+            s = f"      j in [max({lo}), min({hi}))"
+            if t.cond:
+                s += "  if " + " & ".join(str(c) for c in t.cond)
+            if t.residual:
+                s += "  residual: " + " & ".join(str(c) for c in t.residual)
+            out.append(s)
+        if r.proofs:
+            out.append("    canonicalization (proved under the guard and earlier guards failing):")
+            out += ["      " + p for p in r.proofs]
+        if r.fallback:
+            out.append("    FALLBACK: partial tiles evaluate the rule as a predicate because:")
+            out += ["      " + why for why in r.fallback_reasons]
+        out.append(f"    intervals ({r.num_intervals} slot{'s' if r.num_intervals != 1 else ''}):")
+        for k, iv in enumerate(r.intervals):
+            out.append(f"      slot {k}: {iv}")
+    out.append("")
+    out.append(f"  K = {mask.num_intervals} interval slot(s) per row (max over regions)")
+    if mask.has_fallback:
+        out.append("  fallback regions: " + ", ".join(r.name for r in mask.fallback_regions))
+    if meta is not None and row is not None:
+        out.append("")
+        out.append(row_intervals(mask, meta, row, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
+    if show_code:
+        out.append("")
+        out.append("  generated TileLang preprocess:")
+        try:
+            out.append(_indent(mask.preprocess_source("cuda"), "    "))
+        except Exception as e:  # codegen is optional on a bare install: say why it is missing
+            out.append(f"    (not available: {type(e).__name__}: {e})")
+        if mask.has_fallback:
+            out.append("")
+            out.append("  generated CuTe fallback predicate:")
+            try:
+                from compilemask.codegen.cute_predicate import predicate_source
+
+                out.append(_indent(predicate_source(mask), "    "))
+            except Exception as e:
+                out.append(f"    (not available: {type(e).__name__}: {e})")
+        out.append("")
+        out.append("  generated torch reference preprocess:")
+        out.append(_indent(mask.reference_source(), "    "))
+    return "\n".join(out)
+
+
+def row_intervals(mask, meta, row: int, seqlen_q=None, seqlen_k=None, batch: int = 0) -> str:
+    """The concrete intervals of one row for the given metadata."""
+    if seqlen_q is None:
+        seqlen_q = row + 1
+        for v in (meta or {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() == 2:
+                seqlen_q = v.shape[1]
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    if not 0 <= row < seqlen_q:
+        raise ValueError(f"row {row} is outside [0, seqlen_q={seqlen_q})")
+    desc = mask.preprocess(meta, seqlen_q=seqlen_q, seqlen_k=seqlen_k, backend="torch")
+    reg = int(desc.row_region[batch, row])
+    name = mask.regions[reg].name if reg >= 0 else "(no region: sees nothing)"
+    pairs = [(int(s), int(n)) for s, n in desc.intervals[batch, row].tolist()]
+    spans = ", ".join(f"[{s}, {s + n})" for s, n in pairs if n > 0) or "none"
+    return f"  row {row} of sequence {batch}: region {name}; visible keys {spans}"
+
+
+_CHARS = {0: ".", TILE_VISIBLE: "#", TILE_VISIBLE | TILE_MASKED: "~", TILE_MASKED: "?"}
+
+
+def descriptor_to_string(desc, batch: int = 0, backward: bool = False) -> str:
+    """One character per tile ('#' full, '~' partial, '.' empty), counts, and FLOPs skipped."""
+    st = desc.tile_states(backward=backward)[batch]
+    if backward:
+        st = st.transpose(0, 1)  # print as q-tiles down, kv-tiles across either way
+    tiles = desc.bwd_tiles if backward else desc.fwd_tiles
+    lines = ["".join(_CHARS[int(x)] for x in rowv) for rowv in st.tolist()]
+    full = int((st == TILE_VISIBLE).sum())
+    partial = int((st == (TILE_VISIBLE | TILE_MASKED)).sum())
+    empty = int((st == 0).sum()) + int((st == TILE_MASKED).sum())
+    total = st.numel()
+    # FLOPs skipped: the area of empty tiles over the whole score matrix (edge tiles are smaller)
+    n_m, n_n = st.shape
+    hm = torch.full((n_m,), tiles.tile_m, dtype=torch.float64)
+    hm[-1] = desc.seqlen_q - tiles.tile_m * (n_m - 1)
+    wn = torch.full((n_n,), tiles.tile_n, dtype=torch.float64)
+    wn[-1] = desc.seqlen_k - tiles.tile_n * (n_n - 1)
+    area = hm[:, None] * wn[None, :]
+    skipped = float((area * ((st & TILE_VISIBLE) == 0)).sum() / area.sum())
+    head = (f"{desc.mask.name}: seqlen_q={desc.seqlen_q} seqlen_k={desc.seqlen_k} "
+            f"K={desc.num_intervals} {'bwd' if backward else 'fwd'} tiles "
+            f"{tiles.tile_m}x{tiles.tile_n} (sequence {batch})")
+    foot = (f"full {full}  partial {partial}  empty {empty}  of {total} tiles; "
+            f"{100 * skipped:.1f}% of FLOPs skipped")
+    return "\n".join([head] + lines + [foot])
+
+

@@ -1,0 +1,405 @@
+"""Front end: plain Python rule functions -> sympy expressions (compiler pass 1).
+
+A rule is read from its source (``ast``), never executed. Names resolve, in this order, to the
+function's arguments (``i``, ``j``), local assignments, declared params (runtime symbols),
+``seqlen_q``/``seqlen_k``, and globals or closure cells holding ints (compile-time constants) or
+plain helper functions (inlined). Anything else is an error that names the region, the function,
+the name and its source line.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import linecache
+import textwrap
+import types
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+__all__ = ["RuleContext", "TranslatedRule", "translate_rule", "rule_symbols", "array_function"]
+
+_MAX_INLINE_DEPTH = 16
+
+
+def rule_symbols(params) -> dict[str, sp.Symbol]:
+    """The symbol table shared by every pass: rows, keys, lengths and params are integers."""
+    syms = {
+        "i": sp.Symbol("i", integer=True, nonnegative=True),
+        "j": sp.Symbol("j", integer=True, nonnegative=True),
+        "seqlen_q": sp.Symbol("seqlen_q", integer=True, positive=True),
+        "seqlen_k": sp.Symbol("seqlen_k", integer=True, positive=True),
+    }
+    for p in params:
+        syms[p] = sp.Symbol(p, integer=True, nonnegative=True)
+    return syms
+
+
+def array_function(name: str):
+    """A per-row metadata array ``name[i]`` is the integer-valued function ``name(i)``."""
+    return sp.Function(name, integer=True, nonnegative=True)
+
+
+@dataclass
+class RuleContext:
+    """Where a rule comes from, for error messages, and what the translation discovered."""
+
+    region: str
+    role: str  # "when" or "visible"
+    params: tuple[str, ...]
+    symbols: dict[str, sp.Symbol]
+    array_params: set[str] = field(default_factory=set)
+    scalar_params: set[str] = field(default_factory=set)
+    divisor_params: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class TranslatedRule:
+    expr: sp.Basic  # a sympy Boolean over i, j, params, array functions
+    source: str  # the rule's source text, as the user wrote it
+    func_name: str
+
+
+def _is_bool(e) -> bool:
+    """sympy Symbols are Booleans too; a rule's booleans are relations and their combinations."""
+    return isinstance(e, (sp.logic.boolalg.BooleanFunction, sp.core.relational.Relational,
+                          sp.logic.boolalg.BooleanAtom))
+
+
+def _func_source_node(fn) -> tuple[ast.AST, str, str]:
+    """Find the ast node (FunctionDef or Lambda) of ``fn`` in its file, and its source text."""
+    code = fn.__code__
+    filename = code.co_filename
+    lines = linecache.getlines(filename, fn.__globals__)
+    if not lines:
+        raise ValueError(
+            f"cannot read the source of {fn.__name__} ({filename}): rules must be defined in a "
+            "file (or registered in linecache), not typed at an interactive prompt"
+        )
+    text = "".join(lines)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        # A fragment (e.g. a notebook cell registered partially): fall back to the function's own
+        # lines, dedented.
+        text = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(text)
+        offset = code.co_firstlineno - 1
+        for node in ast.walk(tree):
+            if hasattr(node, "lineno"):
+                node.lineno += offset
+        lines = text.splitlines(keepends=True)
+        lines = [""] * offset + lines
+    first = code.co_firstlineno
+    candidates = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Lambda) and fn.__name__ == "<lambda>":
+            if node.lineno == first and len(node.args.args) == code.co_argcount:
+                candidates.append(node)
+        elif isinstance(node, (ast.FunctionDef,)) and node.name == fn.__name__:
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            if start == first or node.lineno == first:
+                candidates.append(node)
+    if len(candidates) > 1:
+        candidates = [c for c in candidates if _same_code(c, fn)] or candidates
+    if not candidates:
+        raise ValueError(f"cannot locate the source of {fn.__name__} in {filename}:{first}")
+    node = candidates[0]
+    src = ast.get_source_segment(text, node) if text else None
+    return node, src or ast.unparse(node), filename
+
+
+def _same_code(node, fn) -> bool:
+    """Disambiguate several lambdas on one line by comparing their compiled bytecode."""
+    try:
+        expr = ast.Expression(body=node)
+        ast.fix_missing_locations(expr)
+        co = compile(expr, "<cm>", "eval")
+        inner = next(c for c in co.co_consts if isinstance(c, types.CodeType))
+        return inner.co_code == fn.__code__.co_code and inner.co_names == fn.__code__.co_names
+    except Exception:
+        return False
+
+
+def _closure_vars(fn) -> dict:
+    cells = {}
+    if fn.__closure__:
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            try:
+                cells[name] = cell.cell_contents
+            except ValueError:
+                pass
+    return cells
+
+
+class _Translator:
+    def __init__(self, ctx: RuleContext, fn, filename: str, depth: int = 0):
+        self.ctx = ctx
+        self.fn = fn
+        self.filename = filename
+        self.depth = depth
+        self.closure = _closure_vars(fn)
+
+    # ---- errors ----------------------------------------------------------------------------
+    def where(self, node) -> str:
+        line = getattr(node, "lineno", "?")
+        return (
+            f"Region {self.ctx.region!r}, {self.ctx.role} function {self.fn.__name__!r} "
+            f"({self.filename}:{line})"
+        )
+
+    def unsupported(self, node, what: str):
+        return NotImplementedError(f"{self.where(node)}: unsupported {what}")
+
+    # ---- statements ------------------------------------------------------------------------
+    def block(self, stmts: list, env: dict, node_for_error) -> sp.Basic:
+        for k, st in enumerate(stmts):
+            if isinstance(st, ast.Return):
+                if st.value is None:
+                    raise self.unsupported(st, "bare 'return' (return a boolean)")
+                return self.expr(st.value, env)
+            if isinstance(st, ast.Assign):
+                env = dict(env)
+                for target in st.targets:
+                    self.assign(target, st.value, env)
+                continue
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value:
+                env = dict(env)
+                env[st.target.id] = self.expr(st.value, env)
+                continue
+            if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name):
+                env = dict(env)
+                cur = self.name(st.target, env)
+                env[st.target.id] = self.binop(st.op, cur, self.expr(st.value, env), st)
+                continue
+            if isinstance(st, ast.If):
+                cond = self.boolean(self.expr(st.test, env), st.test)
+                rest = stmts[k + 1 :]
+                then = self.block(list(st.body) + rest, env, st)
+                other = self.block(list(st.orelse) + rest, env, st)
+                return self.select(cond, then, other, st)
+            if isinstance(st, ast.Pass):
+                continue
+            if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant):
+                continue  # docstring
+            raise self.unsupported(st, f"statement '{type(st).__name__}'")
+        raise NotImplementedError(
+            f"{self.where(node_for_error)}: a path through the function does not return"
+        )
+
+    def assign(self, target, value, env):
+        """``name = expr`` and ``a, b = x, y`` (tuple targets need a tuple value)."""
+        if isinstance(target, ast.Name):
+            env[target.id] = self.expr(value, env)
+            return
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
+            if len(target.elts) != len(value.elts):
+                raise self.unsupported(target, "tuple assignment of unequal lengths")
+            vals = [self.expr(v, env) for v in value.elts]
+            for t, v in zip(target.elts, vals):
+                if not isinstance(t, ast.Name):
+                    raise self.unsupported(t, "assignment target (only names)")
+                env[t.id] = v
+            return
+        raise self.unsupported(target, "assignment target (only 'name = expr' or 'a, b = x, y')")
+
+    def select(self, cond, then, other, node):
+        if _is_bool(then) and _is_bool(other):
+            return sp.Or(sp.And(cond, then), sp.And(sp.Not(cond), other))
+        if _is_bool(then) or _is_bool(other):
+            raise self.unsupported(node, "conditional mixing booleans and integers")
+        return sp.Piecewise((then, cond), (other, True))
+
+    def boolean(self, e, node):
+        if _is_bool(e):
+            return e
+        raise self.unsupported(node, "integer used as a condition (compare it explicitly)")
+
+    def integer(self, e, node):
+        if _is_bool(e):
+            raise self.unsupported(node, "boolean used in arithmetic")
+        return e
+
+    # ---- expressions -----------------------------------------------------------------------
+    def expr(self, node, env) -> sp.Basic:
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bool):
+                return sp.true if node.value else sp.false
+            if isinstance(node.value, int):
+                return sp.Integer(node.value)
+            raise self.unsupported(node, f"constant {node.value!r} (only ints and booleans)")
+        if isinstance(node, ast.Name):
+            return self.name(node, env)
+        if isinstance(node, ast.BoolOp):
+            vals = [self.boolean(self.expr(v, env), v) for v in node.values]
+            return sp.And(*vals) if isinstance(node.op, ast.And) else sp.Or(*vals)
+        if isinstance(node, ast.UnaryOp):
+            v = self.expr(node.operand, env)
+            if isinstance(node.op, ast.Not):
+                return sp.Not(self.boolean(v, node))
+            if isinstance(node.op, ast.USub):
+                return -self.integer(v, node)
+            if isinstance(node.op, ast.UAdd):
+                return self.integer(v, node)
+            raise self.unsupported(node, f"operator '{type(node.op).__name__}'")
+        if isinstance(node, ast.BinOp):
+            a = self.integer(self.expr(node.left, env), node.left)
+            b = self.integer(self.expr(node.right, env), node.right)
+            return self.binop(node.op, a, b, node)
+        if isinstance(node, ast.Compare):
+            terms = []
+            left = self.integer(self.expr(node.left, env), node.left)
+            for op, comp in zip(node.ops, node.comparators):
+                right = self.integer(self.expr(comp, env), comp)
+                terms.append(self.compare(op, left, right, node))
+                left = right
+            return sp.And(*terms)
+        if isinstance(node, ast.IfExp):
+            cond = self.boolean(self.expr(node.test, env), node.test)
+            return self.select(cond, self.expr(node.body, env), self.expr(node.orelse, env), node)
+        if isinstance(node, ast.Call):
+            return self.call(node, env)
+        if isinstance(node, ast.Subscript):
+            return self.subscript(node, env)
+        raise self.unsupported(node, f"syntax '{type(node).__name__}'")
+
+    def binop(self, op, a, b, node):
+        if isinstance(op, ast.Add):
+            return a + b
+        if isinstance(op, ast.Sub):
+            return a - b
+        if isinstance(op, ast.Mult):
+            return a * b
+        if isinstance(op, (ast.FloorDiv, ast.Mod)):
+            self.check_divisor(b, node)
+            return sp.floor(a / b) if isinstance(op, ast.FloorDiv) else sp.Mod(a, b)
+        if isinstance(op, ast.Div):
+            raise self.unsupported(node, "true division '/' (use '//')")
+        raise self.unsupported(node, f"operator '{type(op).__name__}'")
+
+    def check_divisor(self, b, node):
+        if b.is_Integer:
+            if int(b) <= 0:
+                raise ValueError(f"{self.where(node)}: divisor {b} must be positive")
+            return
+        if b.is_Symbol and b.name in self.ctx.params:
+            self.ctx.divisor_params.add(b.name)
+            return
+        raise self.unsupported(node, f"divisor '{b}' (a positive constant or a param)")
+
+    def compare(self, op, a, b, node):
+        table = {
+            ast.Lt: sp.Lt,
+            ast.LtE: sp.Le,
+            ast.Gt: sp.Gt,
+            ast.GtE: sp.Ge,
+            ast.Eq: sp.Eq,
+            ast.NotEq: sp.Ne,
+        }
+        for k, f in table.items():
+            if isinstance(op, k):
+                return f(a, b)
+        raise self.unsupported(node, f"comparison '{type(op).__name__}'")
+
+    def call(self, node, env):
+        if node.keywords:
+            raise self.unsupported(node, "keyword arguments in a call")
+        if not isinstance(node.func, ast.Name):
+            raise self.unsupported(node, f"call of '{ast.unparse(node.func)}'")
+        fname = node.func.id
+        args = [self.expr(a, env) for a in node.args]
+        target = self.lookup(fname, env, node, allow_function=True)
+        if target is builtins.min or target is builtins.max:
+            if len(args) < 2:
+                raise self.unsupported(node, f"{fname}() with fewer than two arguments")
+            args = [self.integer(a, node) for a in args]
+            return sp.Min(*args) if target is builtins.min else sp.Max(*args)
+        if target is builtins.abs:
+            if len(args) != 1:
+                raise self.unsupported(node, "abs() takes one argument")
+            return sp.Abs(self.integer(args[0], node))
+        if isinstance(target, types.FunctionType):
+            if self.depth >= _MAX_INLINE_DEPTH:
+                raise self.unsupported(node, f"helper nesting deeper than {_MAX_INLINE_DEPTH}")
+            return inline_function(target, args, self.ctx, self.depth + 1, node, self)
+        raise self.unsupported(node, f"call to '{fname}' (not min/max/abs or a plain function)")
+
+    def subscript(self, node, env):
+        if not isinstance(node.value, ast.Name) or node.value.id not in self.ctx.params:
+            raise self.unsupported(node, f"subscript '{ast.unparse(node)}' (only param[i])")
+        name = node.value.id
+        if name in self.ctx.scalar_params:
+            raise ValueError(f"{self.where(node)}: param {name!r} is used both as a scalar and "
+                             "as a per-row array")
+        self.ctx.array_params.add(name)
+        idx = self.integer(self.expr(node.slice, env), node.slice)
+        return array_function(name)(idx)
+
+    def name(self, node, env):
+        return self.lookup(node.id, env, node, allow_function=False)
+
+    def lookup(self, name, env, node, allow_function):
+        if name in env:
+            return env[name]
+        if name in self.ctx.params:
+            if not allow_function:
+                if name in self.ctx.array_params:
+                    raise ValueError(f"{self.where(node)}: param {name!r} is a per-row array: "
+                                     f"write {name}[i]")
+                self.ctx.scalar_params.add(name)
+                return self.ctx.symbols[name]
+        if name in ("seqlen_q", "seqlen_k"):
+            return self.ctx.symbols[name]
+        if name in self.closure:
+            value = self.closure[name]
+        elif name in self.fn.__globals__:
+            value = self.fn.__globals__[name]
+        elif hasattr(builtins, name):
+            value = getattr(builtins, name)
+        else:
+            raise ValueError(
+                f"{self.where(node)}: name {name!r} is not a declared param, an int constant or "
+                "a helper function"
+            )
+        if isinstance(value, bool):
+            return sp.true if value else sp.false
+        if isinstance(value, int):
+            return sp.Integer(value)
+        if allow_function and (
+            isinstance(value, types.FunctionType) or value in (builtins.min, builtins.max, abs)
+        ):
+            return value
+        raise ValueError(
+            f"{self.where(node)}: name {name!r} is bound to {type(value).__name__}, not an int "
+            "constant, a declared param or a helper function"
+        )
+
+
+def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, caller=None):
+    node, _, filename = _func_source_node(fn)
+    tr = _Translator(ctx, fn, filename, depth)
+    a = node.args
+    if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
+        raise tr.unsupported(node, "signature (only plain positional arguments)")
+    if len(a.args) != len(args):
+        where = caller.where(call_node) if caller else tr.where(node)
+        raise TypeError(f"{where}: {fn.__name__} takes {len(a.args)} arguments, got {len(args)}")
+    env = {arg.arg: v for arg, v in zip(a.args, args)}
+    if isinstance(node, ast.Lambda):
+        return tr.expr(node.body, env)
+    return tr.block(list(node.body), env, node)
+
+
+def translate_rule(fn, ctx: RuleContext) -> TranslatedRule:
+    """Pass 1: translate ``when(i)`` or ``visible(i, j)`` into a sympy Boolean."""
+    node, src, _ = _func_source_node(fn)
+    args = [ctx.symbols["i"]] if ctx.role == "when" else [ctx.symbols["i"], ctx.symbols["j"]]
+    expr = inline_function(fn, args, ctx, 0)
+    if not _is_bool(expr):
+        raise TypeError(
+            f"Region {ctx.region!r}, {ctx.role} function {fn.__name__!r}: must return a boolean "
+            f"(a comparison), got the integer expression {expr}"
+        )
+    return TranslatedRule(expr=expr, source=textwrap.dedent(src), func_name=fn.__name__)

@@ -1,0 +1,889 @@
+"""Descriptor-driven FlashAttention forward kernel in the CuTe DSL (nvidia-cutlass-dsl 4.8).
+
+One CTA computes one q tile (``tile_m`` rows) of one (batch, head); the grid is
+``(n_m_blocks, B * H)``. The kernel walks the kv tiles of its q tile in the order of the forward
+Tile-State Bitmap row ``fwd_bitmap[b, m_block, :]`` (see ``compilemask/descriptor.py``):
+
+* ``00`` empty: skipped, K/V never loaded;
+* ``01`` full: no masking code runs (except on the ragged last kv tile, whose out-of-range
+  columns the Interval Table excludes because intervals are clipped to ``[0, Sk)``);
+* ``11`` partial: every score is tested against the row's interval slots,
+  ``OR_k uint32(kv_idx - start_k) < uint32(len_k)`` (K a compile-time constant, fully unrolled),
+  AND-ed with the fallback predicate for rows whose ``row_region`` is a fallback region.
+
+The interval rows (and for fallback kernels the row region / per-row params) of the q tile are
+loaded into registers once per CTA, before the kv loop.
+
+Two MMA paths share the loads, the mask and the online softmax:
+
+* ``arch=80`` (portable sm80-sm89 path): 4 warps, ``mma.sync.m16n8k16`` fed by ``ldmatrix``.
+* ``arch=90`` (Hopper): ``tile_m // 64`` consumer warpgroups, ``wgmma`` (SASS ``HGMMA``):
+  S = Q K^T with both operands from swizzled shared memory, O += P V with P from registers (RS).
+
+K/V tiles are double buffered in shared memory and filled with ``cp.async`` (the load of the next
+non-empty kv tile overlaps the compute of the current one).
+
+Rows that see nothing get O = 0 and LSE = -inf. LSE is the natural-log log-sum-exp of the
+*scaled* scores, float32 ``[B, H, Sq]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.utils import LayoutEnum
+
+log = logging.getLogger("compilemask")
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlashFwdConfig:
+    """Everything that is compile-time for one kernel build (the compile-cache key)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    tile_m: int
+    tile_n: int
+    num_intervals: int  # K: interval slots per row
+    has_fallback: bool = False
+    fallback_hash: str = ""  # hash of the generated predicate source ("" without fallback)
+    fallback_regions: tuple = ()  # region ids whose rows evaluate the fallback predicate
+    num_params: int = 0  # P (scalar params the predicate takes, in order)
+    num_row_params: int = 0  # R (per-row arrays the predicate takes, in order)
+    arch: int = 90  # 80: mma.sync path (sm80-sm89); 90: wgmma path (sm90a)
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_threads(self) -> int:
+        return 128 if self.arch < 90 else (self.tile_m // 64) * 128
+
+
+def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
+    if arch >= 90:
+        return (128, 128) if head_dim <= 128 else (64, 64)
+    return (128, 64) if head_dim >= 128 else (128, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-batch sequence bookkeeping (the one place that knows where a sequence lives)
+# ----------------------------------------------------------------------------------------------
+class SeqlenInfo:
+    """Offsets and lengths of sequence ``batch_idx``.
+
+    Today every sequence of the batch has the padded lengths ``Sq``/``Sk`` of the tensors and
+    starts at offset 0 of its batch slice. Varlen (``cu_seqlens``) only needs this class to read
+    ``offset = cu_seqlens[b]`` / ``seqlen = cu_seqlens[b + 1] - cu_seqlens[b]`` and the kernel to
+    slice the packed tensors with ``offset_q``/``offset_k``.
+    """
+
+    def __init__(self, batch_idx, seqlen_q, seqlen_k):
+        self.batch_idx = batch_idx
+        self.offset_q = 0
+        self.offset_k = 0
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+
+    @staticmethod
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
+        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers (CuTe accumulator layouts -> (rows, cols) views)
+# ----------------------------------------------------------------------------------------------
+def _layout_acc_mn(acc_layout: cute.Layout) -> cute.Layout:
+    """sm80 ((2,2),MMA_M,MMA_N) / sm90 ((2,2,V),MMA_M,MMA_N) -> ((2,MMA_M),(2,[V,]MMA_N))."""
+    cm = cute.make_layout(acc_layout.shape)
+    shape = (
+        (cm.shape[0][1], cm.shape[1]),
+        (cm.shape[0][0], *cm.shape[0][2:], cm.shape[2]),
+    )
+    stride = (
+        (cm.stride[0][1], cm.stride[1]),
+        (cm.stride[0][0], *cm.stride[0][2:], cm.stride[2]),
+    )
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, _layout_acc_mn(acc.layout))
+
+
+def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
+    """Accumulator of S = Q K^T viewed as the A operand of O = P V."""
+    if const_expr(cute.rank(acc_layout.shape[0]) == 3):  # sm90 ((2,2,N/8),MMA_M,MMA_N)
+        div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
+        l = cute.logical_divide(acc_layout, ((None, None, div), None, None))
+        return cute.make_layout(
+            (
+                (l.shape[0][0], l.shape[0][1], l.shape[0][2][0]),
+                l.shape[1],
+                (l.shape[0][2][1], l.shape[2]),
+            ),
+            stride=(
+                (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
+                l.stride[1],
+                (l.stride[0][2][1], l.stride[2]),
+            ),
+        )
+    # sm80 (4,MMA_M,MMA_N) -> ((4,2),MMA_M,MMA_N/2)
+    l = cute.logical_divide(acc_layout, (None, None, 2))
+    return cute.make_layout(
+        ((l.shape[0], l.shape[2][0]), l.shape[1], l.shape[2][1]),
+        stride=((l.stride[0], l.stride[2][0]), l.stride[1], l.stride[2][1]),
+    )
+
+
+def _transpose_view(a: cute.Tensor) -> cute.Tensor:
+    shape = (a.shape[1], a.shape[0], *a.shape[2:])
+    order = (1, 0, *range(2, cute.rank(a)))
+    return cute.composition(a, cute.make_ordered_layout(shape, order=order))
+
+
+def _quad_allreduce(val, op):
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2))
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1))
+    return val
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+class FlashFwd:
+    """FlashAttention forward over an Execution Descriptor (see module docstring)."""
+
+    def __init__(self, cfg: FlashFwdConfig, predicates: tuple = ()):
+        if not self.can_implement(cfg):
+            raise NotImplementedError(f"FlashFwd cannot implement {cfg}")
+        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
+            raise ValueError("has_fallback=True needs one generated predicate per region")
+        self.cfg = cfg
+        self.predicates = tuple(predicates)
+        self.dtype = cfg.cutlass_dtype
+        self.head_dim = cfg.head_dim
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.K = cfg.num_intervals
+        self.num_threads = cfg.num_threads
+        self.is_sm90 = cfg.arch >= 90
+        self.num_stages = 2
+
+    # -- static checks ------------------------------------------------------------------------
+    @staticmethod
+    def smem_bytes(cfg: FlashFwdConfig) -> int:
+        elt = 2
+        return elt * cfg.head_dim * (cfg.tile_m + 2 * 2 * cfg.tile_n) + 3 * 1024
+
+    @staticmethod
+    def can_implement(cfg: FlashFwdConfig) -> bool:
+        if cfg.dtype not in _DTYPES:
+            return False
+        if cfg.head_dim not in (64, 128):
+            return False  # 256 and others: NotImplementedError at the call site
+        if cfg.num_intervals < 1 or cfg.num_intervals > 16:
+            return False
+        if cfg.arch >= 90:
+            if cfg.tile_m % 64 != 0 or cfg.tile_m // 64 not in (1, 2, 3):
+                return False
+            if cfg.tile_n % 16 != 0 or cfg.tile_n > 256:
+                return False
+        else:
+            if cfg.tile_m % 64 != 0 or cfg.tile_n % 16 != 0:
+                return False
+        threads = cfg.num_threads
+        rows_per_pass = threads // (64 // 8)
+        if cfg.tile_m % rows_per_pass or cfg.tile_n % rows_per_pass:
+            return False
+        if FlashFwd.smem_bytes(cfg) > 227 * 1024:
+            return False
+        return True
+
+    # -- host side ----------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, D)
+        mO: cute.Tensor,  # (B, Sq, H, D)
+        mLSE: cute.Tensor,  # (B, H, Sq) float32
+        mIntervals: cute.Tensor,  # (B, Sq, 2K) int32
+        mBitmap: cute.Tensor,  # (B, n_m, W) int32
+        mRowRegion: cute.Tensor,  # (B, Sq) int32
+        mParams: cute.Tensor,  # (B, max(P,1)) int32
+        mRowParams: cute.Tensor,  # (B, Sq, max(R,1)) int32
+        softmax_scale_log2: Float32,
+        stream,
+    ):
+        if const_expr(mQ.element_type != self.dtype):
+            raise TypeError("q dtype does not match the kernel config")
+        dtype = self.dtype
+        D = self.head_dim
+        # ---- shared memory layouts --------------------------------------------------------
+        if const_expr(self.is_sm90):
+            atom_q = warpgroup.make_smem_layout_atom(
+                sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, D), dtype
+            )
+            sQ_layout = cute.tile_to_shape(atom_q, (self.tile_m, D), order=(0, 1))
+            sKV_layout = cute.tile_to_shape(
+                atom_q, (self.tile_n, D, self.num_stages), order=(0, 1, 2)
+            )
+        else:
+            smem_k_block = 64 if D % 64 == 0 else 32
+            swz = 3 if smem_k_block == 64 else 2
+            atom = cute.make_composed_layout(
+                cute.make_swizzle(swz, 3, 3),
+                0,
+                cute.make_layout((8, smem_k_block), stride=(smem_k_block, 1)),
+            )
+            sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
+            sKV_layout = cute.tile_to_shape(atom, (self.tile_n, D, self.num_stages), (0, 1, 2))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+        # ---- global <-> shared copies (16-byte cp.async; 8 threads cover 64 elements) ------
+        copy_elems = 128 // dtype.width
+        g2s_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            dtype,
+            num_bits_per_copy=128,
+        )
+        thr_cols = 64 // copy_elems
+        thr_layout = cute.make_layout(
+            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
+        )
+        val_layout = cute.make_layout((1, copy_elems))
+        gmem_tiled_copy_QKV = cute.make_tiled_copy_tv(g2s_atom, thr_layout, val_layout)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        gmem_tiled_copy_O = cute.make_tiled_copy_tv(st_atom, thr_layout, val_layout)
+
+        # ---- MMAs -------------------------------------------------------------------------
+        if const_expr(self.is_sm90):
+            n_wg = self.tile_m // 64
+            tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+                dtype,
+                dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K,
+                Float32,
+                atom_layout_mnk=(n_wg, 1, 1),
+                tiler_mn=(64, self.tile_n),
+            )
+            tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+                dtype,
+                dtype,
+                warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.MN,
+                Float32,
+                atom_layout_mnk=(n_wg, 1, 1),
+                tiler_mn=(64, D),
+                a_source=warpgroup.OperandSource.RMEM,
+            )
+        else:
+            nw = self.num_threads // 32
+            tiled_mma_qk = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+                (nw, 1, 1),
+                permutation_mnk=(nw * 16, 16, 16),
+            )
+            tiled_mma_pv = tiled_mma_qk
+
+        grid = (
+            cute.ceil_div(mQ.shape[1], self.tile_m),
+            cute.size(mQ.shape[0]) * cute.size(mQ.shape[2]),
+            1,
+        )
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mO,
+            mLSE,
+            mIntervals,
+            mBitmap,
+            mRowRegion,
+            mParams,
+            mRowParams,
+            softmax_scale_log2,
+            sQ_layout,
+            sKV_layout,
+            gmem_tiled_copy_QKV,
+            gmem_tiled_copy_O,
+            tiled_mma_qk,
+            tiled_mma_pv,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # -- device side --------------------------------------------------------------------------
+    @cute.jit
+    def _tile_state(self, mBitmapRow: cute.Tensor, n: Int32) -> Int32:
+        word = mBitmapRow[n // 16]
+        return (word >> ((n % 16) * 2)) & 3
+
+    @cute.jit
+    def _next_tile(self, mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
+        """First kv tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
+        t = start
+        searching = t < n_blocks
+        while searching:
+            st = self._tile_state(mBitmapRow, t)
+            if st != 0:
+                searching = False
+            else:
+                t = t + 1
+                searching = t < n_blocks
+        return t
+
+    @cute.jit
+    def _load_kv(
+        self,
+        gmem_tiled_copy,
+        tXgX: cute.Tensor,  # (CPY, CPY_N, CPY_K, n_block)
+        tXsX: cute.Tensor,  # (CPY, CPY_N, CPY_K, stage)
+        tXcX: cute.Tensor,  # identity (CPY, CPY_N, CPY_K)
+        n_block: Int32,
+        stage: Int32,
+        seqlen_k: Int32,
+    ):
+        limit = seqlen_k - n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            if tXcX[0, r, 0][0] < limit:
+                cute.copy(gmem_tiled_copy, tXgX[None, r, None, n_block], tXsX[None, r, None, stage])
+            else:
+                tXsX[None, r, None, stage].fill(0)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mBitmap: cute.Tensor,
+        mRowRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mRowParams: cute.Tensor,
+        softmax_scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        gmem_tiled_copy_QKV: cute.TiledCopy,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        D = self.head_dim
+        K = self.K
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, bh, _ = cute.arch.block_idx()
+        num_heads = mQ.shape[2]
+        batch_idx = bh // num_heads
+        head_idx = bh - batch_idx * num_heads
+        head_kv = head_idx // (num_heads // mK.shape[2])
+        seq = SeqlenInfo.create(batch_idx, mQ, mK)
+        seqlen_q = seq.seqlen_q
+        seqlen_k = seq.seqlen_k
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        m_start = m_block * self.tile_m
+
+        # ---- global tiles -------------------------------------------------------------------
+        gQ = cute.local_tile(mQ[batch_idx, None, head_idx, None], (self.tile_m, D), (m_block, 0))
+        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (self.tile_n, D), (None, 0))
+        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (self.tile_n, D), (None, 0))
+        mBitmapRow = mBitmap[batch_idx, m_block, None]
+
+        # ---- shared memory ------------------------------------------------------------------
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sVt = _transpose_view(sV)  # (D, tile_n, stage)
+
+        gmem_thr_copy = gmem_tiled_copy_QKV.get_slice(tidx)
+        tQgQ = gmem_thr_copy.partition_S(gQ)
+        tQsQ = gmem_thr_copy.partition_D(sQ)
+        tKgK = gmem_thr_copy.partition_S(gK)
+        tKsK = gmem_thr_copy.partition_D(sK)
+        tVgV = gmem_thr_copy.partition_S(gV)
+        tVsV = gmem_thr_copy.partition_D(sV)
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, D)))
+        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, D)))
+
+        # ---- MMA partitions -----------------------------------------------------------------
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
+        acc_O.fill(0.0)
+        acc_shape_S = thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tScS_mn = _acc_mn(tScS)
+        tOcO_mn = _acc_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
+        n_rows = cute.size(tScS_mn, mode=[0])
+        n_cols = cute.size(tScS_mn, mode=[1])
+
+        if const_expr(self.is_sm90):
+            wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+            wg_mma_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+            wg_mma_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+            tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+            tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+            smem_copy = None
+        else:
+            tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+            tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK[None, None, 0]))
+            tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt[None, None, 0]))
+            atom_ld = cute.make_copy_atom(
+                warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+            )
+            atom_ldt = cute.make_copy_atom(
+                warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+            )
+            s2r_Q = cute.make_tiled_copy_A(atom_ld, tiled_mma_qk).get_slice(tidx)
+            s2r_K = cute.make_tiled_copy_B(atom_ld, tiled_mma_qk).get_slice(tidx)
+            s2r_V = cute.make_tiled_copy_B(atom_ldt, tiled_mma_pv).get_slice(tidx)
+            smem_copy = (
+                s2r_Q,
+                s2r_Q.partition_S(sQ),
+                s2r_Q.retile(tSrQ),
+                s2r_K,
+                s2r_K.partition_S(sK),
+                s2r_K.retile(tSrK),
+                s2r_V,
+                s2r_V.partition_S(sVt),
+                s2r_V.retile(tOrVt),
+            )
+
+        # ---- per-row descriptor data, loaded once per q tile ------------------------------
+        rInt = cute.make_rmem_tensor((n_rows, 2 * K), Int32)
+        rFb = cute.make_rmem_tensor((n_rows,), Int32)  # fallback slot of the row, -1 if none
+        R = self.cfg.num_row_params
+        P = self.cfg.num_params
+        rRowP = cute.make_rmem_tensor((n_rows, max(R, 1)), Int32)
+        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+        for p in cutlass.range_constexpr(P):
+            rP[p] = mParams[batch_idx, p]
+        for r in cutlass.range_constexpr(n_rows):
+            q_idx = m_start + tScS_mn[r, 0][0]
+            in_range = q_idx < seqlen_q
+            for k in cutlass.range_constexpr(2 * K):
+                rInt[r, k] = 0
+            rFb[r] = -1
+            for k in cutlass.range_constexpr(max(R, 1)):
+                rRowP[r, k] = 0
+            if in_range:
+                for k in cutlass.range_constexpr(2 * K):
+                    rInt[r, k] = mIntervals[batch_idx, q_idx, k]
+                if const_expr(self.cfg.has_fallback):
+                    region = mRowRegion[batch_idx, q_idx]
+                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
+                        if region == self.cfg.fallback_regions[slot]:
+                            rFb[r] = slot
+                    for k in cutlass.range_constexpr(R):
+                        rRowP[r, k] = mRowParams[batch_idx, q_idx, k]
+
+        # ---- softmax state ------------------------------------------------------------------
+        row_max = cute.make_rmem_tensor((n_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((n_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # ---- prologue: Q + first non-empty kv tile ------------------------------------------
+        for r in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if tQcQ[0, r, 0][0] < seqlen_q - m_start:
+                cute.copy(gmem_tiled_copy_QKV, tQgQ[None, r, None], tQsQ[None, r, None])
+            else:
+                tQsQ[None, r, None].fill(0)
+        n_block = self._next_tile(mBitmapRow, Int32(0), n_blocks)
+        if n_block < n_blocks:
+            self._load_kv(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, n_block, Int32(0), seqlen_k)
+            self._load_kv(gmem_tiled_copy_QKV, tVgV, tVsV, tKVcKV, n_block, Int32(0), seqlen_k)
+        cute.arch.cp_async_commit_group()
+
+        stage = Int32(0)
+        while n_block < n_blocks:
+            n_next = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
+            if n_next < n_blocks:
+                self._load_kv(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, n_next, 1 - stage, seqlen_k)
+                self._load_kv(gmem_tiled_copy_QKV, tVgV, tVsV, tKVcKV, n_next, 1 - stage, seqlen_k)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+
+            # ---- S = Q K^T -----------------------------------------------------------------
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            if const_expr(self.is_sm90):
+                self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+            else:
+                acc_S.fill(0.0)
+                self._mma_sync_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, smem_copy, stage)
+
+            # ---- mask ----------------------------------------------------------------------
+            state = self._tile_state(mBitmapRow, n_block)
+            need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
+            acc_S_mn = _acc_mn(acc_S)
+            if need_mask:
+                self._apply_mask(
+                    acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_block * self.tile_n
+                )
+
+            # ---- online softmax --------------------------------------------------------------
+            acc_O_mn = _acc_mn(acc_O)
+            for r in cutlass.range_constexpr(n_rows):
+                s_row = acc_S_mn[r, None].load()
+                mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+                mx = _quad_allreduce(mx, cute.arch.fmax)
+                m_new = cute.arch.fmax(row_max[r], mx)
+                m_use = m_new
+                if m_new == -Float32.inf:
+                    m_use = Float32(0.0)
+                m_scaled = m_use * softmax_scale_log2
+                scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+                p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
+                row_sum[r] = row_sum[r] * scale_old + p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+                row_max[r] = m_new
+                acc_S_mn[r, None] = p_row
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * scale_old
+
+            # ---- O += P V ------------------------------------------------------------------
+            rPt = cute.make_fragment_like(acc_S, self.dtype)
+            rPt.store(acc_S.load().to(self.dtype))
+            tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
+            if const_expr(self.is_sm90):
+                self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
+            else:
+                self._mma_sync_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, smem_copy, stage)
+
+            cute.arch.barrier()  # all reads of this stage done before it is refilled
+            n_block = n_next
+            stage = 1 - stage
+
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue: normalize, LSE, store -----------------------------------------------
+        acc_O_mn = _acc_mn(acc_O)
+        LN2 = math.log(2.0)
+        for r in cutlass.range_constexpr(n_rows):
+            s = _quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if s > 0.0:
+                inv = cute.arch.rcp_approx(s)
+                lse = (row_max[r] * softmax_scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+            q_idx = m_start + tOcO_mn[r, 0][0]
+            if tOcO_mn[0, 0][1] == 0:
+                if q_idx < seqlen_q:
+                    mLSE[batch_idx, head_idx, q_idx] = lse
+
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.arch.barrier()  # sQ is reused as sO
+        sO = sQ
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
+        cute.arch.barrier()
+        gO = cute.local_tile(mO[batch_idx, None, head_idx, None], (self.tile_m, D), (m_block, 0))
+        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+        tOsO = gmem_thr_copy_O.partition_S(sO)
+        tOgO = gmem_thr_copy_O.partition_D(gO)
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(gmem_tiled_copy_O, tOsO, tOrO)
+        for r in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tQcQ[0, r, 0][0] < seqlen_q - m_start:
+                cute.copy(gmem_tiled_copy_O, tOrO[None, r, None], tOgO[None, r, None])
+
+    @cute.jit
+    def _apply_mask(self, acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_start):
+        K = self.K
+        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+            q_idx = m_start + tScS_mn[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
+                kv_idx = n_start + tScS_mn[0, c][1]
+                vis = Uint32(kv_idx - rInt[r, 0]) < Uint32(rInt[r, 1])
+                for k in cutlass.range_constexpr(1, K):
+                    vis = vis | (Uint32(kv_idx - rInt[r, 2 * k]) < Uint32(rInt[r, 2 * k + 1]))
+                if const_expr(self.cfg.has_fallback):
+                    args = [rP[p] for p in range(self.cfg.num_params)]
+                    args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
+                    for slot in cutlass.range_constexpr(len(self.predicates)):
+                        ok = self.predicates[slot](q_idx, kv_idx, *args)
+                        vis = vis & ((rFb[r] != slot) | ok)
+                if not vis:
+                    acc_S_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _mma_sync_qk(self, tiled_mma, acc_S, tSrQ, tSrK, smem_copy, stage):
+        s2r_Q, tSsQ, tSrQ_v, s2r_K, tSsK, tSrK_v = smem_copy[:6]
+        for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
+            cute.copy(s2r_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+            cute.copy(s2r_K, tSsK[None, None, k, stage], tSrK_v[None, None, k])
+        for k in cutlass.range_constexpr(cute.size(tSsQ.shape[2])):
+            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+    @cute.jit
+    def _mma_sync_pv(self, tiled_mma, acc_O, tOrP, tOrVt, smem_copy, stage):
+        s2r_V, tOsVt, tOrVt_v = smem_copy[6:]
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.copy(s2r_V, tOsVt[None, None, k, stage], tOrVt_v[None, None, k])
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile cache + launch
+# ----------------------------------------------------------------------------------------------
+_COMPILE_CACHE: dict = {}
+
+
+@dataclass
+class Fallback:
+    """Fallback predicates for the kernel: one generated source per fallback region.
+
+    Rows whose ``row_region`` equals ``regions[s]`` AND the interval test with predicate ``s``
+    (in partial tiles; their tiles are never full). Every predicate takes all ``num_params``
+    scalar params and all ``num_row_params`` per-row arrays of the descriptor, in order.
+    """
+
+    sources: tuple
+    regions: tuple
+    num_params: int
+    num_row_params: int
+    name: str = "fallback_predicate"
+    _fns: Optional[tuple] = field(default=None, repr=False)
+
+    @property
+    def hash(self) -> str:
+        h = hashlib.sha256()
+        for src, reg in zip(self.sources, self.regions):
+            h.update(f"{reg}:".encode() + src.encode())
+        return h.hexdigest()[:16]
+
+    def functions(self) -> tuple:
+        if self._fns is None:
+            compile_predicate = _codegen().compile_predicate
+            self._fns = tuple(compile_predicate(src, self.name) for src in self.sources)
+        return self._fns
+
+    @staticmethod
+    def from_expr(expr, scalar_params=(), array_params=(), regions=(0,)) -> "Fallback":
+        """One predicate shared by all ``regions``."""
+        src = _codegen().predicate_source(expr, scalar_params, array_params)
+        regions = tuple(int(r) for r in regions)
+        return Fallback(
+            sources=(src,) * len(regions),
+            regions=regions,
+            num_params=len(tuple(scalar_params)),
+            num_row_params=len(tuple(array_params)),
+        )
+
+    @staticmethod
+    def from_mask(mask) -> Optional["Fallback"]:
+        """From a ``CompiledMask``: the rule of each fallback region; None without fallback."""
+        regs = [r for r in mask.regions if r.fallback]
+        if not regs:
+            return None
+        ps = _codegen().predicate_source
+        return Fallback(
+            sources=tuple(ps(r.rule, mask.scalar_params, mask.array_params) for r in regs),
+            regions=tuple(int(r.index) for r in regs),
+            num_params=len(mask.scalar_params),
+            num_row_params=len(mask.array_params),
+        )
+
+
+def _codegen():
+    try:
+        from ..codegen import cute_predicate  # as compilemask.kernels
+    except (ImportError, ValueError):
+        from codegen import cute_predicate  # from the repository root
+    return cute_predicate
+
+
+def _arch_from_env_or_device() -> int:
+    env = os.environ.get("CUTE_DSL_ARCH", "")
+    if env.startswith("sm_"):
+        return int(env[3:5])
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return major * 10 + minor
+    except Exception:
+        pass
+    return 90
+
+
+def make_fake_args(cfg: FlashFwdConfig):
+    """Fake (shape-symbolic) tensors matching the launch ABI, for compilation without a GPU."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+    div = 128 // dt.width
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    B, Sq, Sk, H, Hkv = sym(), sym(), sym(), sym(), sym()
+
+    def t(dtype, shape, d=1, align=16):
+        stride = tuple(sym64(divisibility=d) for _ in shape[:-1]) + (1,)
+        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    q = t(dt, (B, Sq, H, cfg.head_dim), div)
+    k = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
+    v = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
+    o = t(dt, (B, Sq, H, cfg.head_dim), div)
+    lse = t(Float32, (B, H, Sq), 1, 4)
+    intervals = t(Int32, (B, Sq, 2 * cfg.num_intervals), 1, 4)
+    bitmap = t(Int32, (B, sym(), sym()), 1, 4)
+    row_region = t(Int32, (B, Sq), 1, 4)
+    params = t(Int32, (B, sym()), 1, 4)
+    row_params = t(Int32, (B, Sq, sym()), 1, 4)
+    return q, k, v, o, lse, intervals, bitmap, row_region, params, row_params
+
+
+def compile_flash_fwd(cfg: FlashFwdConfig, fallback: Optional[Fallback] = None, arch_tag=None):
+    """Compile (or fetch from the cache) the kernel for ``cfg``; shapes stay symbolic."""
+    key = (cfg, arch_tag or os.environ.get("CUTE_DSL_ARCH", ""))
+    fn = _COMPILE_CACHE.get(key)
+    if fn is not None:
+        return fn
+    preds = ()
+    if cfg.has_fallback:
+        assert fallback is not None and fallback.hash == cfg.fallback_hash
+        preds = fallback.functions()
+        log.info(
+            "compilemask: building flash_fwd kernel with fallback predicate %s for regions %s "
+            "(%s, hdim %d, tile %dx%d, K=%d, sm%d)",
+            cfg.fallback_hash,
+            cfg.fallback_regions,
+            cfg.dtype,
+            cfg.head_dim,
+            cfg.tile_m,
+            cfg.tile_n,
+            cfg.num_intervals,
+            cfg.arch,
+        )
+    kernel = FlashFwd(cfg, preds)
+    args = make_fake_args(cfg)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    fn = cute.compile(kernel, *args, Float32(1.0), stream, options="--enable-tvm-ffi")
+    _COMPILE_CACHE[key] = fn
+    return fn
+
+
+def flash_fwd(
+    q,
+    k,
+    v,
+    intervals,
+    fwd_bitmap,
+    row_region=None,
+    params=None,
+    row_params=None,
+    *,
+    tile_m: int,
+    tile_n: int,
+    softmax_scale: Optional[float] = None,
+    fallback: Optional[Fallback] = None,
+    arch: Optional[int] = None,
+    out=None,
+    lse=None,
+):
+    """Masked attention forward. Returns ``(out [B,Sq,H,D], lse float32 [B,H,Sq])``.
+
+    ``intervals`` int32 [B, Sq, K, 2]; ``fwd_bitmap`` int32 [B, ceil(Sq/tile_m), ceil(n_n/16)]
+    computed for this (tile_m, tile_n); ``row_region`` int32 [B, Sq], ``params`` int32 [B, P],
+    ``row_params`` int32 [B, Sq, R] are needed only with a ``fallback``.
+    """
+    import torch
+
+    B, Sq, H, D = q.shape
+    _, Sk, Hkv, _ = k.shape
+    if D not in (64, 128):
+        raise NotImplementedError(f"head dim {D} not supported (64, 128)")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"dtype {q.dtype}")
+    if H % Hkv != 0:
+        raise ValueError("num heads must be a multiple of num kv heads")
+    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError("k/v shape or dtype mismatch")
+    Kslots = intervals.shape[2]
+    assert intervals.shape[:2] == (B, Sq) and intervals.shape[3] == 2
+    n_m = -(-Sq // tile_m)
+    n_n = -(-Sk // tile_n)
+    assert fwd_bitmap.shape == (B, n_m, -(-n_n // 16)), (fwd_bitmap.shape, (B, n_m, n_n))
+    if arch is None:
+        arch = 90 if _arch_from_env_or_device() >= 90 else 80
+    cfg = FlashFwdConfig(
+        dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
+        head_dim=D,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        num_intervals=Kslots,
+        has_fallback=fallback is not None,
+        fallback_hash=fallback.hash if fallback is not None else "",
+        fallback_regions=fallback.regions if fallback is not None else (),
+        num_params=fallback.num_params if fallback is not None else 0,
+        num_row_params=fallback.num_row_params if fallback is not None else 0,
+        arch=arch,
+    )
+    if not FlashFwd.can_implement(cfg):
+        raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")
+    fn = compile_flash_fwd(cfg, fallback)
+    dev = q.device
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
+    iv = intervals.to(torch.int32).contiguous().view(B, Sq, 2 * Kslots)
+    bm = fwd_bitmap.to(torch.int32).contiguous()
+    if row_region is None:
+        row_region = torch.full((B, Sq), -1, dtype=torch.int32, device=dev)
+    rr = row_region.to(torch.int32).contiguous()
+    if params is None or params.numel() == 0:
+        params = torch.zeros(B, 1, dtype=torch.int32, device=dev)
+    if row_params is None or row_params.numel() == 0:
+        row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
+    pr = params.to(torch.int32).contiguous()
+    rp = row_params.to(torch.int32).contiguous()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    fn(q, k, v, out, lse, iv, bm, rr, pr, rp, Float32(scale * math.log2(math.e)))
+    return out, lse
