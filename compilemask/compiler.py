@@ -49,6 +49,8 @@ def _has(e, s) -> bool:
 
 def _split_rel(rel, j):
     """Rewrite one relational whose sides contain abs/min/max/Piecewise of j."""
+    if not isinstance(rel, _REL):
+        return rel  # a comparison that sympy already decided
     lhs, rhs, cls = rel.lhs, rel.rhs, type(rel)
     if cls is sp.Ne:
         return sp.Or(_split_rel(sp.Lt(lhs, rhs), j), _split_rel(sp.Gt(lhs, rhs), j))
@@ -97,11 +99,18 @@ def _split_rel(rel, j):
 
 
 def normalize(expr, j):
-    """Pass 2a: comparisons become plain atoms that a DNF can hold."""
+    """Pass 2a: negations pushed to the atoms, then comparisons become plain atoms that a DNF
+    can hold."""
+    return _normalize(sp.to_nnf(expr, simplify=False), j)
+
+
+def _normalize(expr, j):
+    if not isinstance(expr, _REL) and isinstance(expr, sp.logic.boolalg.BooleanAtom):
+        return expr
     if isinstance(expr, _REL):
         return _split_rel(expr, j) if (_has(expr, j) or isinstance(expr, sp.Ne)) else expr
     if isinstance(expr, (sp.And, sp.Or, sp.Not)):
-        return type(expr)(*[normalize(a, j) for a in expr.args])
+        return type(expr)(*[_normalize(a, j) for a in expr.args])
     return expr
 
 
@@ -157,7 +166,9 @@ def _linear_bound(rel, var):
     # Normalize to a*var + b OP 0 with a > 0.
     if a < 0:
         a, b = -a, -b
-        cls = {sp.Lt: sp.Gt, sp.Le: sp.Ge, sp.Gt: sp.Lt, sp.Ge: sp.Le, sp.Eq: sp.Eq}[cls]
+        cls = {sp.Lt: sp.Gt, sp.Le: sp.Ge, sp.Gt: sp.Lt, sp.Ge: sp.Le, sp.Eq: sp.Eq}.get(cls)
+        if cls is None:
+            return None  # != is split before this pass; anything else stays a predicate
 
     def fl(x):  # floor(x / a) for an integer expression x
         return x if a == 1 else sp.floor(x / a)

@@ -45,6 +45,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             if t.residual:
                 s += "  residual: " + " & ".join(str(c) for c in t.residual)
             out.append(s)
+        out += _split_notes(r)
         if r.proofs:
             out.append("    canonicalization (proved under the guard and earlier guards failing):")
             out += ["      " + p for p in r.proofs]
@@ -55,7 +56,8 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         for k, iv in enumerate(r.intervals):
             out.append(f"      slot {k}: {iv}")
     out.append("")
-    out.append(f"  K = {mask.num_intervals} interval slot(s) per row (max over regions)")
+    per = ", ".join(f"{r.name} {r.num_intervals}" for r in mask.regions)
+    out.append(f"  K = {mask.num_intervals} interval slot(s) per row (max over regions: {per})")
     if mask.has_fallback:
         out.append("  fallback regions: " + ", ".join(r.name for r in mask.fallback_regions))
     if meta is not None and row is not None:
@@ -81,6 +83,39 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append("  generated torch reference preprocess:")
         out.append(_indent(mask.reference_source(), "    "))
     return "\n".join(out)
+
+
+def _split_notes(region) -> list[str]:
+    """Say which DNF terms pass 3 split into several intervals by enumerating a bounded
+    quotient range (``X // c`` with ``X % c`` of j), and into how many."""
+    if len(region.terms) <= len(region.dnf):
+        return []
+    try:
+        from compilemask.compiler import _quotients, extract_intervals
+
+        syms = {s.name: s for t in region.dnf for a in t for s in a.free_symbols}
+        i, j = syms.get("i"), syms.get("j")
+        if j is None:
+            return []
+        notes = []
+        for n, t in enumerate(region.dnf, 1):
+            got = extract_intervals([t], i, j)
+            if len(got) <= 1:
+                continue
+            qs = []
+            for a in t:
+                floors, mods = _quotients(a, j)
+                for (x, c) in list(floors) + list(mods):
+                    q = f"floor(({x})/{c})"
+                    if q not in qs:
+                        qs.append(q)
+            notes.append(f"      DNF term {n} -> {len(got)} intervals: the quotient "
+                         f"{' / '.join(qs) or '?'} has a bounded range of {len(got)} values "
+                         f"under this term; each value is enumerated and its % and // of j "
+                         f"rewritten linearly, giving one interval per value")
+        return (["    quotient ranges enumerated (pass 3):"] + notes) if notes else []
+    except Exception:  # a note only: never let it break explain
+        return []
 
 
 def row_intervals(mask, meta, row: int, seqlen_q=None, seqlen_k=None, batch: int = 0) -> str:

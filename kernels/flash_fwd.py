@@ -285,8 +285,8 @@ class FlashFwd:
             tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
                 dtype,
                 dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K,
                 Float32,
                 atom_layout_mnk=(n_wg, 1, 1),
                 tiler_mn=(64, self.tile_n),
@@ -294,8 +294,8 @@ class FlashFwd:
             tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
                 dtype,
                 dtype,
-                warpgroup.OperandMajorMode.K,
-                warpgroup.OperandMajorMode.MN,
+                cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.MN,
                 Float32,
                 atom_layout_mnk=(n_wg, 1, 1),
                 tiler_mn=(64, D),
@@ -419,9 +419,14 @@ class FlashFwd:
         # ---- shared memory ------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        if const_expr(self.is_sm90):
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        else:
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sKV_layout)
+            sV = storage.sV.get_tensor(sKV_layout)
         sVt = _transpose_view(sV)  # (D, tile_n, stage)
 
         gmem_thr_copy = gmem_tiled_copy_QKV.get_slice(tidx)
@@ -778,10 +783,20 @@ def make_fake_args(cfg: FlashFwdConfig):
     return q, k, v, o, lse, intervals, bitmap, row_region, params, row_params
 
 
-def compile_flash_fwd(cfg: FlashFwdConfig, fallback: Optional[Fallback] = None, arch_tag=None):
-    """Compile (or fetch from the cache) the kernel for ``cfg``; shapes stay symbolic."""
-    key = (cfg, arch_tag or os.environ.get("CUTE_DSL_ARCH", ""))
-    fn = _COMPILE_CACHE.get(key)
+def compile_flash_fwd(
+    cfg: FlashFwdConfig,
+    fallback: Optional[Fallback] = None,
+    gpu_arch: Optional[str] = None,
+    use_cache: bool = True,
+    extra_options: str = "",
+):
+    """Compile (or fetch from the cache) the kernel for ``cfg``; shapes stay symbolic.
+
+    ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU; by default the DSL's
+    ``CUTE_DSL_ARCH`` or the detected device is used.
+    """
+    key = (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+    fn = _COMPILE_CACHE.get(key) if use_cache else None
     if fn is not None:
         return fn
     preds = ()
@@ -803,7 +818,10 @@ def compile_flash_fwd(cfg: FlashFwdConfig, fallback: Optional[Fallback] = None, 
     kernel = FlashFwd(cfg, preds)
     args = make_fake_args(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    fn = cute.compile(kernel, *args, Float32(1.0), stream, options="--enable-tvm-ffi")
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
+    if extra_options:
+        options += " " + extra_options
+    fn = cute.compile(kernel, *args, Float32(1.0), stream, options=options)
     _COMPILE_CACHE[key] = fn
     return fn
 
@@ -885,5 +903,5 @@ def flash_fwd(
     pr = params.to(torch.int32).contiguous()
     rp = row_params.to(torch.int32).contiguous()
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fn(q, k, v, out, lse, iv, bm, rr, pr, rp, Float32(scale * math.log2(math.e)))
+    fn(q, k, v, out, lse, iv, bm, rr, pr, rp, float(scale * math.log2(math.e)))
     return out, lse

@@ -1,0 +1,563 @@
+"""Generated TileLang preprocess: batch metadata -> Execution Descriptor in one kernel launch.
+
+``tilelang_source(mask, target)`` emits the program text, ``tilelang_kernel`` compiles it (once
+per spec key, tile sizes, target and K; cached in process, and on disk by TileLang's own kernel
+cache), ``tilelang_preprocess`` runs it (``CompiledMask.preprocess(backend="tilelang")``).
+
+Design (one launch, no atomics to global memory, nothing pre-zeroed)
+------------------------------------------------------------------
+Grid ``(ceil(Sq / ROWS), B)``. ``ROWS = max(tile_m_fwd, 16 * tile_m_bwd)`` (1024 for the default
+128x128 / 64x128 tilings), so a block owns whole output words of *both* bitmaps: the forward
+bitmap rows of its ``ROWS / tile_m_fwd`` forward m-tiles (all their words along n), and, for
+every backward n-tile, the ``ROWS / (16 * tile_m_bwd)`` backward words that pack its
+``ROWS / tile_m_bwd`` backward m-tiles. Every output element is written exactly once.
+
+Stages, per chunk of ``CHUNK`` n-tiles (one chunk covers Sk <= CHUNK * tile_n; longer keys loop):
+
+1. rows: each row evaluates the region guards (first that holds wins) and the K interval
+   endpoints in int64, clips them to ``[0, Sk)`` (empty slot: ``(0, 0)``) and writes its Interval
+   Table row, ``row_region`` and its metadata copies (first chunk only). It then adds its tile
+   ranges to per-m-tile difference arrays in shared memory: the n-tiles its intervals *overlap*
+   (visible counts), and the n-tiles the union of its intervals *covers* (coverage counts;
+   components of the union are found by the same reach iteration as ``compilemask.tiles``:
+   from each slot that starts a component, jump to the end of any interval containing the reach,
+   K rounds). Rows of fallback regions add no coverage (their tiles are never full).
+2. scan: prefix sums of the difference arrays (per 16-tile word, then across words).
+3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
+   visible and its coverage count < the number of rows of ``m`` below Sq (``10`` never occurs). 16 states per int32 word; forward
+   words run along n, backward words along m.
+
+This is O(rows * K^2 + tiles) per block instead of the O(rows * tiles * K^2) of testing every
+(row, tile) pair, and bit-identical to the reference: a tile is covered by a row iff it lies in
+one component of the row's interval union, which the reach iteration computes exactly.
+
+Targets
+-------
+One generator, two texts that differ only in the threading skeleton: on CUDA each stage runs
+once per thread (``tx = T.get_thread_binding()``, ``T.sync_threads()`` between stages, shared
+memory atomics in stage 1); on TileLang's C target (CPU, used by CI) each stage is a serial loop
+``for tx in T.serial(THREADS)`` over the same body, with plain increments. The stage bodies, and
+so the endpoint code and the tile algorithm, are the same lines.
+
+Seqlens and batch size are dynamic (``T.dynamic``): new lengths and metadata never recompile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+from compilemask.descriptor import TILES_PER_WORD, TileConfig
+
+from .tl_printer import TileLangPrinter
+
+__all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile_count",
+           "PreprocessPlan", "plan"]
+
+_THREADS = 256
+_SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
+_CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _default_tiles():
+    from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+
+    return DEFAULT_FWD_TILES, DEFAULT_BWD_TILES
+
+
+@dataclass(frozen=True)
+class PreprocessPlan:
+    """Static shape of one generated program."""
+
+    K: int
+    fwd: TileConfig
+    bwd: TileConfig
+    rows: int  # rows per block
+    threads: int
+    chunk: int  # n-tiles per chunk (multiple of 16)
+
+    @property
+    def m_fwd(self) -> int:  # forward m-tiles per block
+        return self.rows // self.fwd.tile_m
+
+    @property
+    def m_bwd(self) -> int:  # backward m-tiles per block
+        return self.rows // self.bwd.tile_m
+
+    @property
+    def words_bwd(self) -> int:  # backward words (along m) per block and n-tile
+        return self.m_bwd // TILES_PER_WORD
+
+    @property
+    def counters(self) -> int:  # rows of the shared count array
+        return 2 * self.m_fwd + 2 * self.m_bwd
+
+    @property
+    def chunk_words(self) -> int:
+        return self.chunk // TILES_PER_WORD
+
+
+def plan(K: int, fwd: TileConfig, bwd: TileConfig) -> PreprocessPlan:
+    rows = max(fwd.tile_m, TILES_PER_WORD * bwd.tile_m)
+    threads = min(_THREADS, rows)
+    counters = 2 * (rows // fwd.tile_m) + 2 * (rows // bwd.tile_m)
+    chunk = TILES_PER_WORD
+    while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / 16) <= _SMEM_BUDGET:
+        chunk *= 2
+    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk)
+
+
+# --------------------------------------------------------------------------------------------
+# source generation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_target(target: str) -> str:
+    if target not in ("cuda", "c"):
+        raise ValueError(f"target must be 'cuda' or 'c', got {target!r}")
+    return target
+
+
+def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = None,
+                    bwd_tiles: TileConfig | None = None) -> str:
+    """The generated TileLang program (module text defining ``preprocess``) for ``mask``."""
+    _check_target(target)
+    dfwd, dbwd = _default_tiles()
+    fwd = fwd_tiles or dfwd
+    bwd = bwd_tiles or dbwd
+    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd), target).source()
+
+
+class _Emitter:
+    def __init__(self, mask, pl: PreprocessPlan, target: str):
+        self.mask = mask
+        self.pl = pl
+        self.target = target
+        self.cuda = target == "cuda"
+        self.lines: list[str] = []
+        names = {"i": "i", "seqlen_q": "sq", "seqlen_k": "sk"}
+        for p in mask.scalar_params:
+            names[p] = f"{p}[b]"
+        arrays = {a: f"{a}[b, row]" for a in mask.array_params}
+        self.pr = TileLangPrinter(names, arrays)
+
+    def w(self, indent: int, text: str = ""):
+        self.lines.append(("    " * indent + text) if text else "")
+
+    # a stage: CUDA runs the body once per thread then syncs; C loops it over the threads
+    def stage(self, ind: int, comment: str, body, sync: bool = True):
+        self.w(ind, f"# {comment}")
+        if self.cuda:
+            body(ind)
+            if sync:
+                self.w(ind, "T.sync_threads()")
+        else:
+            self.w(ind, "for tx in T.serial(THREADS):")
+            body(ind + 1)
+
+    def bump(self, ind: int, ref: str, delta: str):
+        if self.cuda:
+            self.w(ind, f"T.atomic_add({ref}, {delta})")
+        else:
+            self.w(ind, f"{ref} = {ref} + {delta}")
+
+    def source(self) -> str:
+        m, pl = self.mask, self.pl
+        K = pl.K
+        fb = [r.index for r in m.fallback_regions]
+        w = self.w
+        w(0, f"# TileLang preprocess for mask {m.name!r} (canonical hash {m.key}), generated by "
+             "compilemask.codegen.")
+        w(0, f"# Target: {self.target}. K = {K} interval slots; forward tiles "
+             f"{pl.fwd.tile_m}x{pl.fwd.tile_n}, backward tiles {pl.bwd.tile_m}x{pl.bwd.tile_n}.")
+        w(0, "# Regions (first guard that holds wins; its slots, clipped to [0, seqlen_k)):")
+        for r in m.regions:
+            tag = "  [fallback: tiles never full]" if r.fallback else ""
+            w(0, f"#   {r.index} {r.name}: when {r.guard}{tag}")
+            for k, iv in enumerate(r.intervals):
+                cond = "" if iv.cond is sp.true else f"  if {iv.cond}"
+                w(0, f"#       slot {k}: [{iv.lower}, {iv.upper}){cond}")
+        w(0, f"# One launch: grid (ceil(Sq / ROWS), B), {pl.threads} threads"
+             + (" per block." if self.cuda else " (serial loops on the C target)."))
+        w(0, "# Block (bx, b) owns rows [ROWS*bx, ROWS*bx + ROWS) of sequence b: their Interval "
+             "Table rows,")
+        w(0, "# the forward bitmap rows of its M_FWD forward m-tiles and, for every backward "
+             "n-tile, the")
+        w(0, "# WORDS_BWD backward words packing its M_BWD backward m-tiles: each output word is "
+             "written once.")
+        w(0, "import tilelang.language as T")
+        w(0)
+        w(0, f"K = {K}  # interval slots")
+        w(0, f"TM_FWD, TN_FWD = {pl.fwd.tile_m}, {pl.fwd.tile_n}  # forward tiling")
+        w(0, f"TM_BWD, TN_BWD = {pl.bwd.tile_m}, {pl.bwd.tile_n}  # backward tiling")
+        w(0, f"ROWS = {pl.rows}  # rows per block")
+        w(0, f"THREADS = {pl.threads}")
+        w(0, f"M_FWD, M_BWD = {pl.m_fwd}, {pl.m_bwd}  # forward / backward m-tiles per block")
+        w(0, f"WORDS_BWD = {pl.words_bwd}  # backward words per n-tile per block")
+        w(0, f"CHUNK = {pl.chunk}  # n-tiles per pass over the shared counters")
+        w(0, "CHUNK_WORDS = CHUNK // 16")
+        w(0, "# shared counter rows: visible / covered, forward then backward m-tiles")
+        w(0, "VIS_FWD, COV_FWD = 0, M_FWD")
+        w(0, "VIS_BWD, COV_BWD = 2 * M_FWD, 2 * M_FWD + M_BWD")
+        w(0, "COUNTERS = 2 * M_FWD + 2 * M_BWD")
+        w(0)
+        w(0, 'B = T.dynamic("B")  # batch size')
+        w(0, 'Sq = T.dynamic("Sq")  # query rows')
+        w(0, 'NM_FWD = T.dynamic("NM_FWD")  # forward m-tiles = ceil(Sq / TM_FWD)')
+        w(0, 'W_FWD = T.dynamic("W_FWD")  # forward words per m-tile = ceil(n-tiles / 16)')
+        w(0, 'NN_BWD = T.dynamic("NN_BWD")  # backward n-tiles = ceil(seqlen_k / TN_BWD)')
+        w(0, 'W_BWD = T.dynamic("W_BWD")  # backward words per n-tile = ceil(m-tiles / 16)')
+        w(0)
+        self._range_macro()
+        w(0)
+        w(0)
+        w(0, "@T.prim_func")
+        w(0, "def preprocess(")
+        for p in m.scalar_params:
+            w(1, f'{p}: T.Tensor((B,), "int64"),  # scalar param, per sequence')
+        for a in m.array_params:
+            w(1, f'{a}: T.Tensor((B, Sq), "int64"),  # per-row array')
+        w(1, 'intervals: T.Tensor((B, Sq, K, 2), "int32"),  # out: Interval Table (start, len)')
+        w(1, 'row_region: T.Tensor((B, Sq), "int32"),  # out: region of each row, -1: none')
+        w(1, 'fwd_bitmap: T.Tensor((B, NM_FWD, W_FWD), "int32"),  # out: [b, m_block, n words]')
+        w(1, 'bwd_bitmap: T.Tensor((B, NN_BWD, W_BWD), "int32"),  # out: [b, n_block, m words]')
+        if m.scalar_params:
+            w(1, f'params: T.Tensor((B, {len(m.scalar_params)}), "int32"),  # out: scalar params')
+        if m.array_params:
+            w(1, f'row_params: T.Tensor((B, Sq, {len(m.array_params)}), "int32"),  '
+                 '# out: per-row arrays')
+        w(1, "seqlen_k: T.int32,")
+        w(0, "):")
+        threads = f", threads=THREADS" if self.cuda else ""
+        w(1, f"with T.Kernel(T.ceildiv(Sq, ROWS), B{threads}) as (bx, b):")
+        ind = 2
+        if self.cuda:
+            w(ind, "tx = T.get_thread_binding()")
+        w(ind, "# per counter row: CHUNK tile counts (difference array, then prefix sums), then")
+        w(ind, "# CHUNK_WORDS sums of 16-tile words (one shared buffer)")
+        w(ind, 'count = T.alloc_shared((COUNTERS, CHUNK + CHUNK_WORDS), "int32")')
+        w(ind, 'lo = T.alloc_local((K,), "int64")  # slot endpoints before the clip')
+        w(ind, 'hi = T.alloc_local((K,), "int64")')
+        w(ind, 'start = T.alloc_local((K,), "int32")  # clipped slots: [start, end)')
+        w(ind, 'end = T.alloc_local((K,), "int32")')
+        w(ind, 'i = T.alloc_var("int64")  # the row, for the endpoint expressions')
+        w(ind, 'sq = T.alloc_var("int64")')
+        w(ind, 'sk = T.alloc_var("int64")')
+        w(ind, 'region = T.alloc_var("int32")')
+        w(ind, 'lead = T.alloc_var("int32")')
+        w(ind, 'reach = T.alloc_var("int32")')
+        w(ind, 'acc = T.alloc_var("int32")')
+        w(ind, 'word = T.alloc_var("uint32")')
+        w(ind, "nn_fwd = T.ceildiv(seqlen_k, TN_FWD)  # forward n-tiles")
+        w(ind, "chunks = T.max(T.ceildiv(nn_fwd, CHUNK), T.ceildiv(NN_BWD, CHUNK))")
+        w(ind, "for c in T.serial(chunks):")
+        ind = 3
+        self.stage(ind, "stage 0: clear the counters", self._stage_clear)
+        self.stage(ind, "stage 1 (per row): guards, interval endpoints, table row; add tile "
+                        "ranges to the counters", lambda d: self._stage_rows(d, fb))
+        self.stage(ind, "stage 2a: sum of each 16-tile word of the difference arrays",
+                   self._stage_word_sums)
+        self.stage(ind, "stage 2b: prefix sums (words before, then within the word): counts "
+                        "per tile", self._stage_scan)
+        self.stage(ind, "stage 3: tile states -> bitmap words (2 bits per tile, 16 per word)",
+                   self._stage_pack)
+        return "\n".join(self.lines) + "\n"
+
+    def _range_macro(self):
+        w = self.w
+        w(0, "@T.macro")
+        w(0, "def add_range(count, counter, lo_tile, hi_tile, c):")
+        w(1, '"""Count +1 on tiles [lo_tile, hi_tile) of counter row `counter` in chunk `c` '
+             '(difference array)."""')
+        w(1, "a = T.max(lo_tile, c * CHUNK) - c * CHUNK")
+        w(1, "z = T.min(hi_tile, c * CHUNK + CHUNK) - c * CHUNK")
+        w(1, "if a < z:")
+        self.bump(2, "count[counter, a]", "1")
+        w(2, "if z < CHUNK:")
+        self.bump(3, "count[counter, z]", "-1")
+
+    def _stage_clear(self, ind):
+        w = self.w
+        w(ind, "for q in T.serial(T.ceildiv(COUNTERS * CHUNK, THREADS)):")
+        w(ind + 1, "e = q * THREADS + tx")
+        w(ind + 1, "if e < COUNTERS * CHUNK:")
+        w(ind + 2, "count[e // CHUNK, e % CHUNK] = 0")
+
+    def _stage_rows(self, ind, fb):
+        m, pl, pr, w = self.mask, self.pl, self.pr, self.w
+        K = pl.K
+        w(ind, "for rr in T.serial(ROWS // THREADS):")
+        ind += 1
+        w(ind, "r = rr * THREADS + tx  # row within the block")
+        w(ind, "row = bx * ROWS + r")
+        w(ind, "if row < Sq:")
+        ind += 1
+        w(ind, "i = T.Cast(\"int64\", row)")
+        w(ind, "sq = T.Cast(\"int64\", Sq)")
+        w(ind, "sk = T.Cast(\"int64\", seqlen_k)")
+        w(ind, "region = -1")
+        w(ind, "for k in T.unroll(K):")
+        w(ind + 1, "lo[k] = 0")
+        w(ind + 1, "hi[k] = 0")
+        for r in m.regions:
+            tag = " (fallback: slots over-approximate)" if r.fallback else ""
+            w(ind, f"# region {r.index} {r.name!r}: rows where {r.guard}{tag}")
+            g = pr(r.guard)
+            cond = "region < 0" if g == "True" else f"T.And(region < 0, {g})"
+            w(ind, f"if {cond}:")
+            w(ind + 1, f"region = {r.index}")
+            for k, iv in enumerate(r.intervals):
+                w(ind + 1, f"# slot {k}: [{iv.lower}, {iv.upper})"
+                  + ("" if iv.cond is sp.true else f" if {iv.cond}"))
+                d = ind + 1
+                if iv.cond is not sp.true:
+                    w(d, f"if {pr(iv.cond)}:")
+                    d += 1
+                w(d, f"lo[{k}] = {pr(iv.lower)}")
+                w(d, f"hi[{k}] = {pr(iv.upper)}")
+        w(ind, "# clip to the keys that exist; an empty slot is (0, 0)")
+        w(ind, "for k in T.unroll(K):")
+        w(ind + 1, "s = T.min(T.max(lo[k], 0), sk)")
+        w(ind + 1, "n = T.max(T.min(T.max(hi[k], 0), sk) - s, 0)")
+        w(ind + 1, "start[k] = T.Cast(\"int32\", T.if_then_else(n > 0, s, 0))")
+        w(ind + 1, "end[k] = start[k] + T.Cast(\"int32\", n)")
+        w(ind, "if c == 0:")
+        w(ind + 1, "# Interval Table row, row_region, metadata copies")
+        w(ind + 1, "for k in T.unroll(K):")
+        w(ind + 2, "intervals[b, row, k, 0] = start[k]")
+        w(ind + 2, "intervals[b, row, k, 1] = end[k] - start[k]")
+        w(ind + 1, "row_region[b, row] = region")
+        for n, a in enumerate(m.array_params):
+            w(ind + 1, f"row_params[b, row, {n}] = T.Cast(\"int32\", {a}[b, row])")
+        if m.scalar_params:
+            w(ind + 1, "if row == 0:")
+            for n, p in enumerate(m.scalar_params):
+                w(ind + 2, f"params[b, {n}] = T.Cast(\"int32\", {p}[b])")
+        w(ind, "# visible: the n-tiles each nonempty slot overlaps")
+        w(ind, "for k in T.unroll(K):")
+        w(ind + 1, "if end[k] > start[k]:")
+        w(ind + 2, "add_range(count, VIS_FWD + r // TM_FWD, start[k] // TN_FWD, "
+                   "(end[k] - 1) // TN_FWD + 1, c)")
+        w(ind + 2, "add_range(count, VIS_BWD + r // TM_BWD, start[k] // TN_BWD, "
+                   "(end[k] - 1) // TN_BWD + 1, c)")
+        w(ind, "# covered: the n-tiles inside one component of the union of the slots; a slot "
+               "starts")
+        w(ind, "# a component unless another slot contains or touches its start (ties: lowest "
+               "slot)")
+        d = ind
+        if fb:
+            conds = ", ".join(f"region != {x}" for x in fb)
+            w(ind, "# fallback rows add no coverage: their tiles are never full")
+            w(ind, f"if {conds if len(fb) == 1 else 'T.And(' + conds + ')'}:")
+            d += 1
+        w(d, "for k in T.unroll(K):")
+        w(d + 1, "lead = T.Cast(\"int32\", end[k] > start[k])")
+        w(d + 1, "for j in T.unroll(K):")
+        w(d + 2, "if T.And(end[j] > start[j], T.Or(T.And(start[j] < start[k], start[k] <= "
+                 "end[j]), T.And(j < k, start[j] == start[k]))):")
+        w(d + 3, "lead = 0")
+        w(d + 1, "if lead != 0:")
+        w(d + 2, "# reach: jump to the end of any slot containing it, K rounds")
+        w(d + 2, "reach = end[k]")
+        w(d + 2, "for _round in T.serial(K):")
+        w(d + 3, "for j in T.unroll(K):")
+        w(d + 4, "if T.And(start[j] <= reach, reach < end[j]):")
+        w(d + 5, "reach = end[j]")
+        w(d + 2, "add_range(count, COV_FWD + r // TM_FWD, (start[k] + TN_FWD - 1) // TN_FWD, "
+                 "T.if_then_else(reach >= seqlen_k, nn_fwd, reach // TN_FWD), c)")
+        w(d + 2, "add_range(count, COV_BWD + r // TM_BWD, (start[k] + TN_BWD - 1) // TN_BWD, "
+                 "T.if_then_else(reach >= seqlen_k, NN_BWD, reach // TN_BWD), c)")
+
+    def _stage_word_sums(self, ind):
+        w = self.w
+        w(ind, "for q in T.serial(T.ceildiv(COUNTERS * CHUNK_WORDS, THREADS)):")
+        w(ind + 1, "e = q * THREADS + tx")
+        w(ind + 1, "if e < COUNTERS * CHUNK_WORDS:")
+        w(ind + 2, "acc = 0")
+        w(ind + 2, "for t in T.serial(16):")
+        w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t]")
+        w(ind + 2, "count[e // CHUNK_WORDS, CHUNK + e % CHUNK_WORDS] = acc")
+
+    def _stage_scan(self, ind):
+        w = self.w
+        w(ind, "for q in T.serial(T.ceildiv(COUNTERS * CHUNK_WORDS, THREADS)):")
+        w(ind + 1, "e = q * THREADS + tx")
+        w(ind + 1, "if e < COUNTERS * CHUNK_WORDS:")
+        w(ind + 2, "acc = 0")
+        w(ind + 2, "for v in T.serial(e % CHUNK_WORDS):")
+        w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, CHUNK + v]")
+        w(ind + 2, "for t in T.serial(16):")
+        w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t]")
+        w(ind + 3, "count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t] = acc")
+
+    def _stage_pack(self, ind):
+        w = self.w
+        w(ind, "# forward: word (m-tile mf, word v of the chunk) packs 16 n-tiles")
+        w(ind, "for q in T.serial(T.ceildiv(M_FWD * CHUNK_WORDS, THREADS)):")
+        w(ind + 1, "e = q * THREADS + tx")
+        w(ind + 1, "mf = e // CHUNK_WORDS")
+        w(ind + 1, "m_tile = bx * M_FWD + mf")
+        w(ind + 1, "gw = c * CHUNK_WORDS + e % CHUNK_WORDS")
+        w(ind + 1, "if T.And(e < M_FWD * CHUNK_WORDS, T.And(m_tile < NM_FWD, gw < W_FWD)):")
+        d = ind + 2
+        w(d, "rows_in = T.min(T.max(Sq - m_tile * TM_FWD, 0), TM_FWD)  # rows below Sq")
+        w(d, "word = T.uint32(0)")
+        w(d, "for t in T.serial(16):")
+        w(d + 1, "x = (e % CHUNK_WORDS) * 16 + t")
+        w(d + 1, "if gw * 16 + t < nn_fwd:")
+        w(d + 2, "word = word | T.shift_left(T.Cast(\"uint32\", "
+                 "T.if_then_else(count[VIS_FWD + mf, x] > 0, "
+                 "T.if_then_else(count[COV_FWD + mf, x] < rows_in, 3, 1), 0)), "
+                 "T.Cast(\"uint32\", 2 * t))")
+        w(d, "fwd_bitmap[b, m_tile, gw] = T.Cast(\"int32\", word)")
+        w(ind, "# backward: word (n-tile x of the chunk, word v of the block) packs 16 m-tiles")
+        w(ind, "for q in T.serial(T.ceildiv(CHUNK * WORDS_BWD, THREADS)):")
+        w(ind + 1, "e = q * THREADS + tx")
+        w(ind + 1, "x = e // WORDS_BWD")
+        w(ind + 1, "n_tile = c * CHUNK + x")
+        w(ind + 1, "gw = bx * WORDS_BWD + e % WORDS_BWD")
+        w(ind + 1, "if T.And(e < CHUNK * WORDS_BWD, T.And(n_tile < NN_BWD, gw < W_BWD)):")
+        d = ind + 2
+        w(d, "word = T.uint32(0)")
+        w(d, "for t in T.serial(16):")
+        w(d + 1, "mb = (e % WORDS_BWD) * 16 + t")
+        w(d + 1, "rows_in = T.min(T.max(Sq - (bx * M_BWD + mb) * TM_BWD, 0), TM_BWD)")
+        w(d + 1, "word = word | T.shift_left(T.Cast(\"uint32\", "
+                 "T.if_then_else(count[VIS_BWD + mb, x] > 0, "
+                 "T.if_then_else(count[COV_BWD + mb, x] < rows_in, 3, 1), 0)), "
+                 "T.Cast(\"uint32\", 2 * t))")
+        w(d, "bwd_bitmap[b, n_tile, gw] = T.Cast(\"int32\", word)")
+
+
+# --------------------------------------------------------------------------------------------
+# compile (cached)
+# --------------------------------------------------------------------------------------------
+
+_KERNELS: dict = {}
+_LOCK = threading.Lock()
+_COMPILES = 0
+
+
+def compile_count() -> int:
+    """How many TileLang compiles this process has run (tests: no recompile across batches)."""
+    return _COMPILES
+
+
+def _source_dir() -> str:
+    d = os.environ.get("COMPILEMASK_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "compilemask", "tilelang")
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError:
+        d = tempfile.mkdtemp(prefix="compilemask-tl-")
+    return d
+
+
+def _load_prim_func(source: str, tag: str):
+    """exec the generated module from a real file (TileLang's parser reads the source back)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = os.path.join(_source_dir(), f"{tag}_{digest}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    modname = f"_compilemask_tl_{tag}_{digest}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
+    spec.loader.exec_module(mod)
+    return mod.preprocess
+
+
+def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str):
+    """The compiled kernel for (spec key, tiles, target, K); compiled once per process."""
+    global _COMPILES
+    _check_target(target)
+    key = (mask.key, fwd_tiles, bwd_tiles, target, mask.num_intervals)
+    kern = _KERNELS.get(key)
+    if kern is not None:
+        return kern
+    with _LOCK:
+        kern = _KERNELS.get(key)
+        if kern is None:
+            import tilelang
+
+            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles)
+            tag = f"{target}_{mask.key}"
+            func = _load_prim_func(src, tag)
+            tgt = _CUDA_TARGET if target == "cuda" else "c"
+            kern = tilelang.compile(func, target=tgt)
+            _COMPILES += 1
+            _KERNELS[key] = kern
+    return kern
+
+
+# --------------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------------
+
+
+def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, *,
+                        check=False, device=None):
+    """Run the generated kernel: CUDA for CUDA metadata, the C target on CPU. No host sync
+    (unless ``check``: then guard exclusivity is validated, which synchronizes)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    target = "cuda" if dev.type == "cuda" else "c"
+    if target == "c" and dev.type != "cpu":
+        raise ValueError(f"tilelang preprocess: unsupported device {dev}")
+    kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target)
+    K = mask.num_intervals
+    nm_f, nn_f = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    nm_b, nn_b = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    wf = -(-nn_f // TILES_PER_WORD)
+    wb = -(-nm_b // TILES_PER_WORD)
+    i32 = torch.int32
+    intervals = torch.empty(B, seqlen_q, K, 2, dtype=i32, device=dev)
+    region = torch.empty(B, seqlen_q, dtype=i32, device=dev)
+    fwd = torch.empty(B, nm_f, wf, dtype=i32, device=dev)
+    bwd = torch.empty(B, nn_b, wb, dtype=i32, device=dev)
+    args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
+    args += [_as_i64(arrs[a], dev) for a in mask.array_params]
+    args += [intervals, region, fwd, bwd]
+    P, R = len(mask.scalar_params), len(mask.array_params)
+    params = torch.empty(B, P, dtype=i32, device=dev)
+    row_params = torch.empty(B, seqlen_q, R, dtype=i32, device=dev)
+    if P:
+        args.append(params)
+    if R:
+        args.append(row_params)
+    args.append(int(seqlen_k))
+    kern(*args)
+    if check:
+        _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
+    from compilemask.descriptor import ExecutionDescriptor
+
+    return ExecutionDescriptor(
+        mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals, row_region=region,
+        fwd_tiles=fwd_tiles, fwd_bitmap=fwd, bwd_tiles=bwd_tiles, bwd_bitmap=bwd,
+        params=params, row_params=row_params)
+
+
+def _as_i64(t, dev):
+    t = t.to(device=dev, dtype=torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev):
+    """check mode: guard exclusivity, from the reference guard evaluation (synchronizes)."""
+    from compilemask.compiled import _check_exclusive
+
+    i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
+    a = [i, seqlen_q, seqlen_k] + [scal[p] for p in mask.scalar_params] + [
+        arrs[x] for x in mask.array_params]
+    _, _, region, hits = mask._ir.torch_fns["interval_table"](*a, batch_size=B)
+    _check_exclusive(mask, hits, region)

@@ -1,0 +1,96 @@
+"""Property: random rules from the supported grammar compile to descriptors that equal the
+brute-force evaluation of the same Python source, on random metadata."""
+
+import itertools
+import linecache
+
+import torch
+from helpers import dense_tile_states
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compilemask as cm
+
+PARAMS = ["a", "b", "d"]  # d is only ever a divisor: drawn positive
+_counter = itertools.count()
+
+consts = st.integers(min_value=0, max_value=9).map(str)
+divisors = st.sampled_from(["2", "3", "5", "d"])
+leaf_i = st.sampled_from(["i", "a", "b", "i", "3"]) | consts
+
+
+def _ints(leaf):
+    return st.recursive(
+        leaf,
+        lambda e: st.one_of(
+            st.tuples(e, st.sampled_from(["+", "-"]), e).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            st.tuples(e, consts).map(lambda t: f"({t[0]} * {t[1]})"),
+            st.tuples(e, st.sampled_from(["//", "%"]), divisors).map(
+                lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            st.tuples(st.sampled_from(["min", "max"]), e, e).map(
+                lambda t: f"{t[0]}({t[1]}, {t[2]})"),
+            e.map(lambda x: f"abs({x})"),
+        ),
+        max_leaves=4,
+    )
+
+
+int_i = _ints(leaf_i)
+# expressions in j: j shifted by an expression of i, optionally through // or % by a divisor
+int_j = st.one_of(
+    st.just("j"),
+    st.tuples(st.sampled_from(["+", "-"]), int_i).map(lambda t: f"(j {t[0]} {t[1]})"),
+    st.tuples(int_i, st.sampled_from(["//", "%"]), divisors).map(
+        lambda t: f"((j - {t[0]}) {t[1]} {t[2]})"),
+    st.tuples(int_i).map(lambda t: f"abs(j - {t[0]})"),
+)
+cmp = st.sampled_from(["<", "<=", ">", ">=", "==", "!="])
+atom = st.one_of(
+    st.tuples(int_j, cmp, int_i).map(lambda t: f"{t[0]} {t[1]} {t[2]}"),
+    st.tuples(int_i, cmp, int_j).map(lambda t: f"{t[0]} {t[1]} {t[2]}"),
+    st.tuples(int_i, int_i).map(lambda t: f"{t[0]} <= j < {t[1]}"),
+    st.tuples(int_i, cmp, int_i).map(lambda t: f"{t[0]} {t[1]} {t[2]}"),
+)
+rule = st.recursive(
+    atom,
+    lambda b: st.one_of(
+        st.tuples(b, st.sampled_from(["and", "or"]), b).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+        b.map(lambda x: f"(not {x})"),
+    ),
+    max_leaves=4,
+)
+guard = st.one_of(
+    st.just("True"),
+    st.tuples(int_i, cmp, int_i).map(lambda t: f"{t[0]} {t[1]} {t[2]}"),
+)
+
+
+def _make(src_when, src_vis):
+    name = f"<hypothesis-rule-{next(_counter)}>"
+    source = f"def when(i):\n    return {src_when}\n\n\ndef visible(i, j):\n    return {src_vis}\n"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns = {}
+    exec(compile(source, name, "exec"), ns)
+    return ns["when"], ns["visible"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(w1=guard, v1=rule, v2=rule, sq=st.integers(1, 40), sk=st.integers(1, 40),
+       seed=st.integers(0, 2**31 - 1))
+def test_random_rules_match_brute_force(w1, v1, v2, sq, sk, seed):
+    when1, vis1 = _make(w1, v1)
+    _, vis2 = _make("True", v2)
+    spec = cm.MaskSpec("hyp", params=PARAMS, regions=[
+        cm.Region("first", when=when1, visible=vis1),
+        cm.Region("rest", when=lambda i: True, visible=vis2),
+    ])
+    mask = cm.compile_mask(spec)
+    gen = torch.Generator().manual_seed(seed)
+    meta = {"a": torch.randint(0, 45, (2,), generator=gen),
+            "b": torch.randint(0, 45, (2,), generator=gen),
+            "d": torch.randint(1, 6, (2,), generator=gen)}
+    desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(4, 16))
+    ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask(), ref), (w1, v1, v2, meta)
+    if not mask.has_fallback:
+        assert torch.equal(desc.tile_states(), dense_tile_states(ref, 8, 8))

@@ -1,0 +1,315 @@
+"""CuTe DSL forward kernel: CPU compile checks (CI) and GPU correctness checks (-m gpu)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import shutil
+import subprocess
+
+import pytest
+import sympy as sp
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+from compilemask.descriptor import TileConfig  # noqa: E402
+from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd, flash_fwd  # noqa: E402
+from compilemask.kernels.flash_fwd import default_tiles  # noqa: E402
+from compilemask.tiles import pack_bitmap, tile_states  # noqa: E402
+
+I, J = sp.symbols("i j", integer=True)
+STRIDE = sp.Symbol("stride", integer=True)
+FIRST = sp.Function("first")
+# visible iff causal AND (same residue mod stride OR before the row's "first" column)
+FALLBACK_EXPR = sp.And(J <= I, sp.Or(sp.Eq(sp.Mod(I - J, STRIDE), 0), J < FIRST(I)))
+
+
+def fallback_spec(regions=(0,)):
+    return Fallback.from_expr(FALLBACK_EXPR, ["stride"], ["first"], regions=regions)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the kernels compile for sm_90a (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sm90_env():
+    yield "sm_90a"  # compile target passed as --gpu-arch: no GPU needed
+
+
+def _cfg(dtype, hdim, K, arch=90, fallback=None):
+    tm, tn = default_tiles(hdim, arch)
+    return FlashFwdConfig(
+        dtype=dtype,
+        head_dim=hdim,
+        tile_m=tm,
+        tile_n=tn,
+        num_intervals=K,
+        has_fallback=fallback is not None,
+        fallback_hash=fallback.hash if fallback else "",
+        fallback_regions=fallback.regions if fallback else (),
+        num_params=fallback.num_params if fallback else 0,
+        num_row_params=fallback.num_row_params if fallback else 0,
+        arch=arch,
+    )
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("hdim", [64, 128])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_compile_sm90(sm90_env, dtype, hdim, K):
+    fn = compile_flash_fwd(_cfg(dtype, hdim, K), gpu_arch=sm90_env)
+    assert fn is not None
+
+
+def test_compile_sm90_fallback_logs_once(sm90_env, caplog):
+    fb = fallback_spec(regions=(0, 2))
+    cfg = _cfg("bf16", 128, 2, fallback=fb)
+    with caplog.at_level(logging.INFO, logger="compilemask"):
+        compile_flash_fwd(cfg, fb, gpu_arch=sm90_env)
+        compile_flash_fwd(cfg, fb, gpu_arch=sm90_env)  # cached: no second build, no second log
+    msgs = [r for r in caplog.records if "fallback predicate" in r.getMessage()]
+    assert len(msgs) == 1
+
+
+def test_compile_sm80_path(sm90_env):
+    # the portable mma.sync path also builds (here for an sm_90a target)
+    assert compile_flash_fwd(_cfg("fp16", 64, 2, arch=80), gpu_arch=sm90_env) is not None
+
+
+def test_hdim256_not_implemented():
+    q = torch.zeros(1, 8, 1, 256, dtype=torch.bfloat16)
+    iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
+    bm = torch.zeros(1, 1, 1, dtype=torch.int32)
+    with pytest.raises(NotImplementedError):
+        flash_fwd(q, q, q, iv, bm, tile_m=128, tile_n=128)
+
+
+def _nvdisasm():
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia.cu13  # noqa: F401
+
+        for base in nvidia.cu13.__path__:
+            cand = os.path.join(base, "bin", "nvdisasm")
+            if os.path.exists(cand):
+                return cand
+    except ImportError:
+        pass
+    return None
+
+
+def test_sass_has_hgmma(sm90_env, tmp_path, monkeypatch):
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm>=13.3)")
+    monkeypatch.setenv("PATH", os.path.dirname(exe) + os.pathsep + os.environ.get("PATH", ""))
+    compile_flash_fwd(
+        _cfg("bf16", 128, 2),
+        gpu_arch=sm90_env,
+        use_cache=False,
+        extra_options=f"--keep-sass --keep-cubin --dump-dir {tmp_path}",
+    )
+    cubins = glob.glob(str(tmp_path / "*.cubin"))
+    if not cubins:
+        pytest.skip("the DSL did not keep the cubin in this environment")
+    text = subprocess.run(
+        [exe, "-c", cubins[0]], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "HGMMA" in text, "sm90 kernel must use wgmma (HGMMA)"
+    assert " LDL" not in text and " STL" not in text, "register spills to local memory"
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptor helpers for the tests (plain torch)
+# ---------------------------------------------------------------------------------------------
+def causal_intervals(B, Sq, Sk):
+    i = torch.arange(Sq)
+    iv = torch.zeros(B, Sq, 1, 2, dtype=torch.int64)
+    iv[:, :, 0, 1] = torch.clamp(i + 1, max=Sk)
+    return iv
+
+
+def hstu_like_intervals(B, Sq, Sk, gen):
+    """K=2: a per-sequence global prefix [0, c_b) plus a causal sliding window of width w_b."""
+    iv = torch.zeros(B, Sq, 2, 2, dtype=torch.int64)
+    i = torch.arange(Sq)
+    for b in range(B):
+        c = int(torch.randint(0, max(Sk // 3, 1) + 1, (1,), generator=gen))
+        w = int(torch.randint(1, max(Sk // 2, 2) + 1, (1,), generator=gen))
+        iv[b, :, 0, 1] = min(c, Sk)
+        lo = torch.clamp(i - w + 1, min=0)
+        hi = torch.clamp(i + 1, max=Sk)
+        iv[b, :, 1, 0] = torch.where(hi > lo, lo, torch.zeros_like(lo))
+        iv[b, :, 1, 1] = torch.clamp(hi - lo, min=0)
+    return iv
+
+
+def with_empty_rows(iv, gen):
+    """Blank random rows and (when long enough) a block of 150 leading rows."""
+    iv = iv.clone()
+    B, Sq = iv.shape[:2]
+    blank = torch.rand(B, Sq, generator=gen) < 0.2
+    if Sq > 300:
+        blank[0, :150] = True
+    iv[blank] = 0
+    return iv
+
+
+def dense_from_intervals(iv, Sk):
+    j = torch.arange(Sk).view(1, 1, 1, Sk)
+    s = iv[..., 0].unsqueeze(-1)
+    ln = iv[..., 1].unsqueeze(-1)
+    return ((j - s >= 0) & (j - s < ln)).any(dim=2)  # [B, Sq, Sk]
+
+
+def fallback_dense(B, Sq, Sk, params, row_params):
+    i = torch.arange(Sq).view(1, Sq, 1)
+    j = torch.arange(Sk).view(1, 1, Sk)
+    stride = params[:, 0].view(B, 1, 1).to(torch.int64)
+    first = row_params[:, :, 0].view(B, Sq, 1).to(torch.int64)
+    return (j <= i) & ((torch.remainder(i - j, stride) == 0) | (j < first))
+
+
+def make_bitmap(iv, always_masked, tile_m, tile_n, Sq, Sk):
+    st = tile_states(iv[..., 0], iv[..., 1], always_masked, TileConfig(tile_m, tile_n), Sq, Sk)
+    return pack_bitmap(st)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: numerics against a float32 dense masked softmax
+# ---------------------------------------------------------------------------------------------
+def ref_attention(q, k, v, mask, scale):
+    """float32 reference: out [B,Sq,H,D], lse [B,H,Sq]; rows that see nothing -> 0 / -inf."""
+    B, Sq, H, D = q.shape
+    Hkv = k.shape[2]
+    kk = k.float().repeat_interleave(H // Hkv, dim=2)
+    vv = v.float().repeat_interleave(H // Hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
+    m = mask.unsqueeze(1)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return out, lse
+
+
+def torch_lowp_attention(q, k, v, mask, scale):
+    """PyTorch's own low-precision result: SDPA with the bool mask in q.dtype."""
+    H, Hkv = q.shape[2], k.shape[2]
+    kk = k.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)
+    vv = v.repeat_interleave(H // Hkv, dim=2).transpose(1, 2)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kk, vv, attn_mask=mask.unsqueeze(1), scale=scale
+    )
+    return o.transpose(1, 2).float().nan_to_num(0.0)
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CASES = [
+    # (mask, B, Sq, Sk, H, Hkv, D, dtype)
+    ("causal", 2, 1, 1, 2, 2, 128, torch.bfloat16),
+    ("causal", 2, 127, 127, 2, 1, 128, torch.bfloat16),
+    ("causal", 2, 128, 128, 4, 2, 64, torch.float16),
+    ("causal", 2, 129, 129, 2, 2, 64, torch.bfloat16),
+    ("causal", 2, 1000, 1000, 4, 1, 128, torch.float16),
+    ("causal", 1, 8192, 8192, 2, 2, 128, torch.bfloat16),
+    ("causal", 2, 127, 1000, 2, 2, 128, torch.bfloat16),
+    ("causal", 2, 1000, 129, 2, 2, 64, torch.float16),
+    ("hstu", 3, 1000, 1000, 4, 2, 128, torch.bfloat16),
+    ("hstu", 2, 129, 129, 2, 2, 64, torch.float16),
+    ("hstu", 2, 1, 1000, 2, 1, 64, torch.bfloat16),
+    ("empty", 2, 1000, 1000, 2, 2, 128, torch.bfloat16),
+    ("empty", 2, 127, 129, 2, 1, 64, torch.float16),
+    ("fallback", 2, 1000, 1000, 4, 2, 128, torch.bfloat16),
+    ("fallback", 2, 129, 127, 2, 2, 64, torch.float16),
+]
+
+
+def _build_case(mask_kind, B, Sq, Sk, gen):
+    row_region = params = row_params = None
+    fb = None
+    if mask_kind == "causal":
+        iv = causal_intervals(B, Sq, Sk)
+        dense = dense_from_intervals(iv, Sk)
+    elif mask_kind == "hstu":
+        iv = hstu_like_intervals(B, Sq, Sk, gen)
+        dense = dense_from_intervals(iv, Sk)
+    elif mask_kind == "empty":
+        iv = with_empty_rows(hstu_like_intervals(B, Sq, Sk, gen), gen)
+        dense = dense_from_intervals(iv, Sk)
+    elif mask_kind == "fallback":
+        # region 0: fallback predicate over causal intervals; region 1: plain causal;
+        # region -1: rows that see nothing
+        iv = causal_intervals(B, Sq, Sk)
+        row_region = torch.randint(0, 2, (B, Sq), generator=gen, dtype=torch.int64)
+        row_region[torch.rand(B, Sq, generator=gen) < 0.05] = -1
+        iv[row_region == -1] = 0
+        params = torch.randint(2, 5, (B, 1), generator=gen, dtype=torch.int64)
+        row_params = torch.randint(0, max(Sk // 4, 1), (B, Sq, 1), generator=gen)
+        fb = fallback_spec(regions=(0,))
+        dense = dense_from_intervals(iv, Sk)
+        pred = fallback_dense(B, Sq, Sk, params, row_params)
+        dense = torch.where((row_region == 0).unsqueeze(-1), dense & pred, dense)
+    else:
+        raise ValueError(mask_kind)
+    always = torch.zeros(B, Sq, dtype=torch.bool) if row_region is None else (row_region == 0)
+    return iv, dense, always, row_region, params, row_params, fb
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("arch", [90, 80])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-B{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{str(c[7])[6:]}")
+def test_fwd_numerics(case, arch):
+    mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
+    major, _ = torch.cuda.get_device_capability()
+    if arch == 90 and major != 9:
+        pytest.skip("wgmma path needs sm_90")
+    if arch == 80 and Sq > 2000 and mask_kind != "causal":
+        pytest.skip("keep the mma.sync run short")
+    seed = hash((case, arch)) % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    iv, dense, always, row_region, params, row_params, fb = _build_case(mask_kind, B, Sq, Sk, gen)
+    tm, tn = default_tiles(D, arch)
+    bm = make_bitmap(iv, always, tm, tn, Sq, Sk)
+    dev = "cuda"
+    torch.manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device=dev, dtype=dtype)
+    k = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dtype)
+    v = torch.randn(B, Sk, Hkv, D, device=dev, dtype=dtype)
+    scale = 1.0 / math.sqrt(D)
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    lse = torch.full((B, H, Sq), float("nan"), device=dev)
+    out, lse = flash_fwd(
+        q, k, v, iv.to(dev), bm.to(dev),
+        None if row_region is None else row_region.to(dev),
+        None if params is None else params.to(dev),
+        None if row_params is None else row_params.to(dev),
+        tile_m=tm, tile_n=tn, softmax_scale=scale, fallback=fb, arch=arch, out=out, lse=lse,
+    )
+    torch.cuda.synchronize()
+    dmask = dense.to(dev)
+    ref_o, ref_lse = ref_attention(q, k, v, dmask, scale)
+    lp_o = torch_lowp_attention(q, k, v, dmask, scale)
+    assert not torch.isnan(out).any(), "NaN (or unwritten) output"
+    assert not torch.isnan(lse).any(), "NaN (or unwritten) LSE"
+    err = (out.float() - ref_o).abs().max().item()
+    err_torch = (lp_o - ref_o).abs().max().item()
+    assert err <= 2 * err_torch + 1e-4, (err, err_torch)
+    empty = ~dmask.any(dim=-1)  # [B, Sq]
+    if empty.any():
+        assert (out[empty] == 0).all(), "rows that see nothing must be exact zeros"
+        e = empty.unsqueeze(1).expand(B, H, Sq)
+        assert torch.isneginf(lse[e]).all()
+        assert torch.isfinite(lse[~e]).all()
+    fin = torch.isfinite(ref_lse)
+    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+    assert lse_err <= 2e-3 * max(1.0, ref_lse[fin].abs().max().item() if fin.any() else 1.0), lse_err
