@@ -24,8 +24,8 @@ Stages, per chunk of ``CHUNK`` n-tiles (one chunk covers Sk <= CHUNK * tile_n; l
    K rounds). Rows of fallback regions add no coverage (their tiles are never full).
 2. scan: prefix sums of the difference arrays (per 16-tile word, then across words).
 3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
-   visible and its coverage count < the number of rows of ``m`` below Sq (``10`` never occurs). 16 states per int32 word; forward
-   words run along n, backward words along m.
+   visible and its coverage count < the number of rows of ``m`` below Sq (``10`` never
+   occurs). 16 states per int32 word; forward words run along n, backward words along m.
 
 This is O(rows * K^2 + tiles) per block instead of the O(rows * tiles * K^2) of testing every
 (row, tile) pair, and bit-identical to the reference: a tile is covered by a row iff it lies in
@@ -236,7 +236,7 @@ class _Emitter:
                  '# out: per-row arrays')
         w(1, "seqlen_k: T.int32,")
         w(0, "):")
-        threads = f", threads=THREADS" if self.cuda else ""
+        threads = ", threads=THREADS" if self.cuda else ""
         w(1, f"with T.Kernel(T.ceildiv(Sq, ROWS), B{threads}) as (bx, b):")
         ind = 2
         if self.cuda:
@@ -292,8 +292,7 @@ class _Emitter:
         w(ind + 2, "count[e // CHUNK, e % CHUNK] = 0")
 
     def _stage_rows(self, ind, fb):
-        m, pl, pr, w = self.mask, self.pl, self.pr, self.w
-        K = pl.K
+        m, pr, w = self.mask, self.pr, self.w
         w(ind, "for rr in T.serial(ROWS // THREADS):")
         ind += 1
         w(ind, "r = rr * THREADS + tx  # row within the block")

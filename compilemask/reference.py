@@ -110,7 +110,8 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
     B, Sq, H, D = q.shape
     Hkv = k.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = (t.to(acc).transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
     if Hkv != H:
         kf = kf.repeat_interleave(H // Hkv, dim=1)
         vf = vf.repeat_interleave(H // Hkv, dim=1)

@@ -281,8 +281,10 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     fig = plt.figure(figsize=(fig_w / dpi, fig_h / dpi), dpi=dpi)
     x0 = left + band_w + gap
     ax = fig.add_axes((x0 / fig_w, bottom / fig_h, W / fig_w, H / fig_h))
-    ax.imshow(img, extent=(0, Sk, Sq, 0), aspect="auto", interpolation="nearest",
-              resample=False)
+    # tile mode: one pixel per tile, so the image spans the padded tile grid; the axes clip
+    # the edge tiles to the keys and rows that exist
+    ext = (0, Sk, Sq, 0) if mode == "dense" else (0, n_n * tiles.tile_n, n_m * tiles.tile_m, 0)
+    ax.imshow(img, extent=ext, aspect="auto", interpolation="nearest", resample=False)
     ax.set_xlim(0, Sk)
     ax.set_ylim(Sq, 0)
     ax.set_xlabel(f"key j (kv-tiles of {tiles.tile_n})")

@@ -371,6 +371,8 @@ class _Translator:
             isinstance(value, types.FunctionType) or value in (builtins.min, builtins.max, abs)
         ):
             return value
+        if allow_function and callable(value):
+            raise self.unsupported(node, f"call to '{name}' (not min/max/abs or a plain function)")
         raise ValueError(
             f"{self.where(node)}: name {name!r} is bound to {type(value).__name__}, not an int "
             "constant, a declared param or a helper function"

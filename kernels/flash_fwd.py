@@ -8,7 +8,9 @@ Tile-State Bitmap row ``fwd_bitmap[b, m_block, :]`` (see ``compilemask/descripto
 * ``01`` full: no masking code runs (except on the ragged last kv tile, whose out-of-range
   columns the Interval Table excludes because intervals are clipped to ``[0, Sk)``);
 * ``11`` partial: every score is tested against the row's interval slots,
-  ``OR_k uint32(kv_idx - start_k) < uint32(len_k)`` (K a compile-time constant, fully unrolled),
+  ``OR_k uint32(kv_idx - start_k) < uint32(len_k)`` (K a compile-time constant, fully unrolled;
+  evaluated as ``start_k <= kv_idx < end_k`` with ``end_k = start_k + len_k`` formed once per
+  row when the q tile's interval rows are loaded),
   AND-ed with the fallback predicate for rows whose ``row_region`` is a fallback region.
 
 The interval rows (and for fallback kernels the row region / per-row params) of the q tile are
@@ -38,7 +40,7 @@ from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils import LayoutEnum
@@ -502,8 +504,14 @@ class FlashFwd:
             for k in cutlass.range_constexpr(max(R, 1)):
                 rRowP[r, k] = 0
             if in_range:
-                for k in cutlass.range_constexpr(2 * K):
-                    rInt[r, k] = mIntervals[batch_idx, q_idx, k]
+                # kept as (start, end = start + len): the test below is then two signed
+                # compares per slot, equivalent to uint32(kv - start) < uint32(len) for
+                # 0 <= start, len < 2^31 (the DSL's wrapping-free integer ops do not keep
+                # the unsigned trick intact: LLVM turned it into a signed compare)
+                for k in cutlass.range_constexpr(K):
+                    st = mIntervals[batch_idx, q_idx, 2 * k]
+                    rInt[r, 2 * k] = st
+                    rInt[r, 2 * k + 1] = st + mIntervals[batch_idx, q_idx, 2 * k + 1]
                 if const_expr(self.cfg.has_fallback):
                     region = mRowRegion[batch_idx, q_idx]
                     for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
@@ -631,9 +639,10 @@ class FlashFwd:
             q_idx = m_start + tScS_mn[r, 0][0]
             for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
                 kv_idx = n_start + tScS_mn[0, c][1]
-                vis = Uint32(kv_idx - rInt[r, 0]) < Uint32(rInt[r, 1])
+                # slot k of the row: kv in [start_k, end_k)  (== uint32(kv - start) < uint32(len))
+                vis = (kv_idx >= rInt[r, 0]) & (kv_idx < rInt[r, 1])
                 for k in cutlass.range_constexpr(1, K):
-                    vis = vis | (Uint32(kv_idx - rInt[r, 2 * k]) < Uint32(rInt[r, 2 * k + 1]))
+                    vis = vis | ((kv_idx >= rInt[r, 2 * k]) & (kv_idx < rInt[r, 2 * k + 1]))
                 if const_expr(self.cfg.has_fallback):
                     args = [rP[p] for p in range(self.cfg.num_params)]
                     args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
