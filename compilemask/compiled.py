@@ -229,6 +229,14 @@ class CompiledMask:
         return any(r.fallback for r in self.regions)
 
     @property
+    def key_indexed_arrays(self) -> tuple[str, ...]:
+        """Per-row arrays that a rule subscripts by j (their terms are fallback predicates)."""
+        j = rule_symbols(())["j"]
+        names = {type(f).__name__ for r in self.regions
+                 for f in r.rule.atoms(sp.core.function.AppliedUndef) if f.has(j)}
+        return tuple(a for a in self.array_params if a in names)
+
+    @property
     def fallback_regions(self) -> list[CompiledRegion]:
         return [r for r in self.regions if r.fallback]
 
@@ -382,6 +390,10 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
     if extra:
         raise ValueError(f"mask {spec.name!r}: unknown param(s) {extra}; declared: "
                          f"{list(spec.params)}")
+    if mask.key_indexed_arrays and seqlen_k > seqlen_q:
+        raise ValueError(f"mask {spec.name!r}: per-row array(s) {list(mask.key_indexed_arrays)} "
+                         f"are subscripted by j, so seqlen_k ({seqlen_k}) must not exceed "
+                         f"seqlen_q ({seqlen_q})")
     # batch size and device from the tensors
     B = batch_size
     dev = None

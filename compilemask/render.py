@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE

@@ -49,25 +49,18 @@ _REGION_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc9
 
 
 def _require_matplotlib():
+    """Import matplotlib lazily. Figures are drawn on their own Agg canvas: pyplot and the
+    user's backend are left alone."""
     try:
-        import matplotlib
-
-        if _no_backend_chosen():
-            matplotlib.use("Agg")
-        import matplotlib.pyplot  # noqa: F401
-    except ImportError as e:  # pragma: no cover - exercised only without matplotlib
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
         raise ImportError(
-            "compilemask.visualize needs matplotlib: pip install 'compilemask[viz]' "
-            "(or pip install matplotlib)"
+            "compilemask.visualize needs matplotlib, which is not installed: "
+            "pip install 'compilemask[viz]' (or pip install matplotlib)"
         ) from e
-    return matplotlib
-
-
-def _no_backend_chosen() -> bool:
-    """True unless the user (or pyplot) already picked a backend: we never steal theirs."""
-    import sys
-
-    return "matplotlib.pyplot" not in sys.modules and not os.environ.get("MPLBACKEND")
+    return Figure, FigureCanvasAgg
 
 
 # ---- the numbers -------------------------------------------------------------------------------
@@ -246,7 +239,7 @@ def _runs(region_row: torch.Tensor):
     cut = (r[1:] != r[:-1]).nonzero().flatten() + 1
     starts = [0] + cut.tolist()
     ends = cut.tolist() + [r.numel()]
-    return [(s, e, int(r[s])) for s, e in zip(starts, ends)]
+    return [(s, e, int(r[s])) for s, e in zip(starts, ends, strict=True)]
 
 
 def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = DENSE_LIMIT,
@@ -254,8 +247,7 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     """Build the figure; returns ``(fig, info)``. ``info`` holds the drawing mode and where the
     mask image lies in the saved PNG (pixels, origin top-left), which tests use to read tiles
     back; ``visualize`` stores it in the PNG's text chunk ``compilemask``."""
-    _require_matplotlib()
-    import matplotlib.pyplot as plt
+    Figure, FigureCanvasAgg = _require_matplotlib()
     from matplotlib.patches import Patch, Rectangle
 
     batch = _check_batch(desc, batch)
@@ -278,7 +270,8 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     bottom = 62 + 22 * (1 + reg_rows)
     fig_w = left + band_w + gap + W + right
     fig_h = top + H + bottom
-    fig = plt.figure(figsize=(fig_w / dpi, fig_h / dpi), dpi=dpi)
+    fig = Figure(figsize=(fig_w / dpi, fig_h / dpi), dpi=dpi)
+    FigureCanvasAgg(fig)
     x0 = left + band_w + gap
     ax = fig.add_axes((x0 / fig_w, bottom / fig_h, W / fig_w, H / fig_h))
     # tile mode: one pixel per tile, so the image spans the padded tile grid; the axes clip
@@ -326,7 +319,8 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     head = title or (f"{desc.mask.name}{fb}: sequence {batch} of {desc.batch_size}")
     sub = (f"seqlen_q={Sq}  seqlen_k={Sk}  K={K}  "
            f"{'bwd' if backward else 'fwd'} tiles {tiles.tile_m}x{tiles.tile_n}  "
-           f"[{'one pixel per element' if mode == 'dense' else 'tile resolution: visible fraction'}]")
+           + ("[one pixel per element]" if mode == "dense"
+              else "[tile resolution: shade = visible fraction]"))
     fig.text(0.5, 1 - 30 / fig_h, head, ha="center", va="center", fontsize=13)
     fig.text(0.5, 1 - 58 / fig_h, sub, ha="center", va="center", fontsize=9)
 
@@ -345,8 +339,7 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     if reg_handles:
         fig.legend(handles=reg_handles, loc="upper left", ncol=min(6, len(reg_handles)),
                    fontsize=8, frameon=False, bbox_to_anchor=(x0 / fig_w, (bottom - 72) / fig_h),
-                   borderaxespad=0, title="regions (band at the left)", title_fontsize=8,
-                   alignment="left")
+                   borderaxespad=0, title="regions (band at the left)", title_fontsize=8)
 
     info = {"mode": mode, "dpi": dpi, "image_px": [x0, top, W, H],
             "seqlen_q": Sq, "seqlen_k": Sk, "tile_m": tiles.tile_m, "tile_n": tiles.tile_n,
@@ -361,16 +354,10 @@ def visualize(desc, batch: int = 0, path: str = "mask.png", **kw) -> str:
     Keyword options: ``backward`` (draw the backward tiling), ``dense_limit`` (elements above
     which the tile-resolution mode is used), ``width_px``, ``dpi``, ``title``, ``grid``.
     Returns ``path``."""
-    _require_matplotlib()
-    import matplotlib.pyplot as plt
-
     fig, info = figure(desc, batch, **kw)
     path = os.fspath(path)
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
-    try:
-        fig.savefig(path, dpi=info["dpi"], metadata={"compilemask": json.dumps(info)})
-    finally:
-        plt.close(fig)
+    fig.savefig(path, dpi=info["dpi"], metadata={"compilemask": json.dumps(info)})
     return path

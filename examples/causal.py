@@ -1,6 +1,6 @@
 """Causal attention: every row sees itself and the keys before it (K = 1).
 
-    python examples/causal.py            # explain, preprocess, check, picture in examples/out/
+    python examples/causal.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Written naturally with ``(j - text_end) // WIDTH`` and ``% WIDTH``: the compiler
 quotient ``row_j`` to the 2R+1 values row_i - R .. row_i + R and enumerates them, one interval
 per image row of the window, so K = 2R + 2 (the text interval + 2R+1 window rows).
 
-    python examples/clear.py            # explain, preprocess, check, picture in examples/out/
+    python examples/clear.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ is not an interval in j, so the region keeps a predicate: the interval [0, i] ov
 it for tile classification (no tile is ever full) and partial tiles evaluate the residual
 predicate element by element. ``explain()`` says so (FALLBACK ... because ...).
 
-    python examples/dilated_causal.py            # explain, preprocess, check, picture in examples/out/
+    python examples/dilated_causal.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 context and the history, history rows are causal, and target rows see the context and history
 plus their own group of ``group_size`` targets causally (K = 2 for the target region).
 
-    python examples/hstu.py            # explain, preprocess, check, picture in examples/out/
+    python examples/hstu.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

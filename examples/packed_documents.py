@@ -3,7 +3,7 @@
 ``doc_start`` is a per-row array (``[B, Sq]``): the first row of the document that row i is in.
 Subscripting a param by ``i`` keeps the rule an interval rule (K = 1).
 
-    python examples/packed_documents.py            # explain, preprocess, check, picture in examples/out/
+    python examples/packed_documents.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

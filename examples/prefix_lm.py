@@ -1,7 +1,7 @@
 """Prefix-LM: a bidirectional prefix of ``prefix_len`` keys, causal after it (K = 1:
 the union [0, prefix_len) | [0, i] is proved to be one interval).
 
-    python examples/prefix_lm.py            # explain, preprocess, check, picture in examples/out/
+    python examples/prefix_lm.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

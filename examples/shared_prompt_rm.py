@@ -1,7 +1,7 @@
 """Shared-prompt reward model: one prompt and six responses packed after it; every
 response sees the prompt and itself causally, never the other responses (K = 2).
 
-    python examples/shared_prompt_rm.py            # explain, preprocess, check, picture in examples/out/
+    python examples/shared_prompt_rm.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

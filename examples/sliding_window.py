@@ -1,6 +1,6 @@
 """Sliding-window causal attention: row i sees keys (i - WINDOW, i] (K = 1).
 
-    python examples/sliding_window.py            # explain, preprocess, check, picture in examples/out/
+    python examples/sliding_window.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations

@@ -109,3 +109,22 @@ def test_rows_under_no_guard_see_nothing():
     assert torch.all(desc.row_region[0, 5:] == -1)
     assert not desc.dense_mask()[0, 5:].any()
     assert torch.equal(desc.dense_mask(), mask.reference_mask({"a": 5}, seqlen_q=12))
+
+
+def test_per_row_array_subscripted_by_j_is_a_fallback():
+    spec = cm.MaskSpec("same_doc", params=["doc_id"], regions=[
+        cm.Region("all", when=lambda i: True,
+                  visible=lambda i, j: j <= i and doc_id[j] == doc_id[i]),  # noqa: F821
+    ])
+    mask = cm.compile_mask(spec)
+    assert mask.has_fallback and "subscripted by j" in mask.explain(show_code=False)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        doc_id = torch.sort(torch.randint(0, 4, (2, 30), generator=gen), dim=1).values
+        meta = {"doc_id": doc_id}
+        desc = mask.preprocess(meta, seqlen_q=30, seqlen_k=25)
+        assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, seqlen_q=30, seqlen_k=25))
+    import pytest
+
+    with pytest.raises(ValueError, match="subscripted by j, so seqlen_k"):
+        mask.preprocess(meta, seqlen_q=30, seqlen_k=31)
