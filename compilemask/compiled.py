@@ -119,7 +119,7 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
         excl = {}
-        for k, (r2, g2, _) in enumerate(translated[:idx]):
+        for r2, g2, _ in translated[:idx]:
             excl[r2.name] = Prover([], syms, divisors).proves(sp.Not(sp.And(g.expr, g2.expr)))
         regions.append(CompiledRegion(
             index=idx, name=r.name, guard=g.expr, guard_source=g.source, rule=v.expr,
@@ -283,7 +283,8 @@ class CompiledMask:
         B, scal, arrs, dev = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
                                                  check_values=None if not check else True)
         if backend not in ("auto", "torch", "tilelang"):
-            raise ValueError(f"preprocess: backend must be auto, torch or tilelang, got {backend!r}")
+            raise ValueError(f"preprocess: backend must be auto, torch or tilelang, "
+                             f"got {backend!r}")
         if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and _has_tilelang()):
             from compilemask.codegen.preprocess import tilelang_preprocess
 

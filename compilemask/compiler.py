@@ -93,7 +93,8 @@ def _split_rel(rel, j):
     # Piecewise
     alts, prev = [], []
     for val, cond in sub.args:
-        alts.append(sp.And(cond, *[sp.Not(c) for c in prev], _split_rel(cls(d.subs(sub, val), 0), j)))
+        case = _split_rel(cls(d.subs(sub, val), 0), j)
+        alts.append(sp.And(cond, *[sp.Not(c) for c in prev], case))
         prev.append(cond)
     return sp.Or(*alts)
 
@@ -274,7 +275,6 @@ def _split_quotient(atoms, j):
         if _j_coeff_one(x, j) is None:
             return None
         q = sp.Dummy("q", integer=True)
-        fnode = sp.floor(x / c)
         lowers, uppers = [], []
         for other in atoms:
             if not isinstance(other, _REL):

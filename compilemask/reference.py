@@ -38,8 +38,9 @@ def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
     i = torch.arange(Sq, device=dev, dtype=torch.int64).view(1, Sq, 1)
     j = torch.arange(Sk, device=dev, dtype=torch.int64).view(1, 1, Sk)
     args = [i, j, Sq, Sk]
-    args += [desc.params[:, k].to(torch.int64).view(B, 1, 1) for k in range(len(mask.scalar_params))]
-    for k, name in enumerate(mask.array_params):
+    params = desc.params.to(torch.int64)
+    args += [params[:, k].view(B, 1, 1) for k in range(len(mask.scalar_params))]
+    for k in range(len(mask.array_params)):
         arr = desc.row_params[..., k].to(torch.int64)
         if Sk > Sq:
             arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))  # keys past Sq: see the note below

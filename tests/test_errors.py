@@ -31,7 +31,8 @@ def test_unsupported_syntax_points_at_line():
             pass
         return j < i
 
-    with pytest.raises(NotImplementedError, match=r"test_errors.py:\d+\): unsupported statement 'For'"):
+    with pytest.raises(NotImplementedError,
+                       match=r"test_errors.py:\d+\): unsupported statement 'For'"):
         _compile(loop)
     with pytest.raises(NotImplementedError, match="unsupported call to 'len'"):
         _compile(lambda i, j: j < len(i))
@@ -55,7 +56,8 @@ def test_spec_validation():
         cm.MaskSpec("x", regions=[r, r])
     with pytest.raises(TypeError, match="must return a boolean"):
         _compile(lambda i, j: j + 1)
-    with pytest.raises(ValueError, match="when function '<lambda>'.*name 'j' is not a declared param"):
+    with pytest.raises(ValueError,
+                       match="when function '<lambda>'.*name 'j' is not a declared param"):
         _compile(lambda i, j: True, when=lambda i: j < 3)  # noqa: F821
 
 
@@ -73,7 +75,8 @@ def test_metadata_errors():
         mask.preprocess({**good, "seq_end": torch.tensor([1, 2, 3])}, seqlen_q=8)
     with pytest.raises(ValueError, match="param 'hist_end' must be non-negative"):
         mask.preprocess({**good, "hist_end": torch.tensor([-1, 2])}, seqlen_q=8)
-    with pytest.raises(ValueError, match=r"param 'group_size' must be positive \(it is a divisor\)"):
+    with pytest.raises(ValueError,
+                       match=r"param 'group_size' must be positive \(it is a divisor\)"):
         mask.preprocess({**good, "group_size": 0}, seqlen_q=8)
     with pytest.raises(TypeError, match="param 'group_size': expected an int or an integer tensor"):
         mask.preprocess({**good, "group_size": "2"}, seqlen_q=8)

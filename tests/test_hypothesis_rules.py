@@ -5,11 +5,12 @@ import itertools
 import linecache
 
 import torch
-from helpers import dense_tile_states
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compilemask as cm
+
+from helpers import dense_tile_states
 
 PARAMS = ["a", "b", "d"]  # d is only ever a divisor: drawn positive
 _counter = itertools.count()

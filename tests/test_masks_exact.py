@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from helpers import dense_tile_states
 
 import compilemask as cm
 from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
 from compilemask.masks import EXAMPLES, random_meta
+
+from helpers import dense_tile_states
 
 # (seqlen_q, seqlen_k, fwd tiles, bwd tiles): multiples of the tiles and not, Sq != Sk both ways
 SHAPES = [(32, 32, (16, 16), (8, 32)), (45, 45, (16, 16), (8, 32)), (37, 53, (8, 16), (16, 8)),
@@ -25,8 +26,8 @@ def test_descriptor_equals_brute_force(name):
         if name == "packed_documents" and Sk > Sq:
             Sk = Sq
         meta = random_meta(spec, 2, Sq, gen)
-        desc = mask.preprocess(meta, seqlen_q=Sq, seqlen_k=Sk, fwd_tiles=ft, bwd_tiles=bt, batch_size=2,
-                               check=True)
+        desc = mask.preprocess(meta, seqlen_q=Sq, seqlen_k=Sk, fwd_tiles=ft, bwd_tiles=bt,
+                               batch_size=2, check=True)
         ref = mask.reference_mask(meta, seqlen_q=Sq, seqlen_k=Sk, batch_size=2)
         dense = desc.dense_mask()
         assert dense.shape == ref.shape == (2, Sq, Sk)
