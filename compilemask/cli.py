@@ -55,12 +55,16 @@ def load_spec(target: str):
         raise CliError(f"cannot load {path} as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look modules up by name
+    here = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, here)  # as when running the file: its sibling modules import
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         raise CliError(f"error while running {path}: {type(e).__name__}: {e}") from e
     finally:
         sys.modules.pop(mod_name, None)
+        if sys.path and sys.path[0] == here:
+            del sys.path[0]
     found = {k: v for k, v in vars(module).items()
              if isinstance(v, MaskSpec) and not k.startswith("_")}
     if not name:

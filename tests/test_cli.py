@@ -120,6 +120,16 @@ def test_missing_file(capsys, tmp_path):
     assert "no such file" in _err(capsys, "explain", [str(tmp_path / "none.py")])
 
 
+def test_file_importing_a_sibling_module(capsys, tmp_path):
+    (tmp_path / "helpers_for_mask.py").write_text("LIMIT = 5\n")
+    (tmp_path / "uses.py").write_text(
+        "import compilemask as cm\nfrom helpers_for_mask import LIMIT\n"
+        "S = cm.MaskSpec('lim', regions=[cm.Region('all', when=lambda i: True,\n"
+        "    visible=lambda i, j: i - LIMIT < j <= i)])\n")
+    assert run("explain", [str(tmp_path / "uses.py"), "--no-code"]) == 0
+    assert "MaskSpec 'lim'" in capsys.readouterr().out
+
+
 def test_not_a_python_file(capsys, tmp_path):
     assert "expected FILE.py:NAME" in _err(capsys, "explain", ["masks.txt:X"])
 
