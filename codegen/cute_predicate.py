@@ -3,13 +3,16 @@
 The generated function has the signature::
 
     @cute.jit
-    def <name>(q_idx, kv_idx, <scalar params...>, <row arrays...>) -> Boolean
+    def <name>(q_idx, kv_idx, <scalar params...>, <row arrays at i...>,
+               row_params, batch_idx, max_row) -> Boolean
 
-with every argument an ``Int32`` already loaded by the kernel: ``q_idx``/``kv_idx`` are the
-absolute row / column of the score, the scalar params are ``params[b, p]`` in the given order,
-and each per-row array ``name(i)`` is passed as its value at the current row,
-``row_params[b, q_idx, r]`` (only arguments equal to ``i`` are supported: the kernel loads the
-row's values once per q tile).
+``q_idx``/``kv_idx`` are the absolute row / column of the score (Int32), the scalar params are
+``params[b, p]`` in the given order (Int32, loaded once per CTA), and each per-row array
+``name(i)`` is passed as its value at the current row, ``row_params[b, q_idx, r]`` (loaded once
+per q tile). A per-row array indexed by anything else (``name(j)``, ``name(j - 1)``...) is read
+from the ``row_params`` tensor (int32 ``[B, Sq, R]``) of sequence ``batch_idx`` at that index,
+clamped into ``[0, max_row]`` (``max_row = Sq - 1``; columns past the sequence in edge tiles are
+rejected by the interval test anyway).
 
 Supported expression nodes: And / Or / Not / BooleanTrue / BooleanFalse, relationals
 (<, <=, >, >=, ==, !=), integers, symbols ``i`` (q_idx), ``j`` (kv_idx) and scalar params,
@@ -86,10 +89,20 @@ class _Emitter:
                 return f"p_{e.name}"
             raise UnsupportedExpression(f"unknown symbol {e.name!r}")
         if isinstance(e, sympy.Function) and type(e).__name__ in self.array_params:
-            arg = e.args[0] if len(e.args) == 1 else None
-            if not (isinstance(arg, sympy.Symbol) and arg.name == "i"):
-                raise UnsupportedExpression(f"per-row array {e} must be indexed by i")
-            return f"a_{type(e).__name__}"
+            name = type(e).__name__
+            if len(e.args) != 1:
+                raise UnsupportedExpression(f"per-row array {e} takes one index")
+            arg = e.args[0]
+            if isinstance(arg, sympy.Symbol) and arg.name == "i":
+                return f"a_{name}"  # loaded once per row by the kernel
+            # any other index (typically j): a load from row_params[b, idx, r], the index
+            # clamped into [0, max_row] (edge tiles evaluate columns past the sequence)
+            idx = self.int_expr(arg)
+            if not (isinstance(arg, sympy.Symbol) and arg.name == "j"):
+                idx = self.tmp(f"cutlass.max({idx}, cutlass.Int32(0))")
+            idx = self.tmp(f"cutlass.min({idx}, max_row)")
+            r = self.array_params.index(name)
+            return self.tmp(f"row_params[batch_idx, {idx}, {r}]")
         if isinstance(e, sympy.Add):
             num, den = sympy.fraction(sympy.together(e))
             if den != 1:
@@ -221,7 +234,12 @@ def predicate_source(
     array_params = list(array_params)
     em = _Emitter(scalar_params, array_params)
     result = em.bool_expr(sympy.sympify(expr))
-    args = ["q_idx", "kv_idx"] + [f"p_{p}" for p in scalar_params] + [f"a_{a}" for a in array_params]
+    args = (
+        ["q_idx", "kv_idx"]
+        + [f"p_{p}" for p in scalar_params]
+        + [f"a_{a}" for a in array_params]
+        + ["row_params", "batch_idx", "max_row"]
+    )
     body = "\n".join(em.lines + [f"return {result}"])
     return (
         "import cutlass\nimport cutlass.cute as cute\n\n\n"

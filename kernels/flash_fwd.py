@@ -562,7 +562,8 @@ class FlashFwd:
             acc_S_mn = _acc_mn(acc_S)
             if need_mask:
                 self._apply_mask(
-                    acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_block * self.tile_n
+                    acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_block * self.tile_n,
+                    mRowParams, batch_idx, seqlen_q - 1,
                 )
 
             # ---- online softmax --------------------------------------------------------------
@@ -633,7 +634,10 @@ class FlashFwd:
                 cute.copy(gmem_tiled_copy_O, tOrO[None, r, None], tOgO[None, r, None])
 
     @cute.jit
-    def _apply_mask(self, acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_start):
+    def _apply_mask(
+        self, acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_start, mRowParams, batch_idx,
+        max_row,
+    ):
         K = self.K
         for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
             q_idx = m_start + tScS_mn[r, 0][0]
@@ -647,7 +651,9 @@ class FlashFwd:
                     args = [rP[p] for p in range(self.cfg.num_params)]
                     args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
                     for slot in cutlass.range_constexpr(len(self.predicates)):
-                        ok = self.predicates[slot](q_idx, kv_idx, *args)
+                        ok = self.predicates[slot](
+                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
+                        )
                         vis = vis & ((rFb[r] != slot) | ok)
                 if not vis:
                     acc_S_mn[r, c] = -Float32.inf

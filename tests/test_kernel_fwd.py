@@ -28,8 +28,17 @@ FIRST = sp.Function("first")
 FALLBACK_EXPR = sp.And(J <= I, sp.Or(sp.Eq(sp.Mod(I - J, STRIDE), 0), J < FIRST(I)))
 
 
+# a per-row array read at the column: same document id (doc(i) == doc(j)), causal
+DOC = sp.Function("doc")
+FALLBACK_J_EXPR = sp.And(J <= I, sp.Eq(DOC(I), DOC(J)))
+
+
 def fallback_spec(regions=(0,)):
     return Fallback.from_expr(FALLBACK_EXPR, ["stride"], ["first"], regions=regions)
+
+
+def fallback_j_spec(regions=(0,)):
+    return Fallback.from_expr(FALLBACK_J_EXPR, [], ["doc"], regions=regions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +82,11 @@ def test_compile_sm90_fallback_logs_once(sm90_env, caplog):
         compile_flash_fwd(cfg, fb, gpu_arch=sm90_env)  # cached: no second build, no second log
     msgs = [r for r in caplog.records if "fallback predicate" in r.getMessage()]
     assert len(msgs) == 1
+
+
+def test_compile_sm90_fallback_array_at_j(sm90_env):
+    fb = fallback_j_spec()
+    assert compile_flash_fwd(_cfg("fp16", 64, 1, fallback=fb), fb, gpu_arch=sm90_env) is not None
 
 
 def test_compile_sm80_path(sm90_env):
@@ -230,6 +244,8 @@ CASES = [
     ("empty", 2, 127, 129, 2, 1, 64, torch.float16),
     ("fallback", 2, 1000, 1000, 4, 2, 128, torch.bfloat16),
     ("fallback", 2, 129, 127, 2, 2, 64, torch.float16),
+    ("fallback_j", 2, 1000, 1000, 2, 1, 128, torch.bfloat16),
+    ("fallback_j", 2, 200, 129, 2, 2, 64, torch.float16),
 ]
 
 
@@ -257,6 +273,20 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
         fb = fallback_spec(regions=(0,))
         dense = dense_from_intervals(iv, Sk)
         pred = fallback_dense(B, Sq, Sk, params, row_params)
+        dense = torch.where((row_region == 0).unsqueeze(-1), dense & pred, dense)
+    elif mask_kind == "fallback_j":
+        # region 0 (most rows): causal intervals AND doc(i) == doc(j) (array read at j);
+        # region 1: plain causal
+        iv = causal_intervals(B, Sq, Sk)
+        row_region = (torch.rand(B, Sq, generator=gen) < 0.1).to(torch.int64)
+        params = torch.zeros(B, 0, dtype=torch.int64)
+        doc = torch.cumsum((torch.rand(B, Sq, generator=gen) < 0.01).to(torch.int64), dim=1)
+        row_params = doc.unsqueeze(-1)
+        fb = fallback_j_spec(regions=(0,))
+        dense = dense_from_intervals(iv, Sk)
+        same = doc[:, :, None] == doc[:, None, :Sk] if Sk <= Sq else None
+        pred = torch.zeros(B, Sq, Sk, dtype=torch.bool)
+        pred[:, :, : min(Sk, Sq)] = same[:, :, : min(Sk, Sq)]
         dense = torch.where((row_region == 0).unsqueeze(-1), dense & pred, dense)
     else:
         raise ValueError(mask_kind)

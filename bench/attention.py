@@ -1,0 +1,248 @@
+"""Single-operator attention benchmark on one GPU: CompileMask vs its peers, in one run.
+
+    python bench/attention.py --mode fwd --seqlens 1024,8192,32768 --out bench/results
+
+Methods: ``cm`` (our preprocess + kernel; kernel-only reported too), ``flex_triton`` and
+``flex_flash`` (FlexAttention, BlockMask built per batch with B = batch by a compiled
+``create_block_mask``), ``fa4`` (FA4 native, causal only), ``sdpa`` (dense masked SDPA under
+torch.compile; skipped when the dense mask would not fit). Effective TFLOP/s counts visible
+pairs only (4·pairs·D·H forward; backward 2.5× forward). Median of ``--rep`` ms of timing after
+warm-up, by triton.testing.do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import compilemask as cm  # noqa: E402
+from bench.workloads import WORKLOADS, batch_for, flex_mask_mod, make_meta  # noqa: E402
+
+H, D = 8, 128
+DTYPE = torch.bfloat16
+
+
+def _bench(fn, rep_ms):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms,
+                                   return_mode="median")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex(backend):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def run_one(name, S, mode, methods, rep_ms, results):
+    B = batch_for(S)
+    dev = "cuda"
+    meta = make_meta(name, B, S, device=dev)
+    mask = cm.compile_mask(WORKLOADS[name]())
+    gen = torch.Generator(device=dev).manual_seed(S)
+    q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=DTYPE, generator=gen) for _ in range(3))
+    do = torch.randn_like(q)
+    desc = mask.preprocess(meta, seqlen_q=S, seqlen_k=S)
+    pairs = int(desc.dense_mask().sum()) if S <= 8192 else _pairs_from_intervals(desc)
+    flops = 4.0 * pairs * D * H * (3.5 if mode == "train" else 1.0)
+    row = {"mask": name, "S": S, "B": B, "mode": mode, "visible_pairs": pairs}
+
+    def record(method, ms, kernel_ms=None, note=""):
+        row[method] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
+                       "kernel_ms": kernel_ms, "note": note}
+        print(f"  {name:18s} S={S:6d} B={B:4d} {method:12s} "
+              + (f"{ms:9.3f} ms {flops / (ms * 1e-3) / 1e12:7.1f} TFLOP/s" if ms else note)
+              + (f"  (kernel {kernel_ms:.3f} ms)" if kernel_ms else ""), flush=True)
+
+    def step_cm(with_pre=True):
+        d = mask.preprocess(meta, seqlen_q=S, seqlen_k=S) if with_pre else desc
+        if mode == "train":
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            cm.attention(qq, kk, vv, d).backward(do)
+        else:
+            cm.attention(q, k, v, d)
+
+    for method in methods:
+        try:
+            if method == "cm":
+                kernel = _bench(lambda: step_cm(False), rep_ms)
+                pre = _bench(lambda: mask.preprocess(meta, seqlen_q=S, seqlen_k=S), rep_ms)
+                total = _bench(step_cm, rep_ms)
+                record("cm", total, kernel, note=f"preprocess {pre:.3f} ms")
+                row["cm"]["preprocess_ms"] = pre
+            elif method in ("flex_triton", "flex_flash"):
+                mm = flex_mask_mod(name, meta)
+                cbm = _compiled_block_mask()
+                flex = _compiled_flex(method)
+                opts = {"BACKEND": "FLASH"} if method == "flex_flash" else None
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+                def build():
+                    return cbm(mm, B, None, S, S, device=dev)
+
+                bm = build()
+
+                def run_flex(block_mask):
+                    if mode == "train":
+                        qq, kk, vv = (t.detach().requires_grad_() for t in (qt, kt, vt))
+                        flex(qq, kk, vv, block_mask=block_mask, kernel_options=opts).backward(
+                            do.transpose(1, 2))
+                    else:
+                        flex(qt, kt, vt, block_mask=block_mask, kernel_options=opts)
+
+                kernel = _bench(lambda: run_flex(bm), rep_ms)
+                bm_ms = _bench(build, rep_ms)
+                total = _bench(lambda: run_flex(build()), rep_ms)
+                record(method, total, kernel, note=f"block mask {bm_ms:.3f} ms")
+                row[method]["block_mask_ms"] = bm_ms
+            elif method == "fa4":
+                if name != "causal":
+                    continue
+                from flash_attn.cute import flash_attn_func
+
+                def run_fa4():
+                    if mode == "train":
+                        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                        o = flash_attn_func(qq, kk, vv, causal=True)
+                        (o[0] if isinstance(o, tuple) else o).backward(do)
+                    else:
+                        flash_attn_func(q, k, v, causal=True)
+
+                ms = _bench(run_fa4, rep_ms)
+                record("fa4", ms, ms)
+            elif method == "sdpa":
+                if B * S * S > 2**31:
+                    record("sdpa", None, note="OOM (dense mask)")
+                    continue
+                dense = desc.dense_mask().unsqueeze(1)
+                f = torch.compile(torch.nn.functional.scaled_dot_product_attention)
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+                def run_sdpa():
+                    if mode == "train":
+                        qq, kk, vv = (t.detach().requires_grad_() for t in (qt, kt, vt))
+                        f(qq, kk, vv, attn_mask=dense).backward(do.transpose(1, 2))
+                    else:
+                        f(qt, kt, vt, attn_mask=dense)
+
+                ms = _bench(run_sdpa, rep_ms)
+                record("sdpa", ms, ms)
+        except torch.cuda.OutOfMemoryError:
+            record(method, None, note="OOM")
+            torch.cuda.empty_cache()
+        except Exception as e:  # a peer that fails is reported, not fatal
+            record(method, None, note=f"failed: {type(e).__name__}: {str(e)[:120]}")
+            traceback.print_exc()
+    results.append(row)
+
+
+def _pairs_from_intervals(desc):
+    """Visible pairs without a dense mask (interval slots do not overlap for these masks)."""
+    return int(desc.intervals[..., 1].to(torch.int64).sum())
+
+
+def to_markdown(results, mode, meta_line):
+    methods = ["cm", "flex_triton", "flex_flash", "fa4", "sdpa"]
+    out = [f"# Attention {mode} benchmark", "", meta_line, "",
+           "| mask | S | B | " + " | ".join(f"{m} ms (TFLOP/s)" for m in methods)
+           + " | cm kernel ms | cm preprocess ms | best peer / cm |",
+           "|" + "---|" * (len(methods) + 6)]
+    for r in results:
+        cells = []
+        best = None
+        for m in methods:
+            x = r.get(m)
+            if not x:
+                cells.append("")
+                continue
+            if x["ms"] is None:
+                cells.append(x["note"])
+                continue
+            cells.append(f"{x['ms']:.3f} ({x['tflops']:.0f})")
+            if m != "cm":
+                best = x["ms"] if best is None else min(best, x["ms"])
+        c = r.get("cm") or {}
+        ratio = f"{best / c['ms']:.2f}x" if best and c.get("ms") else ""
+        out.append(f"| {r['mask']} | {r['S']} | {r['B']} | " + " | ".join(cells)
+                   + f" | {c.get('kernel_ms') or '':.4} | {c.get('preprocess_ms') or '':.4}"
+                   + f" | {ratio} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(results, mode, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["mask"] for r in results})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = [r for r in results if r["mask"] == name]
+        for m in ["cm", "flex_triton", "flex_flash", "fa4", "sdpa"]:
+            pts = [(r["S"], r[m]["tflops"]) for r in rows if r.get(m) and r[m]["ms"]]
+            oom = [r["S"] for r in rows if r.get(m) and r[m]["ms"] is None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m)
+            for s in oom:
+                ax.annotate("OOM", (s, 0), fontsize=7)
+        ax.set_xscale("log", base=2)
+        ax.set_title(name)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("effective TFLOP/s")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{mode}: 8 heads x 128, bf16, 128K tokens per batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["fwd", "train"], default="fwd")
+    ap.add_argument("--masks", default=",".join(WORKLOADS))
+    ap.add_argument("--seqlens", default="1024,8192,32768")
+    ap.add_argument("--methods", default="cm,flex_triton,flex_flash,fa4,sdpa")
+    ap.add_argument("--rep", type=int, default=200, help="ms of timed repetitions per point")
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = ap.parse_args(argv)
+    results = []
+    for name in args.masks.split(","):
+        for S in map(int, args.seqlens.split(",")):
+            run_one(name, S, args.mode, args.methods.split(","), args.rep, results)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip() or "unknown"
+    meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
+                 f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch")
+    md = to_markdown(results, args.mode, meta_line)
+    print(md)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"attention_{args.mode}_{datetime.date.today()}"
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.mode, out / f"{stem}.png")
+
+
+if __name__ == "__main__":
+    main()
