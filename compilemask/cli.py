@@ -171,6 +171,9 @@ def _parser(cmd: str) -> _Parser:
         p.add_argument("--out", default="mask.png", help="PNG to write (default mask.png)")
         p.add_argument("--tiles", default=None, help="forward tiles MxN (default 128x128)")
         p.add_argument("--backward", action="store_true", help="draw the backward tiling")
+        p.add_argument("--max-chars", type=int, default=128,
+                       help="widest tile grid printed one character per tile; larger grids "
+                            "print blocks of tiles (0: no limit; default 128)")
     return p
 
 
@@ -226,7 +229,10 @@ def _show(args) -> int:
         desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, check=True, **kw)
     except (ValueError, TypeError) as e:
         raise CliError(f"preprocess: {e}") from e
-    print(desc.to_string(batch=0, backward=args.backward))
+    from compilemask.render import descriptor_to_string
+
+    print(descriptor_to_string(desc, batch=0, backward=args.backward,
+                               max_size=args.max_chars if args.max_chars > 0 else None))
     try:
         path = cm.visualize(desc, batch=0, path=args.out, backward=args.backward)
     except ImportError as e:

@@ -162,7 +162,7 @@ def _torch_source(name, key, regions, scalar, arrays, K) -> str:
     for r in regions:
         out.append("")
         out.append(f"    # region {r.index} {r.name!r}: rows where {r.guard}")
-        out.append(f"    guard = torch.broadcast_to({pr(r.guard)}, shape)")
+        out.append(f"    guard = torch.broadcast_to(_t({pr(r.guard)}).to(dev), shape)")
         out.append("    hits += guard")
         out.append("    take = guard & (region < 0)")
         out.append(f"    region = torch.where(take, {r.index}, region)")

@@ -111,10 +111,11 @@ class ExecutionDescriptor:
 
         return descriptor_dense_mask(self)
 
-    def to_string(self, batch: int = 0, backward: bool = False) -> str:
+    def to_string(self, batch: int = 0, backward: bool = False, **kw) -> str:
+        """One character per tile ('#' full, '~' partial, '.' empty), counts, FLOPs skipped."""
         from compilemask.render import descriptor_to_string
 
-        return descriptor_to_string(self, batch=batch, backward=backward)
+        return descriptor_to_string(self, batch=batch, backward=backward, **kw)
 
     def to(self, device: Any) -> ExecutionDescriptor:
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -67,13 +67,14 @@ def _rebind(fn, env: dict, memo: dict):
     if fn.__closure__:
         cells = []
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+            if name in env:  # a param, even where the cell is still unbound
+                cells.append(types.CellType(env[name]))
+                continue
             try:
                 val = cell.cell_contents
             except ValueError:
                 cells.append(cell)
                 continue
-            if name in env:
-                val = env[name]
             elif isinstance(val, types.FunctionType):
                 val = _rebind(val, env, memo)
             cells.append(types.CellType(val))

@@ -71,13 +71,20 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             out.append(f"    (not available: {type(e).__name__}: {e})")
         if mask.has_fallback:
             out.append("")
-            out.append("  generated CuTe fallback predicate:")
             try:
                 from compilemask.codegen.cute_predicate import predicate_source
-
-                out.append(_indent(predicate_source(mask), "    "))
             except Exception as e:
+                predicate_source = None
+                out.append("  generated CuTe fallback predicate:")
                 out.append(f"    (not available: {type(e).__name__}: {e})")
+            for r in mask.fallback_regions if predicate_source else ():
+                out.append(f"  generated CuTe fallback predicate (region {r.index} {r.name!r}; "
+                           f"the kernel ANDs it with the interval test in partial tiles):")
+                try:  # as kernels.flash_fwd.Fallback.from_mask builds it
+                    src = predicate_source(r.rule, mask.scalar_params, mask.array_params)
+                    out.append(_indent(src, "    "))
+                except Exception as e:
+                    out.append(f"    (not available: {type(e).__name__}: {e})")
         out.append("")
         out.append("  generated torch reference preprocess:")
         out.append(_indent(mask.reference_source(), "    "))
@@ -138,13 +145,25 @@ def row_intervals(mask, meta, row: int, seqlen_q=None, seqlen_k=None, batch: int
 _CHARS = {0: ".", TILE_VISIBLE: "#", TILE_VISIBLE | TILE_MASKED: "~", TILE_MASKED: "?"}
 
 
-def descriptor_to_string(desc, batch: int = 0, backward: bool = False) -> str:
-    """One character per tile ('#' full, '~' partial, '.' empty), counts, and FLOPs skipped."""
+def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
+                         max_size: int | None = None) -> str:
+    """One character per tile ('#' full, '~' partial, '.' empty), counts, and FLOPs skipped.
+
+    ``max_size``: at most this many characters per line and lines; larger grids print one
+    character per block of tiles ('#' all full, '.' all empty, '~' otherwise). The counts and
+    the FLOPs figure are always over every tile."""
+    B = desc.batch_size
+    if not -B <= batch < B:
+        raise IndexError(f"batch {batch} is out of range for a descriptor of batch size {B}")
     st = desc.tile_states(backward=backward)[batch]
     if backward:
         st = st.transpose(0, 1)  # print as q-tiles down, kv-tiles across either way
     tiles = desc.bwd_tiles if backward else desc.fwd_tiles
-    lines = ["".join(_CHARS[int(x)] for x in rowv) for rowv in st.tolist()]
+    grid, note = st, ""
+    if max_size is not None and max(st.shape) > max_size:
+        grid, (a, b) = _block_states(st, max(1, int(max_size)))
+        note = f" (each character: {a}x{b} tiles)"
+    lines = ["".join(_CHARS[int(x)] for x in rowv) for rowv in grid.tolist()]
     full = int((st == TILE_VISIBLE).sum())
     partial = int((st == (TILE_VISIBLE | TILE_MASKED)).sum())
     empty = int((st == 0).sum()) + int((st == TILE_MASKED).sum())
@@ -159,9 +178,28 @@ def descriptor_to_string(desc, batch: int = 0, backward: bool = False) -> str:
     skipped = float((area * ((st & TILE_VISIBLE) == 0)).sum() / area.sum())
     head = (f"{desc.mask.name}: seqlen_q={desc.seqlen_q} seqlen_k={desc.seqlen_k} "
             f"K={desc.num_intervals} {'bwd' if backward else 'fwd'} tiles "
-            f"{tiles.tile_m}x{tiles.tile_n} (sequence {batch})")
+            f"{tiles.tile_m}x{tiles.tile_n} (sequence {batch}){note}")
     foot = (f"full {full}  partial {partial}  empty {empty}  of {total} tiles; "
             f"{100 * skipped:.1f}% of FLOPs skipped")
     return "\n".join([head] + lines + [foot])
 
 
+def _block_states(st: torch.Tensor, max_size: int):
+    """Group tiles into blocks so the grid is at most max_size per side: a block is full if all
+    its tiles are, empty if all are, partial otherwise."""
+    n_m, n_n = st.shape
+    a, b = -(-n_m // max_size), -(-n_n // max_size)
+    pm, pn = -(-n_m // a) * a - n_m, -(-n_n // b) * b - n_n
+    vis = (st & TILE_VISIBLE) != 0
+    full = st == TILE_VISIBLE
+    valid = torch.ones_like(vis)
+    if pm or pn:
+        vis = torch.nn.functional.pad(vis, (0, pn, 0, pm))
+        full = torch.nn.functional.pad(full, (0, pn, 0, pm))
+        valid = torch.nn.functional.pad(valid, (0, pn, 0, pm))
+    shape = (vis.shape[0] // a, a, vis.shape[1] // b, b)
+    any_vis = vis.view(shape).any(3).any(1)
+    all_full = (full | ~valid).view(shape).all(3).all(1)
+    out = torch.where(any_vis, TILE_VISIBLE | TILE_MASKED, 0)
+    out = torch.where(all_full, TILE_VISIBLE, out)
+    return out.to(torch.uint8), (a, b)

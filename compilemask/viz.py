@@ -7,8 +7,9 @@ state, the region bands along the query axis and a title naming the spec, seqlen
 Two drawing modes:
 
 ``dense`` (``Sq * Sk <= dense_limit``, 4M elements by default)
-    one pixel per element: the mask of the sequence (from the Interval Table and, for fallback
-    regions, the residual predicate: exactly what ``desc.dense_mask()[batch]`` holds).
+    one image pixel per element (resampled to the figure's size when drawn): the mask of the
+    sequence, from the Interval Table and, for fallback regions, the residual predicate:
+    exactly what ``desc.dense_mask()[batch]`` holds.
 ``tiles`` (longer sequences)
     one pixel per tile, shaded by the tile's visible fraction. The visible count of a tile is
     computed from the Interval Table row by row: each row's <= K intervals are sorted and cut
@@ -79,15 +80,16 @@ def _check_batch(desc, batch: int) -> int:
     return batch % B
 
 
-def dense_rows(desc, batch: int, r0: int, r1: int) -> torch.Tensor:
-    """bool ``[r1 - r0, Sk]``: rows ``[r0, r1)`` of sequence ``batch``'s mask, exactly as
-    ``desc.dense_mask()[batch, r0:r1]`` (intervals, and the residual predicate of fallback
-    regions), without building the other rows or sequences."""
+def dense_rows(desc, batch: int, r0: int, r1: int, c0: int = 0,
+               c1: int | None = None) -> torch.Tensor:
+    """bool ``[r1 - r0, c1 - c0]``: rows ``[r0, r1)`` and keys ``[c0, c1)`` of sequence
+    ``batch``'s mask, exactly as ``desc.dense_mask()[batch, r0:r1, c0:c1]`` (intervals, and the
+    residual predicate of fallback regions), without building the rest."""
     mask = desc.mask
-    Sk = desc.seqlen_k
+    c1 = desc.seqlen_k if c1 is None else c1
     iv = desc.intervals[batch, r0:r1].to(torch.int64)  # [r, K, 2]
-    j = torch.arange(Sk, device=iv.device, dtype=torch.int64)
-    out = torch.zeros(r1 - r0, Sk, dtype=torch.bool, device=iv.device)
+    j = torch.arange(c0, c1, device=iv.device, dtype=torch.int64)
+    out = torch.zeros(r1 - r0, c1 - c0, dtype=torch.bool, device=iv.device)
     for k in range(iv.shape[1]):
         s, n = iv[:, k, 0:1], iv[:, k, 1:2]
         out |= (j >= s) & (j < s + n)
@@ -96,28 +98,29 @@ def dense_rows(desc, batch: int, r0: int, r1: int) -> torch.Tensor:
         for r in mask.fallback_regions:
             rows = reg == r.index
             if bool(rows.any()):
-                pred = _predicate_rows(desc, batch, r.index, r0, r1)
+                pred = _predicate_rows(desc, batch, r.index, r0, r1, c0, c1)
                 out = torch.where(rows.unsqueeze(-1), out & pred, out)
     return out
 
 
-def _predicate_rows(desc, batch, region_index, r0, r1) -> torch.Tensor:
-    """The residual predicate of a fallback region on rows [r0, r1) of one sequence (mirrors
-    ``compilemask.reference.evaluate_predicate``, including its keys-past-Sq convention)."""
+def _predicate_rows(desc, batch, region_index, r0, r1, c0, c1) -> torch.Tensor:
+    """The residual predicate of a fallback region on rows [r0, r1) x keys [c0, c1) of one
+    sequence (mirrors ``compilemask.reference.evaluate_predicate``, including its keys-past-Sq
+    convention for per-row arrays subscripted by j)."""
     mask = desc.mask
     Sq, Sk = desc.seqlen_q, desc.seqlen_k
     dev = desc.intervals.device
     i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, -1, 1)
-    j = torch.arange(Sk, device=dev, dtype=torch.int64).view(1, 1, Sk)
+    j = torch.arange(c0, c1, device=dev, dtype=torch.int64).view(1, 1, -1)
     args = [i, j, Sq, Sk]
     args += [desc.params[batch, k].to(torch.int64).view(1, 1, 1)
              for k in range(len(mask.scalar_params))]
     for k, _name in enumerate(mask.array_params):
         arr = desc.row_params[batch, :, k].to(torch.int64)  # [Sq]
         arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq)) if Sk > Sq else arr[:Sk]
-        args += [arr[r0:r1].view(1, -1, 1), arr_j.view(1, 1, Sk)]
+        args += [arr[r0:r1].view(1, -1, 1), arr_j[c0:c1].view(1, 1, -1)]
     fn = mask._ir.torch_fns[f"predicate_{region_index}"]
-    return torch.broadcast_to(fn(*args), (1, r1 - r0, Sk))[0]
+    return torch.broadcast_to(fn(*args), (1, r1 - r0, c1 - c0))[0]
 
 
 def _disjoint_pieces(iv: torch.Tensor):
@@ -172,8 +175,18 @@ def tile_visible_counts(desc, batch: int = 0, backward: bool = False,
             sel = fb[r0:r1]
             if not bool(sel.any()):
                 continue
-            d = dense_rows(desc, batch, r0, r1) & sel.unsqueeze(-1)
-            _add_rows(counts, _col_sums(d, tiles.tile_n, n_n), r0, tiles.tile_m)
+            # only the key span the chunk's fallback rows can see (their intervals over-
+            # approximate the predicate), from a tile boundary
+            iv = desc.intervals[batch, r0:r1].to(torch.int64)[sel]
+            live = iv[..., 1] > 0
+            if not bool(live.any()):
+                continue
+            lo = int(iv[..., 0][live].min()) // tiles.tile_n * tiles.tile_n
+            hi = int((iv[..., 0] + iv[..., 1])[live].max())
+            d = dense_rows(desc, batch, r0, r1, lo, hi) & sel.unsqueeze(-1)
+            t0 = lo // tiles.tile_n
+            t1 = -(-hi // tiles.tile_n)
+            _add_rows(counts[:, t0:t1], _col_sums(d, tiles.tile_n, t1 - t0), r0, tiles.tile_m)
     return counts
 
 
@@ -319,7 +332,7 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     head = title or (f"{desc.mask.name}{fb}: sequence {batch} of {desc.batch_size}")
     sub = (f"seqlen_q={Sq}  seqlen_k={Sk}  K={K}  "
            f"{'bwd' if backward else 'fwd'} tiles {tiles.tile_m}x{tiles.tile_n}  "
-           + ("[one pixel per element]" if mode == "dense"
+           + ("[element resolution]" if mode == "dense"
               else "[tile resolution: shade = visible fraction]"))
     fig.text(0.5, 1 - 30 / fig_h, head, ha="center", va="center", fontsize=13)
     fig.text(0.5, 1 - 58 / fig_h, sub, ha="center", va="center", fontsize=9)

@@ -16,6 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HSTU = os.path.join(ROOT, "examples", "hstu.py")
 HSTU_META = "ctx_end=1024,hist_end=3000,seq_end=4000,group_size=256"
 
+try:
+    import matplotlib  # noqa: F401
+
+    needs_mpl = pytest.mark.skipif(False, reason="")
+except ImportError:  # the [viz] extra is not installed
+    needs_mpl = pytest.mark.skip(reason="needs matplotlib (the [viz] extra)")
+
 
 @pytest.fixture()
 def specs(tmp_path):
@@ -74,6 +81,7 @@ def test_explain_zero_arg_function(capsys, specs):
     assert "MaskSpec 'prefix_lm'" in capsys.readouterr().out
 
 
+@needs_mpl
 def test_show_in_process(capsys, tmp_path, specs):
     png = tmp_path / "p.png"
     rc = run("show", [f"{specs}:PREFIX", "--seqlen", "300", "--seqlen-k", "260", "--meta",
@@ -84,6 +92,7 @@ def test_show_in_process(capsys, tmp_path, specs):
     assert len(out.splitlines()) == 1 + 10 + 1 + 1  # head, 10 q-tiles, counts, "wrote"
 
 
+@needs_mpl
 def test_show_subprocess(tmp_path):
     png = tmp_path / "mask.png"
     res = subprocess.run(
@@ -104,6 +113,18 @@ def test_show_subprocess(tmp_path):
     # the counts printed equal those drawn
     full, partial, empty = (int(x) for x in lines[33].split()[1:6:2])
     assert info["counts"] == {"full": full, "partial": partial, "empty": empty}
+
+
+@needs_mpl
+def test_show_prints_blocks_for_long_sequences(capsys, tmp_path):
+    rc = run("show", [f"{HSTU}:SPEC", "--seqlen", "32768", "--meta",
+                      "ctx_end=4000,hist_end=20000,seq_end=30000,group_size=1500",
+                      "--out", str(tmp_path / "long.png"), "--max-chars", "64"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and "(each character: 4x4 tiles)" in lines[0]
+    assert len(lines) == 1 + 64 + 2 and all(len(x) == 64 for x in lines[1:65])
+    assert lines[65] == ("full 28970  partial 722  empty 35844  of 65536 tiles; "
+                         "54.7% of FLOPs skipped")
 
 
 def test_show_error_subprocess_is_one_line(tmp_path):

@@ -63,9 +63,13 @@ def test_clear_explains_k(capsys, tmp_path):
 
 def test_dilated_causal_is_the_fallback_one(capsys, tmp_path):
     mod = load("dilated_causal")
-    desc = mod.main(seqlen=100, batch=1, out_dir=str(tmp_path), show_code=False)
+    desc = mod.main(seqlen=100, batch=1, out_dir=str(tmp_path), show_code=True)
     out = capsys.readouterr().out
     assert desc.has_fallback and "FALLBACK" in out and "fallback regions: all" in out
+    assert "without a bounded quotient range" in out  # the reason
+    # the generated CuTe predicate of the fallback region is shown
+    assert "generated CuTe fallback predicate (region 0 'all'" in out
+    assert "@cute.jit" in out and "def fallback_predicate(q_idx, kv_idx" in out
 
 
 def test_examples_show_from_the_command_line(tmp_path, capsys):

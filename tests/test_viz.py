@@ -175,6 +175,7 @@ def test_tile_counts_equal_dense_tile_sums(name, Sq, Sk):
     for b in range(desc.batch_size):
         assert torch.equal(viz.dense_rows(desc, b, 0, Sq), dense[b])
         assert torch.equal(viz.dense_rows(desc, b, 17, 60), dense[b, 17:60])
+        assert torch.equal(viz.dense_rows(desc, b, 5, 99, 64, Sk - 3), dense[b, 5:99, 64:Sk - 3])
         c = viz.tile_visible_counts(desc, b, chunk_elems=1000)  # many small chunks
         assert torch.equal(c, _tile_sums(dense[b], 32, 64))
 
@@ -209,9 +210,9 @@ def test_tile_mode_never_builds_the_dense_mask(monkeypatch):
     calls = []
     real = viz.dense_rows
 
-    def spy(desc, b, r0, r1):
-        calls.append((r1 - r0) * desc.seqlen_k)
-        return real(desc, b, r0, r1)
+    def spy(desc, b, r0, r1, c0=0, c1=None):
+        calls.append((r1 - r0) * ((desc.seqlen_k if c1 is None else c1) - c0))
+        return real(desc, b, r0, r1, c0, c1)
 
     monkeypatch.setattr(viz, "dense_rows", spy)
     monkeypatch.setattr(type(_desc("causal", B=1, Sq=8, tiles=(8, 8))), "dense_mask",
@@ -315,3 +316,24 @@ def test_to_string_causal_picture():
     _, grid, counts, skipped = _parse(desc.to_string())
     assert grid == ["~...", "#~..", "##~.", "###~"]
     assert counts == [6, 4, 6, 16] and skipped == pytest.approx(37.5)
+
+
+def test_to_string_blocks_for_large_grids():
+    from compilemask.render import descriptor_to_string
+
+    desc = cm.compile_mask(EXAMPLES["causal"]()).preprocess({}, seqlen_q=1000, seqlen_k=1000,
+                                                            fwd_tiles=(16, 16))  # 63 x 63 tiles
+    exact = _parse(desc.to_string())
+    head, grid, counts, skipped = _parse(descriptor_to_string(desc, max_size=20))
+    assert "(each character: 4x4 tiles)" in head
+    assert len(grid) == 16 and all(len(g) == 16 for g in grid)
+    assert (counts, skipped) == (exact[2], exact[3])  # counts: always over every tile
+    st = desc.tile_states()[0]
+    for bm in range(16):
+        for bn in range(16):
+            blk = st[4 * bm:4 * bm + 4, 4 * bn:4 * bn + 4]
+            want = "#" if bool((blk == FULL).all()) else "." if bool((blk == 0).all()) else "~"
+            assert grid[bm][bn] == want
+    assert descriptor_to_string(desc, max_size=100) == desc.to_string()
+    with pytest.raises(IndexError, match="out of range"):
+        desc.to_string(batch=1)
