@@ -75,7 +75,7 @@ def _rebind(fn, env: dict, memo: dict):
             except ValueError:
                 cells.append(cell)
                 continue
-            elif isinstance(val, types.FunctionType):
+            if isinstance(val, types.FunctionType):
                 val = _rebind(val, env, memo)
             cells.append(types.CellType(val))
         cells = tuple(cells)
