@@ -35,8 +35,14 @@ def causal_descriptor(B, S, tile_m, tile_n, dev):
     i = torch.arange(S, device=dev)
     starts = torch.zeros(B, S, 1, dtype=torch.int64, device=dev)
     lens = (i + 1).view(1, S, 1).expand(B, S, 1).contiguous()
-    st = tile_states(starts, lens, torch.zeros(B, S, dtype=torch.bool, device=dev),
-                     TileConfig(tile_m, tile_n), S, S)
+    st = tile_states(
+        starts,
+        lens,
+        torch.zeros(B, S, dtype=torch.bool, device=dev),
+        TileConfig(tile_m, tile_n),
+        S,
+        S,
+    )
     iv = torch.stack([starts, lens], dim=-1).to(torch.int32).contiguous()
     return iv, pack_bitmap(st)
 
@@ -49,8 +55,20 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-fa4", action="store_true")
-    ap.add_argument("--archs", default="90", help="our kernel paths to time: 90 (wgmma), 80")
+    ap.add_argument(
+        "--variants",
+        default="sm90ws,sm90ws_ovl,sm90ws_plain,sm90",
+        help="our kernels to time: sm90ws (TMA + warp-specialized wgmma, "
+        "intra-warpgroup overlap + pingpong), sm90ws_ovl (no pingpong), "
+        "sm90ws_plain (neither), sm90 (single-role wgmma, cp.async), "
+        "sm80 (mma.sync)",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument(
+        "--commit",
+        default=os.environ.get("COMPILEMASK_COMMIT", ""),
+        help="commit to record (default: git rev-parse --short HEAD)",
+    )
     args = ap.parse_args()
 
     from compilemask.kernels import flash_fwd
@@ -84,20 +102,40 @@ def main():
         k = torch.randn(B, S, H, D, device=dev, dtype=dtype)
         v = torch.randn(B, S, H, D, device=dev, dtype=dtype)
         row = {"S": S, "B": B}
-        for arch in [int(a) for a in args.archs.split(",")]:
+        for var in args.variants.split(","):
+            arch = 80 if var == "sm80" else 90
+            ws = var.startswith("sm90ws")
+            ovl = var != "sm90ws_plain"
+            pp = var == "sm90ws"
             tm, tn = default_tiles(D, arch)
             iv, bm = causal_descriptor(B, S, tm, tn, dev)
             out = torch.empty_like(q)
             lse = torch.empty(B, H, S, device=dev)
 
-            def ours(arch=arch, tm=tm, tn=tn, iv=iv, bm=bm, out=out, lse=lse):
-                return flash_fwd(q, k, v, iv, bm, tile_m=tm, tile_n=tn, softmax_scale=scale,
-                                 arch=arch, out=out, lse=lse)
+            def ours(
+                arch=arch, ws=ws, ovl=ovl, pp=pp, tm=tm, tn=tn, iv=iv, bm=bm, out=out, lse=lse
+            ):
+                return flash_fwd(
+                    q,
+                    k,
+                    v,
+                    iv,
+                    bm,
+                    tile_m=tm,
+                    tile_n=tn,
+                    softmax_scale=scale,
+                    arch=arch,
+                    warp_specialized=ws,
+                    intra_wg_overlap=ovl,
+                    pingpong=pp,
+                    out=out,
+                    lse=lse,
+                )
 
             ours()
             ms = _bench(ours)
-            row[f"ours_sm{arch}"] = flops / ms / 1e9
-            if fa4 is not None and arch == 90:
+            row[f"ours_{var}"] = flops / ms / 1e9
+            if fa4 is not None and var == "sm90ws":
                 ref = fa4(q, k, v, softmax_scale=scale, causal=True)
                 ref = ref[0] if isinstance(ref, tuple) else ref
                 row["max_diff_vs_fa4"] = (ours()[0].float() - ref.float()).abs().max().item()
@@ -109,17 +147,28 @@ def main():
                 print("FA4 failed:", e)
         if flex is not None:
             try:
-                bmask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S,
-                                          device=dev)
+                bmask = create_block_mask(
+                    lambda b, h, qi, ki: ki <= qi, None, None, S, S, device=dev
+                )
                 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
                 try:
+
                     def fx():
-                        return flex(qt, kt, vt, block_mask=bmask, scale=scale,
-                                    kernel_options={"BACKEND": "TRITON"})
+                        return flex(
+                            qt,
+                            kt,
+                            vt,
+                            block_mask=bmask,
+                            scale=scale,
+                            kernel_options={"BACKEND": "TRITON"},
+                        )
+
                     fx()
                 except Exception:
+
                     def fx():
                         return flex(qt, kt, vt, block_mask=bmask, scale=scale)
+
                     fx()
                 ms = _bench(fx)
                 row["flex_triton"] = flops / ms / 1e9
@@ -127,16 +176,33 @@ def main():
                 print("flex failed:", e)
         print(row, flush=True)
         rows.append(row)
-        del q, k, v
+        q = k = v = None
         torch.cuda.empty_cache()
 
-    cols = [c for c in ["ours_sm90", "ours_sm80", "fa4", "flex_triton", "max_diff_vs_fa4"]
-            if any(c in r for r in rows)]
+    cols = [
+        c
+        for c in [
+            "ours_sm90ws",
+            "ours_sm90ws_ovl",
+            "ours_sm90ws_plain",
+            "ours_sm90",
+            "ours_sm80",
+            "fa4",
+            "flex_triton",
+            "max_diff_vs_fa4",
+        ]
+        if any(c in r for r in rows)
+    ]
+    commit = args.commit
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip() or "unknown"
+        commit = commit or (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except Exception:
-        commit = "unknown"
+        commit = commit or "unknown"
     gpu = torch.cuda.get_device_name()
     today = datetime.date.today().isoformat()
     lines = [

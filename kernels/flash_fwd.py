@@ -16,7 +16,10 @@ Tile-State Bitmap row ``fwd_bitmap[b, m_block, :]`` (see ``compilemask/descripto
 The interval rows (and for fallback kernels the row region / per-row params) of the q tile are
 loaded into registers once per CTA, before the kv loop.
 
-Two MMA paths share the loads, the mask and the online softmax:
+``compile_flash_fwd`` picks the kernel class: on sm90 with ``warp_specialized=True`` (the
+default) :class:`kernels.flash_fwd_sm90.FlashFwdSm90` (TMA producer warp + wgmma consumer
+warpgroups, software-pipelined, pingpong); otherwise this module's :class:`FlashFwd`, whose
+two MMA paths share the loads, the mask and the online softmax:
 
 * ``arch=80`` (portable sm80-sm89 path): 4 warps, ``mma.sync.m16n8k16`` fed by ``ldmatrix``.
 * ``arch=90`` (Hopper): ``tile_m // 64`` consumer warpgroups, ``wgmma`` (SASS ``HGMMA``):
@@ -36,13 +39,13 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.utils import LayoutEnum
 
 log = logging.getLogger("compilemask")
@@ -68,6 +71,9 @@ class FlashFwdConfig:
     num_params: int = 0  # P (scalar params the predicate takes, in order)
     num_row_params: int = 0  # R (per-row arrays the predicate takes, in order)
     arch: int = 90  # 80: mma.sync path (sm80-sm89); 90: wgmma path (sm90a)
+    warp_specialized: bool = True  # sm90: TMA producer warp + wgmma consumers (flash_fwd_sm90)
+    intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
+    pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
 
     @property
     def cutlass_dtype(self):
@@ -75,7 +81,9 @@ class FlashFwdConfig:
 
     @property
     def num_threads(self) -> int:
-        return 128 if self.arch < 90 else (self.tile_m // 64) * 128
+        if self.arch < 90:
+            return 128
+        return (self.tile_m // 64 + (1 if self.warp_specialized else 0)) * 128
 
 
 def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
@@ -104,8 +112,9 @@ class SeqlenInfo:
         self.seqlen_k = seqlen_k
 
     @staticmethod
-    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
-        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor, seq_mode: int = 1) -> "SeqlenInfo":
+        """From the q/k tensors (``seq_mode``: their sequence mode, 1 for (B, S, H, D))."""
+        return SeqlenInfo(batch_idx, mQ.shape[seq_mode], mK.shape[seq_mode])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,24 +142,24 @@ def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
     """Accumulator of S = Q K^T viewed as the A operand of O = P V."""
     if const_expr(cute.rank(acc_layout.shape[0]) == 3):  # sm90 ((2,2,N/8),MMA_M,MMA_N)
         div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
-        l = cute.logical_divide(acc_layout, ((None, None, div), None, None))
+        ld = cute.logical_divide(acc_layout, ((None, None, div), None, None))
         return cute.make_layout(
             (
-                (l.shape[0][0], l.shape[0][1], l.shape[0][2][0]),
-                l.shape[1],
-                (l.shape[0][2][1], l.shape[2]),
+                (ld.shape[0][0], ld.shape[0][1], ld.shape[0][2][0]),
+                ld.shape[1],
+                (ld.shape[0][2][1], ld.shape[2]),
             ),
             stride=(
-                (l.stride[0][0], l.stride[0][1], l.stride[0][2][0]),
-                l.stride[1],
-                (l.stride[0][2][1], l.stride[2]),
+                (ld.stride[0][0], ld.stride[0][1], ld.stride[0][2][0]),
+                ld.stride[1],
+                (ld.stride[0][2][1], ld.stride[2]),
             ),
         )
     # sm80 (4,MMA_M,MMA_N) -> ((4,2),MMA_M,MMA_N/2)
-    l = cute.logical_divide(acc_layout, (None, None, 2))
+    ld = cute.logical_divide(acc_layout, (None, None, 2))
     return cute.make_layout(
-        ((l.shape[0], l.shape[2][0]), l.shape[1], l.shape[2][1]),
-        stride=((l.stride[0], l.stride[2][0]), l.stride[1], l.stride[2][1]),
+        ((ld.shape[0], ld.shape[2][0]), ld.shape[1], ld.shape[2][1]),
+        stride=((ld.stride[0], ld.stride[2][0]), ld.stride[1], ld.stride[2][1]),
     )
 
 
@@ -184,7 +193,7 @@ class FlashFwd:
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
         self.K = cfg.num_intervals
-        self.num_threads = cfg.num_threads
+        self.num_threads = (cfg.tile_m // 64) * 128 if cfg.arch >= 90 else 128
         self.is_sm90 = cfg.arch >= 90
         self.num_stages = 2
 
@@ -210,7 +219,7 @@ class FlashFwd:
         else:
             if cfg.tile_m % 64 != 0 or cfg.tile_n % 16 != 0:
                 return False
-        threads = cfg.num_threads
+        threads = cfg.num_threads if not (cfg.arch >= 90 and cfg.warp_specialized) else 128
         rows_per_pass = threads // (64 // 8)
         if cfg.tile_m % rows_per_pass or cfg.tile_n % rows_per_pass:
             return False
@@ -399,7 +408,6 @@ class FlashFwd:
         SharedStorage: cutlass.Constexpr,
     ):
         D = self.head_dim
-        K = self.K
         tidx, _, _ = cute.arch.thread_idx()
         m_block, bh, _ = cute.arch.block_idx()
         num_heads = mQ.shape[2]
@@ -451,7 +459,6 @@ class FlashFwd:
         tScS_mn = _acc_mn(tScS)
         tOcO_mn = _acc_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
         n_rows = cute.size(tScS_mn, mode=[0])
-        n_cols = cute.size(tScS_mn, mode=[1])
 
         if const_expr(self.is_sm90):
             wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -487,38 +494,9 @@ class FlashFwd:
             )
 
         # ---- per-row descriptor data, loaded once per q tile ------------------------------
-        rInt = cute.make_rmem_tensor((n_rows, 2 * K), Int32)
-        rFb = cute.make_rmem_tensor((n_rows,), Int32)  # fallback slot of the row, -1 if none
-        R = self.cfg.num_row_params
-        P = self.cfg.num_params
-        rRowP = cute.make_rmem_tensor((n_rows, max(R, 1)), Int32)
-        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
-        for p in cutlass.range_constexpr(P):
-            rP[p] = mParams[batch_idx, p]
-        for r in cutlass.range_constexpr(n_rows):
-            q_idx = m_start + tScS_mn[r, 0][0]
-            in_range = q_idx < seqlen_q
-            for k in cutlass.range_constexpr(2 * K):
-                rInt[r, k] = 0
-            rFb[r] = -1
-            for k in cutlass.range_constexpr(max(R, 1)):
-                rRowP[r, k] = 0
-            if in_range:
-                # kept as (start, end = start + len): the test below is then two signed
-                # compares per slot, equivalent to uint32(kv - start) < uint32(len) for
-                # 0 <= start, len < 2^31 (the DSL's wrapping-free integer ops do not keep
-                # the unsigned trick intact: LLVM turned it into a signed compare)
-                for k in cutlass.range_constexpr(K):
-                    st = mIntervals[batch_idx, q_idx, 2 * k]
-                    rInt[r, 2 * k] = st
-                    rInt[r, 2 * k + 1] = st + mIntervals[batch_idx, q_idx, 2 * k + 1]
-                if const_expr(self.cfg.has_fallback):
-                    region = mRowRegion[batch_idx, q_idx]
-                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
-                        if region == self.cfg.fallback_regions[slot]:
-                            rFb[r] = slot
-                    for k in cutlass.range_constexpr(R):
-                        rRowP[r, k] = mRowParams[batch_idx, q_idx, k]
+        rInt, rFb, rP, rRowP = self._load_row_data(
+            mIntervals, mRowRegion, mParams, mRowParams, tScS_mn, batch_idx, m_start, seqlen_q
+        )
 
         # ---- softmax state ------------------------------------------------------------------
         row_max = cute.make_rmem_tensor((n_rows,), Float32)
@@ -562,27 +540,21 @@ class FlashFwd:
             acc_S_mn = _acc_mn(acc_S)
             if need_mask:
                 self._apply_mask(
-                    acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_block * self.tile_n,
-                    mRowParams, batch_idx, seqlen_q - 1,
+                    acc_S_mn,
+                    tScS_mn,
+                    rInt,
+                    rFb,
+                    rP,
+                    rRowP,
+                    m_start,
+                    n_block * self.tile_n,
+                    mRowParams,
+                    batch_idx,
+                    seqlen_q - 1,
                 )
 
             # ---- online softmax --------------------------------------------------------------
-            acc_O_mn = _acc_mn(acc_O)
-            for r in cutlass.range_constexpr(n_rows):
-                s_row = acc_S_mn[r, None].load()
-                mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-                mx = _quad_allreduce(mx, cute.arch.fmax)
-                m_new = cute.arch.fmax(row_max[r], mx)
-                m_use = m_new
-                if m_new == -Float32.inf:
-                    m_use = Float32(0.0)
-                m_scaled = m_use * softmax_scale_log2
-                scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
-                p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
-                row_sum[r] = row_sum[r] * scale_old + p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-                row_max[r] = m_new
-                acc_S_mn[r, None] = p_row
-                acc_O_mn[r, None] = acc_O_mn[r, None].load() * scale_old
+            self._online_softmax(acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2)
 
             # ---- O += P V ------------------------------------------------------------------
             rPt = cute.make_fragment_like(acc_S, self.dtype)
@@ -600,21 +572,18 @@ class FlashFwd:
         cute.arch.cp_async_wait_group(0)
 
         # ---- epilogue: normalize, LSE, store -----------------------------------------------
-        acc_O_mn = _acc_mn(acc_O)
-        LN2 = math.log(2.0)
-        for r in cutlass.range_constexpr(n_rows):
-            s = _quad_allreduce(row_sum[r], lambda a, b: a + b)
-            inv = Float32(0.0)
-            lse = -Float32.inf
-            if s > 0.0:
-                inv = cute.arch.rcp_approx(s)
-                lse = (row_max[r] * softmax_scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
-            acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
-            q_idx = m_start + tOcO_mn[r, 0][0]
-            if tOcO_mn[0, 0][1] == 0:
-                if q_idx < seqlen_q:
-                    mLSE[batch_idx, head_idx, q_idx] = lse
-
+        self._finalize(
+            acc_O,
+            row_max,
+            row_sum,
+            softmax_scale_log2,
+            tOcO_mn,
+            mLSE,
+            batch_idx,
+            head_idx,
+            m_start,
+            seqlen_q,
+        )
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         cute.arch.barrier()  # sQ is reused as sO
@@ -634,8 +603,150 @@ class FlashFwd:
                 cute.copy(gmem_tiled_copy_O, tOrO[None, r, None], tOgO[None, r, None])
 
     @cute.jit
+    def _load_row_data(
+        self, mIntervals, mRowRegion, mParams, mRowParams, tScS_mn, batch_idx, m_start, seqlen_q
+    ):
+        """The q tile's interval rows (as start/end), fallback slots and params, in registers."""
+        K = self.K
+        n_rows = cute.size(tScS_mn, mode=[0])
+        rInt = cute.make_rmem_tensor((n_rows, 2 * K), Int32)
+        rFb = cute.make_rmem_tensor((n_rows,), Int32)  # fallback slot of the row, -1 if none
+        R = self.cfg.num_row_params
+        P = self.cfg.num_params
+        rRowP = cute.make_rmem_tensor((n_rows, max(R, 1)), Int32)
+        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+        for p in cutlass.range_constexpr(P):
+            rP[p] = mParams[batch_idx, p]
+        for r in cutlass.range_constexpr(n_rows):
+            q_idx = m_start + tScS_mn[r, 0][0]
+            in_range = q_idx < seqlen_q
+            for k in cutlass.range_constexpr(2 * K):
+                rInt[r, k] = 0
+            rFb[r] = -1
+            for k in cutlass.range_constexpr(max(R, 1)):
+                rRowP[r, k] = 0
+            if in_range:
+                # kept as (start, end = start + len): the test below is then two signed
+                # compares per slot, equivalent to uint32(kv - start) < uint32(len) for
+                # 0 <= start, len < 2^31 (the DSL's wrapping-free integer ops do not keep
+                # the unsigned trick intact: LLVM turned it into a signed compare)
+                for k in cutlass.range_constexpr(K):
+                    st = mIntervals[batch_idx, q_idx, 2 * k]
+                    rInt[r, 2 * k] = st
+                    rInt[r, 2 * k + 1] = st + mIntervals[batch_idx, q_idx, 2 * k + 1]
+                if const_expr(self.cfg.has_fallback):
+                    region = mRowRegion[batch_idx, q_idx]
+                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
+                        if region == self.cfg.fallback_regions[slot]:
+                            rFb[r] = slot
+                    for k in cutlass.range_constexpr(R):
+                        rRowP[r, k] = mRowParams[batch_idx, q_idx, k]
+
+        return rInt, rFb, rP, rRowP
+
+    @cute.jit
+    def _softmax_rows(self, acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2):
+        """Like ``_online_softmax`` but leaves O alone: the O rescale factors go to row_scale."""
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s_row = acc_S_mn[r, None].load()
+            mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            mx = _quad_allreduce(mx, cute.arch.fmax)
+            m_new = cute.arch.fmax(row_max[r], mx)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            m_scaled = m_use * softmax_scale_log2
+            scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+            p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
+            row_sum[r] = row_sum[r] * scale_old + p_row.reduce(
+                cute.ReductionOp.ADD, Float32.zero, 0
+            )
+            row_max[r] = m_new
+            row_scale[r] = scale_old
+            acc_S_mn[r, None] = p_row
+
+    @cute.jit
+    def _rescale_O(self, acc_O, row_scale):
+        acc_O_mn = _acc_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_scale[r]
+
+    @cute.jit
+    def _wgmma_issue(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+        """wgmma chain + commit, no wait (the caller waits with warpgroup.wait_group)."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _online_softmax(self, acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2):
+        """Scores -> probabilities in place; rescales O and the running row sums."""
+        acc_O_mn = _acc_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s_row = acc_S_mn[r, None].load()
+            mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            mx = _quad_allreduce(mx, cute.arch.fmax)
+            m_new = cute.arch.fmax(row_max[r], mx)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            m_scaled = m_use * softmax_scale_log2
+            scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+            p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
+            row_sum[r] = row_sum[r] * scale_old + p_row.reduce(
+                cute.ReductionOp.ADD, Float32.zero, 0
+            )
+            row_max[r] = m_new
+            acc_S_mn[r, None] = p_row
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * scale_old
+
+    @cute.jit
+    def _finalize(
+        self,
+        acc_O,
+        row_max,
+        row_sum,
+        softmax_scale_log2,
+        tOcO_mn,
+        mLSE,
+        batch_idx,
+        head_idx,
+        m_start,
+        seqlen_q,
+    ):
+        """O /= row sum (0 for rows that saw nothing) and LSE (-inf for those rows)."""
+        acc_O_mn = _acc_mn(acc_O)
+        LN2 = math.log(2.0)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            s = _quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0)
+            lse = -Float32.inf
+            if s > 0.0:
+                inv = cute.arch.rcp_approx(s)
+                lse = (row_max[r] * softmax_scale_log2 + cute.math.log2(s, fastmath=True)) * LN2
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+            q_idx = m_start + tOcO_mn[r, 0][0]
+            if tOcO_mn[0, 0][1] == 0:
+                if q_idx < seqlen_q:
+                    mLSE[batch_idx, head_idx, q_idx] = lse
+
+    @cute.jit
     def _apply_mask(
-        self, acc_S_mn, tScS_mn, rInt, rFb, rP, rRowP, m_start, n_start, mRowParams, batch_idx,
+        self,
+        acc_S_mn,
+        tScS_mn,
+        rInt,
+        rFb,
+        rP,
+        rRowP,
+        m_start,
+        n_start,
+        mRowParams,
+        batch_idx,
         max_row,
     ):
         K = self.K
@@ -830,7 +941,12 @@ def compile_flash_fwd(
             cfg.num_intervals,
             cfg.arch,
         )
-    kernel = FlashFwd(cfg, preds)
+    if cfg.arch >= 90 and cfg.warp_specialized:
+        from .flash_fwd_sm90 import FlashFwdSm90
+
+        kernel = FlashFwdSm90(cfg, preds)
+    else:
+        kernel = FlashFwd(cfg, preds)
     args = make_fake_args(cfg)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
@@ -839,6 +955,17 @@ def compile_flash_fwd(
     fn = cute.compile(kernel, *args, Float32(1.0), stream, options=options)
     _COMPILE_CACHE[key] = fn
     return fn
+
+
+def _aligned(x):
+    """The kernels assume a unit-stride head dim, 16-byte aligned rows and base (TMA / cp.async)."""
+    el = x.element_size()
+    ok = (
+        x.stride(-1) == 1
+        and all(s > 0 and (s * el) % 16 == 0 for s in x.stride()[:-1])
+        and x.data_ptr() % 16 == 0
+    )
+    return x if ok else x.contiguous()
 
 
 def flash_fwd(
@@ -856,6 +983,9 @@ def flash_fwd(
     softmax_scale: Optional[float] = None,
     fallback: Optional[Fallback] = None,
     arch: Optional[int] = None,
+    warp_specialized: bool = True,
+    intra_wg_overlap: bool = True,
+    pingpong: bool = True,
     out=None,
     lse=None,
 ):
@@ -896,14 +1026,19 @@ def flash_fwd(
         num_params=fallback.num_params if fallback is not None else 0,
         num_row_params=fallback.num_row_params if fallback is not None else 0,
         arch=arch,
+        warp_specialized=warp_specialized and arch >= 90,
+        intra_wg_overlap=intra_wg_overlap,
+        pingpong=pingpong and intra_wg_overlap,
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")
     fn = compile_flash_fwd(cfg, fallback)
     dev = q.device
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q, k, v = (_aligned(x) for x in (q, k, v))
     if out is None:
         out = torch.empty_like(q)
+    elif _aligned(out) is not out:
+        raise ValueError("out must have a unit-stride head dim and 16-byte aligned strides")
     if lse is None:
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
     iv = intervals.to(torch.int32).contiguous().view(B, Sq, 2 * Kslots)
