@@ -1,11 +1,14 @@
 """CuTe DSL attention kernels driven by the Execution Descriptor.
 
-``cm.attention`` calls :func:`kernel_available` / :func:`attention_cuda` (forward only: when
-autograd needs a backward, ``kernel_available`` says no and the reference path runs).
+``cm.attention`` calls :func:`kernel_available` / :func:`attention_cuda`, which runs the
+``compilemask::attention_fwd`` custom op; autograd runs ``compilemask::attention_bwd`` (the CuTe
+backward kernel), so ``torch.compile`` traces both without graph breaks.
 """
 
 from __future__ import annotations
 
+from .autograd import attention_op
+from .flash_bwd import FlashBwd, FlashBwdConfig, FlashBwdSm90, compile_flash_bwd, flash_bwd
 from .flash_fwd import Fallback, FlashFwd, FlashFwdConfig, compile_flash_fwd, flash_fwd
 
 __all__ = [
@@ -14,15 +17,15 @@ __all__ = [
     "FlashFwdConfig",
     "compile_flash_fwd",
     "flash_fwd",
+    "FlashBwd",
+    "FlashBwdConfig",
+    "FlashBwdSm90",
+    "compile_flash_bwd",
+    "flash_bwd",
+    "attention_op",
     "kernel_available",
     "attention_cuda",
 ]
-
-
-def _needs_grad(*ts) -> bool:
-    import torch
-
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def kernel_available(q, desc, k=None, v=None) -> bool:
@@ -36,8 +39,6 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if q.shape[-1] not in (64, 128):
-        return False
-    if _needs_grad(q, *(t for t in (k, v) if t is not None)):
         return False
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < 8:
@@ -55,29 +56,6 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     return FlashFwd.can_implement(cfg)
 
 
-_FALLBACKS: dict = {}
-
-
 def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False):
-    """Forward attention on the GPU for an ExecutionDescriptor (see ``flash_fwd``)."""
-    mask = desc.mask
-    key = getattr(mask, "key", id(mask))
-    if key not in _FALLBACKS:
-        _FALLBACKS[key] = Fallback.from_mask(mask) if mask.has_fallback else None
-    fb = _FALLBACKS[key]
-    d = desc if desc.device == q.device else desc.to(q.device)
-    out, lse = flash_fwd(
-        q,
-        k,
-        v,
-        d.intervals,
-        d.fwd_bitmap,
-        d.row_region,
-        d.params,
-        d.row_params,
-        tile_m=d.fwd_tiles.tile_m,
-        tile_n=d.fwd_tiles.tile_n,
-        softmax_scale=softmax_scale,
-        fallback=fb,
-    )
-    return (out, lse) if return_lse else out
+    """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair)."""
+    return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse)

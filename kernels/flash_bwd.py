@@ -1,0 +1,1504 @@
+"""Descriptor-driven FlashAttention backward kernel in the CuTe DSL (nvidia-cutlass-dsl 4.8).
+
+Three steps (``flash_bwd`` runs them in order):
+
+1. preprocess: ``dPsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`` in float32 (``D`` in the
+   FlashAttention papers); ``dq_accum`` float32 ``[B, Sq, H, D]`` is zeroed.
+2. main kernel (:class:`FlashBwd`): one CTA per (kv tile ``n_block``, batch, kv head). The CTA
+   holds its K and V tile in shared memory and, for every query head of its GQA group, streams the
+   q tiles that the backward Tile-State Bitmap row ``bwd_bitmap[b, n_block, :]`` marks non-empty
+   (see ``compilemask/descriptor.py``):
+
+   * ``00`` empty: skipped, Q/dO never loaded;
+   * ``01`` full: no masking code (except on a ragged last kv tile, whose out-of-range columns the
+     clipped Interval Table excludes);
+   * ``11`` partial: the interval rows of the q tile are loaded into shared memory with the tile
+     and every score is tested with ``start_k <= kv_idx < start_k + len_k`` OR-ed over the K slots
+     (== ``uint32(kv_idx - start) < uint32(len)``), AND-ed with the fallback predicate for rows
+     of fallback regions (the predicates of ``flash_fwd.Fallback``).
+
+   Per q tile: ``S = Q K^T``, mask, ``P = exp2(S * scale * log2e - LSE * log2e)`` (rows whose LSE
+   is -inf, i.e. rows that see nothing, and rows past ``Sq`` get P = 0: no NaN),
+   ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
+   in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
+   the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
+   ``dq_accum`` with float32 atomics.
+3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)``.
+
+Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
+
+Two MMA paths share the schedule, the loads, the mask and the epilogue:
+
+* ``arch=80`` (:class:`FlashBwd`, the default): ``mma.sync.m16n8k16`` fed by ``ldmatrix``,
+  8 warps; S = Q K^T, P and dS go through shared memory for the three GEMMs that need them
+  transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the float32 reference).
+* ``arch=90`` (:class:`FlashBwdSm90`, opt-in: ``arch=90`` or ``COMPILEMASK_BWD_ARCH=90``): all
+  five GEMMs on wgmma (SASS ``HGMMA``), two warpgroups; the score tile is computed transposed
+  (S^T = K Q^T) so P^T and dS^T feed dV/dK as register A operands. Compiles for sm_90a with
+  no spills (242 registers); not yet run on a GPU.
+
+Both hold 2 stages of Q/dO (cp.async) so the next q tile loads during the current one's math.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .flash_fwd import Fallback
+
+log = logging.getLogger("compilemask")
+
+_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+LOG2E = math.log2(math.e)
+
+
+# ----------------------------------------------------------------------------------------------
+# Small layout helpers (accumulator -> (rows, cols) views, transposed smem views)
+# ----------------------------------------------------------------------------------------------
+class SeqlenInfo:
+    """Where sequence ``batch_idx`` lives: padded batch layout today (offset 0, lengths from the
+    tensor shapes); the packed varlen layout only changes this class."""
+
+    def __init__(self, batch_idx, seqlen_q, seqlen_k):
+        self.batch_idx = batch_idx
+        self.offset_q = 0
+        self.offset_k = 0
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+
+    @staticmethod
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
+        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
+
+
+def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
+    """mma.sync ((2,2),M,N) / wgmma ((2,2,V),M,N) accumulator -> ((2,M),(2,[V,]N)) view."""
+    acc_layout = acc.layout
+    cm = cute.make_layout(acc_layout.shape)
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], *cm.shape[0][2:], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], *cm.stride[0][2:], cm.stride[2]))
+    return cute.make_tensor(
+        acc.iterator, cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+    )
+
+
+def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
+    """wgmma accumulator ((2,2,N/8),M,N) viewed as the register A operand of the next wgmma
+    (its N becomes that GEMM's K)."""
+    div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
+    lo = cute.logical_divide(acc_layout, ((None, None, div), None, None))
+    return cute.make_layout(
+        (
+            (lo.shape[0][0], lo.shape[0][1], lo.shape[0][2][0]),
+            lo.shape[1],
+            (lo.shape[0][2][1], lo.shape[2]),
+        ),
+        stride=(
+            (lo.stride[0][0], lo.stride[0][1], lo.stride[0][2][0]),
+            lo.stride[1],
+            (lo.stride[0][2][1], lo.stride[2]),
+        ),
+    )
+
+
+def _transpose_view(a: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes (works on swizzled shared-memory tensors)."""
+    shape = (a.shape[1], a.shape[0], *a.shape[2:])
+    order = (1, 0, *range(2, cute.rank(a)))
+    return cute.composition(a, cute.make_ordered_layout(shape, order=order))
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlashBwdConfig:
+    """Everything that is compile-time for one backward kernel build (the compile-cache key)."""
+
+    dtype: str  # "bf16" | "fp16"
+    head_dim: int
+    tile_m: int  # q rows per tile   (desc.bwd_tiles.tile_m)
+    tile_n: int  # kv rows per tile  (desc.bwd_tiles.tile_n)
+    num_intervals: int  # K
+    has_fallback: bool = False
+    fallback_hash: str = ""
+    fallback_regions: tuple = ()
+    num_params: int = 0
+    num_row_params: int = 0
+    arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
+    num_threads: int = 256
+
+    @property
+    def cutlass_dtype(self):
+        return _DTYPES[self.dtype]
+
+
+def _warp_grid(m: int, n: int, num_warps: int) -> Optional[tuple]:
+    """(warps_m, warps_n), ``warps_m * warps_n == num_warps``, tiling an (m, n) accumulator with
+    warp tiles that are multiples of 16x16, with the smallest per-warp operand footprint
+    ``m / warps_m + n / warps_n``; None if there is none."""
+    best = None
+    wm = 1
+    while wm <= num_warps:
+        wn = num_warps // wm
+        if wm * wn == num_warps and m % (16 * wm) == 0 and n % (16 * wn) == 0:
+            cost = m // wm + n // wn
+            if best is None or cost < best[0]:
+                best = (cost, wm, wn)
+        wm *= 2
+    return None if best is None else best[1:]
+
+
+class FlashBwd:
+    """FlashAttention backward over an Execution Descriptor (see the module docstring)."""
+
+    def __init__(self, cfg: FlashBwdConfig, predicates: tuple = ()):
+        if not self.can_implement(cfg):
+            raise NotImplementedError(f"FlashBwd cannot implement {cfg}")
+        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
+            raise ValueError("has_fallback=True needs one generated predicate per region")
+        self.cfg = cfg
+        self.predicates = tuple(predicates)
+        self.dtype = cfg.cutlass_dtype
+        self.head_dim = cfg.head_dim
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.K = cfg.num_intervals
+        self.num_threads = cfg.num_threads
+        self.num_stages = 2  # Q, dO and the row metadata of the next q tile are prefetched
+        nw = cfg.num_threads // 32
+        self.warps_sdp = _warp_grid(cfg.tile_m, cfg.tile_n, nw)  # S, dP: (tile_m, tile_n)
+        self.warps_dkv = _warp_grid(cfg.tile_n, cfg.head_dim, nw)  # dK, dV: (tile_n, D)
+        self.warps_dq = _warp_grid(cfg.tile_m, cfg.head_dim, nw)  # dQ: (tile_m, D)
+
+    # -- static checks ------------------------------------------------------------------------
+    @staticmethod
+    def smem_bytes(cfg: FlashBwdConfig) -> int:
+        elt = 2
+        return (
+            elt * cfg.head_dim * 2 * (2 * cfg.tile_m + cfg.tile_n)
+            + elt * 2 * cfg.tile_m * cfg.tile_n
+            + 8 * cfg.tile_m * (2 + 2 * cfg.num_intervals + 1 + max(cfg.num_row_params, 1))
+            + 8 * 1024
+        )
+
+    @staticmethod
+    def can_implement(cfg: FlashBwdConfig) -> bool:
+        if cfg.dtype not in _DTYPES:
+            return False
+        if cfg.head_dim not in (64, 128):
+            return False
+        if not 1 <= cfg.num_intervals <= 16:
+            return False
+        if cfg.num_threads % 32 or cfg.num_threads > 512:
+            return False
+        if cfg.tile_m % 64 or cfg.tile_n % 64:
+            return False
+        if cfg.tile_m > cfg.num_threads:  # one thread per q row loads the row's metadata
+            return False
+        nw = cfg.num_threads // 32
+        if _warp_grid(cfg.tile_m, cfg.tile_n, nw) is None:
+            return False
+        if _warp_grid(cfg.tile_n, cfg.head_dim, nw) is None:
+            return False
+        if _warp_grid(cfg.tile_m, cfg.head_dim, nw) is None:
+            return False
+        rows_per_pass = cfg.num_threads // 8
+        if cfg.tile_m % rows_per_pass and rows_per_pass % cfg.tile_m:
+            return False
+        if FlashBwd.smem_bytes(cfg) > 227 * 1024:
+            return False
+        return True
+
+    # -- host side ----------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Sq, H, D)
+        mK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mV: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdO: cute.Tensor,  # (B, Sq, H, D)
+        mLSE: cute.Tensor,  # (B, H, Sq) float32
+        mdPsum: cute.Tensor,  # (B, H, Sq) float32
+        mdQaccum: cute.Tensor,  # (B, Sq, H, D) float32, zeroed
+        mdK: cute.Tensor,  # (B, Sk, Hkv, D)
+        mdV: cute.Tensor,  # (B, Sk, Hkv, D)
+        mIntervals: cute.Tensor,  # (B, Sq, 2K) int32
+        mBitmap: cute.Tensor,  # (B, n_n, W) int32  backward bitmap
+        mRowRegion: cute.Tensor,  # (B, Sq) int32
+        mParams: cute.Tensor,  # (B, max(P,1)) int32
+        mRowParams: cute.Tensor,  # (B, Sq, max(R,1)) int32
+        softmax_scale: Float32,
+        stream,
+    ):
+        if const_expr(mQ.element_type != self.dtype):
+            raise TypeError("q dtype does not match the kernel config")
+        dtype = self.dtype
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        K = self.K
+        R = max(self.cfg.num_row_params, 1)
+
+        # ---- shared memory (64-element swizzled rows, ldmatrix friendly) -------------------
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        S = self.num_stages
+        sQ_layout = cute.tile_to_shape(atom, (tm, D, S), (0, 1, 2))
+        sKV_layout = cute.tile_to_shape(atom, (tn, D), (0, 1))
+        sPdS_layout = cute.tile_to_shape(atom, (tm, tn), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sPdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * S], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * S], 128]
+            sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
+            sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
+            sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
+
+        # ---- global -> shared copies (16-byte cp.async, 8 threads per 64 columns) ---------
+        copy_elems = 128 // dtype.width
+        g2s_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            dtype,
+            num_bits_per_copy=128,
+        )
+        thr_cols = 64 // copy_elems
+        thr_layout = cute.make_layout(
+            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
+        )
+        gmem_tiled_copy = cute.make_tiled_copy_tv(
+            g2s_atom, thr_layout, cute.make_layout((1, copy_elems))
+        )
+
+        # ---- MMAs (mma.sync m16n8k16) -----------------------------------------------------
+        op = warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16))
+        wm, wn = self.warps_sdp
+        tiled_mma_sdp = cute.make_tiled_mma(op, (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
+        wm, wn = self.warps_dkv
+        tiled_mma_dkv = cute.make_tiled_mma(op, (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
+        wm, wn = self.warps_dq
+        tiled_mma_dq = cute.make_tiled_mma(op, (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
+
+        grid = (
+            cute.ceil_div(mK.shape[1], tn),
+            cute.size(mK.shape[0]) * cute.size(mK.shape[2]),
+            1,
+        )
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mdO,
+            mLSE,
+            mdPsum,
+            mdQaccum,
+            mdK,
+            mdV,
+            mIntervals,
+            mBitmap,
+            mRowRegion,
+            mParams,
+            mRowParams,
+            softmax_scale,
+            sQ_layout,
+            sKV_layout,
+            sPdS_layout,
+            gmem_tiled_copy,
+            tiled_mma_sdp,
+            tiled_mma_dkv,
+            tiled_mma_dq,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # -- device side --------------------------------------------------------------------------
+    @cute.jit
+    def _tile_state(self, mBitmapRow: cute.Tensor, t: Int32) -> Int32:
+        word = mBitmapRow[t // 16]
+        return (word >> ((t % 16) * 2)) & 3
+
+    @cute.jit
+    def _next_tile(self, mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
+        """First q tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
+        t = start
+        searching = t < n_blocks
+        while searching:
+            st = self._tile_state(mBitmapRow, t)
+            if st != 0:
+                searching = False
+            else:
+                t = t + 1
+                searching = t < n_blocks
+        return t
+
+    @cute.jit
+    def _load_rows(self, gmem_tiled_copy, tXgX, tXsX, tXcX, limit: Int32):
+        """cp.async the rows ``< limit`` of a tile, zero-fill the others."""
+        for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            if tXcX[0, r, 0][0] < limit:
+                cute.copy(gmem_tiled_copy, tXgX[None, r, None], tXsX[None, r, None])
+            else:
+                tXsX[None, r, None].fill(0)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
+        """acc += A B with both operands streamed from shared memory via ldmatrix."""
+        tCrA_v = s2r_A.retile(tCrA)
+        tCrB_v = s2r_B.retile(tCrB)
+        nk = cute.size(tCsA.shape[2])
+        cute.copy(s2r_A, tCsA[None, None, 0], tCrA_v[None, None, 0])
+        cute.copy(s2r_B, tCsB[None, None, 0], tCrB_v[None, None, 0])
+        for k in cutlass.range_constexpr(nk):
+            if const_expr(k + 1 < nk):  # load slice k+1 while slice k multiplies
+                cute.copy(s2r_A, tCsA[None, None, k + 1], tCrA_v[None, None, k + 1])
+                cute.copy(s2r_B, tCsB[None, None, k + 1], tCrB_v[None, None, k + 1])
+            cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mBitmap: cute.Tensor,
+        mRowRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mRowParams: cute.Tensor,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sPdS_layout: cute.ComposedLayout,
+        gmem_tiled_copy: cute.TiledCopy,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        D = self.head_dim
+        K = self.K
+        tm, tn = self.tile_m, self.tile_n
+        P = self.cfg.num_params
+        R = self.cfg.num_row_params
+        Rs = max(R, 1)
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, bh, _ = cute.arch.block_idx()
+        num_heads = mQ.shape[2]
+        num_heads_kv = mK.shape[2]
+        group = num_heads // num_heads_kv
+        batch_idx = bh // num_heads_kv
+        head_kv = bh - batch_idx * num_heads_kv
+        seq = SeqlenInfo.create(batch_idx, mQ, mK)
+        seqlen_q = seq.seqlen_q
+        seqlen_k = seq.seqlen_k
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        n_start = n_block * tn
+        scale_log2 = softmax_scale * LOG2E
+        kv_ragged = n_start + tn > seqlen_k
+        mBitmapRow = mBitmap[batch_idx, n_block, None]
+
+        # ---- shared memory ------------------------------------------------------------------
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        S = self.num_stages
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sQ = storage.sQ.get_tensor(sQ_layout)  # (tm, D, stage)
+        sdO = storage.sdO.get_tensor(sQ_layout)  # (tm, D, stage)
+        sP = storage.sP.get_tensor(sPdS_layout)
+        sdS = storage.sdS.get_tensor(sPdS_layout)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sInt = storage.sInt.get_tensor(
+            cute.make_layout((tm, 2 * K, S), stride=(2 * K, 1, tm * 2 * K))
+        )
+        sFb = storage.sFb.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sRowP = storage.sRowP.get_tensor(cute.make_layout((tm, Rs, S), stride=(Rs, 1, tm * Rs)))
+        sQt = _transpose_view(sQ)  # (D, tm, stage)
+        sdOt = _transpose_view(sdO)  # (D, tm, stage)
+        sKt = _transpose_view(sK)  # (D, tn)
+        sPt = _transpose_view(sP)  # (tn, tm)
+        sdSt = _transpose_view(sdS)  # (tn, tm)
+
+        # ---- K, V tile: loaded once -----------------------------------------------------
+        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((tn, D)))
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((tm, D)))
+        self._load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gK),
+            gmem_thr_copy.partition_D(sK),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        self._load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gV),
+            gmem_thr_copy.partition_D(sV),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        cute.arch.cp_async_commit_group()
+        tQsQ = gmem_thr_copy.partition_D(sQ)  # (CPY, CPY_M, CPY_K, stage)
+        tdOsdO = gmem_thr_copy.partition_D(sdO)
+
+        # ---- MMA partitions -----------------------------------------------------------------
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        acc_shape_S = thr_sdp.partition_shape_C((tm, tn))
+        acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
+
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ[None, None, 0]))
+        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
+        tdPrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO[None, None, 0]))
+        tdPrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))
+        tdVrPt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sPt))
+        tdVrdOt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt[None, None, 0]))
+        tdKrdSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdSt))
+        tdKrQt = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt[None, None, 0]))
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tdQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))
+
+        ld = cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype
+        )
+        ldt = cute.make_copy_atom(
+            warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+        )
+        s2r_sdp_A = cute.make_tiled_copy_A(ld, tiled_mma_sdp).get_slice(tidx)
+        s2r_sdp_B = cute.make_tiled_copy_B(ld, tiled_mma_sdp).get_slice(tidx)
+        s2r_dkv_A = cute.make_tiled_copy_A(ldt, tiled_mma_dkv).get_slice(tidx)
+        s2r_dkv_B = cute.make_tiled_copy_B(ldt, tiled_mma_dkv).get_slice(tidx)
+        s2r_dq_A = cute.make_tiled_copy_A(ld, tiled_mma_dq).get_slice(tidx)
+        s2r_dq_B = cute.make_tiled_copy_B(ldt, tiled_mma_dq).get_slice(tidx)
+        tSsQ = s2r_sdp_A.partition_S(sQ)  # (CPY, M, K, stage)
+        tSsK = s2r_sdp_B.partition_S(sK)
+        tdPsdO = s2r_sdp_A.partition_S(sdO)  # (CPY, M, K, stage)
+        tdPsV = s2r_sdp_B.partition_S(sV)
+        tdVsPt = s2r_dkv_A.partition_S(sPt)
+        tdVsdOt = s2r_dkv_B.partition_S(sdOt)  # (CPY, N, K, stage)
+        tdKsdSt = s2r_dkv_A.partition_S(sdSt)
+        tdKsQt = s2r_dkv_B.partition_S(sQt)  # (CPY, N, K, stage)
+        tdQsdS = s2r_dq_A.partition_S(sdS)
+        tdQsKt = s2r_dq_B.partition_S(sKt)
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
+        tPsP = r2s.partition_D(sP)
+        tdSsdS = r2s.partition_D(sdS)
+
+        tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))
+        n_rows = cute.size(tScS_mn, mode=[0])
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
+
+        # scalar params of the fallback predicate: once per CTA
+        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+        for p in cutlass.range_constexpr(P):
+            rP[p] = mParams[batch_idx, p]
+        # raw row metadata of the prefetched q tile (thread tidx < tm owns row tidx)
+        rMf = cute.make_rmem_tensor((2,), Float32)  # lse, dPsum
+        rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)  # (start, len) * K, region, params
+
+        # ---- work list: (query head g of the group, non-empty q tile m_block) ---------------
+        # Masks are per sequence, so every query head walks the same q tiles.
+        first_m = self._next_tile(mBitmapRow, Int32(0), m_blocks)
+        has_work = first_m < m_blocks
+        g = Int32(0)
+        m_block = first_m
+        stage = Int32(0)
+        head0 = head_kv * group
+        if has_work:
+            self._load_q_do(
+                gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0, first_m, 0, seqlen_q
+            )
+        cute.arch.cp_async_commit_group()
+        if has_work:
+            self._load_meta(
+                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head0,
+                first_m * tm + tidx, seqlen_q, tidx,
+            )
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+
+        while has_work:
+            head = head0 + g
+            m_start = m_block * tm
+            # -- prefetch the next work item into the other stage
+            m_next = self._next_tile(mBitmapRow, m_block + 1, m_blocks)
+            g_next = g
+            if m_next >= m_blocks:
+                g_next = g + 1
+                m_next = first_m
+            has_next = g_next < group
+            if has_next:
+                self._load_q_do(
+                    gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0 + g_next,
+                    m_next, 1 - stage, seqlen_q,
+                )
+            cute.arch.cp_async_commit_group()
+            if has_next:
+                self._load_meta(
+                    rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
+                    head0 + g_next, m_next * tm + tidx, seqlen_q, tidx,
+                )
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+
+            state = self._tile_state(mBitmapRow, m_block)
+            need_mask = ((state & 2) != 0) | kv_ragged
+
+            # -- S = Q K^T, mask, P = exp(S - LSE) ----------------------------------------
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            acc_S.fill(0.0)
+            self._gemm(
+                tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage], tSsK,
+                s2r_sdp_A, s2r_sdp_B,
+            )
+            acc_S_mn = _acc_mn(acc_S)
+            if need_mask:
+                self._apply_mask(
+                    acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                    seqlen_q - 1,
+                )
+            for r in cutlass.range_constexpr(n_rows):
+                lse_l2 = sLSE[tScS_mn[r, 0][0], stage]
+                acc_S_mn[r, None] = cute.math.exp2(
+                    acc_S_mn[r, None].load() * scale_log2 - lse_l2, fastmath=True
+                )
+
+            # -- dP = dO V^T, dS = P (dP - dPsum) -----------------------------------------
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            acc_dP.fill(0.0)
+            self._gemm(
+                tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage], tdPsV,
+                s2r_sdp_A, s2r_sdp_B,
+            )
+            acc_dP_mn = _acc_mn(acc_dP)
+            for r in cutlass.range_constexpr(n_rows):
+                dps = sdPsum[tScS_mn[r, 0][0], stage]
+                acc_dP_mn[r, None] = acc_S_mn[r, None].load() * (acc_dP_mn[r, None].load() - dps)
+
+            rP16 = cute.make_fragment_like(acc_S, self.dtype)
+            rP16.store(acc_S.load().to(self.dtype))
+            rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
+            rdS16.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(rP16), tPsP)
+            cute.copy(r2s, r2s.retile(rdS16), tdSsdS)
+            cute.arch.barrier()
+
+            # -- dV += P^T dO, dK += dS^T Q -----------------------------------------------
+            self._gemm(
+                tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, stage],
+                s2r_dkv_A, s2r_dkv_B,
+            )
+            self._gemm(
+                tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, stage],
+                s2r_dkv_A, s2r_dkv_B,
+            )
+
+            # -- dQ += dS K (float32 atomics into dq_accum) ------------------------------
+            acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
+            acc_dQ.fill(0.0)
+            self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_A, s2r_dq_B)
+            gdQ = cute.local_tile(mdQaccum[batch_idx, None, head, None], (tm, D), (m_block, 0))
+            tdQg = thr_dq.partition_C(gdQ)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                if tdQcdQ[i][0] < seqlen_q - m_start:
+                    cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+
+            if has_next:
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+            cute.arch.barrier()  # this stage and sP/sdS are refilled by the next work items
+            g = g_next
+            m_block = m_next
+            stage = 1 - stage
+            has_work = has_next
+
+        # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
+        cute.arch.cp_async_wait_group(0)  # a CTA without q tiles still waits for its K/V loads
+        gdK = cute.local_tile(mdK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        gdV = cute.local_tile(mdV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        tdKgdK = thr_dkv.partition_C(gdK)
+        tdVgdV = thr_dkv.partition_C(gdV)
+        tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tn, D)))
+        rdK = cute.make_fragment_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_fragment_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        for i in cutlass.range_constexpr(cute.size(rdK)):
+            if tdKcdK[i][0] < seqlen_k - n_start:
+                tdKgdK[i] = rdK[i]
+                tdVgdV[i] = rdV[i]
+
+    @cute.jit
+    def _load_q_do(
+        self, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head, m_block, stage,
+        seqlen_q,
+    ):
+        """cp.async the Q and dO tiles ``m_block`` of query head ``head`` into ``stage``."""
+        D = self.head_dim
+        tm = self.tile_m
+        tidx, _, _ = cute.arch.thread_idx()
+        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+        gQ = cute.local_tile(mQ[batch_idx, None, head, None], (tm, D), (m_block, 0))
+        gdO = cute.local_tile(mdO[batch_idx, None, head, None], (tm, D), (m_block, 0))
+        limit = seqlen_q - m_block * tm
+        self._load_rows(
+            gmem_tiled_copy, gmem_thr_copy.partition_S(gQ), tQsQ[None, None, None, stage], tQcQ,
+            limit,
+        )
+        self._load_rows(
+            gmem_tiled_copy, gmem_thr_copy.partition_S(gdO), tdOsdO[None, None, None, stage],
+            tQcQ, limit,
+        )
+
+    @cute.jit
+    def _load_meta(
+        self, rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head,
+        q_idx, seqlen_q, tidx,
+    ):
+        """Raw loads of row ``q_idx``'s metadata into registers (used only after the next
+        tile's compute, so the loads overlap it). Rows past ``Sq`` get lse -inf, intervals
+        (0, 0), region -1."""
+        K = self.K
+        R = self.cfg.num_row_params
+        rMf[0] = -Float32.inf
+        rMf[1] = Float32(0.0)
+        for k in cutlass.range_constexpr(2 * K):
+            rMi[k] = 0
+        rMi[2 * K] = -1
+        for a in cutlass.range_constexpr(R):
+            rMi[2 * K + 1 + a] = 0
+        if (tidx < self.tile_m) & (q_idx < seqlen_q):
+            rMf[0] = mLSE[batch_idx, head, q_idx]
+            rMf[1] = mdPsum[batch_idx, head, q_idx]
+            for k in cutlass.range_constexpr(2 * K):
+                rMi[k] = mIntervals[batch_idx, q_idx, k]
+            if const_expr(self.cfg.has_fallback):
+                rMi[2 * K] = mRowRegion[batch_idx, q_idx]
+                for a in cutlass.range_constexpr(R):
+                    rMi[2 * K + 1 + a] = mRowParams[batch_idx, q_idx, a]
+
+    @cute.jit
+    def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
+        """Row metadata -> shared memory ``stage``: LSE in log2 units with -inf (a row that sees
+        nothing, or past Sq) mapped to +inf so that P = exp2(s - inf) = 0; intervals as
+        (start, end = start + len); the fallback slot of the row's region (-1 if none)."""
+        K = self.K
+        R = self.cfg.num_row_params
+        if tidx < self.tile_m:
+            lse = rMf[0]
+            lse_l2 = lse * LOG2E
+            if lse == -Float32.inf:
+                lse_l2 = Float32.inf
+            sLSE[tidx, stage] = lse_l2
+            sdPsum[tidx, stage] = rMf[1]
+            for k in cutlass.range_constexpr(K):
+                st = rMi[2 * k]
+                sInt[tidx, 2 * k, stage] = st
+                sInt[tidx, 2 * k + 1, stage] = st + rMi[2 * k + 1]
+            if const_expr(self.cfg.has_fallback):
+                region = rMi[2 * K]
+                fb = Int32(-1)
+                for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
+                    if region == self.cfg.fallback_regions[slot]:
+                        fb = Int32(slot)
+                sFb[tidx, stage] = fb
+                for a in cutlass.range_constexpr(R):
+                    sRowP[tidx, a, stage] = rMi[2 * K + 1 + a]
+
+    @cute.jit
+    def _apply_mask(
+        self, acc_S_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
+        max_row,
+    ):
+        K = self.K
+        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+            row = tScS_mn[r, 0][0]
+            q_idx = m_start + row
+            rInt = cute.make_rmem_tensor((2 * K,), Int32)
+            for k in cutlass.range_constexpr(2 * K):
+                rInt[k] = sInt[row, k]
+            if const_expr(self.cfg.has_fallback):
+                fb = sFb[row]
+                args = [rP[p] for p in range(self.cfg.num_params)]
+                args += [sRowP[row, a] for a in range(self.cfg.num_row_params)]
+            for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
+                kv_idx = n_start + tScS_mn[0, c][1]
+                vis = (kv_idx >= rInt[0]) & (kv_idx < rInt[1])
+                for k in cutlass.range_constexpr(1, K):
+                    vis = vis | ((kv_idx >= rInt[2 * k]) & (kv_idx < rInt[2 * k + 1]))
+                if const_expr(self.cfg.has_fallback):
+                    for slot in cutlass.range_constexpr(len(self.predicates)):
+                        ok = self.predicates[slot](
+                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
+                        )
+                        vis = vis & ((fb != slot) | ok)
+                if not vis:
+                    acc_S_mn[r, c] = -Float32.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# Hopper variant: the same schedule with wgmma (SASS HGMMA)
+# ----------------------------------------------------------------------------------------------
+class FlashBwdSm90(FlashBwd):
+    """``FlashBwd`` with every GEMM on wgmma (two consumer warpgroups, cp.async loads).
+
+    The score tile is computed transposed, ``S^T = K Q^T`` (kv rows on the warpgroups' M, q
+    columns on N), so P^T and dS^T stay in registers as the A operand of ``dV += P^T dO`` and
+    ``dK += dS^T Q`` (RS wgmma, dO / Q read MN-major from shared memory); dS^T is also stored to
+    shared memory as dS for ``dQ = dS K`` (SS wgmma, K read MN-major). The mask and the LSE /
+    dPsum are applied per column (q row)."""
+
+    @staticmethod
+    def can_implement(cfg: FlashBwdConfig) -> bool:
+        if cfg.dtype not in _DTYPES or cfg.head_dim not in (64, 128):
+            return False
+        if not 1 <= cfg.num_intervals <= 16:
+            return False
+        if cfg.num_threads != 256 or cfg.tile_n != 128:  # two warpgroups x 64 kv rows
+            return False
+        if cfg.tile_m != 64:  # one warpgroup row of q; dQ splits the head dim over the two
+            return False
+        if FlashBwd.smem_bytes(cfg) > 227 * 1024:
+            return False
+        return True
+
+    def __init__(self, cfg: FlashBwdConfig, predicates: tuple = ()):
+        if not FlashBwdSm90.can_implement(cfg):
+            raise NotImplementedError(f"FlashBwdSm90 cannot implement {cfg}")
+        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
+            raise ValueError("has_fallback=True needs one generated predicate per region")
+        self.cfg = cfg
+        self.predicates = tuple(predicates)
+        self.dtype = cfg.cutlass_dtype
+        self.head_dim = cfg.head_dim
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.K = cfg.num_intervals
+        self.num_threads = cfg.num_threads
+        self.num_stages = 2
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mBitmap: cute.Tensor,
+        mRowRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mRowParams: cute.Tensor,
+        softmax_scale: Float32,
+        stream,
+    ):
+        if const_expr(mQ.element_type != self.dtype):
+            raise TypeError("q dtype does not match the kernel config")
+        dtype = self.dtype
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        K = self.K
+        R = max(self.cfg.num_row_params, 1)
+        S = self.num_stages
+
+        # ---- shared memory: wgmma-compatible swizzled layouts ------------------------------
+        atom_d = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, D), dtype
+        )
+        atom_n = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, tn), dtype
+        )
+        sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
+        sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
+        sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * S], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, tm * S], 128]
+            sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
+            sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
+            sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
+
+        copy_elems = 128 // dtype.width
+        g2s_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+            dtype,
+            num_bits_per_copy=128,
+        )
+        thr_cols = 64 // copy_elems
+        thr_layout = cute.make_layout(
+            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
+        )
+        gmem_tiled_copy = cute.make_tiled_copy_tv(
+            g2s_atom, thr_layout, cute.make_layout((1, copy_elems))
+        )
+
+        Kmaj = cute.nvgpu.OperandMajorMode.K
+        MNmaj = cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T, dP^T = V dO^T: (tn, tm), warpgroup w owns kv rows [64w, 64w + 64)
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, Kmaj, Kmaj, Float32, atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tm)
+        )
+        # dV += P^T dO, dK += dS^T Q: (tn, D), A from registers
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            dtype,
+            dtype,
+            Kmaj,
+            MNmaj,
+            Float32,
+            atom_layout_mnk=(2, 1, 1),
+            tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        # dQ = dS K: (tm, D), warpgroup w owns head-dim columns [w D/2, (w+1) D/2)
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, Kmaj, MNmaj, Float32, atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
+        )
+
+        grid = (
+            cute.ceil_div(mK.shape[1], tn),
+            cute.size(mK.shape[0]) * cute.size(mK.shape[2]),
+            1,
+        )
+        self.kernel(
+            mQ,
+            mK,
+            mV,
+            mdO,
+            mLSE,
+            mdPsum,
+            mdQaccum,
+            mdK,
+            mdV,
+            mIntervals,
+            mBitmap,
+            mRowRegion,
+            mParams,
+            mRowParams,
+            softmax_scale,
+            sQ_layout,
+            sKV_layout,
+            sdS_layout,
+            gmem_tiled_copy,
+            tiled_mma_sdp,
+            tiled_mma_dkv,
+            tiled_mma_dq,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mBitmap: cute.Tensor,
+        mRowRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mRowParams: cute.Tensor,
+        softmax_scale: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        gmem_tiled_copy: cute.TiledCopy,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        D = self.head_dim
+        K = self.K
+        tm, tn = self.tile_m, self.tile_n
+        P = self.cfg.num_params
+        R = self.cfg.num_row_params
+        Rs = max(R, 1)
+        S = self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, bh, _ = cute.arch.block_idx()
+        num_heads = mQ.shape[2]
+        num_heads_kv = mK.shape[2]
+        group = num_heads // num_heads_kv
+        batch_idx = bh // num_heads_kv
+        head_kv = bh - batch_idx * num_heads_kv
+        seq = SeqlenInfo.create(batch_idx, mQ, mK)
+        seqlen_q = seq.seqlen_q
+        seqlen_k = seq.seqlen_k
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        n_start = n_block * tn
+        scale_log2 = softmax_scale * LOG2E
+        kv_ragged = n_start + tn > seqlen_k
+        mBitmapRow = mBitmap[batch_idx, n_block, None]
+
+        # ---- shared memory ------------------------------------------------------------------
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tm, D, stage)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sInt = storage.sInt.get_tensor(
+            cute.make_layout((tm, 2 * K, S), stride=(2 * K, 1, tm * 2 * K))
+        )
+        sFb = storage.sFb.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sRowP = storage.sRowP.get_tensor(cute.make_layout((tm, Rs, S), stride=(Rs, 1, tm * Rs)))
+        sQt = _transpose_view(sQ)  # (D, tm, stage)
+        sdOt = _transpose_view(sdO)  # (D, tm, stage)
+        sKt = _transpose_view(sK)  # (D, tn)
+        sdSt = _transpose_view(sdS)  # (tn, tm)
+
+        # ---- K, V tile: loaded once -----------------------------------------------------
+        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((tn, D)))
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((tm, D)))
+        self._load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gK),
+            gmem_thr_copy.partition_D(sK),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        self._load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gV),
+            gmem_thr_copy.partition_D(sV),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        cute.arch.cp_async_commit_group()
+        tQsQ = gmem_thr_copy.partition_D(sQ)
+        tdOsdO = gmem_thr_copy.partition_D(sdO)
+
+        # ---- MMA partitions (operand descriptors per warpgroup) ---------------------------
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * 128)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * 128)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
+        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (..., stage)
+        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (..., stage)
+        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (..., stage)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
+        acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
+        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
+        tdSsdSt = r2s.partition_D(sdSt)
+
+        tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+        n_cols = cute.size(tScS_mn, mode=[1])  # q rows of the thread
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
+
+        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+        for p in cutlass.range_constexpr(P):
+            rP[p] = mParams[batch_idx, p]
+        rMf = cute.make_rmem_tensor((2,), Float32)
+        rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+
+        # ---- work list: (query head g, non-empty q tile m_block), prefetched one ahead ---
+        first_m = self._next_tile(mBitmapRow, Int32(0), m_blocks)
+        has_work = first_m < m_blocks
+        g = Int32(0)
+        m_block = first_m
+        stage = Int32(0)
+        head0 = head_kv * group
+        if has_work:
+            self._load_q_do(
+                gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0, first_m, 0, seqlen_q
+            )
+        cute.arch.cp_async_commit_group()
+        if has_work:
+            self._load_meta(
+                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head0,
+                first_m * tm + tidx, seqlen_q, tidx,
+            )
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+
+        while has_work:
+            head = head0 + g
+            m_start = m_block * tm
+            m_next = self._next_tile(mBitmapRow, m_block + 1, m_blocks)
+            g_next = g
+            if m_next >= m_blocks:
+                g_next = g + 1
+                m_next = first_m
+            has_next = g_next < group
+            if has_next:
+                self._load_q_do(
+                    gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0 + g_next,
+                    m_next, 1 - stage, seqlen_q,
+                )
+            cute.arch.cp_async_commit_group()
+            if has_next:
+                self._load_meta(
+                    rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
+                    head0 + g_next, m_next * tm + tidx, seqlen_q, tidx,
+                )
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+            cute.arch.barrier()
+
+            state = self._tile_state(mBitmapRow, m_block)
+            need_mask = ((state & 2) != 0) | kv_ragged
+
+            # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            self._wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            acc_S_mn = _acc_mn(acc_S)
+            if need_mask:
+                self._apply_mask_t(
+                    acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                    seqlen_q - 1,
+                )
+            for c in cutlass.range_constexpr(n_cols):
+                lse_l2 = sLSE[tScS_mn[0, c][1], stage]
+                acc_S_mn[None, c] = cute.math.exp2(
+                    acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
+                )
+
+            # -- dP^T = V dO^T, dS^T = P^T (dP^T - dPsum) ----------------------------------
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            self._wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+            acc_dP_mn = _acc_mn(acc_dP)
+            for c in cutlass.range_constexpr(n_cols):
+                dps = sdPsum[tScS_mn[0, c][1], stage]
+                acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
+
+            rP16 = cute.make_fragment_like(acc_S, self.dtype)
+            rP16.store(acc_S.load().to(self.dtype))
+            rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
+            rdS16.store(acc_dP.load().to(self.dtype))
+            cute.copy(r2s, r2s.retile(rdS16), tdSsdSt)  # dS^T -> sdS (as dS)
+            cute.arch.fence_view_async_shared()
+
+            # -- dV += P^T dO, dK += dS^T Q (A operands from registers) -------------------
+            tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
+            tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
+            self._wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+            self._wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+            cute.arch.barrier()  # all of dS in shared memory
+
+            # -- dQ += dS K (float32 atomics into dq_accum) ------------------------------
+            acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
+            self._wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
+            gdQ = cute.local_tile(mdQaccum[batch_idx, None, head, None], (tm, D), (m_block, 0))
+            tdQg = thr_dq.partition_C(gdQ)
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                if tdQcdQ[i][0] < seqlen_q - m_start:
+                    cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+
+            if has_next:
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+            cute.arch.barrier()  # this stage and sdS are refilled by the next work items
+            g = g_next
+            m_block = m_next
+            stage = 1 - stage
+            has_work = has_next
+
+        # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
+        cute.arch.cp_async_wait_group(0)
+        gdK = cute.local_tile(mdK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        gdV = cute.local_tile(mdV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        tdKgdK = thr_dkv.partition_C(gdK)
+        tdVgdV = thr_dkv.partition_C(gdV)
+        tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tn, D)))
+        rdK = cute.make_fragment_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_fragment_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        for i in cutlass.range_constexpr(cute.size(rdK)):
+            if tdKcdK[i][0] < seqlen_k - n_start:
+                tdKgdK[i] = rdK[i]
+                tdVgdV[i] = rdV[i]
+
+    @cute.jit
+    def _apply_mask_t(
+        self, acc_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
+        max_row,
+    ):
+        """The interval test on a transposed score tile: rows are kv, columns are q."""
+        K = self.K
+        for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
+            col = tScS_mn[0, c][1]
+            q_idx = m_start + col
+            rInt = cute.make_rmem_tensor((2 * K,), Int32)
+            for k in cutlass.range_constexpr(2 * K):
+                rInt[k] = sInt[col, k]
+            if const_expr(self.cfg.has_fallback):
+                fb = sFb[col]
+                args = [rP[p] for p in range(self.cfg.num_params)]
+                args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
+            for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+                kv_idx = n_start + tScS_mn[r, 0][0]
+                vis = (kv_idx >= rInt[0]) & (kv_idx < rInt[1])
+                for k in cutlass.range_constexpr(1, K):
+                    vis = vis | ((kv_idx >= rInt[2 * k]) & (kv_idx < rInt[2 * k + 1]))
+                if const_expr(self.cfg.has_fallback):
+                    for slot in cutlass.range_constexpr(len(self.predicates)):
+                        ok = self.predicates[slot](
+                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
+                        )
+                        vis = vis & ((fb != slot) | ok)
+                if not vis:
+                    acc_mn[r, c] = -Float32.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile cache + launch
+# ----------------------------------------------------------------------------------------------
+_COMPILE_CACHE: dict = {}
+
+
+def make_fake_args(cfg: FlashBwdConfig):
+    """Fake (shape-symbolic) tensors matching the launch ABI, for compilation without a GPU."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+    div = 128 // dt.width
+    sym, sym64 = cute.sym_int, cute.sym_int64
+    B, Sq, Sk, H, Hkv = sym(), sym(), sym(), sym(), sym()
+    D = cfg.head_dim
+
+    def t(dtype, shape, d=1, align=16):
+        stride = tuple(sym64(divisibility=d) for _ in shape[:-1]) + (1,)
+        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+    q = t(dt, (B, Sq, H, D), div)
+    k = t(dt, (B, Sk, Hkv, D), div)
+    v = t(dt, (B, Sk, Hkv, D), div)
+    do = t(dt, (B, Sq, H, D), div)
+    lse = t(Float32, (B, H, Sq), 1, 4)
+    dpsum = t(Float32, (B, H, Sq), 1, 4)
+    dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
+    dk = t(dt, (B, Sk, Hkv, D), div)
+    dv = t(dt, (B, Sk, Hkv, D), div)
+    intervals = t(Int32, (B, Sq, 2 * cfg.num_intervals), 1, 4)
+    bitmap = t(Int32, (B, sym(), sym()), 1, 4)
+    row_region = t(Int32, (B, Sq), 1, 4)
+    params = t(Int32, (B, sym()), 1, 4)
+    row_params = t(Int32, (B, Sq, sym()), 1, 4)
+    return (q, k, v, do, lse, dpsum, dq_accum, dk, dv, intervals, bitmap, row_region, params,
+            row_params)
+
+
+def compile_flash_bwd(
+    cfg: FlashBwdConfig,
+    fallback: Optional[Fallback] = None,
+    gpu_arch: Optional[str] = None,
+    use_cache: bool = True,
+    extra_options: str = "",
+):
+    """Compile (or fetch from the cache) the backward kernel for ``cfg``; shapes stay symbolic.
+
+    ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU."""
+    key = (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+    fn = _COMPILE_CACHE.get(key) if use_cache else None
+    if fn is not None:
+        return fn
+    preds = ()
+    if cfg.has_fallback:
+        assert fallback is not None and fallback.hash == cfg.fallback_hash
+        preds = fallback.functions()
+        log.info(
+            "compilemask: building flash_bwd kernel with fallback predicate %s for regions %s "
+            "(%s, hdim %d, tile %dx%d, K=%d)",
+            cfg.fallback_hash,
+            cfg.fallback_regions,
+            cfg.dtype,
+            cfg.head_dim,
+            cfg.tile_m,
+            cfg.tile_n,
+            cfg.num_intervals,
+        )
+    kernel = (FlashBwdSm90 if cfg.arch >= 90 else FlashBwd)(cfg, preds)
+    args = make_fake_args(cfg)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
+    if extra_options:
+        options += " " + extra_options
+    fn = cute.compile(kernel, *args, Float32(1.0), stream, options=options)
+    _COMPILE_CACHE[key] = fn
+    return fn
+
+
+def default_arch() -> int:
+    """80 (the mma.sync kernel, validated on the H200) unless ``COMPILEMASK_BWD_ARCH=90`` asks
+    for the wgmma kernel (compiled and SASS-checked for sm_90a, not yet run on a GPU)."""
+    env = os.environ.get("COMPILEMASK_BWD_ARCH", "")
+    return int(env) if env else 80
+
+
+def flash_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    intervals,
+    bwd_bitmap,
+    row_region=None,
+    params=None,
+    row_params=None,
+    *,
+    tile_m: int,
+    tile_n: int,
+    softmax_scale: Optional[float] = None,
+    fallback: Optional[Fallback] = None,
+    dlse=None,
+    arch: Optional[int] = None,
+):
+    """Masked attention backward. Returns ``(dq, dk, dv)`` shaped like ``q, k, v``.
+
+    ``lse`` float32 [B, H, Sq] from the forward (natural log, -inf for rows that see nothing);
+    ``intervals`` int32 [B, Sq, K, 2]; ``bwd_bitmap`` int32 [B, ceil(Sk/tile_n), ceil(n_m/16)]
+    for this (tile_m, tile_n) (``desc.bwd_tiles``); ``dlse`` (optional, [B, H, Sq]) is the
+    gradient flowing into the LSE output."""
+    import torch
+
+    B, Sq, H, D = q.shape
+    _, Sk, Hkv, _ = k.shape
+    if D not in (64, 128):
+        raise NotImplementedError(f"flash_bwd: head dim {D} not supported (64, 128)")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError(f"flash_bwd: dtype {q.dtype}")
+    if H % Hkv != 0:
+        raise ValueError("num heads must be a multiple of num kv heads")
+    Kslots = intervals.shape[2]
+    n_m = -(-Sq // tile_m)
+    n_n = -(-Sk // tile_n)
+    assert intervals.shape[1:] == (Sq, Kslots, 2), intervals.shape
+    assert bwd_bitmap.shape[1:] == (n_n, -(-n_m // 16)), (bwd_bitmap.shape, (n_n, n_m))
+    assert intervals.shape[0] in (1, B) and bwd_bitmap.shape[0] in (1, B)
+    cfg = FlashBwdConfig(
+        dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
+        head_dim=D,
+        tile_m=tile_m,
+        tile_n=tile_n,
+        num_intervals=Kslots,
+        has_fallback=fallback is not None,
+        fallback_hash=fallback.hash if fallback is not None else "",
+        fallback_regions=fallback.regions if fallback is not None else (),
+        num_params=fallback.num_params if fallback is not None else 0,
+        num_row_params=fallback.num_row_params if fallback is not None else 0,
+        arch=80,
+    )
+    if arch is None:
+        arch = default_arch()
+    if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
+        cfg = replace(cfg, arch=90)
+    elif not FlashBwd.can_implement(cfg):
+        raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
+    fn = compile_flash_bwd(cfg, fallback)
+    dev = q.device
+    q, k, v, dout = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, dout))
+    # preprocess: dPsum = rowsum(dO * O) in float32, [B, H, Sq]
+    dpsum = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    if dlse is not None:  # a gradient flowing into the LSE output: dS += P * dLSE
+        dpsum = dpsum - torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    dpsum = dpsum.contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    dq_accum = torch.zeros(B, Sq, H, D, dtype=torch.float32, device=dev)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    # a descriptor made for batch 1 (masks without per-sequence metadata) is broadcast
+    iv = intervals.to(torch.int32).contiguous().view(-1, Sq, 2 * Kslots).expand(B, -1, -1)
+    bm = bwd_bitmap.to(torch.int32).contiguous().expand(B, -1, -1)
+    if row_region is None:
+        row_region = torch.full((B, Sq), -1, dtype=torch.int32, device=dev)
+    rr = row_region.to(torch.int32).contiguous().expand(B, -1)
+    if params is None or params.numel() == 0:
+        params = torch.zeros(B, 1, dtype=torch.int32, device=dev)
+    if row_params is None or row_params.numel() == 0:
+        row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
+    pr = params.to(torch.int32).contiguous().expand(B, -1)
+    rp = row_params.to(torch.int32).contiguous().expand(B, -1, -1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, float(scale))
+    # postprocess: dQ = scale * dq_accum, in the input dtype
+    dq = (dq_accum * scale).to(q.dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Quick timing (GPU): python -m compilemask.kernels.flash_bwd --mask hstu -S 8192 -B 2
+# ----------------------------------------------------------------------------------------------
+def _bench(argv=None):
+    import argparse
+
+    import torch
+
+    import compilemask as cm
+    from compilemask import masks
+
+    from .flash_fwd import flash_fwd
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mask", nargs="+", default=["causal", "hstu"])
+    ap.add_argument("-S", type=int, default=8192)
+    ap.add_argument("-B", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--hdim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    a = ap.parse_args(argv)
+    B, S, H, D = a.B, a.S, a.heads, a.hdim
+
+    def timeit(fn):
+        for _ in range(2):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / a.iters
+
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    def run_mask(name):
+        spec = getattr(masks, name)()
+        mask = cm.compile_mask(spec)
+        desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, batch_size=B,
+                               backend="torch")
+        desc = desc.to("cuda")
+        fb = Fallback.from_mask(mask) if mask.has_fallback else None
+        visible = float(desc.dense_mask().sum())
+        fwd_args = (q, k, v, desc.intervals, desc.fwd_bitmap, desc.row_region, desc.params,
+                    desc.row_params)
+        out, lse = flash_fwd(*fwd_args, tile_m=desc.fwd_tiles.tile_m,
+                             tile_n=desc.fwd_tiles.tile_n, fallback=fb)
+
+        def bwd(arch):
+            return flash_bwd(do, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
+                             desc.row_region, desc.params, desc.row_params,
+                             tile_m=desc.bwd_tiles.tile_m, tile_n=desc.bwd_tiles.tile_n,
+                             fallback=fb, arch=arch)
+
+        t_fwd = timeit(lambda: flash_fwd(*fwd_args, tile_m=desc.fwd_tiles.tile_m,
+                                         tile_n=desc.fwd_tiles.tile_n, fallback=fb))
+        fl = 4.0 * visible * D * H
+        msg = (f"bench {name} B={B} S={S} H={H} D={D} density={visible / (B * S * S):.3f}: "
+               f"fwd {t_fwd:.3f} ms ({fl / t_fwd / 1e9:.0f} TFLOP/s)")
+        for arch in a.arch:
+            t_bwd = timeit(lambda: bwd(arch))  # noqa: B023
+            msg += f", bwd sm{arch} {t_bwd:.3f} ms ({2.5 * fl / t_bwd / 1e9:.0f} TFLOP/s)"
+        print(msg, flush=True)
+
+    for name in a.mask:
+        try:
+            run_mask(name)
+        except Exception as e:  # report and go on with the next mask
+            print(f"bench {name}: failed ({type(e).__name__}: {e})", flush=True)
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def fa4():
+            o = flash_attn_func(qg, kg, vg, causal=True)
+            o = o[0] if isinstance(o, tuple) else o
+            o.backward(do)
+
+        def fa4_fwd():
+            with torch.no_grad():
+                flash_attn_func(q, k, v, causal=True)
+
+        t_f = timeit(fa4_fwd)
+        t_fb = timeit(fa4)
+        fl = 4.0 * B * S * (S + 1) / 2 * D * H
+        print(f"bench FA4 causal: fwd {t_f:.3f} ms, bwd ~{t_fb - t_f:.3f} ms "
+              f"({2.5 * fl / (t_fb - t_f) / 1e9:.0f} TFLOP/s)", flush=True)
+    except Exception as e:  # FA4 absent or failing: the comparison is optional
+        print(f"bench FA4: skipped ({type(e).__name__}: {e})")
+
+
+if __name__ == "__main__":
+    _bench()

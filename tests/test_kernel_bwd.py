@@ -1,0 +1,206 @@
+"""CuTe DSL backward kernel: CPU compile checks (CI) and GPU correctness checks (-m gpu)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+cute = pytest.importorskip("cutlass.cute")
+
+import compilemask as cm  # noqa: E402
+from compilemask import masks  # noqa: E402
+from compilemask.kernels.flash_bwd import (  # noqa: E402
+    FlashBwd,
+    FlashBwdConfig,
+    FlashBwdSm90,
+    compile_flash_bwd,
+)
+from compilemask.kernels.flash_fwd import Fallback  # noqa: E402
+from compilemask.reference import attention_reference  # noqa: E402
+
+SM90 = "sm_90a"  # compile target passed as --gpu-arch: no GPU needed
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the backward kernel compiles for sm_90a (no GPU, no launch)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("hdim", [64, 128])
+def test_compile_sm90_bf16(hdim, K, arch):
+    cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=K,
+                         arch=arch)
+    assert compile_flash_bwd(cfg, gpu_arch=SM90) is not None
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compile_sm90_fp16_k4(arch):
+    cfg = FlashBwdConfig(dtype="fp16", head_dim=128, tile_m=64, tile_n=128, num_intervals=4,
+                         arch=arch)
+    assert compile_flash_bwd(cfg, gpu_arch=SM90) is not None
+
+
+def test_compile_sm90_fallback_logs_once(caplog):
+    mask = cm.compile_mask(masks.dilated_causal())
+    fb = Fallback.from_mask(mask)
+    cfg = FlashBwdConfig(dtype="bf16", head_dim=64, tile_m=64, tile_n=128,
+                         num_intervals=mask.num_intervals, has_fallback=True,
+                         fallback_hash=fb.hash, fallback_regions=fb.regions,
+                         num_params=fb.num_params, num_row_params=fb.num_row_params)
+    with caplog.at_level(logging.INFO, logger="compilemask"):
+        compile_flash_bwd(cfg, fb, gpu_arch=SM90)
+        compile_flash_bwd(cfg, fb, gpu_arch=SM90)
+    msgs = [r for r in caplog.records if "flash_bwd kernel with fallback" in r.getMessage()]
+    assert len(msgs) == 1
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compile_sm90_fallback_row_params(arch):
+    import sympy as sp
+
+    i, j = sp.symbols("i j", integer=True)
+    first = sp.Function("first")
+    stride = sp.Symbol("stride", integer=True)
+    expr = sp.And(j <= i, sp.Or(sp.Eq(sp.Mod(i - j, stride), 0), j < first(i)))
+    fb = Fallback.from_expr(expr, ["stride"], ["first"], regions=(0, 2))
+    cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2,
+                         has_fallback=True, fallback_hash=fb.hash, fallback_regions=fb.regions,
+                         num_params=fb.num_params, num_row_params=fb.num_row_params, arch=arch)
+    assert compile_flash_bwd(cfg, fb, gpu_arch=SM90) is not None
+
+
+def test_can_implement():
+    ok = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2)
+    assert FlashBwd.can_implement(ok)
+    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 256, 64, 128, 2))
+    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 0))
+    assert not FlashBwd.can_implement(FlashBwdConfig("fp32", 128, 64, 128, 1))
+    assert FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90))
+    assert not FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 128, 128, 128, 2, arch=90))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: gradients vs the float32 reference, error <= 2x PyTorch's own bf16 error
+# ---------------------------------------------------------------------------------------------
+def _attn_lowp(q, k, v, dense, scale):
+    """Dense masked attention computed in the inputs' dtype (PyTorch's own bf16 path)."""
+    H, Hkv = q.shape[2], k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if H != Hkv:
+        kt = kt.repeat_interleave(H // Hkv, dim=1)
+        vt = vt.repeat_interleave(H // Hkv, dim=1)
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    s = s.masked_fill(~dense.unsqueeze(1), float("-inf"))
+    seen = dense.any(-1)[:, None, :, None]  # rows that see nothing: P = 0 (no NaN)
+    s = torch.where(seen, s, torch.zeros_like(s))
+    p = (torch.softmax(s.float(), dim=-1) * seen).to(q.dtype)
+    return torch.matmul(p, vt).transpose(1, 2)
+
+
+def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None):
+    from compilemask.kernels.autograd import _fallback, register_mask
+    from compilemask.kernels.flash_bwd import flash_bwd
+
+    mask = cm.compile_mask(spec)
+    meta = masks.random_meta(spec, B, S, gen=torch.Generator().manual_seed(seed))
+    desc = mask.preprocess(meta, seqlen_q=S, batch_size=B, backend="torch").to("cuda")
+    dense = desc.dense_mask()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(B, S, H, D, device="cuda", dtype=dtype, generator=g)
+    scale = 1.0 / math.sqrt(D)
+
+    def grads(fn, inputs):
+        xs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*xs)
+        out.backward(dout.to(out.dtype))
+        return [x.grad for x in xs]
+
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    ref = grads(lambda a, b, c: attention_reference(a, b, c, dense, scale), (qf, kf, vf))
+    pt = grads(lambda a, b, c: _attn_lowp(a, b, c, dense, scale), (q, k, v))
+    with torch.no_grad():
+        out, lse = attention_reference(q, k, v, dense, softmax_scale=scale, return_lse=True)
+    register_mask(mask)
+    fb = _fallback(str(mask.key))
+    got = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap, desc.row_region,
+                    desc.params, desc.row_params, tile_m=desc.bwd_tiles.tile_m,
+                    tile_n=desc.bwd_tiles.tile_n, softmax_scale=scale, fallback=fb,
+                    arch=arch)
+    torch.cuda.synchronize()
+    report = []
+    for name, a, r, p in zip(("dq", "dk", "dv"), got, ref, pt):
+        assert a.shape == r.shape and a.dtype == dtype, name
+        assert torch.isfinite(a).all(), f"{name}: non-finite"
+        err = (a.float() - r).abs().max().item()
+        pt_err = (p.float() - r).abs().max().item()
+        tol = 2 * pt_err + 1e-3 * r.abs().max().item() + 1e-5
+        report.append(f"{name} err {err:.2e} pt {pt_err:.2e}")
+        assert err <= tol, f"{spec.name} S={S} H={H}/{Hkv} D={D} {name}: {err} > {tol} ({report})"
+    empty = ~dense.any(-1)  # rows that see nothing: dq exactly zero
+    if empty.any():
+        assert torch.equal(got[0][empty], torch.zeros_like(got[0][empty]))
+    return report
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("S", [1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("name", ["causal", "hstu"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_bwd_vs_reference(name, S, D, arch):
+    spec = getattr(masks, name)()
+    print(name, S, D, arch, _check_case(spec, 2, S, 4, 2, D, seed=S + D, arch=arch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["shared_prompt_rm", "clear", "dilated_causal", "prefix_lm",
+                                  "packed_documents", "sliding_window"])
+@pytest.mark.parametrize("arch", [80, 90])
+def test_bwd_other_masks(name, arch):
+    spec = getattr(masks, name)()
+    print(name, arch, _check_case(spec, 2, 300, 2, 1, 128, seed=3, arch=arch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", [80, 90])
+def test_bwd_fp16_mqa(arch):
+    print("fp16", arch, _check_case(masks.hstu(), 2, 257, 4, 1, 64, dtype=torch.float16, seed=9,
+                                    arch=arch))
+
+
+@pytest.mark.gpu
+def test_op_cuda_compile_matches_eager():
+    """cm kernels end to end through the custom op (forward kernel + backward kernel), eager vs
+    torch.compile."""
+    from compilemask.kernels.autograd import attention_op
+
+    spec = masks.hstu()
+    mask = cm.compile_mask(spec)
+    B, S, H, Hkv, D = 2, 200, 4, 2, 128
+    desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, backend="torch").to("cuda")
+    torch.manual_seed(0)
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(q, k, v):
+        return attention_op(q, k, v, desc).float().square().sum()
+
+    def run(fn):
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward()
+        return [t.grad.clone() for t in (q, k, v)]
+
+    eager = run(f)
+    comp = run(torch.compile(f, backend="aot_eager", fullgraph=True))
+    for a, b in zip(comp, eager):
+        # dq is summed with float32 atomics: the order (and the last bf16 bit) may differ
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item())
