@@ -95,7 +95,9 @@ def time_events(fn, reps=REPS, warmup=3):
     return statistics.median(ts)
 
 
-def time_graph(fn, reps=REPS):
+def time_graph(fn, reps=REPS, inner=20):
+    """Device time per call: ``inner`` calls captured back to back in one CUDA graph, so that
+    the host's launch rate does not bound the measurement."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -105,9 +107,9 @@ def time_graph(fn, reps=REPS):
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    inner = 20
-    return time_events(lambda: [g.replay() for _ in range(inner)], reps=reps) / inner
+        for _ in range(inner):
+            fn()
+    return time_events(g.replay, reps=reps) / inner
 
 
 def bytes_written(d):
@@ -121,7 +123,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="skip remaining flex baselines (compiles are slow) past this budget")
     ap.add_argument("--flex-seqlens", default="1024,8192,32768")
+    ap.add_argument("--flex-masks", default="hstu,shared_prompt_rm,clear,causal")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--sweep-threads", default="",
+                    help="e.g. 256,512,1024: device time per block size (hstu, clear; 1K, 32K)")
     args = ap.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
@@ -152,7 +157,8 @@ def main():
             t_dev = time_graph(ours)
             nbytes = bytes_written(d)
             flex = None
-            if cbm is not None and S in flex_seqlens and time.time() - t_start < args.budget_s:
+            if (cbm is not None and S in flex_seqlens and name in args.flex_masks.split(",")
+                    and time.time() - t_start < args.budget_s):
                 mod = mask_mods(name, meta)
                 try:
                     flex = time_events(
@@ -162,6 +168,31 @@ def main():
                     flex = f"error: {type(e).__name__}"
             rows.append((name, S, B, m.num_intervals, t_e2e, t_dev, nbytes, flex, same))
             print(rows[-1], flush=True)
+            write(args, rows, [])
+    sweep = []
+    if args.sweep_threads:
+        from compilemask.codegen import preprocess as tlp
+
+        default = tlp._THREADS
+        for th in [int(x) for x in args.sweep_threads.split(",")]:
+            tlp._THREADS = th
+            for name in ("hstu", "clear"):
+                m = cm.compile_mask(specs[name])
+                for S in (1024, 32768):
+                    B = TOKENS // S
+                    gen = torch.Generator().manual_seed(S)
+                    meta = {k: v.to(dev) for k, v in M.random_meta(specs[name], B, S, gen).items()}
+                    t = time_graph(lambda m=m, meta=meta, S=S, B=B: m.preprocess(
+                        meta, S, batch_size=B, device=dev, backend="tilelang"))
+                    sweep.append((th, name, S, B, t))
+                    print(sweep[-1], flush=True)
+        tlp._THREADS = default
+    write(args, rows, sweep)
+
+
+def write(args, rows, sweep):
+    from compilemask.codegen import preprocess as tlp
+
     gpu = torch.cuda.get_device_name()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -171,7 +202,8 @@ def main():
     date = datetime.date.today().isoformat()
     lines = [f"# Preprocess benchmark, {date}", "",
              f"GPU: {gpu}; torch {torch.__version__}; commit {commit}; "
-             f"{TOKENS} tokens per batch; median of {REPS} (flex: 20) after warm-up.", "",
+             f"{TOKENS} tokens per batch; median of {REPS} (flex: 20) after warm-up; "
+             f"{tlp._THREADS} threads per block.", "",
              "ours e2e: `preprocess(..., backend='tilelang')` per call (host + alloc + launch), "
              "CUDA events; ours dev: the same call replayed from a CUDA graph (device time); "
              "bytes: descriptor bytes written (Interval Table, row_region, both bitmaps, "
@@ -179,17 +211,20 @@ def main():
              "`torch.compile(create_block_mask)(mask_mod, B, None, S, S)` (forward block mask "
              "only, H broadcast).", "",
              "| mask | S | B | K | ours e2e (us) | ours dev (us) | bytes | BW (GB/s) | "
-             "flex (us) | flex / ours e2e | = ref |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "flex (us) | flex / ours e2e | flex / ours dev | = ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, S, B, K, te, td, nb, flex, same in rows:
         if isinstance(flex, float):
-            fx, ratio = f"{flex:.0f}", f"{flex / te:.0f}x"
+            fx, ratio = f"{flex:.0f}", f"{flex / te:.0f}x | {flex / td:.0f}x"
         else:
-            fx, ratio = (flex or "-"), "-"
+            fx, ratio = (flex or "-"), "- | -"
         lines.append(f"| {name} | {S} | {B} | {K} | {te:.1f} | {td:.1f} | {nb} | "
                      f"{nb / td / 1e3:.0f} | {fx} | {ratio} | {'yes' if same else 'NO'} |")
+    if sweep:
+        lines += ["", "Threads per block (device time, us, CUDA-graph replay):", "",
+                  "| threads | mask | S | B | us |", "|---|---|---|---|---|"]
+        lines += [f"| {th} | {n} | {S} | {B} | {t:.1f} |" for th, n, S, B, t in sweep]
     text = "\n".join(lines) + "\n"
-    print(text)
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"preprocess_{date}.md")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -6,23 +6,28 @@ cache), ``tilelang_preprocess`` runs it (``CompiledMask.preprocess(backend="tile
 
 Design (one launch, no atomics to global memory, nothing pre-zeroed)
 ------------------------------------------------------------------
-Grid ``(ceil(Sq / ROWS), B)``. ``ROWS = max(tile_m_fwd, 16 * tile_m_bwd)`` (1024 for the default
-128x128 / 64x128 tilings), so a block owns whole output words of *both* bitmaps: the forward
-bitmap rows of its ``ROWS / tile_m_fwd`` forward m-tiles (all their words along n), and, for
-every backward n-tile, the ``ROWS / (16 * tile_m_bwd)`` backward words that pack its
-``ROWS / tile_m_bwd`` backward m-tiles. Every output element is written exactly once.
+Grid ``(ceil(Sq / ROWS), chunks, B)``. ``ROWS = max(tile_m_fwd, 16 * tile_m_bwd)`` (1024 for
+the default 128x128 / 64x128 tilings), so a block owns whole output words of *both* bitmaps:
+over its chunk of ``CHUNK`` n-tiles, the forward words of its ``ROWS / tile_m_fwd`` forward
+m-tiles, and, for every backward n-tile of the chunk, the ``ROWS / (16 * tile_m_bwd)`` backward
+words that pack its ``ROWS / tile_m_bwd`` backward m-tiles. ``chunks = ceil(max(n-tiles fwd,
+n-tiles bwd) / CHUNK)`` (one chunk up to Sk = 16K with 128-wide tiles; the blocks of the other
+chunks recompute the rows' intervals, which is cheap, and run in parallel). Every output element
+is written exactly once (the Interval Table by the chunk-0 blocks).
 
-Stages, per chunk of ``CHUNK`` n-tiles (one chunk covers Sk <= CHUNK * tile_n; longer keys loop):
+Stages of a block (``T.sync_threads()`` between them on CUDA):
 
+0. clear the shared counters.
 1. rows: each row evaluates the region guards (first that holds wins) and the K interval
    endpoints in int64, clips them to ``[0, Sk)`` (empty slot: ``(0, 0)``) and writes its Interval
-   Table row, ``row_region`` and its metadata copies (first chunk only). It then adds its tile
+   Table row, ``row_region`` and its metadata copies (chunk 0 only). It then adds its tile
    ranges to per-m-tile difference arrays in shared memory: the n-tiles its intervals *overlap*
    (visible counts), and the n-tiles the union of its intervals *covers* (coverage counts;
    components of the union are found by the same reach iteration as ``compilemask.tiles``:
    from each slot that starts a component, jump to the end of any interval containing the reach,
    K rounds). Rows of fallback regions add no coverage (their tiles are never full).
-2. scan: prefix sums of the difference arrays (per 16-tile word, then across words).
+2. scan: prefix sums of the difference arrays (sums of 16-tile words, then per word: the
+   words before it, then its tiles).
 3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
    visible and its coverage count < the number of rows of ``m`` below Sq (``10`` never
    occurs). 16 states per int32 word; forward words run along n, backward words along m.
@@ -62,7 +67,7 @@ from .tl_printer import TileLangPrinter
 __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile_count",
            "PreprocessPlan", "plan"]
 
-_THREADS = 256
+_THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -105,9 +110,9 @@ class PreprocessPlan:
         return self.chunk // TILES_PER_WORD
 
 
-def plan(K: int, fwd: TileConfig, bwd: TileConfig) -> PreprocessPlan:
+def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -> PreprocessPlan:
     rows = max(fwd.tile_m, TILES_PER_WORD * bwd.tile_m)
-    threads = min(_THREADS, rows)
+    threads = min(threads or _THREADS, rows)
     counters = 2 * (rows // fwd.tile_m) + 2 * (rows // bwd.tile_m)
     chunk = TILES_PER_WORD
     while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / 16) <= _SMEM_BUDGET:
@@ -119,6 +124,15 @@ def plan(K: int, fwd: TileConfig, bwd: TileConfig) -> PreprocessPlan:
 # source generation
 # --------------------------------------------------------------------------------------------
 
+# every name the generated module binds (a param's buffer must not shadow one)
+_RESERVED = frozenset("""
+T K TM_FWD TN_FWD TM_BWD TN_BWD ROWS THREADS M_FWD M_BWD WORDS_BWD CHUNK CHUNK_WORDS VIS_FWD
+COV_FWD VIS_BWD COV_BWD COUNTERS B Sq NM_FWD W_FWD NN_BWD W_BWD add_range preprocess intervals
+row_region fwd_bitmap bwd_bitmap params row_params seqlen_k nn_fwd chunks bx c b tx count lo hi
+start end i sq sk region lead reach acc word q e rr r row k j s n _round v t mf m_tile gw
+rows_in x n_tile mb a z counter lo_tile hi_tile
+""".split())
+
 
 def _check_target(target: str) -> str:
     if target not in ("cuda", "c"):
@@ -127,13 +141,13 @@ def _check_target(target: str) -> str:
 
 
 def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = None,
-                    bwd_tiles: TileConfig | None = None) -> str:
+                    bwd_tiles: TileConfig | None = None, threads: int | None = None) -> str:
     """The generated TileLang program (module text defining ``preprocess``) for ``mask``."""
     _check_target(target)
     dfwd, dbwd = _default_tiles()
     fwd = fwd_tiles or dfwd
     bwd = bwd_tiles or dbwd
-    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd), target).source()
+    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, threads), target).source()
 
 
 class _Emitter:
@@ -143,10 +157,18 @@ class _Emitter:
         self.target = target
         self.cuda = target == "cuda"
         self.lines: list[str] = []
+        # metadata buffers are named after their params, unless that clashes with a name of
+        # the program (then ``<name>_param``)
+        self.buf = {}
+        for p in (*mask.scalar_params, *mask.array_params):
+            name = p
+            while name in _RESERVED or name in self.buf.values():
+                name = f"{name}_param"
+            self.buf[p] = name
         names = {"i": "i", "seqlen_q": "sq", "seqlen_k": "sk"}
         for p in mask.scalar_params:
-            names[p] = f"{p}[b]"
-        arrays = {a: f"{a}[b, row]" for a in mask.array_params}
+            names[p] = f"{self.buf[p]}[b]"
+        arrays = {a: f"{self.buf[a]}[b, row]" for a in mask.array_params}
         self.pr = TileLangPrinter(names, arrays)
 
     def w(self, indent: int, text: str = ""):
@@ -185,14 +207,16 @@ class _Emitter:
             for k, iv in enumerate(r.intervals):
                 cond = "" if iv.cond is sp.true else f"  if {iv.cond}"
                 w(0, f"#       slot {k}: [{iv.lower}, {iv.upper}){cond}")
-        w(0, f"# One launch: grid (ceil(Sq / ROWS), B), {pl.threads} threads"
+        w(0, f"# One launch: grid (ceil(Sq / ROWS), n-tile chunks, B), {pl.threads} threads"
              + (" per block." if self.cuda else " (serial loops on the C target)."))
-        w(0, "# Block (bx, b) owns rows [ROWS*bx, ROWS*bx + ROWS) of sequence b: their Interval "
-             "Table rows,")
-        w(0, "# the forward bitmap rows of its M_FWD forward m-tiles and, for every backward "
-             "n-tile, the")
-        w(0, "# WORDS_BWD backward words packing its M_BWD backward m-tiles: each output word is "
-             "written once.")
+        w(0, "# Block (bx, c, b) owns rows [ROWS*bx, ROWS*bx + ROWS) of sequence b and the n-tiles "
+             "of chunk c:")
+        w(0, "# the Interval Table rows (chunk 0), the forward bitmap words of its M_FWD forward "
+             "m-tiles over")
+        w(0, "# the chunk and, for every backward n-tile of the chunk, the WORDS_BWD backward "
+             "words packing")
+        w(0, "# its M_BWD backward m-tiles: each output word is written once, nothing is "
+             "pre-zeroed.")
         w(0, "import tilelang.language as T")
         w(0)
         w(0, f"K = {K}  # interval slots")
@@ -222,9 +246,9 @@ class _Emitter:
         w(0, "@T.prim_func")
         w(0, "def preprocess(")
         for p in m.scalar_params:
-            w(1, f'{p}: T.Tensor((B,), "int64"),  # scalar param, per sequence')
+            w(1, f'{self.buf[p]}: T.Tensor((B,), "int64"),  # scalar param {p!r}, per sequence')
         for a in m.array_params:
-            w(1, f'{a}: T.Tensor((B, Sq), "int64"),  # per-row array')
+            w(1, f'{self.buf[a]}: T.Tensor((B, Sq), "int64"),  # per-row array {a!r}')
         w(1, 'intervals: T.Tensor((B, Sq, K, 2), "int32"),  # out: Interval Table (start, len)')
         w(1, 'row_region: T.Tensor((B, Sq), "int32"),  # out: region of each row, -1: none')
         w(1, 'fwd_bitmap: T.Tensor((B, NM_FWD, W_FWD), "int32"),  # out: [b, m_block, n words]')
@@ -237,7 +261,10 @@ class _Emitter:
         w(1, "seqlen_k: T.int32,")
         w(0, "):")
         threads = ", threads=THREADS" if self.cuda else ""
-        w(1, f"with T.Kernel(T.ceildiv(Sq, ROWS), B{threads}) as (bx, b):")
+        w(1, "nn_fwd = T.ceildiv(seqlen_k, TN_FWD)  # forward n-tiles")
+        w(1, "chunks = T.ceildiv(T.max(nn_fwd, NN_BWD), CHUNK)  # chunks of n-tiles")
+        w(1, "# block (bx, c, b): rows [ROWS*bx, ROWS*bx + ROWS) of sequence b, n-tiles of chunk c")
+        w(1, f"with T.Kernel(T.ceildiv(Sq, ROWS), chunks, B{threads}) as (bx, c, b):")
         ind = 2
         if self.cuda:
             w(ind, "tx = T.get_thread_binding()")
@@ -256,10 +283,6 @@ class _Emitter:
         w(ind, 'reach = T.alloc_var("int32")')
         w(ind, 'acc = T.alloc_var("int32")')
         w(ind, 'word = T.alloc_var("uint32")')
-        w(ind, "nn_fwd = T.ceildiv(seqlen_k, TN_FWD)  # forward n-tiles")
-        w(ind, "chunks = T.max(T.ceildiv(nn_fwd, CHUNK), T.ceildiv(NN_BWD, CHUNK))")
-        w(ind, "for c in T.serial(chunks):")
-        ind = 3
         self.stage(ind, "stage 0: clear the counters", self._stage_clear)
         self.stage(ind, "stage 1 (per row): guards, interval endpoints, table row; add tile "
                         "ranges to the counters", lambda d: self._stage_rows(d, fb))
@@ -268,7 +291,7 @@ class _Emitter:
         self.stage(ind, "stage 2b: prefix sums (words before, then within the word): counts "
                         "per tile", self._stage_scan)
         self.stage(ind, "stage 3: tile states -> bitmap words (2 bits per tile, 16 per word)",
-                   self._stage_pack)
+                   self._stage_pack, sync=False)
         return "\n".join(self.lines) + "\n"
 
     def _range_macro(self):
@@ -335,11 +358,11 @@ class _Emitter:
         w(ind + 2, "intervals[b, row, k, 1] = end[k] - start[k]")
         w(ind + 1, "row_region[b, row] = region")
         for n, a in enumerate(m.array_params):
-            w(ind + 1, f"row_params[b, row, {n}] = T.Cast(\"int32\", {a}[b, row])")
+            w(ind + 1, f"row_params[b, row, {n}] = T.Cast(\"int32\", {self.buf[a]}[b, row])")
         if m.scalar_params:
             w(ind + 1, "if row == 0:")
             for n, p in enumerate(m.scalar_params):
-                w(ind + 2, f"params[b, {n}] = T.Cast(\"int32\", {p}[b])")
+                w(ind + 2, f"params[b, {n}] = T.Cast(\"int32\", {self.buf[p]}[b])")
         w(ind, "# visible: the n-tiles each nonempty slot overlaps")
         w(ind, "for k in T.unroll(K):")
         w(ind + 1, "if end[k] > start[k]:")
@@ -481,7 +504,7 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
     """The compiled kernel for (spec key, tiles, target, K); compiled once per process."""
     global _COMPILES
     _check_target(target)
-    key = (mask.key, fwd_tiles, bwd_tiles, target, mask.num_intervals)
+    key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles), target)
     kern = _KERNELS.get(key)
     if kern is not None:
         return kern
@@ -490,7 +513,7 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
         if kern is None:
             import tilelang
 
-            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles)
+            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads)
             tag = f"{target}_{mask.key}"
             func = _load_prim_func(src, tag)
             tgt = _CUDA_TARGET if target == "cuda" else "c"

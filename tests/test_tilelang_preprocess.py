@@ -13,9 +13,8 @@ import torch
 
 tilelang = pytest.importorskip("tilelang")
 
-from compilemask.codegen import preprocess as tlp  # noqa: E402
-
 import compilemask as cm  # noqa: E402
+from compilemask.codegen import preprocess as tlp  # noqa: E402
 from compilemask.descriptor import TileConfig  # noqa: E402
 from compilemask.masks import EXAMPLES, random_meta  # noqa: E402
 
@@ -180,3 +179,38 @@ def test_gpu_no_recompile_across_batches(masks):
         ref, out = run_both(m, B, S, S, seed=n, device="cuda")
         assert_same(ref, out, f"B={B} S={S}")
     assert tlp.compile_count() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# random specs (the grammar of test_hypothesis_rules): few examples, each compiles a C kernel
+# ---------------------------------------------------------------------------------------------
+
+
+def test_random_specs_c_target():
+    hyp = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st
+    from test_hypothesis_rules import PARAMS, _make, guard, rule
+
+    # no shrinking: every example compiles a kernel (a failure still names the rules)
+    @hyp.settings(max_examples=8, deadline=None, derandomize=True, database=None,
+                  phases=[hyp.Phase.generate], suppress_health_check=list(hyp.HealthCheck))
+    @hyp.given(w1=guard, v1=rule, v2=rule, seed=st.integers(0, 2**31 - 1))
+    def check(w1, v1, v2, seed):
+        when1, vis1 = _make(w1, v1)
+        _, vis2 = _make("True", v2)
+        spec = cm.MaskSpec("hyp", params=PARAMS, regions=[
+            cm.Region("first", when=when1, visible=vis1),
+            cm.Region("rest", when=lambda i: True, visible=vis2),
+        ])
+        m = cm.compile_mask(spec)
+        gen = torch.Generator().manual_seed(seed)
+        for sq, sk in [(37, 37), (5, 70), (90, 13)]:
+            meta = {"a": torch.randint(0, 100, (3,), generator=gen),
+                    "b": torch.randint(0, 100, (3,), generator=gen),
+                    "d": torch.randint(1, 6, (3,), generator=gen)}
+            kw = dict(fwd_tiles=(8, 8), bwd_tiles=(4, 16))
+            ref = m.preprocess(meta, sq, sk, backend="torch", **kw)
+            out = m.preprocess(meta, sq, sk, backend="tilelang", **kw)
+            assert_same(ref, out, f"{w1} | {v1} | {v2} | Sq={sq} Sk={sk}")
+
+    check()
