@@ -5,12 +5,8 @@
 
 from __future__ import annotations
 
-import pathlib
-
-import torch
-
 import compilemask as cm
-from compilemask.masks import random_meta
+from compilemask.showcase import run_example
 
 SPEC = cm.MaskSpec("causal", params=[], regions=[
     cm.Region("all", when=lambda i: True, visible=lambda i, j: j <= i),
@@ -18,20 +14,10 @@ SPEC = cm.MaskSpec("causal", params=[], regions=[
 
 
 def main(seqlen: int = 512, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):
-    mask = cm.compile_mask(SPEC)
-    print(mask.explain(show_code=show_code))
-    meta = random_meta(SPEC, batch, seqlen, torch.Generator().manual_seed(seed))
-    desc = mask.preprocess(meta, seqlen_q=seqlen, seqlen_k=seqlen, batch_size=batch,
-                           fwd_tiles=(64, 64), check=True)
-    ref = mask.reference_mask(meta, seqlen_q=seqlen, seqlen_k=seqlen, batch_size=batch)
-    if not torch.equal(desc.dense_mask(), ref):
-        raise SystemExit(f"{SPEC.name}: descriptor mask != reference mask of the Python rules")
-    print(f"\ndescriptor mask == reference mask of the Python rules ({batch} x {seqlen}^2): OK")
-    out = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "out"
-    path = cm.visualize(desc, batch=0, path=str(out / "causal.png"))
-    print(desc.to_string(batch=0))
-    print(f"picture: {path}")
-    return desc
+    """Compile and explain SPEC, preprocess random metadata, check the descriptor's mask
+    against the brute-force mask of the Python rules, save the picture, print the tiles."""
+    return run_example(SPEC, __file__, seqlen=seqlen, batch=batch, seed=seed, out_dir=out_dir,
+                       show_code=show_code)
 
 
 if __name__ == "__main__":

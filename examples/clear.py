@@ -11,12 +11,8 @@ per image row of the window, so K = 2R + 2 (the text interval + 2R+1 window rows
 
 from __future__ import annotations
 
-import pathlib
-
-import torch
-
 import compilemask as cm
-from compilemask.masks import random_meta
+from compilemask.showcase import run_example
 
 RADIUS = 1  # compile-time constants: plain ints bound in the module
 WIDTH = 8
@@ -48,35 +44,23 @@ SPEC = cm.MaskSpec(f"clear_r{RADIUS}_w{WIDTH}", params=["text_end", "img_rows"],
 ])
 
 
-def main(seqlen: int = 384, batch: int = 2, seed: int = 0, out_dir=None,
-         show_code: bool = True):
+def main(seqlen: int = 384, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):
     """Compile and explain SPEC, preprocess random metadata, check the descriptor's mask
     against the brute-force mask of the Python rules, save the picture, print the tiles."""
-    mask = cm.compile_mask(SPEC)
-    print(mask.explain(show_code=show_code))
-    R = RADIUS
-    print(f"\nK = {mask.num_intervals} = 2R + 2 with R = {R}: the image region sees 1 interval of "
-          f"text keys [0, text_end) plus one interval per image row of its window; the rule "
-          f"bounds the quotient row_j = (j - text_end) // {WIDTH} to row_i - {R} .. row_i + {R}, "
-          f"2R + 1 = {2 * R + 1} values, and the compiler enumerates them (on each of those "
-          f"rows, the columns col_i - {R} .. col_i + {R} clipped to the grid are one interval).")
-    if mask.num_intervals != 2 * R + 2:
-        raise SystemExit(f"expected K = 2R + 2 = {2 * R + 2}, got {mask.num_intervals}")
-    meta = random_meta(SPEC, batch, seqlen, torch.Generator().manual_seed(seed))
-    desc = mask.preprocess(meta, seqlen_q=seqlen, seqlen_k=seqlen, batch_size=batch,
-                           fwd_tiles=(64, 64), check=True)
-    ref = mask.reference_mask(meta, seqlen_q=seqlen, seqlen_k=seqlen, batch_size=batch)
-    if not torch.equal(desc.dense_mask(), ref):
-        raise SystemExit(f"{SPEC.name}: descriptor mask != reference mask of the Python rules")
-    print(f"\ndescriptor mask == reference mask of the Python rules ({batch} x {seqlen}^2): OK")
-    if meta:
-        print("metadata of sequence 0:",
-              {k: (v[0].tolist() if v.dim() == 1 else "per-row array") for k, v in meta.items()})
-    out = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "out"
-    path = cm.visualize(desc, batch=0, path=str(out / "clear.png"))
-    print(desc.to_string(batch=0))
-    print(f"picture: {path}")
-    return desc
+
+    def explain_k(mask):
+        R = RADIUS
+        print(f"\nK = {mask.num_intervals} = 2R + 2 with R = {R}: the image region sees 1 "
+              f"interval of text keys [0, text_end) plus one interval per image row of its "
+              f"window; the rule bounds the quotient row_j = (j - text_end) // {WIDTH} to "
+              f"row_i - {R} .. row_i + {R}, 2R + 1 = {2 * R + 1} values, and the compiler "
+              f"enumerates them (on each of those rows, the columns col_i - {R} .. col_i + {R} "
+              f"clipped to the grid are one interval).")
+        if mask.num_intervals != 2 * R + 2:
+            raise SystemExit(f"expected K = 2R + 2 = {2 * R + 2}, got {mask.num_intervals}")
+
+    return run_example(SPEC, __file__, seqlen=seqlen, batch=batch, seed=seed, out_dir=out_dir,
+                       show_code=show_code, before=explain_k)
 
 
 if __name__ == "__main__":
