@@ -24,15 +24,6 @@ class TileLangPrinter(ExprPrinter):
         super().__init__(names)
         self.arrays = arrays or {}
 
-    def true(self):
-        return "True"
-
-    def false(self):
-        return "False"
-
-    def integer(self, v):
-        return str(v) if v >= 0 else f"({v})"
-
     def floordiv(self, a, b):
         return f"T.floordiv({a}, {b})"
 
