@@ -334,9 +334,10 @@ def _why_fallback(atom, j) -> str:
     _, mods = _quotients(atom, j)
     if mods:
         return f"{atom}: j % c without a bounded quotient range to split on"
-    d = sp.expand(atom.lhs - atom.rhs) if isinstance(atom, _REL) else atom
-    if isinstance(atom, _REL) and sp.Poly(d, j).degree() > 1 if d.is_polynomial(j) else False:
-        return f"{atom}: nonlinear in j"
+    if isinstance(atom, _REL):
+        d = sp.expand(atom.lhs - atom.rhs)
+        if d.is_polynomial(j) and sp.Poly(d, j).degree() > 1:
+            return f"{atom}: nonlinear in j"
     return f"{atom}: not an interval in j (coefficient of j is not an integer constant)"
 
 

@@ -49,6 +49,8 @@ class ExprPrinter:
             if coeff == -1:
                 return f"(-{self.atom(rest)})"
             return "(" + " * ".join(self.atom(a) for a in e.args) + ")"
+        if isinstance(e, sp.Pow) and e.exp.is_Integer and int(e.exp) >= 1:
+            return "(" + " * ".join([self.atom(e.base)] * int(e.exp)) + ")"  # j * j stays exact
         if isinstance(e, sp.floor):
             num, den = split_floor(e.args[0])
             return self.floordiv(self.p(num), self.p(den))

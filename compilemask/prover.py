@@ -50,6 +50,12 @@ def to_z3(e, env: _Z3Env):
         for a in e.args[1:]:
             out = out * to_z3(a, env)
         return out
+    if isinstance(e, sp.Pow) and e.exp.is_Integer and int(e.exp) >= 1:
+        b = to_z3(e.base, env)
+        out = b
+        for _ in range(int(e.exp) - 1):
+            out = out * b
+        return out
     if isinstance(e, sp.floor):
         num, den = sp.fraction(sp.together(e.args[0]))
         return to_z3(num, env) / to_z3(den, env)  # z3 div is floor for positive divisors

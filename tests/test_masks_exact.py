@@ -129,3 +129,18 @@ def test_per_row_array_subscripted_by_j_is_a_fallback():
 
     with pytest.raises(ValueError, match="subscripted by j, so seqlen_k"):
         mask.preprocess(meta, seqlen_q=30, seqlen_k=31)
+
+
+def test_nonlinear_rule_falls_back_with_reason():
+    spec = cm.MaskSpec("quadratic", params=["a"], regions=[
+        cm.Region("all", when=lambda i: True,
+                  visible=lambda i, j: j * j <= i + a and j <= i),  # noqa: F821
+    ])
+    mask = cm.compile_mask(spec)
+    assert mask.has_fallback
+    assert any("nonlinear in j" in why for why in mask.regions[0].fallback_reasons)
+    assert [str(iv.upper) for iv in mask.regions[0].intervals] == ["i + 1"]  # sound cover kept
+    for a in (0, 5, 40):
+        desc = mask.preprocess({"a": a}, seqlen_q=33, seqlen_k=20)
+        assert torch.equal(desc.dense_mask(), mask.reference_mask({"a": a}, seqlen_q=33,
+                                                                   seqlen_k=20))
