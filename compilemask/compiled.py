@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import logging
 import threading
@@ -228,7 +229,7 @@ class CompiledMask:
     def has_fallback(self) -> bool:
         return any(r.fallback for r in self.regions)
 
-    @property
+    @functools.cached_property
     def key_indexed_arrays(self) -> tuple[str, ...]:
         """Per-row arrays that a rule subscripts by j (their terms are fallback predicates)."""
         j = rule_symbols(())["j"]
