@@ -68,7 +68,8 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
             pass
         _say_once("cm.attention: no CuTe kernel for this device/configuration; using the "
                   "dense reference path (slow)")
-    elif q.device.type != "cpu":
-        _say_once(f"cm.attention: {q.device.type} tensors use the dense reference path")
+    else:
+        _say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
+                  "CuTe kernels need CUDA)")
     dense = desc.to(q.device).dense_mask() if desc.device != q.device else desc.dense_mask()
     return attention_reference(q, k, v, dense, softmax_scale=softmax_scale, return_lse=return_lse)

@@ -70,3 +70,17 @@ def test_bf16_error_within_twice_torch_bf16_error():
     torch_err = (sdpa(*bf).double() - ref).abs().max()
     ours = (cm.attention(*bf, desc).double() - ref).abs().max()
     assert ours <= 2 * torch_err
+
+
+def test_reference_path_is_announced_once(caplog):
+    from compilemask import api
+
+    api._SAID.clear()
+    mask = cm.compile_mask(masks.causal())
+    desc = mask.preprocess({}, seqlen_q=8)
+    q = torch.randn(1, 8, 1, 16)
+    with caplog.at_level("WARNING", logger="compilemask"):
+        cm.attention(q, q, q, desc)
+        cm.attention(q, q, q, desc)
+    said = [r for r in caplog.records if "dense reference path" in r.getMessage()]
+    assert len(said) == 1
