@@ -95,3 +95,52 @@ def test_random_rules_match_brute_force(w1, v1, v2, sq, sk, seed):
     assert torch.equal(desc.dense_mask(), ref), (w1, v1, v2, meta)
     if not mask.has_fallback:
         assert torch.equal(desc.tile_states(), dense_tile_states(ref, 8, 8))
+
+
+# Statement forms: local assignments, if/else, conditional expressions, a per-row array.
+leaf_x = st.sampled_from(["i", "a", "x", "arr[i]", "3"]) | consts
+int_x = _ints(leaf_x)
+atom_x = st.one_of(
+    st.tuples(int_j, cmp, int_x).map(lambda t: f"{t[0]} {t[1]} {t[2]}"),
+    st.tuples(int_x, int_x).map(lambda t: f"{t[0]} <= j < {t[1]}"),
+)
+rule_x = st.recursive(
+    atom_x,
+    lambda b: st.tuples(b, st.sampled_from(["and", "or"]), b).map(
+        lambda t: f"({t[0]} {t[1]} {t[2]})"),
+    max_leaves=3,
+)
+cond_i = st.tuples(int_x, cmp, int_x).map(lambda t: f"{t[0]} {t[1]} {t[2]}")
+
+
+def _make_body(body):
+    name = f"<hypothesis-body-{next(_counter)}>"
+    source = "def visible(i, j):\n" + body
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns = {}
+    exec(compile(source, name, "exec"), ns)
+    return ns["visible"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(e1=_ints(leaf_i), c1=cond_i, c2=cond_i, r1=rule_x, r2=rule_x, r3=rule_x,
+       sq=st.integers(1, 40), sk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_random_statement_rules_match_brute_force(e1, c1, c2, r1, r2, r3, sq, sk, seed):
+    # x is assigned before use in c1/c2/r*; arr is a per-row array param
+    body = (f"    x = {e1}\n    if {c1}:\n        return {r1}\n"
+            f"    return ({r2}) if {c2} else ({r3})\n")
+    vis = _make_body(body)
+    spec = cm.MaskSpec("hyp_stmt", params=["a", "b", "d", "arr"], regions=[
+        cm.Region("all", when=lambda i: True, visible=vis)])
+    mask = cm.compile_mask(spec)
+    gen = torch.Generator().manual_seed(seed)
+    meta = {"a": torch.randint(0, 45, (2,), generator=gen),
+            "b": torch.randint(0, 45, (2,), generator=gen),
+            "d": torch.randint(1, 6, (2,), generator=gen)}
+    if "arr" in mask.array_params:
+        meta["arr"] = torch.randint(0, 45, (2, sq), generator=gen)
+    else:
+        meta["arr"] = torch.randint(0, 45, (2,), generator=gen)  # unused scalar
+    desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(4, 16))
+    ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask(), ref), (body, meta)
