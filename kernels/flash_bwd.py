@@ -52,71 +52,34 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
 
+from .common import (
+    SeqlenInfo,
+    _acc_mn,
+    _layout_acc_frgA,
+    _transpose_view,
+    compile_cache_key,
+    compile_kernel,
+    fake_descriptor_args,
+    fake_tensor,
+    fallback_predicates,
+    fallback_visible,
+    init_kernel,
+    interval_visible,
+    load_rows,
+    next_tile,
+    tile_state,
+    tiled_copy_g2s_16B,
+    wgmma,
+)
 from .flash_fwd import Fallback
 
 log = logging.getLogger("compilemask")
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
-
-
-# ----------------------------------------------------------------------------------------------
-# Small layout helpers (accumulator -> (rows, cols) views, transposed smem views)
-# ----------------------------------------------------------------------------------------------
-class SeqlenInfo:
-    """Where sequence ``batch_idx`` lives: padded batch layout today (offset 0, lengths from the
-    tensor shapes); the packed varlen layout only changes this class."""
-
-    def __init__(self, batch_idx, seqlen_q, seqlen_k):
-        self.batch_idx = batch_idx
-        self.offset_q = 0
-        self.offset_k = 0
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
-
-    @staticmethod
-    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
-        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
-
-
-def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
-    """mma.sync ((2,2),M,N) / wgmma ((2,2,V),M,N) accumulator -> ((2,M),(2,[V,]N)) view."""
-    acc_layout = acc.layout
-    cm = cute.make_layout(acc_layout.shape)
-    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], *cm.shape[0][2:], cm.shape[2]))
-    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], *cm.stride[0][2:], cm.stride[2]))
-    return cute.make_tensor(
-        acc.iterator, cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
-    )
-
-
-def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
-    """wgmma accumulator ((2,2,N/8),M,N) viewed as the register A operand of the next wgmma
-    (its N becomes that GEMM's K)."""
-    div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
-    lo = cute.logical_divide(acc_layout, ((None, None, div), None, None))
-    return cute.make_layout(
-        (
-            (lo.shape[0][0], lo.shape[0][1], lo.shape[0][2][0]),
-            lo.shape[1],
-            (lo.shape[0][2][1], lo.shape[2]),
-        ),
-        stride=(
-            (lo.stride[0][0], lo.stride[0][1], lo.stride[0][2][0]),
-            lo.stride[1],
-            (lo.stride[0][2][1], lo.stride[2]),
-        ),
-    )
-
-
-def _transpose_view(a: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes (works on swizzled shared-memory tensors)."""
-    shape = (a.shape[1], a.shape[0], *a.shape[2:])
-    order = (1, 0, *range(2, cute.rank(a)))
-    return cute.composition(a, cute.make_ordered_layout(shape, order=order))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,17 +127,7 @@ class FlashBwd:
     """FlashAttention backward over an Execution Descriptor (see the module docstring)."""
 
     def __init__(self, cfg: FlashBwdConfig, predicates: tuple = ()):
-        if not self.can_implement(cfg):
-            raise NotImplementedError(f"FlashBwd cannot implement {cfg}")
-        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
-            raise ValueError("has_fallback=True needs one generated predicate per region")
-        self.cfg = cfg
-        self.predicates = tuple(predicates)
-        self.dtype = cfg.cutlass_dtype
-        self.head_dim = cfg.head_dim
-        self.tile_m = cfg.tile_m
-        self.tile_n = cfg.tile_n
-        self.K = cfg.num_intervals
+        init_kernel(self, cfg, predicates, "FlashBwd")
         self.num_threads = cfg.num_threads
         self.num_stages = 2  # Q, dO and the row metadata of the next q tile are prefetched
         nw = cfg.num_threads // 32
@@ -274,19 +227,7 @@ class FlashBwd:
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
 
         # ---- global -> shared copies (16-byte cp.async, 8 threads per 64 columns) ---------
-        copy_elems = 128 // dtype.width
-        g2s_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            dtype,
-            num_bits_per_copy=128,
-        )
-        thr_cols = 64 // copy_elems
-        thr_layout = cute.make_layout(
-            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
-        )
-        gmem_tiled_copy = cute.make_tiled_copy_tv(
-            g2s_atom, thr_layout, cute.make_layout((1, copy_elems))
-        )
+        gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
         # ---- MMAs (mma.sync m16n8k16) -----------------------------------------------------
         op = warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16))
@@ -335,34 +276,6 @@ class FlashBwd:
 
     # -- device side --------------------------------------------------------------------------
     @cute.jit
-    def _tile_state(self, mBitmapRow: cute.Tensor, t: Int32) -> Int32:
-        word = mBitmapRow[t // 16]
-        return (word >> ((t % 16) * 2)) & 3
-
-    @cute.jit
-    def _next_tile(self, mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
-        """First q tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
-        t = start
-        searching = t < n_blocks
-        while searching:
-            st = self._tile_state(mBitmapRow, t)
-            if st != 0:
-                searching = False
-            else:
-                t = t + 1
-                searching = t < n_blocks
-        return t
-
-    @cute.jit
-    def _load_rows(self, gmem_tiled_copy, tXgX, tXsX, tXcX, limit: Int32):
-        """cp.async the rows ``< limit`` of a tile, zero-fill the others."""
-        for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            if tXcX[0, r, 0][0] < limit:
-                cute.copy(gmem_tiled_copy, tXgX[None, r, None], tXsX[None, r, None])
-            else:
-                tXsX[None, r, None].fill(0)
-
-    @cute.jit
     def _gemm(self, tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
         """acc += A B with both operands streamed from shared memory via ldmatrix."""
         tCrA_v = s2r_A.retile(tCrA)
@@ -410,38 +323,21 @@ class FlashBwd:
         R = self.cfg.num_row_params
         Rs = max(R, 1)
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, bh, _ = cute.arch.block_idx()
-        num_heads = mQ.shape[2]
-        num_heads_kv = mK.shape[2]
-        group = num_heads // num_heads_kv
-        batch_idx = bh // num_heads_kv
-        head_kv = bh - batch_idx * num_heads_kv
-        seq = SeqlenInfo.create(batch_idx, mQ, mK)
-        seqlen_q = seq.seqlen_q
-        seqlen_k = seq.seqlen_k
-        m_blocks = cute.ceil_div(seqlen_q, tm)
-        n_start = n_block * tn
-        scale_log2 = softmax_scale * LOG2E
-        kv_ragged = n_start + tn > seqlen_k
-        mBitmapRow = mBitmap[batch_idx, n_block, None]
+        (
+            n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
+            kv_ragged, mBitmapRow,
+        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
 
         # ---- shared memory ------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        S = self.num_stages
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
         sQ = storage.sQ.get_tensor(sQ_layout)  # (tm, D, stage)
         sdO = storage.sdO.get_tensor(sQ_layout)  # (tm, D, stage)
         sP = storage.sP.get_tensor(sPdS_layout)
         sdS = storage.sdS.get_tensor(sPdS_layout)
-        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sInt = storage.sInt.get_tensor(
-            cute.make_layout((tm, 2 * K, S), stride=(2 * K, 1, tm * 2 * K))
-        )
-        sFb = storage.sFb.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sRowP = storage.sRowP.get_tensor(cute.make_layout((tm, Rs, S), stride=(Rs, 1, tm * Rs)))
+        sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
         sQt = _transpose_view(sQ)  # (D, tm, stage)
         sdOt = _transpose_view(sdO)  # (D, tm, stage)
         sKt = _transpose_view(sK)  # (D, tn)
@@ -449,26 +345,9 @@ class FlashBwd:
         sdSt = _transpose_view(sdS)  # (tn, tm)
 
         # ---- K, V tile: loaded once -----------------------------------------------------
-        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
-        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((tn, D)))
-        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((tm, D)))
-        self._load_rows(
-            gmem_tiled_copy,
-            gmem_thr_copy.partition_S(gK),
-            gmem_thr_copy.partition_D(sK),
-            tKVcKV,
-            seqlen_k - n_start,
+        gmem_thr_copy, tQcQ = self._load_kv_tile(
+            gmem_tiled_copy, mK, mV, sK, sV, batch_idx, head_kv, n_block, seqlen_k, tidx
         )
-        self._load_rows(
-            gmem_tiled_copy,
-            gmem_thr_copy.partition_S(gV),
-            gmem_thr_copy.partition_D(sV),
-            tKVcKV,
-            seqlen_k - n_start,
-        )
-        cute.arch.cp_async_commit_group()
         tQsQ = gmem_thr_copy.partition_D(sQ)  # (CPY, CPY_M, CPY_K, stage)
         tdOsdO = gmem_thr_copy.partition_D(sdO)
 
@@ -535,49 +414,34 @@ class FlashBwd:
 
         # ---- work list: (query head g of the group, non-empty q tile m_block) ---------------
         # Masks are per sequence, so every query head walks the same q tiles.
-        first_m = self._next_tile(mBitmapRow, Int32(0), m_blocks)
+        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
         has_work = first_m < m_blocks
         g = Int32(0)
         m_block = first_m
         stage = Int32(0)
         head0 = head_kv * group
-        if has_work:
-            self._load_q_do(
-                gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0, first_m, 0, seqlen_q
-            )
-        cute.arch.cp_async_commit_group()
-        if has_work:
-            self._load_meta(
-                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head0,
-                first_m * tm + tidx, seqlen_q, tidx,
-            )
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+        self._load_work(
+            has_work, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+            mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), batch_idx,
+            head0, None, first_m, 1, seqlen_q, tidx, True,
+        )
 
         while has_work:
             head = head0 + g
             m_start = m_block * tm
             # -- prefetch the next work item into the other stage
-            m_next = self._next_tile(mBitmapRow, m_block + 1, m_blocks)
-            g_next = g
-            if m_next >= m_blocks:
-                g_next = g + 1
-                m_next = first_m
-            has_next = g_next < group
-            if has_next:
-                self._load_q_do(
-                    gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0 + g_next,
-                    m_next, 1 - stage, seqlen_q,
-                )
-            cute.arch.cp_async_commit_group()
-            if has_next:
-                self._load_meta(
-                    rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
-                    head0 + g_next, m_next * tm + tidx, seqlen_q, tidx,
-                )
+            m_next, g_next, has_next = self._next_work(
+                mBitmapRow, m_block, g, first_m, m_blocks, group
+            )
+            self._load_work(
+                has_next, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+                mIntervals, mRowRegion, mRowParams, None, batch_idx, head0, g_next, m_next,
+                stage, seqlen_q, tidx, False,
+            )
             cute.arch.cp_async_wait_group(1)
             cute.arch.barrier()
 
-            state = self._tile_state(mBitmapRow, m_block)
+            state = tile_state(mBitmapRow, m_block)
             need_mask = ((state & 2) != 0) | kv_ragged
 
             # -- S = Q K^T, mask, P = exp(S - LSE) ----------------------------------------
@@ -634,11 +498,9 @@ class FlashBwd:
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
             acc_dQ.fill(0.0)
             self._gemm(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_A, s2r_dq_B)
-            gdQ = cute.local_tile(mdQaccum[batch_idx, None, head, None], (tm, D), (m_block, 0))
-            tdQg = thr_dq.partition_C(gdQ)
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                if tdQcdQ[i][0] < seqlen_q - m_start:
-                    cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+            self._atomic_add_dq(
+                acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+            )
 
             if has_next:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
@@ -650,6 +512,103 @@ class FlashBwd:
 
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)  # a CTA without q tiles still waits for its K/V loads
+        self._store_dkv(
+            acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
+            n_start, seqlen_k,
+        )
+
+    @cute.jit
+    def _cta_coords(self, mQ, mK, mBitmap, softmax_scale):
+        """The CTA's kv tile and (batch, kv head), the GQA group size, the sequence lengths, the
+        number of q tiles, the kv tile's first row, the softmax scale in log2 units, whether the
+        kv tile is ragged, and the CTA's backward bitmap row."""
+        tm, tn = self.tile_m, self.tile_n
+        n_block, bh, _ = cute.arch.block_idx()
+        num_heads = mQ.shape[2]
+        num_heads_kv = mK.shape[2]
+        group = num_heads // num_heads_kv
+        batch_idx = bh // num_heads_kv
+        head_kv = bh - batch_idx * num_heads_kv
+        seq = SeqlenInfo.create(batch_idx, mQ, mK)
+        seqlen_q = seq.seqlen_q
+        seqlen_k = seq.seqlen_k
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        n_start = n_block * tn
+        scale_log2 = softmax_scale * LOG2E
+        kv_ragged = n_start + tn > seqlen_k
+        mBitmapRow = mBitmap[batch_idx, n_block, None]
+        return (
+            n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
+            kv_ragged, mBitmapRow,
+        )
+
+    @cute.jit
+    def _meta_smem(self, storage):
+        """The per-row metadata buffers of the q tiles, ``num_stages`` deep: LSE (log2 units),
+        dPsum, intervals as (start, end), fallback slot, per-row params."""
+        tm, K, S = self.tile_m, self.K, self.num_stages
+        Rs = max(self.cfg.num_row_params, 1)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sInt = storage.sInt.get_tensor(
+            cute.make_layout((tm, 2 * K, S), stride=(2 * K, 1, tm * 2 * K))
+        )
+        sFb = storage.sFb.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
+        sRowP = storage.sRowP.get_tensor(cute.make_layout((tm, Rs, S), stride=(Rs, 1, tm * Rs)))
+        return sLSE, sdPsum, sInt, sFb, sRowP
+
+    @cute.jit
+    def _load_kv_tile(
+        self, gmem_tiled_copy, mK, mV, sK, sV, batch_idx, head_kv, n_block, seqlen_k, tidx
+    ):
+        """cp.async the CTA's K and V tile (rows past Sk zero-filled) and commit; returns the
+        thread's copy slice and its identity partition of a (tile_m, D) q tile."""
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        n_start = n_block * tn
+        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
+        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((tn, D)))
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((tm, D)))
+        load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gK),
+            gmem_thr_copy.partition_D(sK),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        load_rows(
+            gmem_tiled_copy,
+            gmem_thr_copy.partition_S(gV),
+            gmem_thr_copy.partition_D(sV),
+            tKVcKV,
+            seqlen_k - n_start,
+        )
+        cute.arch.cp_async_commit_group()
+        return gmem_thr_copy, tQcQ
+
+    @cute.jit
+    def _atomic_add_dq(
+        self, acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+    ):
+        """dq_accum[rows < Sq of q tile m_block] += acc_dQ (float32 atomics)."""
+        gdQ = cute.local_tile(
+            mdQaccum[batch_idx, None, head, None], (self.tile_m, self.head_dim), (m_block, 0)
+        )
+        tdQg = thr_dq.partition_C(gdQ)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            if tdQcdQ[i][0] < seqlen_q - m_start:
+                cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+
+    @cute.jit
+    def _store_dkv(
+        self, acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
+        n_start, seqlen_k,
+    ):
+        """dK * scale and dV of kv tile n_block (rows < Sk) to global."""
+        D = self.head_dim
+        tn = self.tile_n
         gdK = cute.local_tile(mdK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
         gdV = cute.local_tile(mdV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
         tdKgdK = thr_dkv.partition_C(gdK)
@@ -665,6 +624,47 @@ class FlashBwd:
                 tdVgdV[i] = rdV[i]
 
     @cute.jit
+    def _next_work(self, mBitmapRow, m_block, g, first_m, m_blocks, group):
+        """The work item after (query head g, q tile m_block): the next non-empty q tile of the
+        same head, else the first one of the next head of the group. Returns
+        (m_next, g_next, has_next)."""
+        m_next = next_tile(mBitmapRow, m_block + 1, m_blocks)
+        g_next = g
+        if m_next >= m_blocks:
+            g_next = g + 1
+            m_next = first_m
+        has_next = g_next < group
+        return m_next, g_next, has_next
+
+    @cute.jit
+    def _load_work(
+        self, pred, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+        mIntervals, mRowRegion, mRowParams, sMeta, batch_idx, head0, g, m_block, cur_stage,
+        seqlen_q, tidx, store_meta: cutlass.Constexpr,
+    ):
+        """If ``pred``: cp.async Q/dO of work item (query head ``head0 + g``, or ``head0`` when
+        ``g`` is None; q tile ``m_block``) into stage ``1 - cur_stage`` and load its row
+        metadata into registers (the cp.async group is committed either way). With
+        ``store_meta`` (the prologue) the metadata also goes to shared memory ``sMeta`` at once;
+        otherwise the caller stores it after the current tile's compute."""
+        tm = self.tile_m
+        if pred:
+            self._load_q_do(
+                gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx,
+                head0 if const_expr(g is None) else head0 + g, m_block, 1 - cur_stage, seqlen_q,
+            )
+        cute.arch.cp_async_commit_group()
+        if pred:
+            self._load_meta(
+                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
+                head0 if const_expr(g is None) else head0 + g, m_block * tm + tidx, seqlen_q,
+                tidx,
+            )
+            if const_expr(store_meta):
+                sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - cur_stage, tidx)
+
+    @cute.jit
     def _load_q_do(
         self, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head, m_block, stage,
         seqlen_q,
@@ -677,11 +677,11 @@ class FlashBwd:
         gQ = cute.local_tile(mQ[batch_idx, None, head, None], (tm, D), (m_block, 0))
         gdO = cute.local_tile(mdO[batch_idx, None, head, None], (tm, D), (m_block, 0))
         limit = seqlen_q - m_block * tm
-        self._load_rows(
+        load_rows(
             gmem_tiled_copy, gmem_thr_copy.partition_S(gQ), tQsQ[None, None, None, stage], tQcQ,
             limit,
         )
-        self._load_rows(
+        load_rows(
             gmem_tiled_copy, gmem_thr_copy.partition_S(gdO), tdOsdO[None, None, None, stage],
             tQcQ, limit,
         )
@@ -759,15 +759,12 @@ class FlashBwd:
                 args += [sRowP[row, a] for a in range(self.cfg.num_row_params)]
             for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
                 kv_idx = n_start + tScS_mn[0, c][1]
-                vis = (kv_idx >= rInt[0]) & (kv_idx < rInt[1])
-                for k in cutlass.range_constexpr(1, K):
-                    vis = vis | ((kv_idx >= rInt[2 * k]) & (kv_idx < rInt[2 * k + 1]))
+                vis = interval_visible(kv_idx, rInt, K)
                 if const_expr(self.cfg.has_fallback):
-                    for slot in cutlass.range_constexpr(len(self.predicates)):
-                        ok = self.predicates[slot](
-                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
-                        )
-                        vis = vis & ((fb != slot) | ok)
+                    vis = fallback_visible(
+                        vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
+                        batch_idx, max_row,
+                    )
                 if not vis:
                     acc_S_mn[r, c] = -Float32.inf
 
@@ -799,17 +796,7 @@ class FlashBwdSm90(FlashBwd):
         return True
 
     def __init__(self, cfg: FlashBwdConfig, predicates: tuple = ()):
-        if not FlashBwdSm90.can_implement(cfg):
-            raise NotImplementedError(f"FlashBwdSm90 cannot implement {cfg}")
-        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
-            raise ValueError("has_fallback=True needs one generated predicate per region")
-        self.cfg = cfg
-        self.predicates = tuple(predicates)
-        self.dtype = cfg.cutlass_dtype
-        self.head_dim = cfg.head_dim
-        self.tile_m = cfg.tile_m
-        self.tile_n = cfg.tile_n
-        self.K = cfg.num_intervals
+        init_kernel(self, cfg, predicates, "FlashBwdSm90")
         self.num_threads = cfg.num_threads
         self.num_stages = 2
 
@@ -866,19 +853,7 @@ class FlashBwdSm90(FlashBwd):
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
 
-        copy_elems = 128 // dtype.width
-        g2s_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            dtype,
-            num_bits_per_copy=128,
-        )
-        thr_cols = 64 // copy_elems
-        thr_layout = cute.make_layout(
-            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
-        )
-        gmem_tiled_copy = cute.make_tiled_copy_tv(
-            g2s_atom, thr_layout, cute.make_layout((1, copy_elems))
-        )
+        gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
         Kmaj = cute.nvgpu.OperandMajorMode.K
         MNmaj = cute.nvgpu.OperandMajorMode.MN
@@ -938,17 +913,6 @@ class FlashBwdSm90(FlashBwd):
             stream=stream,
         )
 
-    @cute.jit
-    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-
     @cute.kernel
     def kernel(
         self,
@@ -982,22 +946,11 @@ class FlashBwdSm90(FlashBwd):
         P = self.cfg.num_params
         R = self.cfg.num_row_params
         Rs = max(R, 1)
-        S = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, bh, _ = cute.arch.block_idx()
-        num_heads = mQ.shape[2]
-        num_heads_kv = mK.shape[2]
-        group = num_heads // num_heads_kv
-        batch_idx = bh // num_heads_kv
-        head_kv = bh - batch_idx * num_heads_kv
-        seq = SeqlenInfo.create(batch_idx, mQ, mK)
-        seqlen_q = seq.seqlen_q
-        seqlen_k = seq.seqlen_k
-        m_blocks = cute.ceil_div(seqlen_q, tm)
-        n_start = n_block * tn
-        scale_log2 = softmax_scale * LOG2E
-        kv_ragged = n_start + tn > seqlen_k
-        mBitmapRow = mBitmap[batch_idx, n_block, None]
+        (
+            n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
+            kv_ragged, mBitmapRow,
+        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
 
         # ---- shared memory ------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
@@ -1007,39 +960,16 @@ class FlashBwdSm90(FlashBwd):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tm, D, stage)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
-        sLSE = storage.sLSE.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sInt = storage.sInt.get_tensor(
-            cute.make_layout((tm, 2 * K, S), stride=(2 * K, 1, tm * 2 * K))
-        )
-        sFb = storage.sFb.get_tensor(cute.make_layout((tm, S), stride=(1, tm)))
-        sRowP = storage.sRowP.get_tensor(cute.make_layout((tm, Rs, S), stride=(Rs, 1, tm * Rs)))
+        sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
         sQt = _transpose_view(sQ)  # (D, tm, stage)
         sdOt = _transpose_view(sdO)  # (D, tm, stage)
         sKt = _transpose_view(sK)  # (D, tn)
         sdSt = _transpose_view(sdS)  # (tn, tm)
 
         # ---- K, V tile: loaded once -----------------------------------------------------
-        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
-        gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor((tn, D)))
-        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((tm, D)))
-        self._load_rows(
-            gmem_tiled_copy,
-            gmem_thr_copy.partition_S(gK),
-            gmem_thr_copy.partition_D(sK),
-            tKVcKV,
-            seqlen_k - n_start,
+        gmem_thr_copy, tQcQ = self._load_kv_tile(
+            gmem_tiled_copy, mK, mV, sK, sV, batch_idx, head_kv, n_block, seqlen_k, tidx
         )
-        self._load_rows(
-            gmem_tiled_copy,
-            gmem_thr_copy.partition_S(gV),
-            gmem_thr_copy.partition_D(sV),
-            tKVcKV,
-            seqlen_k - n_start,
-        )
-        cute.arch.cp_async_commit_group()
         tQsQ = gmem_thr_copy.partition_D(sQ)
         tdOsdO = gmem_thr_copy.partition_D(sdO)
 
@@ -1081,54 +1011,39 @@ class FlashBwdSm90(FlashBwd):
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
 
         # ---- work list: (query head g, non-empty q tile m_block), prefetched one ahead ---
-        first_m = self._next_tile(mBitmapRow, Int32(0), m_blocks)
+        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
         has_work = first_m < m_blocks
         g = Int32(0)
         m_block = first_m
         stage = Int32(0)
         head0 = head_kv * group
-        if has_work:
-            self._load_q_do(
-                gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0, first_m, 0, seqlen_q
-            )
-        cute.arch.cp_async_commit_group()
-        if has_work:
-            self._load_meta(
-                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head0,
-                first_m * tm + tidx, seqlen_q, tidx,
-            )
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+        self._load_work(
+            has_work, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+            mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), batch_idx,
+            head0, None, first_m, 1, seqlen_q, tidx, True,
+        )
 
         while has_work:
             head = head0 + g
             m_start = m_block * tm
-            m_next = self._next_tile(mBitmapRow, m_block + 1, m_blocks)
-            g_next = g
-            if m_next >= m_blocks:
-                g_next = g + 1
-                m_next = first_m
-            has_next = g_next < group
-            if has_next:
-                self._load_q_do(
-                    gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, batch_idx, head0 + g_next,
-                    m_next, 1 - stage, seqlen_q,
-                )
-            cute.arch.cp_async_commit_group()
-            if has_next:
-                self._load_meta(
-                    rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
-                    head0 + g_next, m_next * tm + tidx, seqlen_q, tidx,
-                )
+            m_next, g_next, has_next = self._next_work(
+                mBitmapRow, m_block, g, first_m, m_blocks, group
+            )
+            self._load_work(
+                has_next, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+                mIntervals, mRowRegion, mRowParams, None, batch_idx, head0, g_next, m_next,
+                stage, seqlen_q, tidx, False,
+            )
             cute.arch.cp_async_wait_group(1)
             cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
             cute.arch.barrier()
 
-            state = self._tile_state(mBitmapRow, m_block)
+            state = tile_state(mBitmapRow, m_block)
             need_mask = ((state & 2) != 0) | kv_ragged
 
             # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            self._wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             acc_S_mn = _acc_mn(acc_S)
             if need_mask:
                 self._apply_mask_t(
@@ -1144,7 +1059,7 @@ class FlashBwdSm90(FlashBwd):
 
             # -- dP^T = V dO^T, dS^T = P^T (dP^T - dPsum) ----------------------------------
             acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-            self._wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
             acc_dP_mn = _acc_mn(acc_dP)
             for c in cutlass.range_constexpr(n_cols):
                 dps = sdPsum[tScS_mn[0, c][1], stage]
@@ -1160,18 +1075,16 @@ class FlashBwdSm90(FlashBwd):
             # -- dV += P^T dO, dK += dS^T Q (A operands from registers) -------------------
             tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
             tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
-            self._wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
-            self._wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
             cute.arch.barrier()  # all of dS in shared memory
 
             # -- dQ += dS K (float32 atomics into dq_accum) ------------------------------
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-            self._wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
-            gdQ = cute.local_tile(mdQaccum[batch_idx, None, head, None], (tm, D), (m_block, 0))
-            tdQg = thr_dq.partition_C(gdQ)
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                if tdQcdQ[i][0] < seqlen_q - m_start:
-                    cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
+            self._atomic_add_dq(
+                acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+            )
 
             if has_next:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
@@ -1183,19 +1096,10 @@ class FlashBwdSm90(FlashBwd):
 
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
-        gdK = cute.local_tile(mdK[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        gdV = cute.local_tile(mdV[batch_idx, None, head_kv, None], (tn, D), (n_block, 0))
-        tdKgdK = thr_dkv.partition_C(gdK)
-        tdVgdV = thr_dkv.partition_C(gdV)
-        tdKcdK = thr_dkv.partition_C(cute.make_identity_tensor((tn, D)))
-        rdK = cute.make_fragment_like(acc_dK, self.dtype)
-        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
-        rdV = cute.make_fragment_like(acc_dV, self.dtype)
-        rdV.store(acc_dV.load().to(self.dtype))
-        for i in cutlass.range_constexpr(cute.size(rdK)):
-            if tdKcdK[i][0] < seqlen_k - n_start:
-                tdKgdK[i] = rdK[i]
-                tdVgdV[i] = rdV[i]
+        self._store_dkv(
+            acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
+            n_start, seqlen_k,
+        )
 
     @cute.jit
     def _apply_mask_t(
@@ -1216,15 +1120,12 @@ class FlashBwdSm90(FlashBwd):
                 args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
             for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
                 kv_idx = n_start + tScS_mn[r, 0][0]
-                vis = (kv_idx >= rInt[0]) & (kv_idx < rInt[1])
-                for k in cutlass.range_constexpr(1, K):
-                    vis = vis | ((kv_idx >= rInt[2 * k]) & (kv_idx < rInt[2 * k + 1]))
+                vis = interval_visible(kv_idx, rInt, K)
                 if const_expr(self.cfg.has_fallback):
-                    for slot in cutlass.range_constexpr(len(self.predicates)):
-                        ok = self.predicates[slot](
-                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
-                        )
-                        vis = vis & ((fb != slot) | ok)
+                    vis = fallback_visible(
+                        vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
+                        batch_idx, max_row,
+                    )
                 if not vis:
                     acc_mn[r, c] = -Float32.inf
 
@@ -1237,18 +1138,12 @@ _COMPILE_CACHE: dict = {}
 
 def make_fake_args(cfg: FlashBwdConfig):
     """Fake (shape-symbolic) tensors matching the launch ABI, for compilation without a GPU."""
-    from cutlass.cute.runtime import make_fake_tensor
-
     dt = cfg.cutlass_dtype
     div = 128 // dt.width
-    sym, sym64 = cute.sym_int, cute.sym_int64
+    sym = cute.sym_int
     B, Sq, Sk, H, Hkv = sym(), sym(), sym(), sym(), sym()
     D = cfg.head_dim
-
-    def t(dtype, shape, d=1, align=16):
-        stride = tuple(sym64(divisibility=d) for _ in shape[:-1]) + (1,)
-        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
+    t = fake_tensor
     q = t(dt, (B, Sq, H, D), div)
     k = t(dt, (B, Sk, Hkv, D), div)
     v = t(dt, (B, Sk, Hkv, D), div)
@@ -1258,13 +1153,9 @@ def make_fake_args(cfg: FlashBwdConfig):
     dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
     dk = t(dt, (B, Sk, Hkv, D), div)
     dv = t(dt, (B, Sk, Hkv, D), div)
-    intervals = t(Int32, (B, Sq, 2 * cfg.num_intervals), 1, 4)
-    bitmap = t(Int32, (B, sym(), sym()), 1, 4)
-    row_region = t(Int32, (B, Sq), 1, 4)
-    params = t(Int32, (B, sym()), 1, 4)
-    row_params = t(Int32, (B, Sq, sym()), 1, 4)
-    return (q, k, v, do, lse, dpsum, dq_accum, dk, dv, intervals, bitmap, row_region, params,
-            row_params)
+    return (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
+        B, Sq, cfg.num_intervals
+    )
 
 
 def compile_flash_bwd(
@@ -1277,32 +1168,13 @@ def compile_flash_bwd(
     """Compile (or fetch from the cache) the backward kernel for ``cfg``; shapes stay symbolic.
 
     ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU."""
-    key = (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+    key = compile_cache_key(cfg, gpu_arch)
     fn = _COMPILE_CACHE.get(key) if use_cache else None
     if fn is not None:
         return fn
-    preds = ()
-    if cfg.has_fallback:
-        assert fallback is not None and fallback.hash == cfg.fallback_hash
-        preds = fallback.functions()
-        log.info(
-            "compilemask: building flash_bwd kernel with fallback predicate %s for regions %s "
-            "(%s, hdim %d, tile %dx%d, K=%d)",
-            cfg.fallback_hash,
-            cfg.fallback_regions,
-            cfg.dtype,
-            cfg.head_dim,
-            cfg.tile_m,
-            cfg.tile_n,
-            cfg.num_intervals,
-        )
+    preds = fallback_predicates(cfg, fallback, "flash_bwd")
     kernel = (FlashBwdSm90 if cfg.arch >= 90 else FlashBwd)(cfg, preds)
-    args = make_fake_args(cfg)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
-    if extra_options:
-        options += " " + extra_options
-    fn = cute.compile(kernel, *args, Float32(1.0), stream, options=options)
+    fn = compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
     _COMPILE_CACHE[key] = fn
     return fn
 

@@ -45,8 +45,30 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
+
+from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-exported)
+    SeqlenInfo,
+    _acc_mn,
+    _layout_acc_frgA,
+    _layout_acc_mn,
+    _quad_allreduce,
+    _transpose_view,
+    compile_cache_key,
+    compile_kernel,
+    fake_descriptor_args,
+    fake_tensor,
+    fallback_predicates,
+    fallback_visible,
+    init_kernel,
+    interval_visible,
+    next_tile,
+    tile_state,
+    tiled_copy_g2s_16B,
+    tiled_copy_store_16B,
+    wgmma,
+)
 
 log = logging.getLogger("compilemask")
 
@@ -92,87 +114,29 @@ def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
     return (128, 64) if head_dim >= 128 else (128, 128)
 
 
-# ----------------------------------------------------------------------------------------------
-# Per-batch sequence bookkeeping (the one place that knows where a sequence lives)
-# ----------------------------------------------------------------------------------------------
-class SeqlenInfo:
-    """Offsets and lengths of sequence ``batch_idx``.
-
-    Today every sequence of the batch has the padded lengths ``Sq``/``Sk`` of the tensors and
-    starts at offset 0 of its batch slice. Varlen (``cu_seqlens``) only needs this class to read
-    ``offset = cu_seqlens[b]`` / ``seqlen = cu_seqlens[b + 1] - cu_seqlens[b]`` and the kernel to
-    slice the packed tensors with ``offset_q``/``offset_k``.
-    """
-
-    def __init__(self, batch_idx, seqlen_q, seqlen_k):
-        self.batch_idx = batch_idx
-        self.offset_q = 0
-        self.offset_k = 0
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
-
-    @staticmethod
-    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor, seq_mode: int = 1) -> "SeqlenInfo":
-        """From the q/k tensors (``seq_mode``: their sequence mode, 1 for (B, S, H, D))."""
-        return SeqlenInfo(batch_idx, mQ.shape[seq_mode], mK.shape[seq_mode])
-
-
-# ----------------------------------------------------------------------------------------------
-# Layout helpers (CuTe accumulator layouts -> (rows, cols) views)
-# ----------------------------------------------------------------------------------------------
-def _layout_acc_mn(acc_layout: cute.Layout) -> cute.Layout:
-    """sm80 ((2,2),MMA_M,MMA_N) / sm90 ((2,2,V),MMA_M,MMA_N) -> ((2,MMA_M),(2,[V,]MMA_N))."""
-    cm = cute.make_layout(acc_layout.shape)
-    shape = (
-        (cm.shape[0][1], cm.shape[1]),
-        (cm.shape[0][0], *cm.shape[0][2:], cm.shape[2]),
+def make_sm90_tiled_mmas(dtype, head_dim: int, tile_n: int, num_wg: int):
+    """wgmma tiled MMAs of the forward: S = Q K^T (both operands from shared memory) and
+    O += P V (P from registers), ``num_wg`` warpgroups of 64 q rows each."""
+    tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K,
+        Float32,
+        atom_layout_mnk=(num_wg, 1, 1),
+        tiler_mn=(64, tile_n),
     )
-    stride = (
-        (cm.stride[0][1], cm.stride[1]),
-        (cm.stride[0][0], *cm.stride[0][2:], cm.stride[2]),
+    tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+        dtype,
+        dtype,
+        cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.MN,
+        Float32,
+        atom_layout_mnk=(num_wg, 1, 1),
+        tiler_mn=(64, head_dim),
+        a_source=warpgroup.OperandSource.RMEM,
     )
-    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
-
-
-def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(acc.iterator, _layout_acc_mn(acc.layout))
-
-
-def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
-    """Accumulator of S = Q K^T viewed as the A operand of O = P V."""
-    if const_expr(cute.rank(acc_layout.shape[0]) == 3):  # sm90 ((2,2,N/8),MMA_M,MMA_N)
-        div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
-        ld = cute.logical_divide(acc_layout, ((None, None, div), None, None))
-        return cute.make_layout(
-            (
-                (ld.shape[0][0], ld.shape[0][1], ld.shape[0][2][0]),
-                ld.shape[1],
-                (ld.shape[0][2][1], ld.shape[2]),
-            ),
-            stride=(
-                (ld.stride[0][0], ld.stride[0][1], ld.stride[0][2][0]),
-                ld.stride[1],
-                (ld.stride[0][2][1], ld.stride[2]),
-            ),
-        )
-    # sm80 (4,MMA_M,MMA_N) -> ((4,2),MMA_M,MMA_N/2)
-    ld = cute.logical_divide(acc_layout, (None, None, 2))
-    return cute.make_layout(
-        ((ld.shape[0], ld.shape[2][0]), ld.shape[1], ld.shape[2][1]),
-        stride=((ld.stride[0], ld.stride[2][0]), ld.stride[1], ld.stride[2][1]),
-    )
-
-
-def _transpose_view(a: cute.Tensor) -> cute.Tensor:
-    shape = (a.shape[1], a.shape[0], *a.shape[2:])
-    order = (1, 0, *range(2, cute.rank(a)))
-    return cute.composition(a, cute.make_ordered_layout(shape, order=order))
-
-
-def _quad_allreduce(val, op):
-    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2))
-    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1))
-    return val
+    return tiled_mma_qk, tiled_mma_pv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,17 +146,7 @@ class FlashFwd:
     """FlashAttention forward over an Execution Descriptor (see module docstring)."""
 
     def __init__(self, cfg: FlashFwdConfig, predicates: tuple = ()):
-        if not self.can_implement(cfg):
-            raise NotImplementedError(f"FlashFwd cannot implement {cfg}")
-        if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
-            raise ValueError("has_fallback=True needs one generated predicate per region")
-        self.cfg = cfg
-        self.predicates = tuple(predicates)
-        self.dtype = cfg.cutlass_dtype
-        self.head_dim = cfg.head_dim
-        self.tile_m = cfg.tile_m
-        self.tile_n = cfg.tile_n
-        self.K = cfg.num_intervals
+        init_kernel(self, cfg, predicates, "FlashFwd")
         self.num_threads = (cfg.tile_m // 64) * 128 if cfg.arch >= 90 else 128
         self.is_sm90 = cfg.arch >= 90
         self.num_stages = 2
@@ -275,42 +229,13 @@ class FlashFwd:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
 
         # ---- global <-> shared copies (16-byte cp.async; 8 threads cover 64 elements) ------
-        copy_elems = 128 // dtype.width
-        g2s_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-            dtype,
-            num_bits_per_copy=128,
-        )
-        thr_cols = 64 // copy_elems
-        thr_layout = cute.make_layout(
-            (self.num_threads // thr_cols, thr_cols), stride=(thr_cols, 1)
-        )
-        val_layout = cute.make_layout((1, copy_elems))
-        gmem_tiled_copy_QKV = cute.make_tiled_copy_tv(g2s_atom, thr_layout, val_layout)
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-        gmem_tiled_copy_O = cute.make_tiled_copy_tv(st_atom, thr_layout, val_layout)
+        gmem_tiled_copy_QKV = tiled_copy_g2s_16B(dtype, self.num_threads)
+        gmem_tiled_copy_O = tiled_copy_store_16B(dtype, self.num_threads)
 
         # ---- MMAs -------------------------------------------------------------------------
         if const_expr(self.is_sm90):
-            n_wg = self.tile_m // 64
-            tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-                dtype,
-                dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.K,
-                Float32,
-                atom_layout_mnk=(n_wg, 1, 1),
-                tiler_mn=(64, self.tile_n),
-            )
-            tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-                dtype,
-                dtype,
-                cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.MN,
-                Float32,
-                atom_layout_mnk=(n_wg, 1, 1),
-                tiler_mn=(64, D),
-                a_source=warpgroup.OperandSource.RMEM,
+            tiled_mma_qk, tiled_mma_pv = make_sm90_tiled_mmas(
+                dtype, D, self.tile_n, self.tile_m // 64
             )
         else:
             nw = self.num_threads // 32
@@ -348,25 +273,6 @@ class FlashFwd:
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # -- device side --------------------------------------------------------------------------
-    @cute.jit
-    def _tile_state(self, mBitmapRow: cute.Tensor, n: Int32) -> Int32:
-        word = mBitmapRow[n // 16]
-        return (word >> ((n % 16) * 2)) & 3
-
-    @cute.jit
-    def _next_tile(self, mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
-        """First kv tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
-        t = start
-        searching = t < n_blocks
-        while searching:
-            st = self._tile_state(mBitmapRow, t)
-            if st != 0:
-                searching = False
-            else:
-                t = t + 1
-                searching = t < n_blocks
-        return t
-
     @cute.jit
     def _load_kv(
         self,
@@ -494,7 +400,7 @@ class FlashFwd:
             )
 
         # ---- per-row descriptor data, loaded once per q tile ------------------------------
-        rInt, rFb, rP, rRowP = self._load_row_data(
+        row_data = self._load_row_data(
             mIntervals, mRowRegion, mParams, mRowParams, tScS_mn, batch_idx, m_start, seqlen_q
         )
 
@@ -510,7 +416,7 @@ class FlashFwd:
                 cute.copy(gmem_tiled_copy_QKV, tQgQ[None, r, None], tQsQ[None, r, None])
             else:
                 tQsQ[None, r, None].fill(0)
-        n_block = self._next_tile(mBitmapRow, Int32(0), n_blocks)
+        n_block = next_tile(mBitmapRow, Int32(0), n_blocks)
         if n_block < n_blocks:
             self._load_kv(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, n_block, Int32(0), seqlen_k)
             self._load_kv(gmem_tiled_copy_QKV, tVgV, tVsV, tKVcKV, n_block, Int32(0), seqlen_k)
@@ -518,7 +424,7 @@ class FlashFwd:
 
         stage = Int32(0)
         while n_block < n_blocks:
-            n_next = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
+            n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
             if n_next < n_blocks:
                 self._load_kv(gmem_tiled_copy_QKV, tKgK, tKsK, tKVcKV, n_next, 1 - stage, seqlen_k)
                 self._load_kv(gmem_tiled_copy_QKV, tVgV, tVsV, tKVcKV, n_next, 1 - stage, seqlen_k)
@@ -529,39 +435,25 @@ class FlashFwd:
             # ---- S = Q K^T -----------------------------------------------------------------
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
             if const_expr(self.is_sm90):
-                self._wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
             else:
                 acc_S.fill(0.0)
                 self._mma_sync_qk(tiled_mma_qk, acc_S, tSrQ, tSrK, smem_copy, stage)
 
             # ---- mask ----------------------------------------------------------------------
-            state = self._tile_state(mBitmapRow, n_block)
-            need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
-            acc_S_mn = _acc_mn(acc_S)
-            if need_mask:
-                self._apply_mask(
-                    acc_S_mn,
-                    tScS_mn,
-                    rInt,
-                    rFb,
-                    rP,
-                    rRowP,
-                    m_start,
-                    n_block * self.tile_n,
-                    mRowParams,
-                    batch_idx,
-                    seqlen_q - 1,
-                )
+            state = tile_state(mBitmapRow, n_block)
+            acc_S_mn = self._mask_tile(
+                acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
+                mRowParams, batch_idx,
+            )
 
             # ---- online softmax --------------------------------------------------------------
             self._online_softmax(acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2)
 
             # ---- O += P V ------------------------------------------------------------------
-            rPt = cute.make_fragment_like(acc_S, self.dtype)
-            rPt.store(acc_S.load().to(self.dtype))
-            tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
+            tOrP = self._p_operand(acc_S)
             if const_expr(self.is_sm90):
-                self._wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
             else:
                 self._mma_sync_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, smem_copy, stage)
 
@@ -572,20 +464,10 @@ class FlashFwd:
         cute.arch.cp_async_wait_group(0)
 
         # ---- epilogue: normalize, LSE, store -----------------------------------------------
-        self._finalize(
-            acc_O,
-            row_max,
-            row_sum,
-            softmax_scale_log2,
-            tOcO_mn,
-            mLSE,
-            batch_idx,
-            head_idx,
-            m_start,
-            seqlen_q,
+        rO = self._finalize(
+            acc_O, row_max, row_sum, softmax_scale_log2, tOcO_mn, mLSE, batch_idx, head_idx,
+            m_start, seqlen_q,
         )
-        rO = cute.make_fragment_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
         cute.arch.barrier()  # sQ is reused as sO
         sO = sQ
         r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
@@ -645,23 +527,30 @@ class FlashFwd:
         return rInt, rFb, rP, rRowP
 
     @cute.jit
+    def _softmax_row(self, acc_S_mn, r: cutlass.Constexpr, row_max, row_sum, softmax_scale_log2):
+        """Online softmax step of row ``r``: new running max and sum; returns the rescale factor
+        of the row's old O and sum, and the row's probabilities (the caller stores them)."""
+        s_row = acc_S_mn[r, None].load()
+        mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        mx = _quad_allreduce(mx, cute.arch.fmax)
+        m_new = cute.arch.fmax(row_max[r], mx)
+        m_use = m_new
+        if m_new == -Float32.inf:
+            m_use = Float32(0.0)
+        m_scaled = m_use * softmax_scale_log2
+        scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+        p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
+        row_sum[r] = row_sum[r] * scale_old + p_row.reduce(
+            cute.ReductionOp.ADD, Float32.zero, 0
+        )
+        row_max[r] = m_new
+        return scale_old, p_row
+
+    @cute.jit
     def _softmax_rows(self, acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2):
         """Like ``_online_softmax`` but leaves O alone: the O rescale factors go to row_scale."""
         for r in cutlass.range_constexpr(cute.size(row_max)):
-            s_row = acc_S_mn[r, None].load()
-            mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            mx = _quad_allreduce(mx, cute.arch.fmax)
-            m_new = cute.arch.fmax(row_max[r], mx)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)
-            m_scaled = m_use * softmax_scale_log2
-            scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
-            p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
-            row_sum[r] = row_sum[r] * scale_old + p_row.reduce(
-                cute.ReductionOp.ADD, Float32.zero, 0
-            )
-            row_max[r] = m_new
+            scale_old, p_row = self._softmax_row(acc_S_mn, r, row_max, row_sum, softmax_scale_log2)
             row_scale[r] = scale_old
             acc_S_mn[r, None] = p_row
 
@@ -672,35 +561,11 @@ class FlashFwd:
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * row_scale[r]
 
     @cute.jit
-    def _wgmma_issue(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
-        """wgmma chain + commit, no wait (the caller waits with warpgroup.wait_group)."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
     def _online_softmax(self, acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2):
         """Scores -> probabilities in place; rescales O and the running row sums."""
         acc_O_mn = _acc_mn(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_max)):
-            s_row = acc_S_mn[r, None].load()
-            mx = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            mx = _quad_allreduce(mx, cute.arch.fmax)
-            m_new = cute.arch.fmax(row_max[r], mx)
-            m_use = m_new
-            if m_new == -Float32.inf:
-                m_use = Float32(0.0)
-            m_scaled = m_use * softmax_scale_log2
-            scale_old = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
-            p_row = cute.math.exp2(s_row * softmax_scale_log2 - m_scaled, fastmath=True)
-            row_sum[r] = row_sum[r] * scale_old + p_row.reduce(
-                cute.ReductionOp.ADD, Float32.zero, 0
-            )
-            row_max[r] = m_new
+            scale_old, p_row = self._softmax_row(acc_S_mn, r, row_max, row_sum, softmax_scale_log2)
             acc_S_mn[r, None] = p_row
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * scale_old
 
@@ -718,7 +583,8 @@ class FlashFwd:
         m_start,
         seqlen_q,
     ):
-        """O /= row sum (0 for rows that saw nothing) and LSE (-inf for those rows)."""
+        """O /= row sum (0 for rows that saw nothing) and LSE (-inf for those rows); returns O
+        in the output dtype (registers)."""
         acc_O_mn = _acc_mn(acc_O)
         LN2 = math.log(2.0)
         for r in cutlass.range_constexpr(cute.size(row_max)):
@@ -733,6 +599,43 @@ class FlashFwd:
             if tOcO_mn[0, 0][1] == 0:
                 if q_idx < seqlen_q:
                     mLSE[batch_idx, head_idx, q_idx] = lse
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        return rO
+
+    @cute.jit
+    def _p_operand(self, acc_S):
+        """P (the softmaxed scores, in place in acc_S) in the input dtype, as the register A
+        operand of O += P V."""
+        rPt = cute.make_fragment_like(acc_S, self.dtype)
+        rPt.store(acc_S.load().to(self.dtype))
+        return cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
+
+    @cute.jit
+    def _mask_tile(
+        self, acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k, mRowParams,
+        batch_idx,
+    ):
+        """(rows, cols) view of the score tile ``n_block``, masked where needed: partial tiles
+        (``state`` 11) and the ragged last kv tile."""
+        rInt, rFb, rP, rRowP = row_data
+        need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
+        acc_S_mn = _acc_mn(acc_S)
+        if need_mask:
+            self._apply_mask(
+                acc_S_mn,
+                tScS_mn,
+                rInt,
+                rFb,
+                rP,
+                rRowP,
+                m_start,
+                n_block * self.tile_n,
+                mRowParams,
+                batch_idx,
+                seqlen_q - 1,
+            )
+        return acc_S_mn
 
     @cute.jit
     def _apply_mask(
@@ -754,31 +657,16 @@ class FlashFwd:
             q_idx = m_start + tScS_mn[r, 0][0]
             for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
                 kv_idx = n_start + tScS_mn[0, c][1]
-                # slot k of the row: kv in [start_k, end_k)  (== uint32(kv - start) < uint32(len))
-                vis = (kv_idx >= rInt[r, 0]) & (kv_idx < rInt[r, 1])
-                for k in cutlass.range_constexpr(1, K):
-                    vis = vis | ((kv_idx >= rInt[r, 2 * k]) & (kv_idx < rInt[r, 2 * k + 1]))
+                vis = interval_visible(kv_idx, rInt, K, row=r)
                 if const_expr(self.cfg.has_fallback):
                     args = [rP[p] for p in range(self.cfg.num_params)]
                     args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
-                    for slot in cutlass.range_constexpr(len(self.predicates)):
-                        ok = self.predicates[slot](
-                            q_idx, kv_idx, *args, mRowParams, batch_idx, max_row
-                        )
-                        vis = vis & ((rFb[r] != slot) | ok)
+                    vis = fallback_visible(
+                        vis, self.predicates, rFb, r, q_idx, kv_idx, args, mRowParams,
+                        batch_idx, max_row,
+                    )
                 if not vis:
                     acc_S_mn[r, c] = -Float32.inf
-
-    @cute.jit
-    def _wgmma(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
-            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def _mma_sync_qk(self, tiled_mma, acc_S, tSrQ, tSrK, smem_copy, stage):
@@ -885,28 +773,17 @@ def _arch_from_env_or_device() -> int:
 
 def make_fake_args(cfg: FlashFwdConfig):
     """Fake (shape-symbolic) tensors matching the launch ABI, for compilation without a GPU."""
-    from cutlass.cute.runtime import make_fake_tensor
-
     dt = cfg.cutlass_dtype
     div = 128 // dt.width
-    sym, sym64 = cute.sym_int, cute.sym_int64
+    sym = cute.sym_int
     B, Sq, Sk, H, Hkv = sym(), sym(), sym(), sym(), sym()
-
-    def t(dtype, shape, d=1, align=16):
-        stride = tuple(sym64(divisibility=d) for _ in shape[:-1]) + (1,)
-        return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
+    t = fake_tensor
     q = t(dt, (B, Sq, H, cfg.head_dim), div)
     k = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
     v = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
     o = t(dt, (B, Sq, H, cfg.head_dim), div)
     lse = t(Float32, (B, H, Sq), 1, 4)
-    intervals = t(Int32, (B, Sq, 2 * cfg.num_intervals), 1, 4)
-    bitmap = t(Int32, (B, sym(), sym()), 1, 4)
-    row_region = t(Int32, (B, Sq), 1, 4)
-    params = t(Int32, (B, sym()), 1, 4)
-    row_params = t(Int32, (B, Sq, sym()), 1, 4)
-    return q, k, v, o, lse, intervals, bitmap, row_region, params, row_params
+    return (q, k, v, o, lse) + fake_descriptor_args(B, Sq, cfg.num_intervals)
 
 
 def compile_flash_fwd(
@@ -921,38 +798,18 @@ def compile_flash_fwd(
     ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU; by default the DSL's
     ``CUTE_DSL_ARCH`` or the detected device is used.
     """
-    key = (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+    key = compile_cache_key(cfg, gpu_arch)
     fn = _COMPILE_CACHE.get(key) if use_cache else None
     if fn is not None:
         return fn
-    preds = ()
-    if cfg.has_fallback:
-        assert fallback is not None and fallback.hash == cfg.fallback_hash
-        preds = fallback.functions()
-        log.info(
-            "compilemask: building flash_fwd kernel with fallback predicate %s for regions %s "
-            "(%s, hdim %d, tile %dx%d, K=%d, sm%d)",
-            cfg.fallback_hash,
-            cfg.fallback_regions,
-            cfg.dtype,
-            cfg.head_dim,
-            cfg.tile_m,
-            cfg.tile_n,
-            cfg.num_intervals,
-            cfg.arch,
-        )
+    preds = fallback_predicates(cfg, fallback, "flash_fwd", with_arch=True)
     if cfg.arch >= 90 and cfg.warp_specialized:
         from .flash_fwd_sm90 import FlashFwdSm90
 
         kernel = FlashFwdSm90(cfg, preds)
     else:
         kernel = FlashFwd(cfg, preds)
-    args = make_fake_args(cfg)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
-    if extra_options:
-        options += " " + extra_options
-    fn = cute.compile(kernel, *args, Float32(1.0), stream, options=options)
+    fn = compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
     _COMPILE_CACHE[key] = fn
     return fn
 

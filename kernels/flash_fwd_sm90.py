@@ -31,14 +31,18 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
-from .flash_fwd import (
-    FlashFwd,
-    FlashFwdConfig,
+from .common import (
     SeqlenInfo,
     _acc_mn,
     _layout_acc_frgA,
     _transpose_view,
+    next_tile,
+    tile_state,
+    tiled_copy_store_16B,
+    wgmma,
+    wgmma_issue,
 )
+from .flash_fwd import FlashFwd, FlashFwdConfig, make_sm90_tiled_mmas
 
 # named barriers: 0 = whole CTA; 1, 2 = epilogue of consumer warpgroup 0, 1;
 # 3, 4 = "whose turn" of consumer warpgroup 0, 1 (pingpong)
@@ -47,6 +51,29 @@ _SCHED_BAR = 3
 
 def _select(t: cute.Tensor, mode) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode))
+
+
+def _tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
+    """A TMA-fed ``num_stages``-deep pipeline on the mbarriers ``mbar``."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar.data_ptr(),
+        num_stages=num_stages,
+        producer_group=producer,
+        consumer_group=consumers,
+        tx_count=tx_count,
+        defer_sync=True,
+    )
+
+
+def _tma_partition(tma_atom, s, g):
+    """(smem, gmem) partitions of a TMA copy (one CTA, the tile's first two modes grouped)."""
+    return cpasync.tma_partition(
+        tma_atom,
+        0,
+        cute.make_layout(1),
+        cute.group_modes(s, 0, 2),
+        cute.group_modes(g, 0, 2),
+    )
 
 
 class FlashFwdSm90(FlashFwd):
@@ -118,34 +145,9 @@ class FlashFwdSm90(FlashFwd):
         self.tx_Q = cute.size_in_bytes(dtype, sQ_layout)
         self.tx_KV = cute.size_in_bytes(dtype, sKV_one)
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dtype,
-            dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K,
-            Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1),
-            tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            dtype,
-            dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
-            Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1),
-            tiler_mn=(64, D),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        tiled_mma_qk, tiled_mma_pv = make_sm90_tiled_mmas(dtype, D, self.tile_n, self.num_wg)
         # O store: 16-byte vectors, one consumer warpgroup covers its 64 rows
-        copy_elems = 128 // dtype.width
-        thr_cols = 64 // copy_elems
-        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
-        gmem_tiled_copy_O = cute.make_tiled_copy_tv(
-            st_atom,
-            cute.make_layout((128 // thr_cols, thr_cols), stride=(thr_cols, 1)),
-            cute.make_layout((1, copy_elems)),
-        )
+        gmem_tiled_copy_O = tiled_copy_store_16B(dtype, 128)
         grid = (
             cute.ceil_div(mQ.shape[1], self.tile_m),
             cute.size(mQ.shape[0]) * cute.size(mQ.shape[2]),
@@ -173,6 +175,15 @@ class FlashFwdSm90(FlashFwd):
             tiled_mma_pv,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def _qk_wait(self, pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S):
+        """S = Q K^T on the K stage of ``kv_state`` (waits for its TMA load, releases it)."""
+        pipe_k.consumer_wait(kv_state)
+        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
+        pipe_k.consumer_release(kv_state)
+        return acc_S
 
     @cute.kernel
     def kernel_ws(
@@ -222,30 +233,9 @@ class FlashFwdSm90(FlashFwd):
         storage = smem.allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_Q.data_ptr(),
-            num_stages=1,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tx_Q,
-            defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_K.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tx_KV,
-            defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_V.data_ptr(),
-            num_stages=self.num_stages,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=self.tx_KV,
-            defer_sync=True,
-        )
+        pipe_q = _tma_pipeline(storage.mbar_Q, 1, producer, consumers, self.tx_Q)
+        pipe_k = _tma_pipeline(storage.mbar_K, self.num_stages, producer, consumers, self.tx_KV)
+        pipe_v = _tma_pipeline(storage.mbar_V, self.num_stages, producer, consumers, self.tx_KV)
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -269,34 +259,16 @@ class FlashFwdSm90(FlashFwd):
                 gV = cute.local_tile(
                     mV[None, None, head_kv, batch_idx], (self.tile_n, D), (None, 0)
                 )
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_Q,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sQ, 0, 2),
-                    cute.group_modes(gQ, 0, 2),
-                )
-                tKsK, tKgK = cpasync.tma_partition(
-                    tma_atom_K,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sK, 0, 2),
-                    cute.group_modes(gK, 0, 2),
-                )
-                tVsV, tVgV = cpasync.tma_partition(
-                    tma_atom_V,
-                    0,
-                    cute.make_layout(1),
-                    cute.group_modes(sV, 0, 2),
-                    cute.group_modes(gV, 0, 2),
-                )
+                tQsQ, tQgQ = _tma_partition(tma_atom_Q, sQ, gQ)
+                tKsK, tKgK = _tma_partition(tma_atom_K, sK, gK)
+                tVsV, tVgV = _tma_partition(tma_atom_V, sV, gV)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 kv_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.num_stages
                 )
-                n_block = self._next_tile(mBitmapRow, Int32(0), n_blocks)
+                n_block = next_tile(mBitmapRow, Int32(0), n_blocks)
                 while n_block < n_blocks:
                     pipe_k.producer_acquire(kv_state)
                     cute.copy(
@@ -313,7 +285,7 @@ class FlashFwdSm90(FlashFwd):
                         tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
                     )
                     kv_state.advance()
-                    n_block = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
+                    n_block = next_tile(mBitmapRow, n_block + 1, n_blocks)
         else:
             # ================================ consumers =================================
             cute.arch.setmaxregister_increase(self.num_consumer_regs)
@@ -334,7 +306,7 @@ class FlashFwdSm90(FlashFwd):
             )
             tOcO_mn = _acc_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
             n_rows = cute.size(tScS_mn, mode=[0])
-            rInt, rFb, rP, rRowP = self._load_row_data(
+            row_data = self._load_row_data(
                 mIntervals,
                 mRowRegion,
                 mParams,
@@ -354,42 +326,21 @@ class FlashFwdSm90(FlashFwd):
             kv_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_stages
             )
-            n_block = self._next_tile(mBitmapRow, Int32(0), n_blocks)
+            n_block = next_tile(mBitmapRow, Int32(0), n_blocks)
             if const_expr(not self.cfg.intra_wg_overlap):
                 while n_block < n_blocks:
-                    n_next = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
-                    state = self._tile_state(mBitmapRow, n_block)
-                    # S = Q K^T
-                    pipe_k.consumer_wait(kv_state)
-                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                    self._wgmma(
-                        tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True
+                    n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
+                    state = tile_state(mBitmapRow, n_block)
+                    acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
+                    acc_S_mn = self._mask_tile(
+                        acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
+                        mRowParams, batch_idx,
                     )
-                    pipe_k.consumer_release(kv_state)
-                    # mask (partial tiles, and the ragged last tile)
-                    need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
-                    acc_S_mn = _acc_mn(acc_S)
-                    if need_mask:
-                        self._apply_mask(
-                            acc_S_mn,
-                            tScS_mn,
-                            rInt,
-                            rFb,
-                            rP,
-                            rRowP,
-                            m_start,
-                            n_block * self.tile_n,
-                            mRowParams,
-                            batch_idx,
-                            seqlen_q - 1,
-                        )
                     self._online_softmax(acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2)
-                    rPt = cute.make_fragment_like(acc_S, self.dtype)
-                    rPt.store(acc_S.load().to(self.dtype))
-                    tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
+                    tOrP = self._p_operand(acc_S)
                     # O += P V
                     pipe_v.consumer_wait(kv_state)
-                    self._wgmma(
+                    wgmma(
                         tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False
                     )
                     pipe_v.consumer_release(kv_state)
@@ -409,45 +360,28 @@ class FlashFwdSm90(FlashFwd):
                 rPt = cute.make_rmem_tensor(acc_shape_S, self.dtype)
                 tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
                 if n_block < n_blocks:
-                    state = self._tile_state(mBitmapRow, n_block)
-                    pipe_k.consumer_wait(kv_state)
-                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                    self._wgmma(
-                        tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True
+                    state = tile_state(mBitmapRow, n_block)
+                    acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
+                    acc_S_mn = self._mask_tile(
+                        acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
+                        mRowParams, batch_idx,
                     )
-                    pipe_k.consumer_release(kv_state)
-                    need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
-                    acc_S_mn = _acc_mn(acc_S)
-                    if need_mask:
-                        self._apply_mask(
-                            acc_S_mn,
-                            tScS_mn,
-                            rInt,
-                            rFb,
-                            rP,
-                            rRowP,
-                            m_start,
-                            n_block * self.tile_n,
-                            mRowParams,
-                            batch_idx,
-                            seqlen_q - 1,
-                        )
                     self._softmax_rows(acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2)
                     rPt.store(acc_S.load().to(self.dtype))
                     kv_state.advance()
-                    n_block = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
+                    n_block = next_tile(mBitmapRow, n_block + 1, n_blocks)
                     while n_block < n_blocks:
-                        n_next = self._next_tile(mBitmapRow, n_block + 1, n_blocks)
-                        state = self._tile_state(mBitmapRow, n_block)
+                        n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
+                        state = tile_state(mBitmapRow, n_block)
                         pipe_k.consumer_wait(kv_state)
                         if const_expr(pingpong):  # wait for this warpgroup's turn
                             cute.arch.barrier(barrier_id=_SCHED_BAR + cwg, number_of_threads=256)
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                        self._wgmma_issue(
+                        wgmma_issue(
                             tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True
                         )
                         pipe_v.consumer_wait(v_state)
-                        self._wgmma_issue(
+                        wgmma_issue(
                             tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False
                         )
                         if const_expr(pingpong):  # hand the tensor cores to the other one
@@ -456,22 +390,10 @@ class FlashFwdSm90(FlashFwd):
                             )
                         warpgroup.wait_group(1)  # S(i) ready; P(i-1) V(i-1) may still run
                         pipe_k.consumer_release(kv_state)
-                        need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
-                        acc_S_mn = _acc_mn(acc_S)
-                        if need_mask:
-                            self._apply_mask(
-                                acc_S_mn,
-                                tScS_mn,
-                                rInt,
-                                rFb,
-                                rP,
-                                rRowP,
-                                m_start,
-                                n_block * self.tile_n,
-                                mRowParams,
-                                batch_idx,
-                                seqlen_q - 1,
-                            )
+                        acc_S_mn = self._mask_tile(
+                            acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
+                            mRowParams, batch_idx,
+                        )
                         self._softmax_rows(
                             acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2
                         )
@@ -483,26 +405,16 @@ class FlashFwdSm90(FlashFwd):
                         kv_state.advance()
                         n_block = n_next
                     pipe_v.consumer_wait(v_state)
-                    self._wgmma(
+                    wgmma(
                         tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False
                     )
                     pipe_v.consumer_release(v_state)
 
             # ---- epilogue ---------------------------------------------------------------
-            self._finalize(
-                acc_O,
-                row_max,
-                row_sum,
-                softmax_scale_log2,
-                tOcO_mn,
-                mLSE,
-                batch_idx,
-                head_idx,
-                m_start,
-                seqlen_q,
+            rO = self._finalize(
+                acc_O, row_max, row_sum, softmax_scale_log2, tOcO_mn, mLSE, batch_idx, head_idx,
+                m_start, seqlen_q,
             )
-            rO = cute.make_fragment_like(acc_O, self.dtype)
-            rO.store(acc_O.load().to(self.dtype))
             # the warpgroup's own 64 rows of sQ are no longer read by its wgmma: reuse as sO
             sO = sQ
             r2s = cute.make_tiled_copy_C(

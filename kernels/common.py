@@ -1,0 +1,310 @@
+"""Device-side pieces shared by the forward and backward kernels (CuTe DSL).
+
+* the *reading side of the descriptor contract* (see ``compilemask/descriptor.py``): the 2-bit
+  state of a tile in a Tile-State Bitmap row (:func:`tile_state`), the next non-empty tile of a
+  row (:func:`next_tile`), the interval test of one score against a row's interval slots
+  (:func:`interval_visible`) and the fallback predicate AND-ed on top of it
+  (:func:`fallback_visible`);
+* per-batch sequence bookkeeping (:class:`SeqlenInfo`);
+* accumulator layout views, the 16-byte row copies (:func:`load_rows` and the tiled copies) and
+  the wgmma issue helpers;
+* host side: the common part of the kernel objects' construction (:func:`init_kernel`), fake
+  launch arguments, the compile-cache key, the fallback predicates of a build and the compile
+  call.
+
+Every kernel reads the descriptor through these functions only, so the encoding lives here once.
+Moving code here must leave the generated PTX unchanged (the kernels were validated on a GPU):
+compare the PTX of every compile configuration before and after (``--keep-ptx --dump-dir``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+log = logging.getLogger("compilemask")
+
+
+# ----------------------------------------------------------------------------------------------
+# Descriptor contract, reading side
+# ----------------------------------------------------------------------------------------------
+@cute.jit
+def tile_state(mBitmapRow: cute.Tensor, t: Int32) -> Int32:
+    """State of tile ``t`` in a bitmap row: 0 empty, 1 full, 3 partial (16 tiles per int32)."""
+    word = mBitmapRow[t // 16]
+    return (word >> ((t % 16) * 2)) & 3
+
+
+@cute.jit
+def next_tile(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
+    """First tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
+    t = start
+    searching = t < n_blocks
+    while searching:
+        st = tile_state(mBitmapRow, t)
+        if st != 0:
+            searching = False
+        else:
+            t = t + 1
+            searching = t < n_blocks
+    return t
+
+
+def _at(t, row, i):
+    return t[i] if row is None else t[row, i]
+
+
+def interval_visible(kv_idx, rInt, num_intervals: int, row=None):
+    """``OR_k start_k <= kv_idx < end_k`` over the row's K interval slots, unrolled.
+
+    ``rInt`` holds the row's slots as (start, end = start + len) pairs: ``rInt[2k]``,
+    ``rInt[2k + 1]`` (or ``rInt[row, 2k]``, ``rInt[row, 2k + 1]`` when ``row`` is given). The
+    two signed compares equal ``uint32(kv_idx - start) < uint32(len)`` for
+    ``0 <= start, len < 2^31``."""
+    vis = (kv_idx >= _at(rInt, row, 0)) & (kv_idx < _at(rInt, row, 1))
+    for k in range(1, num_intervals):
+        vis = vis | ((kv_idx >= _at(rInt, row, 2 * k)) & (kv_idx < _at(rInt, row, 2 * k + 1)))
+    return vis
+
+
+def fallback_visible(
+    vis, predicates, fb, fb_row, q_idx, kv_idx, args, mRowParams, batch_idx, max_row
+):
+    """``vis`` AND-ed with the fallback predicate of the row's fallback slot.
+
+    The row's slot (-1: none) is ``fb`` (a value), or ``fb[fb_row]`` when ``fb_row`` is given;
+    ``args`` are the predicate's scalar params followed by the row's per-row params."""
+    for slot in range(len(predicates)):
+        ok = predicates[slot](q_idx, kv_idx, *args, mRowParams, batch_idx, max_row)
+        vis = vis & (((fb if fb_row is None else fb[fb_row]) != slot) | ok)
+    return vis
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-batch sequence bookkeeping (the one place that knows where a sequence lives)
+# ----------------------------------------------------------------------------------------------
+class SeqlenInfo:
+    """Offsets and lengths of sequence ``batch_idx``.
+
+    Today every sequence of the batch has the padded lengths ``Sq``/``Sk`` of the tensors and
+    starts at offset 0 of its batch slice. Varlen (``cu_seqlens``) only needs this class to read
+    ``offset = cu_seqlens[b]`` / ``seqlen = cu_seqlens[b + 1] - cu_seqlens[b]`` and the kernel to
+    slice the packed tensors with ``offset_q``/``offset_k``.
+    """
+
+    def __init__(self, batch_idx, seqlen_q, seqlen_k):
+        self.batch_idx = batch_idx
+        self.offset_q = 0
+        self.offset_k = 0
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+
+    @staticmethod
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor, seq_mode: int = 1) -> "SeqlenInfo":
+        """From the q/k tensors (``seq_mode``: their sequence mode, 1 for (B, S, H, D))."""
+        return SeqlenInfo(batch_idx, mQ.shape[seq_mode], mK.shape[seq_mode])
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers (CuTe accumulator layouts -> (rows, cols) views)
+# ----------------------------------------------------------------------------------------------
+def _layout_acc_mn(acc_layout: cute.Layout) -> cute.Layout:
+    """sm80 ((2,2),MMA_M,MMA_N) / sm90 ((2,2,V),MMA_M,MMA_N) -> ((2,MMA_M),(2,[V,]MMA_N))."""
+    cm = cute.make_layout(acc_layout.shape)
+    shape = (
+        (cm.shape[0][1], cm.shape[1]),
+        (cm.shape[0][0], *cm.shape[0][2:], cm.shape[2]),
+    )
+    stride = (
+        (cm.stride[0][1], cm.stride[1]),
+        (cm.stride[0][0], *cm.stride[0][2:], cm.stride[2]),
+    )
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def _acc_mn(acc: cute.Tensor) -> cute.Tensor:
+    """Accumulator (or its identity partition) as a (rows, cols) view."""
+    return cute.make_tensor(acc.iterator, _layout_acc_mn(acc.layout))
+
+
+def _layout_acc_frgA(acc_layout: cute.Layout) -> cute.Layout:
+    """Accumulator of one GEMM viewed as the register A operand of the next (its N becomes that
+    GEMM's K), e.g. S = Q K^T as the A operand of O = P V."""
+    if const_expr(cute.rank(acc_layout.shape[0]) == 3):  # sm90 ((2,2,N/8),MMA_M,MMA_N)
+        div = 2 if const_expr(acc_layout.shape[0][2] % 2 == 0) else 1
+        ld = cute.logical_divide(acc_layout, ((None, None, div), None, None))
+        return cute.make_layout(
+            (
+                (ld.shape[0][0], ld.shape[0][1], ld.shape[0][2][0]),
+                ld.shape[1],
+                (ld.shape[0][2][1], ld.shape[2]),
+            ),
+            stride=(
+                (ld.stride[0][0], ld.stride[0][1], ld.stride[0][2][0]),
+                ld.stride[1],
+                (ld.stride[0][2][1], ld.stride[2]),
+            ),
+        )
+    # sm80 (4,MMA_M,MMA_N) -> ((4,2),MMA_M,MMA_N/2)
+    ld = cute.logical_divide(acc_layout, (None, None, 2))
+    return cute.make_layout(
+        ((ld.shape[0], ld.shape[2][0]), ld.shape[1], ld.shape[2][1]),
+        stride=((ld.stride[0], ld.stride[2][0]), ld.stride[1], ld.stride[2][1]),
+    )
+
+
+def _transpose_view(a: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes (works on swizzled shared-memory tensors)."""
+    shape = (a.shape[1], a.shape[0], *a.shape[2:])
+    order = (1, 0, *range(2, cute.rank(a)))
+    return cute.composition(a, cute.make_ordered_layout(shape, order=order))
+
+
+def _quad_allreduce(val, op):
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=2))
+    val = op(val, cute.arch.shuffle_sync_bfly(val, offset=1))
+    return val
+
+
+# ----------------------------------------------------------------------------------------------
+# Global <-> shared / register copies: 16-byte vectors, rows of 64 elements
+# ----------------------------------------------------------------------------------------------
+def tiled_copy_16B(atom, dtype, num_threads: int):
+    """``num_threads`` threads copying 16-byte vectors, 64 elements per row (8 threads a row for
+    16-bit types)."""
+    copy_elems = 128 // dtype.width
+    thr_cols = 64 // copy_elems
+    thr_layout = cute.make_layout((num_threads // thr_cols, thr_cols), stride=(thr_cols, 1))
+    return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, copy_elems)))
+
+
+def tiled_copy_g2s_16B(dtype, num_threads: int):
+    """Global -> shared with 16-byte ``cp.async`` (cache-global)."""
+    atom = cute.make_copy_atom(
+        cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+        dtype,
+        num_bits_per_copy=128,
+    )
+    return tiled_copy_16B(atom, dtype, num_threads)
+
+
+def tiled_copy_store_16B(dtype, num_threads: int):
+    """Registers -> global with 16-byte stores."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    return tiled_copy_16B(atom, dtype, num_threads)
+
+
+@cute.jit
+def load_rows(gmem_tiled_copy, tXgX, tXsX, tXcX, limit: Int32):
+    """cp.async the rows ``< limit`` of a tile, zero-fill the others (``tXcX``: the identity
+    partition of the tile, for the row coordinates)."""
+    for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+        if tXcX[0, r, 0][0] < limit:
+            cute.copy(gmem_tiled_copy, tXgX[None, r, None], tXsX[None, r, None])
+        else:
+            tXsX[None, r, None].fill(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# wgmma
+# ----------------------------------------------------------------------------------------------
+@cute.jit
+def wgmma_issue(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+    """acc (+)= A B as a wgmma chain + commit, no wait (the caller waits with
+    ``warpgroup.wait_group``)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+    """acc (+)= A B on wgmma, waited for."""
+    wgmma_issue(tiled_mma, acc, tCrA, tCrB, zero_init)
+    warpgroup.wait_group(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: kernel objects, fake (shape-symbolic) launch arguments and the compile call
+# ----------------------------------------------------------------------------------------------
+def init_kernel(kernel, cfg, predicates, name: str):
+    """What every kernel object keeps of its (forward or backward) config, after checking that
+    ``kernel.can_implement(cfg)`` and that there is one generated predicate per fallback region;
+    ``name`` is the class named in the NotImplementedError."""
+    if not kernel.can_implement(cfg):
+        raise NotImplementedError(f"{name} cannot implement {cfg}")
+    if cfg.has_fallback and len(predicates) != len(cfg.fallback_regions):
+        raise ValueError("has_fallback=True needs one generated predicate per region")
+    kernel.cfg = cfg
+    kernel.predicates = tuple(predicates)
+    kernel.dtype = cfg.cutlass_dtype
+    kernel.head_dim = cfg.head_dim
+    kernel.tile_m = cfg.tile_m
+    kernel.tile_n = cfg.tile_n
+    kernel.K = cfg.num_intervals
+
+
+def fake_tensor(dtype, shape, d=1, align=16):
+    """A fake tensor with symbolic strides (divisible by ``d``), unit stride in the last mode."""
+    from cutlass.cute.runtime import make_fake_tensor
+
+    stride = tuple(cute.sym_int64(divisibility=d) for _ in shape[:-1]) + (1,)
+    return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def fake_descriptor_args(B, Sq, num_intervals: int):
+    """Fake descriptor tensors: intervals, bitmap, row_region, params, row_params."""
+    sym = cute.sym_int
+    intervals = fake_tensor(Int32, (B, Sq, 2 * num_intervals), 1, 4)
+    bitmap = fake_tensor(Int32, (B, sym(), sym()), 1, 4)
+    row_region = fake_tensor(Int32, (B, Sq), 1, 4)
+    params = fake_tensor(Int32, (B, sym()), 1, 4)
+    row_params = fake_tensor(Int32, (B, Sq, sym()), 1, 4)
+    return intervals, bitmap, row_region, params, row_params
+
+
+def compile_kernel(kernel, args, gpu_arch=None, extra_options: str = ""):
+    """``cute.compile`` of a kernel object over fake ``args`` (+ the float32 softmax scale and
+    the TVM-FFI environment stream); ``gpu_arch`` (e.g. "sm_90a") needs no GPU."""
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
+    if extra_options:
+        options += " " + extra_options
+    return cute.compile(kernel, *args, Float32(1.0), stream, options=options)
+
+
+def compile_cache_key(cfg, gpu_arch=None):
+    """Compile-cache key: the config and the target (``gpu_arch``, else ``CUTE_DSL_ARCH``)."""
+    return (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+
+
+def fallback_predicates(cfg, fallback, kernel_name: str, with_arch: bool = False) -> tuple:
+    """The generated predicates of ``fallback`` (one per fallback region) for a kernel build of
+    ``cfg``, () without fallback; logs the build once (the caller caches it)."""
+    if not cfg.has_fallback:
+        return ()
+    assert fallback is not None and fallback.hash == cfg.fallback_hash
+    preds = fallback.functions()
+    log.info(
+        "compilemask: building %s kernel with fallback predicate %s for regions %s "
+        "(%s, hdim %d, tile %dx%d, K=%d" + (", sm%d)" if with_arch else ")"),
+        kernel_name,
+        cfg.fallback_hash,
+        cfg.fallback_regions,
+        cfg.dtype,
+        cfg.head_dim,
+        cfg.tile_m,
+        cfg.tile_n,
+        cfg.num_intervals,
+        *((cfg.arch,) if with_arch else ()),
+    )
+    return preds
