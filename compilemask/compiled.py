@@ -94,8 +94,11 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
         ctx.role = "visible"
         v = translate_rule(r.visible, ctx)
         translated.append((r, g, v))
+    # Which params are per-row arrays is part of the interface (the metadata's shapes), even when
+    # sympy simplifies every use of an array away.
+    arrays = sorted(ctx_all.array_params)
     canonical = "\n".join(
-        [f"params={spec.params}"]
+        [f"params={spec.params} arrays={arrays}"]
         + [f"{r.name}|{sp.srepr(g.expr)}|{sp.srepr(v.expr)}" for r, g, v in translated]
     )
     key = canonical_hash(canonical)

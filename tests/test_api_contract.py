@@ -46,3 +46,17 @@ def test_public_surface():
     desc = mask.preprocess(None, seqlen_q=5, batch_size=3)
     assert desc.batch_size == 3 and desc.intervals.shape == (3, 5, 1, 2)
     assert torch.equal(desc.dense_mask()[0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_array_params_are_part_of_the_cache_key():
+    # arr[i] * 0 simplifies away: the rules are equal, the metadata interface is not
+    plain = cm.MaskSpec("p", params=["arr"], regions=[
+        cm.Region("r", when=lambda i: True, visible=lambda i, j: j < i),
+    ])
+    arr_spec = cm.MaskSpec("q", params=["arr"], regions=[
+        cm.Region("r", when=lambda i: True,
+                  visible=lambda i, j: j < i + arr[i] * 0),  # noqa: F821
+    ])
+    a, b = cm.compile_mask(plain), cm.compile_mask(arr_spec)
+    assert a.array_params == () and b.array_params == ("arr",)
+    assert a.key != b.key
