@@ -20,6 +20,8 @@ class TileLangPrinter(ExprPrinter):
     """``names`` maps sympy symbol names to code (e.g. ``hist_end`` -> ``hist_end[b]``);
     ``arrays`` maps a per-row array name to its buffer expression indexed by the row."""
 
+    nary = False
+
     def __init__(self, names: dict[str, str] | None = None, arrays: dict[str, str] | None = None):
         super().__init__(names)
         self.arrays = arrays or {}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from compilemask.exprprint import ExprPrinter
 from compilemask.prover import Prover
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "extract_intervals",
     "canonicalize",
     "MAX_QUOTIENT_SPLIT",
+    "python_str",
 ]
 
 # A `j % c` atom is split into one interval per quotient value only up to this many values.
@@ -346,6 +348,20 @@ def _why_fallback(atom, j) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def python_str(e) -> str:
+    """An endpoint as the user would write it in Python (``//``, ``%``, ``min``), for explain."""
+    s = ExprPrinter()(e)
+    if s.startswith("(") and s.endswith(")"):
+        depth = 0
+        for k, ch in enumerate(s):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and k < len(s) - 1:
+                return s  # the outer parentheses do not enclose the whole string
+        return s[1:-1]
+    return s
+
+
 @dataclass
 class Interval:
     """A compiled slot: ``[lower, upper)`` on rows where ``cond`` holds; symbolic in i, params."""
@@ -356,9 +372,9 @@ class Interval:
     exact: bool = True  # False: over-approximation of a fallback term
 
     def __str__(self):
-        s = f"[{self.lower}, {self.upper})"
+        s = f"[{python_str(self.lower)}, {python_str(self.upper)})"
         if self.cond is not sp.true:
-            s += f"  if {self.cond}"
+            s += f"  if {python_str(self.cond)}"
         return s + ("" if self.exact else "  (over-approximation)")
 
 

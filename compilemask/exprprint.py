@@ -17,7 +17,9 @@ def split_floor(arg):
 
 
 class ExprPrinter:
-    """Recursive printer; subclasses override the leaf spellings."""
+    """Recursive printer; subclasses override the leaf spellings. The base spells Python."""
+
+    nary = True  # min/max of several arguments in one call (False: folded pairwise)
 
     def __init__(self, names: dict[str, str] | None = None):
         self.names = names or {}
@@ -35,8 +37,10 @@ class ExprPrinter:
         if isinstance(e, sp.Integer):
             return self.integer(int(e))
         if isinstance(e, sp.Add):
-            pos = [a for a in e.args if not _negative(a)]
-            neg = [-a for a in e.args if _negative(a)]
+            # symbols first, the constant last: i + 1, not 1 + i
+            args = sorted(e.args, key=lambda a: a.is_number)
+            pos = [a for a in args if not _negative(a)]
+            neg = [-a for a in args if _negative(a)]
             s = " + ".join(self.p(a) for a in pos) if pos else self.integer(0)
             for a in neg:
                 s += " - " + self.atom(a)
@@ -56,10 +60,11 @@ class ExprPrinter:
             return self.floordiv(self.p(num), self.p(den))
         if isinstance(e, sp.Mod):
             return self.mod(self.p(e.args[0]), self.p(e.args[1]))
-        if isinstance(e, sp.Min):
-            return self.fold(self.minimum, e.args)
-        if isinstance(e, sp.Max):
-            return self.fold(self.maximum, e.args)
+        if isinstance(e, (sp.Min, sp.Max)):
+            if self.nary:
+                f = "min" if isinstance(e, sp.Min) else "max"
+                return f"{f}(" + ", ".join(self.p(a) for a in e.args) + ")"
+            return self.fold(self.minimum if isinstance(e, sp.Min) else self.maximum, e.args)
         if isinstance(e, sp.Abs):
             return self.abs(self.p(e.args[0]))
         if isinstance(e, sp.Piecewise):
@@ -140,6 +145,8 @@ class TorchPrinter(ExprPrinter):
 
     Per-row arrays print as the [B, Sq] tensor when subscripted by ``i`` and as a key-indexed
     view when subscripted by ``j`` (``name_j``), both prepared by the caller."""
+
+    nary = False
 
     def true(self):
         return "_TRUE"

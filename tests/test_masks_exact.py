@@ -78,7 +78,7 @@ def test_hstu_explain_shows_two_target_slots():
     text = mask.explain()
     assert "K = 2" in text
     assert "slot 0: [0, hist_end)" in text
-    assert "slot 1: [group_size*floor(" in text and "i + 1)" in text
+    assert "slot 1: [hist_end + (group_size * ((i - hist_end) // group_size)), i + 1)" in text
 
 
 def test_response1_merge_is_proved():
