@@ -114,6 +114,11 @@ class _Emitter:
             return acc
         if isinstance(e, sympy.Mul):
             coeff, rest = e.as_coeff_Mul()
+            if not coeff.is_Integer and e.is_integer:
+                # an exact quotient (sympy dropped a floor it proved redundant): no rounding issue
+                num, den = sympy.fraction(e)
+                a = self.int_expr(sympy.expand(num))
+                return self.tmp(f"{a} // {self.int_expr(den)}")
             if not coeff.is_Integer:
                 raise UnsupportedExpression(f"non-integer coefficient in {e}")
             factors = [self.int_expr(a) for a in sympy.Mul.make_args(rest)]

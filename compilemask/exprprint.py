@@ -48,6 +48,10 @@ class ExprPrinter:
         if isinstance(e, sp.Mul):
             num, den = sp.fraction(e)
             if den != 1:
+                # sympy drops floor() where it proves the quotient integral (min(2, 2*i) // 2):
+                # the division is then exact, and floor division spells it in integers
+                if e.is_integer:
+                    return self.floordiv(self.p(sp.expand(num)), self.p(den))
                 raise TypeError(f"non-integer product {e}")
             coeff, rest = e.as_coeff_Mul()
             if coeff == -1:

@@ -45,6 +45,8 @@ def to_z3(e, env: _Z3Env):
     if isinstance(e, sp.Mul):
         num, den = sp.fraction(e)
         if den != 1:
+            if e.is_integer:  # an exact quotient (sympy dropped a floor it proved redundant)
+                return to_z3(num, env) / to_z3(den, env)
             raise TypeError(f"non-integer product {e}")
         out = to_z3(e.args[0], env)
         for a in e.args[1:]:

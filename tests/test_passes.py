@@ -86,3 +86,13 @@ def test_prover_is_sound():
     assert p.proves(sp.Le(i + 1, a))
     assert not p.proves(sp.Le(i + 2, a))
     assert p.proves(sp.Ge(sp.Mod(i, 4), 0)) and p.proves(sp.Lt(sp.Mod(i, 4), 4))
+
+
+def test_exact_quotients_without_floor_print_and_prove():
+    # sympy drops floor() from min(2, 2*i) // 2 (it proves the quotient integral)
+    from compilemask.exprprint import TorchPrinter
+
+    e = sp.floor(sp.Min(2, 2 * i) / 2)
+    assert not isinstance(e, sp.floor)
+    assert "_fdiv" in TorchPrinter()(e)
+    assert Prover([], S).proves(sp.Le(e, 1))
