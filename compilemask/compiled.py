@@ -115,6 +115,7 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     divisors = tuple(p for p in spec.params if p in ctx.divisor_params)
     regions = []
     earlier_guards = []
+    unconditional = Prover([], syms, divisors)  # for guard exclusivity, proved once per pair
     for idx, (r, g, v) in enumerate(translated):
         assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
         prover = Prover(assumptions, syms, divisors)
@@ -124,7 +125,7 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         reasons = [why for t in terms for why in t.reasons]
         excl = {}
         for r2, g2, _ in translated[:idx]:
-            excl[r2.name] = Prover([], syms, divisors).proves(sp.Not(sp.And(g.expr, g2.expr)))
+            excl[r2.name] = unconditional.proves(sp.Not(sp.And(g.expr, g2.expr)))
         regions.append(CompiledRegion(
             index=idx, name=r.name, guard=g.expr, guard_source=g.source, rule=v.expr,
             rule_source=v.source, dnf=dnf, terms=terms, intervals=ivs, proofs=proofs,

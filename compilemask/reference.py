@@ -43,7 +43,9 @@ def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
     for k in range(len(mask.array_params)):
         arr = desc.row_params[..., k].to(torch.int64)
         if Sk > Sq:
-            arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))  # keys past Sq: see the note below
+            # only arrays read at i reach here (preprocess refuses reads at j when Sk > Sq):
+            # the padded key view keeps the generated signature and is never read
+            arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))
         else:
             arr_j = arr[:, :Sk]
         args += [arr.view(B, Sq, 1), arr_j.view(B, 1, Sk)]
