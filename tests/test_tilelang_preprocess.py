@@ -49,9 +49,9 @@ def run_both(m, B, sq, sk, seed, device="cpu", **kw):
 
 
 # (B, Sq, Sk): single row, non-multiples of the tiles, Sq != Sk both ways, several chunks of
-# n-tiles (Sk > 128 * 128), several blocks of rows (Sq > 1024)
+# n-tiles (Sk > 256 * 128: the default chunk is 256 n-tiles), several blocks of rows (Sq > 1024)
 SHAPES = [(1, 1, 1), (3, 200, 200), (4, 1000, 1000), (2, 300, 517), (2, 517, 130),
-          (1, 2100, 2100), (2, 64, 20000), (4, 1024, 1024)]
+          (1, 2100, 2100), (2, 64, 40000), (4, 1024, 1024)]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -65,9 +65,12 @@ def test_c_target_equals_reference(masks, name):
 
 
 def test_other_tilings(masks):
-    """Tile sizes other than the defaults (forward rows smaller or larger than 16 backward rows)."""
+    """Tile sizes other than the defaults: forward rows smaller or larger than 16 backward rows,
+    and nested tilings other than the default (a forward tile = 4 backward tiles)."""
     for fwd, bwd in [(TileConfig(64, 64), TileConfig(128, 64)),
-                     (TileConfig(256, 32), TileConfig(16, 256))]:
+                     (TileConfig(256, 32), TileConfig(16, 256)),
+                     (TileConfig(128, 64), TileConfig(32, 64))]:
+        assert tlp.plan(2, fwd, bwd).nested == (fwd.tile_m == 128)
         for name in ("hstu", "clear"):
             m = masks[name]
             ref, out = run_both(m, 3, 1500, 1500, seed=7, fwd_tiles=fwd, bwd_tiles=bwd)
