@@ -63,7 +63,8 @@ def run_one(name, S, mode, methods, rep_ms, results):
     gen = torch.Generator(device=dev).manual_seed(S)
     q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=DTYPE, generator=gen) for _ in range(3))
     do = torch.randn_like(q)
-    desc = mask.preprocess(meta, seqlen_q=S, seqlen_k=S)
+    pre = mask.preprocessor(S, batch_size=B)  # per step: pre(meta), the training-loop call
+    desc = pre(meta)
     pairs = int(desc.dense_mask().sum()) if S <= 8192 else _pairs_from_intervals(desc)
     flops = 4.0 * pairs * D * H * (3.5 if mode == "train" else 1.0)
     row = {"mask": name, "S": S, "B": B, "mode": mode, "visible_pairs": pairs}
@@ -75,9 +76,9 @@ def run_one(name, S, mode, methods, rep_ms, results):
               + (f"{ms:9.3f} ms {flops / (ms * 1e-3) / 1e12:7.1f} TFLOP/s" if ms else note)
               + (f"  (kernel {kernel_ms:.3f} ms)" if kernel_ms else ""), flush=True)
 
-    def step_cm(with_pre=True):
-        d = mask.preprocess(meta, seqlen_q=S, seqlen_k=S) if with_pre else desc
-        if mode == "train":
+    def step_cm(with_pre=True, fwd_only=False):
+        d = pre(meta) if with_pre else desc
+        if mode == "train" and not fwd_only:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             cm.attention(qq, kk, vv, d).backward(do)
         else:
@@ -87,10 +88,12 @@ def run_one(name, S, mode, methods, rep_ms, results):
         try:
             if method == "cm":
                 kernel = _bench(lambda: step_cm(False), rep_ms)
-                pre = _bench(lambda: mask.preprocess(meta, seqlen_q=S, seqlen_k=S), rep_ms)
+                pre_ms = _bench(lambda: pre(meta), rep_ms)
                 total = _bench(step_cm, rep_ms)
-                record("cm", total, kernel, note=f"preprocess {pre:.3f} ms")
-                row["cm"]["preprocess_ms"] = pre
+                record("cm", total, kernel, note=f"preprocess {pre_ms:.3f} ms")
+                row["cm"]["preprocess_ms"] = pre_ms
+                if mode == "train":  # Table 1 breakdown: forward alone, backward = the rest
+                    row["cm"]["fwd_ms"] = _bench(lambda: step_cm(False, fwd_only=True), rep_ms)
             elif method in ("flex_triton", "flex_flash"):
                 mm = flex_mask_mod(name, meta)
                 cbm = _compiled_block_mask()
@@ -164,10 +167,19 @@ def _pairs_from_intervals(desc):
 
 def to_markdown(results, mode, meta_line):
     methods = ["cm", "flex_triton", "flex_flash", "fa4", "sdpa"]
+    extra = ["cm kernel ms", "cm preprocess ms"]
+    if mode == "train":
+        extra += ["cm fwd ms", "cm bwd ms"]
+    extra += ["flex_flash kernel ms", "flex block mask ms", "best peer / cm",
+              "flex_flash kernel / cm kernel"]
     out = [f"# Attention {mode} benchmark", "", meta_line, "",
            "| mask | S | B | " + " | ".join(f"{m} ms (TFLOP/s)" for m in methods)
-           + " | cm kernel ms | cm preprocess ms | best peer / cm |",
-           "|" + "---|" * (len(methods) + 6)]
+           + " | " + " | ".join(extra) + " |",
+           "|" + "---|" * (len(methods) + len(extra) + 3)]
+
+    def num(x, fmt=".3f"):
+        return "" if x is None else f"{x:{fmt}}"
+
     for r in results:
         cells = []
         best = None
@@ -183,10 +195,18 @@ def to_markdown(results, mode, meta_line):
             if m != "cm":
                 best = x["ms"] if best is None else min(best, x["ms"])
         c = r.get("cm") or {}
-        ratio = f"{best / c['ms']:.2f}x" if best and c.get("ms") else ""
-        out.append(f"| {r['mask']} | {r['S']} | {r['B']} | " + " | ".join(cells)
-                   + f" | {c.get('kernel_ms') or '':.4} | {c.get('preprocess_ms') or '':.4}"
-                   + f" | {ratio} |")
+        ff = r.get("flex_flash") or {}
+        cells += [num(c.get("kernel_ms")), num(c.get("preprocess_ms"), ".4f")]
+        if mode == "train":
+            fwd = c.get("fwd_ms")
+            cells += [num(fwd), num(c["kernel_ms"] - fwd if fwd and c.get("kernel_ms") else None)]
+        bms = [x.get("block_mask_ms") for x in (r.get("flex_triton") or {}, ff)]
+        bms = [b for b in bms if b]
+        cells += [num(ff.get("kernel_ms")), num(min(bms) if bms else None),
+                  f"{best / c['ms']:.2f}x" if best and c.get("ms") else "",
+                  f"{ff['kernel_ms'] / c['kernel_ms']:.2f}x"
+                  if ff.get("kernel_ms") and c.get("kernel_ms") else ""]
+        out.append(f"| {r['mask']} | {r['S']} | {r['B']} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -225,22 +245,24 @@ def main(argv=None):
     ap.add_argument("--methods", default="cm,flex_triton,flex_flash,fa4,sdpa")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed repetitions per point")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--tag", default="", help="added to the output file names")
     args = ap.parse_args(argv)
     results = []
-    for name in args.masks.split(","):
-        for S in map(int, args.seqlens.split(",")):
-            run_one(name, S, args.mode, args.methods.split(","), args.rep, results)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip() or "unknown"
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch")
-    md = to_markdown(results, args.mode, meta_line)
-    print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"attention_{args.mode}_{datetime.date.today()}"
-    (out / f"{stem}.md").write_text(md)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    stem = f"attention_{args.mode}{'_' + args.tag if args.tag else ''}_{datetime.date.today()}"
+    for name in args.masks.split(","):
+        for S in map(int, args.seqlens.split(",")):
+            run_one(name, S, args.mode, args.methods.split(","), args.rep, results)
+            # written after every point: a run cut short keeps what it measured
+            md = to_markdown(results, args.mode, meta_line)
+            (out / f"{stem}.md").write_text(md)
+            (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    print(md)
     plot(results, args.mode, out / f"{stem}.png")
 
 

@@ -72,7 +72,7 @@ from compilemask.descriptor import TILES_PER_WORD, TileConfig
 from .tl_printer import TileLangPrinter
 
 __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile_count",
-           "PreprocessPlan", "plan"]
+           "PreprocessPlan", "plan", "Preprocessor"]
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
@@ -163,21 +163,32 @@ def _check_target(target: str) -> str:
 
 
 def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = None,
-                    bwd_tiles: TileConfig | None = None, threads: int | None = None) -> str:
-    """The generated TileLang program (module text defining ``preprocess``) for ``mask``."""
+                    bwd_tiles: TileConfig | None = None, threads: int | None = None,
+                    meta_dtype: str = "int64") -> str:
+    """The generated TileLang program (module text defining ``preprocess``) for ``mask``;
+    ``meta_dtype`` is the metadata's integer type (int32 values are widened on load)."""
     _check_target(target)
     dfwd, dbwd = _default_tiles()
     fwd = fwd_tiles or dfwd
     bwd = bwd_tiles or dbwd
-    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, threads), target).source()
+    _check_meta_dtype(meta_dtype)
+    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, threads), target,
+                    meta_dtype).source()
+
+
+def _check_meta_dtype(meta_dtype: str) -> str:
+    if meta_dtype not in ("int64", "int32"):
+        raise ValueError(f"meta_dtype must be 'int64' or 'int32', got {meta_dtype!r}")
+    return meta_dtype
 
 
 class _Emitter:
-    def __init__(self, mask, pl: PreprocessPlan, target: str):
+    def __init__(self, mask, pl: PreprocessPlan, target: str, meta_dtype: str = "int64"):
         self.mask = mask
         self.pl = pl
         self.target = target
         self.cuda = target == "cuda"
+        self.meta_dtype = meta_dtype
         self.lines: list[str] = []
         # metadata buffers are named after their params, unless that clashes with a name of
         # the program (then ``<name>_param``)
@@ -189,9 +200,13 @@ class _Emitter:
             self.buf[p] = name
         names = {"i": "i", "seqlen_q": "sq", "seqlen_k": "sk"}
         for p in mask.scalar_params:
-            names[p] = f"{self.buf[p]}[b]"
-        arrays = {a: f"{self.buf[a]}[b, row]" for a in mask.array_params}
+            names[p] = self._load(f"{self.buf[p]}[b]")
+        arrays = {a: self._load(f"{self.buf[a]}[b, row]") for a in mask.array_params}
         self.pr = TileLangPrinter(names, arrays)
+
+    def _load(self, ref: str) -> str:
+        # endpoints are evaluated in int64 whatever the metadata's type
+        return ref if self.meta_dtype == "int64" else f'T.Cast("int64", {ref})'
 
     def w(self, indent: int, text: str = ""):
         self.lines.append(("    " * indent + text) if text else "")
@@ -275,9 +290,11 @@ class _Emitter:
         w(0, "@T.prim_func")
         w(0, "def preprocess(")
         for p in m.scalar_params:
-            w(1, f'{self.buf[p]}: T.Tensor((B,), "int64"),  # scalar param {p!r}, per sequence')
+            w(1, f'{self.buf[p]}: T.Tensor((B,), "{self.meta_dtype}"),  '
+                 f'# scalar param {p!r}, per sequence')
         for a in m.array_params:
-            w(1, f'{self.buf[a]}: T.Tensor((B, Sq), "int64"),  # per-row array {a!r}')
+            w(1, f'{self.buf[a]}: T.Tensor((B, Sq), "{self.meta_dtype}"),  '
+                 f'# per-row array {a!r}')
         w(1, 'intervals: T.Tensor((B, Sq, K, 2), "int32"),  # out: Interval Table (start, len)')
         w(1, 'row_region: T.Tensor((B, Sq), "int32"),  # out: region of each row, -1: none')
         w(1, 'fwd_bitmap: T.Tensor((B, NM_FWD, W_FWD), "int32"),  # out: [b, m_block, n words]')
@@ -543,11 +560,14 @@ def _load_prim_func(source: str, tag: str):
     return mod.preprocess
 
 
-def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str):
-    """The compiled kernel for (spec key, tiles, target, K); compiled once per process."""
+def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,
+                    meta_dtype: str = "int64"):
+    """The compiled kernel for (spec key, tiles, target, K, metadata dtype); compiled once per
+    process."""
     global _COMPILES
     _check_target(target)
-    key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles), target)
+    key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles), target,
+           _check_meta_dtype(meta_dtype))
     kern = _KERNELS.get(key)
     if kern is not None:
         return kern
@@ -556,7 +576,7 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
         if kern is None:
             import tilelang
 
-            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads)
+            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads, meta_dtype)
             tag = f"{target}_{mask.key}"
             func = _load_prim_func(src, tag)
             tgt = _CUDA_TARGET if target == "cuda" else "c"
@@ -626,3 +646,112 @@ def _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev):
         arrs[x] for x in mask.array_params]
     _, _, region, hits = mask._ir.torch_fns["interval_table"](*a, batch_size=B)
     _check_exclusive(mask, hits, region)
+
+
+# --------------------------------------------------------------------------------------------
+# bound fast path
+# --------------------------------------------------------------------------------------------
+
+
+class Preprocessor:
+    """Per-batch preprocess bound to one shape (``CompiledMask.preprocessor``).
+
+    ``preprocess`` validates and converts its arguments on every call, which costs more host time
+    than the kernel takes on the device (~10 us). A training loop calls it with the same shapes
+    every step, so everything that does not depend on the metadata values is done once here:
+    argument checks, the kernel lookup (compiling if needed), the output shapes, TileLang's
+    argument marshalling (the raw TVM-FFI function is called). A call then checks only what can
+    change at no cost (the params present, each tensor's dtype, device, shape and layout) and
+    launches. int32 and int64 metadata are read as they are (one compiled kernel per dtype, the
+    endpoints are computed in int64 either way). Metadata that does not match (ints for scalar
+    params, mixed dtypes, another device or shape) takes the general ``preprocess`` path, which
+    converts it or raises the usual error.
+
+    Metadata values are not checked on the fast path (checking would synchronize a GPU stream):
+    it is used only where ``preprocess`` would not check them either, i.e. on CUDA, unless
+    ``check_values=False`` asks for it on CPU too."""
+
+    def __init__(self, mask, seqlen_q: int, seqlen_k: int, batch_size: int, device,
+                 fwd_tiles: TileConfig, bwd_tiles: TileConfig, check_values: bool | None = None):
+        # the general path validates the shape arguments (and raises its errors) once, here
+        probe = {p: torch.zeros((batch_size, seqlen_q) if p in mask.array_params
+                                else (batch_size,), dtype=torch.int64)
+                 for p in mask.spec.params}
+        B, _, _, dev = mask.normalize_meta(probe, seqlen_q, seqlen_k, batch_size, device,
+                                           check_values=False)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.mask, self.seqlen_q, self.seqlen_k, self.batch_size = mask, seqlen_q, seqlen_k, B
+        self.device, self.fwd_tiles, self.bwd_tiles = dev, fwd_tiles, bwd_tiles
+        self.fast = (dev.type == "cuda") if check_values is None else not check_values
+        self._target = "cuda" if dev.type == "cuda" else "c"
+        self._launches = {}  # metadata dtype -> launch function
+        if not mask.spec.params:
+            self._launch_for(torch.int64)
+        nm_f, nn_f = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
+        nm_b, nn_b = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
+        K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
+        self._out_shapes = [(B, seqlen_q, K, 2), (B, seqlen_q), (B, nm_f, -(-nn_f // 16)),
+                            (B, nn_b, -(-nm_b // 16)), (B, P), (B, seqlen_q, R)]
+        self._with_params, self._with_rows = bool(P), bool(R)
+        self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
+            (a, (B, seqlen_q)) for a in mask.array_params]
+        self._keys = set(mask.spec.params)
+
+    def _launch_for(self, dtype):
+        launch = self._launches.get(dtype)
+        if launch is None:
+            kern = tilelang_kernel(self.mask, self.fwd_tiles, self.bwd_tiles, self._target,
+                                   "int64" if dtype is torch.int64 else "int32")
+            launch = _raw_launch(kern) if self._target == "cuda" else kern
+            self._launches[dtype] = launch
+        return launch
+
+    def _matches(self, meta):
+        """The metadata dtype when the fast path applies, else None."""
+        if type(meta) is not dict or meta.keys() != self._keys:
+            return None
+        dtype = torch.int64
+        for n, (p, shape) in enumerate(self._inputs):
+            v = meta[p]
+            if n == 0 and type(v) is torch.Tensor:
+                dtype = v.dtype
+            if not (type(v) is torch.Tensor and v.dtype is dtype and v.device == self.device
+                    and v.shape == shape and v.is_contiguous()):
+                return None
+        return dtype if dtype is torch.int64 or dtype is torch.int32 else None
+
+    def __call__(self, meta=None):
+        meta = {} if meta is None else meta
+        dtype = self._matches(meta) if self.fast else None
+        if dtype is None:
+            return self.mask.preprocess(
+                meta, self.seqlen_q, self.seqlen_k, batch_size=self.batch_size,
+                fwd_tiles=self.fwd_tiles, bwd_tiles=self.bwd_tiles, device=self.device,
+                backend="tilelang")
+        i32, dev = torch.int32, self.device
+        intervals, region, fwd, bwd, params, row_params = (
+            torch.empty(s, dtype=i32, device=dev) for s in self._out_shapes)
+        args = [meta[p] for p, _ in self._inputs] + [intervals, region, fwd, bwd]
+        if self._with_params:
+            args.append(params)
+        if self._with_rows:
+            args.append(row_params)
+        args.append(self.seqlen_k)
+        self._launch_for(dtype)(*args)
+        from compilemask.descriptor import ExecutionDescriptor
+
+        return ExecutionDescriptor(
+            mask=self.mask, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, intervals=intervals,
+            row_region=region, fwd_tiles=self.fwd_tiles, fwd_bitmap=fwd,
+            bwd_tiles=self.bwd_tiles, bwd_bitmap=bwd, params=params, row_params=row_params)
+
+
+def _raw_launch(kern):
+    """TileLang's compiled TVM-FFI function without its Python wrapper (which re-derives output
+    shapes per call); the wrapper where this TileLang version does not expose it."""
+    get = getattr(getattr(kern, "adapter", None), "_get_executable", None)
+    try:
+        return get() if get is not None else kern
+    except Exception:  # noqa: BLE001 - any failure: the public call path still works
+        return kern

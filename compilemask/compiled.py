@@ -298,6 +298,26 @@ class CompiledMask:
         return self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles,
                                       check, dev)
 
+    def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
+                     device="cuda", fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
+                     check_values: bool | None = None):
+        """``preprocess`` bound to one shape, for the per-step loop: ``pre = mask.preprocessor(S,
+        batch_size=B)`` once, then ``desc = pre(meta)`` per batch. Validation, kernel lookup and
+        output shapes happen once; a call launches the TileLang kernel directly when the
+        metadata are int64 contiguous tensors on the device, and otherwise takes the general
+        path (see ``compilemask.codegen.preprocess.Preprocessor``). Needs TileLang."""
+        from compilemask.codegen.preprocess import Preprocessor
+
+        if seqlen_q is None:
+            raise ValueError("preprocessor: seqlen_q is required")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"preprocessor: batch_size must be a positive int, got "
+                             f"{batch_size!r}")
+        seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+        return Preprocessor(self, seqlen_q, seqlen_k, batch_size, device,
+                            _tiles_arg(fwd_tiles, "fwd_tiles"), _tiles_arg(bwd_tiles, "bwd_tiles"),
+                            check_values=check_values)
+
     def _torch_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, check,
                           dev) -> ExecutionDescriptor:
         from compilemask.tiles import bitmaps

@@ -110,6 +110,52 @@ def test_source_reads_as_tilelang(masks):
         m.preprocess_source("rocm")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_preprocessor_fast_path(masks, name):
+    """The bound preprocessor launches directly for int64 and int32 tensors (one kernel per
+    dtype) and equals the reference; new values and batches do not recompile."""
+    m = masks[name]
+    B, S = 3, 1000
+    pre = m.preprocessor(S, batch_size=B, device="cpu", check_values=False)
+    for n, dtype in enumerate((torch.int64, torch.int32, torch.int32)):
+        meta = {k: v.to(dtype).contiguous() for k, v in
+                random_meta(m.spec, B, S, torch.Generator().manual_seed(n)).items()}
+        assert pre._matches(meta) is (dtype if meta else torch.int64)
+        if n == 2:
+            before = tlp.compile_count()
+        out = pre(meta)
+        ref = m.preprocess(meta, S, batch_size=B, backend="torch")
+        assert_same(ref, out, f"{name} {dtype}")
+    assert tlp.compile_count() == before
+
+
+def test_preprocessor_general_path_and_errors(masks):
+    m = masks["hstu"]
+    B, S = 2, 300
+    meta = {k: v.contiguous()
+            for k, v in random_meta(m.spec, B, S, torch.Generator().manual_seed(0)).items()}
+    pre = m.preprocessor(S, batch_size=B, device="cpu")
+    assert not pre.fast  # CPU checks values by default, like preprocess
+    assert_same(m.preprocess(meta, S, backend="torch"), pre(meta), "checked path")
+    fast = m.preprocessor(S, batch_size=B, device="cpu", check_values=False)
+    # ints, a non-contiguous tensor, mixed dtypes: not the fast path, same answer
+    for odd in ({**meta, "group_size": 4},
+                {**meta, "hist_end": torch.stack([meta["hist_end"]] * 2, 1)[:, 0]},  # strided
+                {**meta, "ctx_end": meta["ctx_end"].to(torch.int32)}):
+        assert fast._matches(odd) is None
+        assert_same(m.preprocess(odd, S, batch_size=B, backend="torch"), fast(odd), "general")
+    with pytest.raises(ValueError, match="missing param.*group_size"):
+        fast({k: v for k, v in meta.items() if k != "group_size"})
+    with pytest.raises(ValueError, match="param 'ctx_end': batch size 3 != 2"):
+        fast({**meta, "ctx_end": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="must be non-negative"):
+        pre({**meta, "ctx_end": -meta["ctx_end"] - 1})
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        m.preprocessor(S, batch_size=0, device="cpu")
+    with pytest.raises(ValueError, match="seqlen_q must be a positive int"):
+        m.preprocessor(-1, batch_size=2, device="cpu")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_source_compiles_sm90a(masks, name):
@@ -170,6 +216,37 @@ def test_gpu_cuda_graph_capture_and_replay(masks):
         torch.cuda.synchronize()
         ref = m.preprocess(meta, S, backend="torch")
         assert_same(ref, desc, f"replay seed {seed}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["hstu", "clear", "causal"])
+def test_gpu_preprocessor_fast_path(masks, name):
+    """The bound preprocessor (raw TVM-FFI launch) on CUDA: equal to the reference for int32 and
+    int64 metadata, and capturable in a CUDA graph."""
+    m = masks[name]
+    B, S = 8, 4096
+    pre = m.preprocessor(S, batch_size=B)
+    assert pre.fast
+    for n, dtype in enumerate((torch.int32, torch.int64)):
+        meta = {k: v.to("cuda", dtype).contiguous() for k, v in
+                random_meta(m.spec, B, S, torch.Generator().manual_seed(n)).items()}
+        out = pre(meta)
+        assert_same(m.preprocess(meta, S, batch_size=B, backend="torch"), out, f"{dtype}")
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pre(meta)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        desc = pre(meta)
+    new = random_meta(m.spec, B, S, torch.Generator().manual_seed(9))
+    for k in meta:
+        meta[k].copy_(new[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(m.preprocess(meta, S, batch_size=B, backend="torch"), desc, "replay")
 
 
 @gpu

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device-machine session's steps (see README "GPU"): run from the repository root after
+# `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
+# step that hangs or fails does not take the others' results with it.
+#   bash bench/h200.sh tests     # every gpu-marked test (both backward kernels)
+#   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
+#   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
+#   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
+set -u
+OUT=${OUT:-/tmp/cm-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
+}
+case "${1:-}" in
+  tests)
+    step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+    step bwd_sm90 170 env COMPILEMASK_BWD_ARCH=90 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
+    ;;
+  pre)
+    step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
+      --flex-seqlens 32768 --flex-masks hstu,clear --sweep-threads 256,512
+    step memcheck 240 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --error-exitcode 9 \
+      python3 bench/memcheck_case.py
+    tail -4 "$OUT/memcheck.log"
+    ;;
+  fwd)
+    step fwd32k 560 python3 bench/attention.py --mode fwd --seqlens 32768 --rep 100 \
+      --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
+      --out "$OUT" --tag 32k
+    ;;
+  train)
+    step train32k 570 python3 bench/attention.py --mode train --seqlens 32768 --rep 100 \
+      --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
+      --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|pre|fwd|train"; exit 2 ;;
+esac
