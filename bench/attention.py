@@ -248,8 +248,10 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="added to the output file names")
     args = ap.parse_args(argv)
     results = []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip() or "unknown"
+    # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
+    commit = os.environ.get("CM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=ROOT).stdout.strip() or "unknown"
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch")
     out = Path(args.out)

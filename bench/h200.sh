@@ -3,6 +3,7 @@
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test (both backward kernels)
+#   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
@@ -20,13 +21,22 @@ step() {  # step NAME SECONDS CMD...
 case "${1:-}" in
   tests)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
-    step bwd_sm90 170 env COMPILEMASK_BWD_ARCH=90 python3 -m pytest -q -m gpu \
+    step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    ;;
+  check)  # after a preprocess or backward change: the tests those paths touch
+    step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
+      tests/test_autograd_op.py
     ;;
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
-      --flex-seqlens 32768 --flex-masks hstu,clear --sweep-threads 256,512
-    step memcheck 240 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --error-exitcode 9 \
+      --flex-seqlens 32768 --flex-masks "${FLEX_MASKS:-hstu,clear}" \
+      --sweep "${SWEEP:-256:interleaved,512:linear,512:interleaved}"
+    # --report-api-errors no: cuda-python probes driver entry points that this driver lacks
+    # (cuGetProcAddress errors), which are not memory errors
+    step memcheck 240 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" \
+      --tool memcheck --report-api-errors no --error-exitcode 9 \
       python3 bench/memcheck_case.py
     tail -4 "$OUT/memcheck.log"
     ;;
@@ -40,5 +50,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|pre|fwd|train"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train"; exit 2 ;;
 esac

@@ -106,8 +106,9 @@ def main():
     ap.add_argument("--flex-seqlens", default="1024,8192,32768")
     ap.add_argument("--flex-masks", default="hstu,shared_prompt_rm,clear,causal")
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--sweep-threads", default="",
-                    help="e.g. 256,512: device time per block size (hstu, clear; 1K, 16K, 32K)")
+    ap.add_argument("--sweep", default="",
+                    help="threads:row_map pairs, e.g. 256:interleaved,512:linear: device time "
+                         "per variant (hstu, clear, clear_r1w16; 1K, 16K, 32K)")
     args = ap.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
@@ -155,12 +156,13 @@ def main():
             print(rows[-1], flush=True)
             write(args, rows, [])
     sweep = []
-    if args.sweep_threads:
+    if args.sweep:
         from compilemask.codegen import preprocess as tlp
 
-        default = tlp._THREADS
-        for th in [int(x) for x in args.sweep_threads.split(",")]:
-            tlp._THREADS = th
+        default = tlp._THREADS, tlp._ROW_MAP
+        for variant in args.sweep.split(","):
+            th, row_map = variant.split(":")
+            tlp._THREADS, tlp._ROW_MAP = int(th), row_map
             for name in ("hstu", "clear", "clear_r1w16"):
                 spec, make = workloads[name]
                 m = cm.compile_mask(spec)
@@ -169,9 +171,10 @@ def main():
                     meta = make(B, S)
                     pre = m.preprocessor(S, batch_size=B)
                     t = time_graph(lambda pre=pre, meta=meta: pre(meta))
-                    sweep.append((th, name, S, B, t))
+                    sweep.append((f"{th} {row_map}", name, S, B, t))
                     print(sweep[-1], flush=True)
-        tlp._THREADS = default
+            write(args, rows, sweep)
+        tlp._THREADS, tlp._ROW_MAP = default
     write(args, rows, sweep)
 
 
@@ -180,15 +183,17 @@ def write(args, rows, sweep):
 
     gpu = torch.cuda.get_device_name()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "uncommitted"
+        # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
+        commit = os.environ.get("CM_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+            text=True).stdout.strip() or "uncommitted"
     except Exception:  # noqa: BLE001
         commit = "unknown"
     date = datetime.date.today().isoformat()
     lines = [f"# Preprocess benchmark, {date}", "",
              f"GPU: {gpu}; torch {torch.__version__}; commit {commit}; "
              f"{TOKENS} tokens per batch; median of {REPS} (flex: 20) after warm-up; "
-             f"{tlp._THREADS} threads per block.", "",
+             f"{tlp._THREADS} threads per block, {tlp._ROW_MAP} row map.", "",
              "general: `preprocess(meta, S, backend='tilelang')` per call; bound: "
              "`pre = mask.preprocessor(S, batch_size=B)` once, `pre(meta)` per call; both host "
              "time per call (200 calls back to back, wall clock, one sync: host + alloc + "
@@ -208,8 +213,9 @@ def write(args, rows, sweep):
         lines.append(f"| {name} | {S} | {B} | {K} | {tg:.1f} | {tb:.1f} | {td:.1f} | {nb} | "
                      f"{nb / td / 1e3:.0f} | {fx} | {ratio} | {'yes' if same else 'NO'} |")
     if sweep:
-        lines += ["", "Threads per block (device time, us, CUDA-graph replay):", "",
-                  "| threads | mask | S | B | us |", "|---|---|---|---|---|"]
+        lines += ["", "Threads per block and stage-1 row map (device time, us, CUDA-graph "
+                  "replay):", "", "| threads, row map | mask | S | B | us |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {th} | {n} | {S} | {B} | {t:.1f} |" for th, n, S, B, t in sweep]
     text = "\n".join(lines) + "\n"
     out = args.out or os.path.join(os.path.dirname(__file__), "results",

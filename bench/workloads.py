@@ -80,18 +80,21 @@ def flex_mask_mod(name: str, meta: dict):
             return context | history | target
         return hstu
     if name == "shared_prompt_rm":
-        ends = torch.stack([meta[k] for k in ("prompt_end", "r1_end", "r2_end", "r3_end",
-                                               "r4_end", "r5_end", "r6_end")], dim=1)
+        ends = [meta[k] for k in ("prompt_end", "r1_end", "r2_end", "r3_end", "r4_end", "r5_end",
+                                  "r6_end")]
 
+        # no torch.where and no 2-D metadata: FlexAttention's FLASH backend (CuTe) translates
+        # only elementwise comparisons and &/| of 1-D per-batch loads
         def rm(b, h, q_idx, kv_idx):
-            prompt = ends[b, 0]
+            e = [t[b] for t in ends]
+            prompt = e[0]
             in_prompt = (q_idx < prompt) & (kv_idx <= q_idx)
-            # the response a row belongs to starts at the largest end <= q_idx
-            start = prompt
+            # kv_idx is in q_idx's response iff no response end lies in (kv_idx, q_idx]
+            same = kv_idx >= prompt
             for r in range(1, 6):
-                start = torch.where(q_idx >= ends[b, r], ends[b, r], start)
-            resp = (q_idx >= prompt) & (q_idx < ends[b, 6]) & (
-                (kv_idx < prompt) | ((kv_idx >= start) & (kv_idx <= q_idx)))
+                same = same & ((kv_idx >= e[r]) | (e[r] > q_idx))
+            resp = (q_idx >= prompt) & (q_idx < e[6]) & (
+                (kv_idx < prompt) | (same & (kv_idx <= q_idx)))
             return in_prompt | resp
         return rm
     if name == "clear":

@@ -29,10 +29,13 @@ Stages of a block (``T.sync_threads()`` between them on CUDA):
    endpoints in int64, clips them to ``[0, Sk)`` (empty slot: ``(0, 0)``) and writes its Interval
    Table row, ``row_region`` and its metadata copies (chunk 0 only). It then adds its tile
    ranges to per-m-tile difference arrays in shared memory: the n-tiles its intervals *overlap*
-   (visible counts), and the n-tiles the union of its intervals *covers* (coverage counts;
-   components of the union are found by the same reach iteration as ``compilemask.tiles``:
-   from each slot that starts a component, jump to the end of any interval containing the reach,
-   K rounds). Rows of fallback regions add no coverage (their tiles are never full).
+   (visible counts), and the n-tiles the union of its intervals *covers* (coverage counts; the
+   components of the union come from sorting the K slots by start, a K-element bubble sort in
+   registers, and one sweep that merges a slot into the current component when it starts at or
+   before the component's end). Rows of fallback regions add no coverage (their tiles are never
+   full). With the interleaved row map (default), the 32 lanes of a warp own rows of different
+   backward m-tiles, so their shared-memory atomics go to different counters instead of all to
+   the same one.
 2. scan: prefix sums of the difference arrays (sums of 16-tile words, then per word: the
    words before it, then its tiles).
 3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
@@ -41,7 +44,8 @@ Stages of a block (``T.sync_threads()`` between them on CUDA):
 
 This is O(rows * K^2 + tiles) per block instead of the O(rows * tiles * K^2) of testing every
 (row, tile) pair, and bit-identical to the reference: a tile is covered by a row iff it lies in
-one component of the row's interval union, which the reach iteration computes exactly.
+one component of the row's interval union (``compilemask.tiles`` finds the same components by a
+reach iteration; both merge slots that overlap or touch).
 
 Targets
 -------
@@ -75,6 +79,7 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
            "PreprocessPlan", "plan", "Preprocessor"]
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
+_ROW_MAP = "interleaved"  # or "linear" (row = rr * THREADS + tx); the bench sweeps both
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -95,6 +100,7 @@ class PreprocessPlan:
     rows: int  # rows per block
     threads: int
     chunk: int  # n-tiles per chunk (multiple of 16)
+    interleaved: bool = True  # row map of stage 1 (see the module docstring)
 
     @property
     def m_fwd(self) -> int:  # forward m-tiles per block
@@ -138,7 +144,10 @@ def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -
     chunk = TILES_PER_WORD
     while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / 16) <= _SMEM_BUDGET:
         chunk *= 2
-    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk)
+    m_bwd = rows // bwd.tile_m
+    interleaved = (_ROW_MAP == "interleaved" and threads % m_bwd == 0
+                   and bwd.tile_m % (threads // m_bwd) == 0)
+    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk, interleaved)
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +160,7 @@ T K TM_FWD TN_FWD TM_BWD TN_BWD ROWS THREADS M_FWD M_BWD WORDS_BWD CHUNK CHUNK_W
 COV_FWD VIS_BWD COV_BWD COUNTERS B Sq NM_FWD W_FWD NN_BWD W_BWD add_range preprocess intervals
 SUB vis cov u row_region fwd_bitmap bwd_bitmap params row_params seqlen_k nn_fwd chunks bx c b tx
 count lo hi
-start end i sq sk region lead reach acc word q e rr r row k j s n _round v t mf m_tile gw
+start end i sq sk region ss ee cs ce tmp EMPTY acc word q e rr r row k j s n a v t mf m_tile gw
 rows_in x n_tile mb a z counter lo_tile hi_tile
 """.split())
 
@@ -265,6 +274,7 @@ class _Emitter:
         w(0, f"WORDS_BWD = {pl.words_bwd}  # backward words per n-tile per block")
         w(0, f"CHUNK = {pl.chunk}  # n-tiles per pass over the shared counters")
         w(0, "CHUNK_WORDS = CHUNK // 16")
+        w(0, "EMPTY = 2147483647  # sort key of an empty slot (sorts last)")
         if pl.nested:
             w(0, "# shared counter rows: visible / covered per backward m-tile; a forward tile is")
             w(0, "# the union of SUB backward tiles, so its counts are their sums")
@@ -316,7 +326,9 @@ class _Emitter:
             w(ind, "tx = T.get_thread_binding()")
         w(ind, "# per counter row: CHUNK tile counts (difference array, then prefix sums), then")
         w(ind, "# CHUNK_WORDS sums of 16-tile words (one shared buffer)")
-        w(ind, 'count = T.alloc_shared((COUNTERS, CHUNK + CHUNK_WORDS), "int32")')
+        w(ind, "# (+1: an odd row stride puts the same tile of different counter rows in different")
+        w(ind, "# banks)")
+        w(ind, 'count = T.alloc_shared((COUNTERS, CHUNK + CHUNK_WORDS + 1), "int32")')
         w(ind, 'lo = T.alloc_local((K,), "int64")  # slot endpoints before the clip')
         w(ind, 'hi = T.alloc_local((K,), "int64")')
         w(ind, 'start = T.alloc_local((K,), "int32")  # clipped slots: [start, end)')
@@ -325,8 +337,11 @@ class _Emitter:
         w(ind, 'sq = T.alloc_var("int64")')
         w(ind, 'sk = T.alloc_var("int64")')
         w(ind, 'region = T.alloc_var("int32")')
-        w(ind, 'lead = T.alloc_var("int32")')
-        w(ind, 'reach = T.alloc_var("int32")')
+        w(ind, 'ss = T.alloc_local((K,), "int32")  # slots sorted by start, for the coverage')
+        w(ind, 'ee = T.alloc_local((K,), "int32")')
+        w(ind, 'cs = T.alloc_var("int32")  # the current component of the union: [cs, ce)')
+        w(ind, 'ce = T.alloc_var("int32")')
+        w(ind, 'tmp = T.alloc_var("int32")')
         w(ind, 'acc = T.alloc_var("int32")')
         w(ind, 'word = T.alloc_var("uint32")')
         if pl.nested:
@@ -367,7 +382,12 @@ class _Emitter:
         m, pr, w = self.mask, self.pr, self.w
         w(ind, "for rr in T.serial(ROWS // THREADS):")
         ind += 1
-        w(ind, "r = rr * THREADS + tx  # row within the block")
+        if self.pl.interleaved:
+            w(ind, "# row within the block, interleaved: lane tx owns rows of backward m-tile "
+                   "tx % M_BWD")
+            w(ind, "r = (tx % M_BWD) * TM_BWD + tx // M_BWD + (THREADS // M_BWD) * rr")
+        else:
+            w(ind, "r = rr * THREADS + tx  # row within the block")
         w(ind, "row = bx * ROWS + r")
         w(ind, "if row < Sq:")
         ind += 1
@@ -420,34 +440,50 @@ class _Emitter:
                        "(end[k] - 1) // TN_FWD + 1, c)")
         w(ind + 2, "add_range(count, VIS_BWD + r // TM_BWD, start[k] // TN_BWD, "
                    "(end[k] - 1) // TN_BWD + 1, c)")
-        w(ind, "# covered: the n-tiles inside one component of the union of the slots; a slot "
-               "starts")
-        w(ind, "# a component unless another slot contains or touches its start (ties: lowest "
-               "slot)")
+        w(ind, "# covered: the n-tiles inside one component of the union of the slots")
         d = ind
         if fb:
             conds = ", ".join(f"region != {x}" for x in fb)
             w(ind, "# fallback rows add no coverage: their tiles are never full")
             w(ind, f"if {conds if len(fb) == 1 else 'T.And(' + conds + ')'}:")
             d += 1
+        w(d, "# sort the slots by start (empty slots last), then sweep: a slot that starts at or")
+        w(d, "# before the end of the current component extends it, else closes it")
         w(d, "for k in T.unroll(K):")
-        w(d + 1, "lead = T.Cast(\"int32\", end[k] > start[k])")
-        w(d + 1, "for j in T.unroll(K):")
-        w(d + 2, "if T.And(end[j] > start[j], T.Or(T.And(start[j] < start[k], start[k] <= "
-                 "end[j]), T.And(j < k, start[j] == start[k]))):")
-        w(d + 3, "lead = 0")
-        w(d + 1, "if lead != 0:")
-        w(d + 2, "# reach: jump to the end of any slot containing it, K rounds")
-        w(d + 2, "reach = end[k]")
-        w(d + 2, "for _round in T.serial(K):")
-        w(d + 3, "for j in T.unroll(K):")
-        w(d + 4, "if T.And(start[j] <= reach, reach < end[j]):")
-        w(d + 5, "reach = end[j]")
+        w(d + 1, "ss[k] = T.if_then_else(end[k] > start[k], start[k], EMPTY)")
+        w(d + 1, "ee[k] = T.if_then_else(end[k] > start[k], end[k], EMPTY)")
+        if self.pl.K > 1:
+            w(d, "for a in T.unroll(K - 1):")
+            w(d + 1, "for j in T.unroll(K - 1):")
+            w(d + 2, "if T.And(j < K - 1 - a, ss[j] > ss[j + 1]):")
+            w(d + 3, "tmp = ss[j]")
+            w(d + 3, "ss[j] = ss[j + 1]")
+            w(d + 3, "ss[j + 1] = tmp")
+            w(d + 3, "tmp = ee[j]")
+            w(d + 3, "ee[j] = ee[j + 1]")
+            w(d + 3, "ee[j + 1] = tmp")
+        w(d, "cs = ss[0]")
+        w(d, "ce = ee[0]")
+        if self.pl.K > 1:
+            w(d, "for k in T.unroll(K - 1):")
+            w(d + 1, "if ss[k + 1] <= ce:")
+            w(d + 2, "ce = T.max(ce, ee[k + 1])")
+            w(d + 1, "else:")
+            w(d + 2, "if ce > cs:")
+            self._cover(d + 3)
+            w(d + 2, "cs = ss[k + 1]")
+            w(d + 2, "ce = ee[k + 1]")
+        w(d, "if ce > cs:")
+        self._cover(d + 1)
+
+    def _cover(self, ind):
+        """Coverage counts for the component [cs, ce): its inner n-tiles (to the last tile when
+        it reaches seqlen_k)."""
         if not self.pl.nested:
-            w(d + 2, "add_range(count, COV_FWD + r // TM_FWD, (start[k] + TN_FWD - 1) // TN_FWD, "
-                     "T.if_then_else(reach >= seqlen_k, nn_fwd, reach // TN_FWD), c)")
-        w(d + 2, "add_range(count, COV_BWD + r // TM_BWD, (start[k] + TN_BWD - 1) // TN_BWD, "
-                 "T.if_then_else(reach >= seqlen_k, NN_BWD, reach // TN_BWD), c)")
+            self.w(ind, "add_range(count, COV_FWD + r // TM_FWD, (cs + TN_FWD - 1) // TN_FWD, "
+                        "T.if_then_else(ce >= seqlen_k, nn_fwd, ce // TN_FWD), c)")
+        self.w(ind, "add_range(count, COV_BWD + r // TM_BWD, (cs + TN_BWD - 1) // TN_BWD, "
+                    "T.if_then_else(ce >= seqlen_k, NN_BWD, ce // TN_BWD), c)")
 
     def _stage_word_sums(self, ind):
         w = self.w

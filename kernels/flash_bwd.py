@@ -29,13 +29,13 @@ Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
 
 Two MMA paths share the schedule, the loads, the mask and the epilogue:
 
-* ``arch=80`` (:class:`FlashBwd`, the default): ``mma.sync.m16n8k16`` fed by ``ldmatrix``,
-  8 warps; S = Q K^T, P and dS go through shared memory for the three GEMMs that need them
-  transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the float32 reference).
-* ``arch=90`` (:class:`FlashBwdSm90`, opt-in: ``arch=90`` or ``COMPILEMASK_BWD_ARCH=90``): all
-  five GEMMs on wgmma (SASS ``HGMMA``), two warpgroups; the score tile is computed transposed
-  (S^T = K Q^T) so P^T and dS^T feed dV/dK as register A operands. Compiles for sm_90a with
-  no spills (242 registers); not yet run on a GPU.
+* ``arch=80`` (:class:`FlashBwd`, the portable path for sm80..sm89): ``mma.sync.m16n8k16`` fed
+  by ``ldmatrix``, 8 warps; S = Q K^T, P and dS go through shared memory for the three GEMMs
+  that need them transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the float32 reference).
+* ``arch=90`` (:class:`FlashBwdSm90`, the default on sm_90; ``COMPILEMASK_BWD_ARCH=80`` picks
+  the other): all five GEMMs on wgmma (SASS ``HGMMA``), two warpgroups; the score tile is
+  computed transposed (S^T = K Q^T) so P^T and dS^T feed dV/dK as register A operands. No
+  spills (242 registers); passes every GPU backward test on the H200.
 
 Both hold 2 stages of Q/dO (cp.async) so the next q tile loads during the current one's math.
 """
@@ -1179,11 +1179,19 @@ def compile_flash_bwd(
     return fn
 
 
-def default_arch() -> int:
-    """80 (the mma.sync kernel, validated on the H200) unless ``COMPILEMASK_BWD_ARCH=90`` asks
-    for the wgmma kernel (compiled and SASS-checked for sm_90a, not yet run on a GPU)."""
+def default_arch(device=None) -> int:
+    """90 (the wgmma kernel) on sm_90, else 80 (the mma.sync kernel); ``COMPILEMASK_BWD_ARCH``
+    overrides. Both pass the GPU tests on the H200; the wgmma one is 1.17x faster there (HSTU and
+    causal, 32K: 83 vs 97 ms for the backward)."""
     env = os.environ.get("COMPILEMASK_BWD_ARCH", "")
-    return int(env) if env else 80
+    if env:
+        return int(env)
+    import torch
+
+    if device is not None and device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return 90 if major == 9 else 80
+    return 80
 
 
 def flash_bwd(
@@ -1242,7 +1250,7 @@ def flash_bwd(
         arch=80,
     )
     if arch is None:
-        arch = default_arch()
+        arch = default_arch(q.device)
     if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
         cfg = replace(cfg, arch=90)
     elif not FlashBwd.can_implement(cfg):

@@ -77,6 +77,21 @@ def test_other_tilings(masks):
             assert_same(ref, out, f"{name} {fwd} {bwd}")
 
 
+def test_linear_row_map(masks, monkeypatch):
+    """Stage 1's other row map (consecutive rows per warp) gives the same descriptor."""
+    monkeypatch.setattr(tlp, "_ROW_MAP", "linear")
+    for name in ("hstu", "clear", "dilated_causal"):
+        assert not tlp.plan(masks[name].num_intervals, *_default_tiles()).interleaved
+        ref, out = run_both(masks[name], 3, 1500, 1500, seed=3)
+        assert_same(ref, out, f"{name} linear rows")
+
+
+def _default_tiles():
+    from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+
+    return DEFAULT_FWD_TILES, DEFAULT_BWD_TILES
+
+
 def test_no_recompile_across_batches(masks):
     m = masks["hstu"]
     run_both(m, 2, 300, 300, seed=1)
@@ -232,7 +247,8 @@ def test_gpu_preprocessor_fast_path(masks, name):
         meta = {k: v.to("cuda", dtype).contiguous() for k, v in
                 random_meta(m.spec, B, S, torch.Generator().manual_seed(n)).items()}
         out = pre(meta)
-        assert_same(m.preprocess(meta, S, batch_size=B, backend="torch"), out, f"{dtype}")
+        ref = m.preprocess(meta, S, batch_size=B, device="cuda", backend="torch")
+        assert_same(ref, out, f"{dtype}")
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -246,7 +262,8 @@ def test_gpu_preprocessor_fast_path(masks, name):
         meta[k].copy_(new[k])
     graph.replay()
     torch.cuda.synchronize()
-    assert_same(m.preprocess(meta, S, batch_size=B, backend="torch"), desc, "replay")
+    assert_same(m.preprocess(meta, S, batch_size=B, device="cuda", backend="torch"), desc,
+                "replay")
 
 
 @gpu
