@@ -118,7 +118,7 @@ def main():
     if not args.no_flex:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        cbm = torch.compile(create_block_mask)
+        cbm = torch.compile(create_block_mask, dynamic=False)  # as bench/attention.py
     rows = []
     for name, (spec, make) in workloads.items():
         m = cm.compile_mask(spec)

@@ -19,8 +19,8 @@ When the tilings nest (same ``tile_n``, forward ``tile_m`` a multiple of the bac
 the defaults 128x128 / 64x128 do) only the backward counters are kept: a forward tile is the
 union of ``SUB`` backward tiles, so its visible and covered row counts are their sums. That halves
 the shared-memory atomics of stage 1 and the shared memory, which buys a 256-tile chunk: at 32K
-the grid stays at one block per SM (the 64-tile chunks of two chunks per row block cost 15 to
-26 us instead of 10 to 17 on the H200).
+one block per 1024 rows, as at 16K, instead of two that each recompute the rows (H200, 128K
+tokens at 32K: HSTU 15.3 -> 9.9 us, CLEAR with K = 4 26.4 -> 16.0 us).
 
 Stages of a block (``T.sync_threads()`` between them on CUDA):
 
@@ -33,9 +33,11 @@ Stages of a block (``T.sync_threads()`` between them on CUDA):
    components of the union come from sorting the K slots by start, a K-element bubble sort in
    registers, and one sweep that merges a slot into the current component when it starts at or
    before the component's end). Rows of fallback regions add no coverage (their tiles are never
-   full). With the interleaved row map (default), the 32 lanes of a warp own rows of different
-   backward m-tiles, so their shared-memory atomics go to different counters instead of all to
-   the same one.
+   full). The 32 lanes of a warp own 32 consecutive rows (the linear row map), so their
+   Interval Table rows are written as one contiguous span. The other map ("interleaved": lanes
+   own rows of different backward m-tiles, so their shared-memory atomics go to different
+   counters) was measured slower on the H200 (HSTU 12.4 vs 10.7 us, CLEAR K = 6 30.7 vs 24.6 us
+   at 32K): the atomics are not what bounds stage 1, the scattered global writes cost more.
 2. scan: prefix sums of the difference arrays (sums of 16-tile words, then per word: the
    words before it, then its tiles).
 3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
@@ -79,7 +81,7 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
            "PreprocessPlan", "plan", "Preprocessor"]
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
-_ROW_MAP = "interleaved"  # or "linear" (row = rr * THREADS + tx); the bench sweeps both
+_ROW_MAP = "linear"  # or "interleaved" (slower on the H200, see the module docstring)
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -100,7 +102,7 @@ class PreprocessPlan:
     rows: int  # rows per block
     threads: int
     chunk: int  # n-tiles per chunk (multiple of 16)
-    interleaved: bool = True  # row map of stage 1 (see the module docstring)
+    interleaved: bool = False  # row map of stage 1 (see the module docstring)
 
     @property
     def m_fwd(self) -> int:  # forward m-tiles per block

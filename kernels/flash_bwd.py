@@ -31,7 +31,8 @@ Two MMA paths share the schedule, the loads, the mask and the epilogue:
 
 * ``arch=80`` (:class:`FlashBwd`, the portable path for sm80..sm89): ``mma.sync.m16n8k16`` fed
   by ``ldmatrix``, 8 warps; S = Q K^T, P and dS go through shared memory for the three GEMMs
-  that need them transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the float32 reference).
+  that need them transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the
+  float32 reference).
 * ``arch=90`` (:class:`FlashBwdSm90`, the default on sm_90; ``COMPILEMASK_BWD_ARCH=80`` picks
   the other): all five GEMMs on wgmma (SASS ``HGMMA``), two warpgroups; the score tile is
   computed transposed (S^T = K Q^T) so P^T and dS^T feed dV/dK as register A operands. No
