@@ -28,6 +28,19 @@ SM90 = "sm_90a"  # compile target passed as --gpu-arch: no GPU needed
 # ---------------------------------------------------------------------------------------------
 # CPU: the backward kernel compiles for sm_90a (no GPU, no launch)
 # ---------------------------------------------------------------------------------------------
+def test_default_arch(monkeypatch):
+    """wgmma (90) on sm_90 devices, mma.sync (80) otherwise; COMPILEMASK_BWD_ARCH overrides."""
+    from compilemask.kernels.flash_bwd import default_arch
+
+    monkeypatch.delenv("COMPILEMASK_BWD_ARCH", raising=False)
+    assert default_arch() == 80 and default_arch(torch.device("cpu")) == 80
+    for cap, want in (((9, 0), 90), ((8, 9), 80), ((10, 0), 80)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
+        assert default_arch(torch.device("cuda", 0)) == want
+    monkeypatch.setenv("COMPILEMASK_BWD_ARCH", "80")
+    assert default_arch(torch.device("cuda", 0)) == 80
+
+
 @pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("hdim", [64, 128])
