@@ -32,7 +32,7 @@ case "${1:-}" in
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
       --flex-seqlens 32768 --flex-masks "${FLEX_MASKS:-hstu,clear}" \
-      --sweep "${SWEEP:-256:interleaved,512:linear,512:interleaved}"
+      --sweep "${SWEEP:-512:linear,512:linear:vec}"
     # --report-api-errors no: cuda-python probes driver entry points that this driver lacks
     # (cuGetProcAddress errors), which are not memory errors
     step memcheck 240 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" \

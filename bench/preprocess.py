@@ -107,8 +107,9 @@ def main():
     ap.add_argument("--flex-masks", default="hstu,shared_prompt_rm,clear,causal")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--sweep", default="",
-                    help="threads:row_map pairs, e.g. 256:interleaved,512:linear: device time "
-                         "per variant (hstu, clear, clear_r1w16; 1K, 16K, 32K)")
+                    help="threads:row_map[:vec] variants, e.g. 512:linear,512:linear:vec: device "
+                         "time per variant (hstu, clear, clear_r1w16; 1K, 16K, 32K); vec: "
+                         "Interval Table rows in vector stores")
     args = ap.parse_args()
     t_start = time.time()
     dev = torch.device("cuda")
@@ -159,10 +160,10 @@ def main():
     if args.sweep:
         from compilemask.codegen import preprocess as tlp
 
-        default = tlp._THREADS, tlp._ROW_MAP
+        default = tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES
         for variant in args.sweep.split(","):
-            th, row_map = variant.split(":")
-            tlp._THREADS, tlp._ROW_MAP = int(th), row_map
+            th, row_map, *vec = variant.split(":")
+            tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES = int(th), row_map, vec == ["vec"]
             for name in ("hstu", "clear", "clear_r1w16"):
                 spec, make = workloads[name]
                 m = cm.compile_mask(spec)
@@ -171,10 +172,10 @@ def main():
                     meta = make(B, S)
                     pre = m.preprocessor(S, batch_size=B)
                     t = time_graph(lambda pre=pre, meta=meta: pre(meta))
-                    sweep.append((f"{th} {row_map}", name, S, B, t))
+                    sweep.append((variant.replace(":", " "), name, S, B, t))
                     print(sweep[-1], flush=True)
             write(args, rows, sweep)
-        tlp._THREADS, tlp._ROW_MAP = default
+        tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES = default
     write(args, rows, sweep)
 
 

@@ -82,6 +82,10 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
 _ROW_MAP = "linear"  # or "interleaved" (slower on the H200, see the module docstring)
+# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones.
+# Off until measured on the GPU (bench/preprocess.py --sweep 512:linear:vec); the C target
+# checks it bit for bit in CI.
+_VECTOR_STORES = False
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -103,6 +107,11 @@ class PreprocessPlan:
     threads: int
     chunk: int  # n-tiles per chunk (multiple of 16)
     interleaved: bool = False  # row map of stage 1 (see the module docstring)
+    vector_stores: bool = False  # Interval Table rows in vector stores (not yet measured)
+
+    @property
+    def vector_width(self) -> int:  # ints per vector store: rows are 8K bytes apart
+        return 4 if self.K % 2 == 0 else 2
 
     @property
     def m_fwd(self) -> int:  # forward m-tiles per block
@@ -149,7 +158,7 @@ def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -
     m_bwd = rows // bwd.tile_m
     interleaved = (_ROW_MAP == "interleaved" and threads % m_bwd == 0
                    and bwd.tile_m % (threads // m_bwd) == 0)
-    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk, interleaved)
+    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk, interleaved, _VECTOR_STORES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,8 +169,8 @@ def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -
 _RESERVED = frozenset("""
 T K TM_FWD TN_FWD TM_BWD TN_BWD ROWS THREADS M_FWD M_BWD WORDS_BWD CHUNK CHUNK_WORDS VIS_FWD
 COV_FWD VIS_BWD COV_BWD COUNTERS B Sq NM_FWD W_FWD NN_BWD W_BWD add_range preprocess intervals
-SUB vis cov u row_region fwd_bitmap bwd_bitmap params row_params seqlen_k nn_fwd chunks bx c b tx
-count lo hi
+SUB vis cov u row_out row_region fwd_bitmap bwd_bitmap params row_params seqlen_k nn_fwd chunks bx
+c b tx count lo hi
 start end i sq sk region ss ee cs ce tmp EMPTY acc word q e rr r row k j s n a v t mf m_tile gw
 rows_in x n_tile mb a z counter lo_tile hi_tile
 """.split())
@@ -335,6 +344,8 @@ class _Emitter:
         w(ind, 'hi = T.alloc_local((K,), "int64")')
         w(ind, 'start = T.alloc_local((K,), "int32")  # clipped slots: [start, end)')
         w(ind, 'end = T.alloc_local((K,), "int32")')
+        if self.pl.vector_stores:
+            w(ind, 'row_out = T.alloc_local((2 * K,), "int32")  # the Interval Table row')
         w(ind, 'i = T.alloc_var("int64")  # the row, for the endpoint expressions')
         w(ind, 'sq = T.alloc_var("int64")')
         w(ind, 'sk = T.alloc_var("int64")')
@@ -424,9 +435,21 @@ class _Emitter:
         w(ind + 1, "end[k] = start[k] + T.Cast(\"int32\", n)")
         w(ind, "if c == 0:")
         w(ind + 1, "# Interval Table row, row_region, metadata copies")
-        w(ind + 1, "for k in T.unroll(K):")
-        w(ind + 2, "intervals[b, row, k, 0] = start[k]")
-        w(ind + 2, "intervals[b, row, k, 1] = end[k] - start[k]")
+        if self.pl.vector_stores:
+            vec = self.pl.vector_width
+            w(ind + 1, "for k in T.unroll(K):")
+            w(ind + 2, "row_out[2 * k] = start[k]")
+            w(ind + 2, "row_out[2 * k + 1] = end[k] - start[k]")
+            w(ind + 1, f"# the row's 2K ints in {vec}-int vector stores (rows are {4 * vec}-byte "
+                       "aligned)")
+            w(ind + 1, f"for v in T.unroll(K * 2 // {vec}):")
+            w(ind + 2, f"for x in T.vectorized({vec}):")
+            w(ind + 3, f"intervals[b, row, ({vec} * v + x) // 2, ({vec} * v + x) % 2] = "
+                       f"row_out[{vec} * v + x]")
+        else:
+            w(ind + 1, "for k in T.unroll(K):")
+            w(ind + 2, "intervals[b, row, k, 0] = start[k]")
+            w(ind + 2, "intervals[b, row, k, 1] = end[k] - start[k]")
         w(ind + 1, "row_region[b, row] = region")
         for n, a in enumerate(m.array_params):
             w(ind + 1, f"row_params[b, row, {n}] = T.Cast(\"int32\", {self.buf[a]}[b, row])")
