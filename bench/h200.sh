@@ -28,6 +28,8 @@ case "${1:-}" in
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       tests/test_autograd_op.py
+    step bwd_red2 170 env COMPILEMASK_BWD_DQ=red2 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \

@@ -22,7 +22,8 @@ Three steps (``flash_bwd`` runs them in order):
    ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
    in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
    the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
-   ``dq_accum`` with float32 atomics.
+   ``dq_accum`` with float32 atomics (``COMPILEMASK_BWD_DQ=red2``, opt-in until run on a GPU:
+   one ``red.global.add.v2.f32`` per pair of adjacent columns, half the instructions).
 3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)``.
 
 Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
@@ -102,6 +103,10 @@ class FlashBwdConfig:
     num_row_params: int = 0
     arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
     num_threads: int = 256
+    # dQ accumulation: "atomic" (one float32 atomic per element) or "red2" (red.global.add.v2.f32
+    # on the two adjacent columns an accumulator fragment holds: half the instructions, no return
+    # value; sm_90 PTX). "red2" is opt-in (COMPILEMASK_BWD_DQ=red2) until run on a GPU.
+    dq_reduce: str = "atomic"
 
     @property
     def cutlass_dtype(self):
@@ -598,9 +603,20 @@ class FlashBwd:
             mdQaccum[batch_idx, None, head, None], (self.tile_m, self.head_dim), (m_block, 0)
         )
         tdQg = thr_dq.partition_C(gdQ)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if tdQcdQ[i][0] < seqlen_q - m_start:
-                cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
+        if const_expr(self.cfg.dq_reduce == "red2"):
+            # fragment elements 2p, 2p+1 are columns c, c+1 of one row (the accumulator layout's
+            # innermost mode); c is even, so the pair is one 8-byte aligned v2.f32 reduction
+            pair = cute.make_rmem_tensor((2,), Float32)
+            for p in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+                if tdQcdQ[2 * p][0] < seqlen_q - m_start:
+                    pair[0] = acc_dQ[2 * p]
+                    pair[1] = acc_dQ[2 * p + 1]
+                    cute.arch.red(tdQg.iterator + cute.crd2idx(2 * p, tdQg.layout),
+                                  pair.load(), op="add", dtype="f32", sem="relaxed", scope="gpu")
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                if tdQcdQ[i][0] < seqlen_q - m_start:
+                    cute.arch.atomic_add(tdQg.iterator + cute.crd2idx(i, tdQg.layout), acc_dQ[i])
 
     @cute.jit
     def _store_dkv(
@@ -1180,6 +1196,13 @@ def compile_flash_bwd(
     return fn
 
 
+def _dq_reduce() -> str:
+    mode = os.environ.get("COMPILEMASK_BWD_DQ", "atomic")
+    if mode not in ("atomic", "red2"):
+        raise ValueError(f"COMPILEMASK_BWD_DQ must be 'atomic' or 'red2', got {mode!r}")
+    return mode
+
+
 def default_arch(device=None) -> int:
     """90 (the wgmma kernel) on sm_90, else 80 (the mma.sync kernel); ``COMPILEMASK_BWD_ARCH``
     overrides. Both pass the GPU tests on the H200; the wgmma one is 1.17x faster there (HSTU and
@@ -1249,6 +1272,7 @@ def flash_bwd(
         num_params=fallback.num_params if fallback is not None else 0,
         num_row_params=fallback.num_row_params if fallback is not None else 0,
         arch=80,
+        dq_reduce=_dq_reduce(),
     )
     if arch is None:
         arch = default_arch(q.device)

@@ -41,6 +41,22 @@ def test_default_arch(monkeypatch):
     assert default_arch(torch.device("cuda", 0)) == 80
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+def test_dq_red2_emits_vector_reductions(arch, tmp_path):
+    """The opt-in dQ reduction (COMPILEMASK_BWD_DQ=red2) uses red.global.add.v2.f32, the default
+    one float32 reduction per element."""
+    for mode, want, other in (("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add"),
+                              ("atomic", "atom.global.add.f32", "add.v2.f32")):
+        d = tmp_path / mode
+        d.mkdir()
+        cfg = FlashBwdConfig(dtype="bf16", head_dim=64, tile_m=64, tile_n=128, num_intervals=1,
+                             arch=arch, dq_reduce=mode)
+        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                          extra_options=f"--keep-ptx --dump-dir {d}")
+        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        assert want in ptx and other not in ptx, mode
+
+
 @pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
 @pytest.mark.parametrize("K", [1, 2])
 @pytest.mark.parametrize("hdim", [64, 128])
