@@ -298,6 +298,43 @@ def test_gpu_no_recompile_across_batches(masks):
 # ---------------------------------------------------------------------------------------------
 
 
+def _five_windows():
+    """Five row-dependent windows from metadata: at run time they overlap, nest, touch or are
+    disjoint in every combination, which is what the coverage sweep (sort + merge) must get
+    right; the compiler cannot order them, so K = 5."""
+    def visible(i, j):  # a0..b4: params
+        return ((a0 + i // 8 <= j < b0 + i // 4) or (a1 <= j < b1 + i // 2)  # noqa: F821
+                or (a2 - i // 16 <= j < b2) or (a3 + i // 3 <= j < b3 + i // 3)  # noqa: F821
+                or (a4 <= j < b4))  # noqa: F821
+
+    params = [f"{x}{k}" for k in range(5) for x in "ab"]
+    return cm.MaskSpec("five_windows", params=params, regions=[
+        cm.Region("all", when=lambda i: True, visible=visible)])
+
+
+def test_coverage_sweep_overlapping_windows():
+    """Tile states from the sorted sweep equal the reference (reach iteration) for windows that
+    start and end on tile boundaries and one element off them."""
+    m = cm.compile_mask(_five_windows())
+    assert m.num_intervals == 5
+    g = torch.Generator().manual_seed(11)
+    B, S = 8, 97
+    for fwd, bwd in [((8, 8), (4, 8)), ((8, 8), (4, 16))]:
+        for _ in range(3):
+            ends = (torch.randint(0, 13, (B, 10), generator=g) * 8
+                    + torch.randint(-1, 2, (B, 10), generator=g)).clamp(0, S + 8)
+            meta = {}
+            for k in range(5):
+                lo, hi = ends[:, 2 * k], ends[:, 2 * k + 1]
+                meta[f"a{k}"], meta[f"b{k}"] = torch.minimum(lo, hi), torch.maximum(lo, hi)
+            kw = dict(fwd_tiles=fwd, bwd_tiles=bwd)
+            ref = m.preprocess(meta, S, backend="torch", **kw)
+            out = m.preprocess(meta, S, backend="tilelang", **kw)
+            assert_same(ref, out, f"five windows {fwd} {bwd}")
+            states = ref.tile_states()
+            assert (states == 1).any() and (states == 3).any()  # full and partial tiles occur
+
+
 def test_random_specs_c_target():
     hyp = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
