@@ -34,7 +34,7 @@ case "${1:-}" in
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
       --flex-seqlens 32768 --flex-masks "${FLEX_MASKS:-hstu,clear}" \
-      --sweep "${SWEEP:-512:linear,512:linear:vec}"
+      --sweep "${SWEEP:-512:linear,512:linear:vec,256:linear,256:linear:vec}"
     # --report-api-errors no: cuda-python probes driver entry points that this driver lacks
     # (cuGetProcAddress errors), which are not memory errors
     step memcheck 240 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" \
