@@ -252,8 +252,14 @@ def main(argv=None):
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
+    # the knobs that pick kernel variants, so that a table says which ones it measured
+    from compilemask.kernels.flash_bwd import default_arch
+
+    knobs = {"backward": f"sm{default_arch(torch.device('cuda'))}",
+             "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "atomic")}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
-                 f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch")
+                 f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "
+                 + ", ".join(f"{k} {v}" for k, v in knobs.items()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"attention_{args.mode}{'_' + args.tag if args.tag else ''}_{datetime.date.today()}"
