@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.descriptor import TILES_PER_WORD, TileConfig
+from compilemask.descriptor import TILES_PER_WORD, ExecutionDescriptor, TileConfig
 
 from .tl_printer import TileLangPrinter
 
@@ -685,8 +685,6 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
     kern(*args)
     if check:
         _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
-    from compilemask.descriptor import ExecutionDescriptor
-
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals, row_region=region,
         fwd_tiles=fwd_tiles, fwd_bitmap=fwd, bwd_tiles=bwd_tiles, bwd_bitmap=bwd,
@@ -800,8 +798,6 @@ class Preprocessor:
             args.append(row_params)
         args.append(self.seqlen_k)
         self._launch_for(dtype)(*args)
-        from compilemask.descriptor import ExecutionDescriptor
-
         return ExecutionDescriptor(
             mask=self.mask, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, intervals=intervals,
             row_region=region, fwd_tiles=self.fwd_tiles, fwd_bitmap=fwd,
