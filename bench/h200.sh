@@ -7,6 +7,7 @@
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
+#   bash bench/h200.sh dq        # the backward's dQ accumulation variants (atomic, red2, tma)
 set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
@@ -30,6 +31,8 @@ case "${1:-}" in
       tests/test_autograd_op.py
     step bwd_red2 170 env COMPILEMASK_BWD_DQ=red2 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_tma 170 env COMPILEMASK_BWD_DQ=tma python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
@@ -47,10 +50,16 @@ case "${1:-}" in
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
+  dq)  # the backward's dQ variants, HSTU and causal at 8K and 32K, our method only
+    for dq in atomic red2 tma; do
+      step "train_dq_$dq" 150 env COMPILEMASK_BWD_DQ=$dq python3 bench/attention.py --mode train \
+        --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" --tag "dq_$dq"
+    done
+    ;;
   train)
     step train32k 570 python3 bench/attention.py --mode train --seqlens 32768 --rep 100 \
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train|dq"; exit 2 ;;
 esac

@@ -22,8 +22,10 @@ Three steps (``flash_bwd`` runs them in order):
    ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
    in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
    the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
-   ``dq_accum`` with float32 atomics (``COMPILEMASK_BWD_DQ=red2``, opt-in until run on a GPU:
-   one ``red.global.add.v2.f32`` per pair of adjacent columns, half the instructions).
+   ``dq_accum`` with float32 atomics. Opt-in until run on a GPU (``COMPILEMASK_BWD_DQ``):
+   ``red2``, one ``red.global.add.v2.f32`` per pair of adjacent columns (half the instructions);
+   ``tma`` (sm90 kernel), the dQ tile through shared memory and one TMA reduce-add
+   (``cp.reduce.async.bulk.tensor``) per tile, as FlashAttention 3 does.
 3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)``.
 
 Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
@@ -54,7 +56,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .common import (
@@ -77,6 +79,7 @@ from .common import (
     wgmma,
 )
 from .flash_fwd import Fallback
+from .flash_fwd_sm90 import _tma_partition
 
 log = logging.getLogger("compilemask")
 
@@ -103,9 +106,10 @@ class FlashBwdConfig:
     num_row_params: int = 0
     arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
     num_threads: int = 256
-    # dQ accumulation: "atomic" (one float32 atomic per element) or "red2" (red.global.add.v2.f32
+    # dQ accumulation: "atomic" (one float32 atomic per element), "red2" (red.global.add.v2.f32
     # on the two adjacent columns an accumulator fragment holds: half the instructions, no return
-    # value; sm_90 PTX). "red2" is opt-in (COMPILEMASK_BWD_DQ=red2) until run on a GPU.
+    # value; sm_90 PTX) or "tma" (arch 90 only: the dQ tile through shared memory and one TMA
+    # reduce-add per tile). "red2" and "tma" are opt-in (COMPILEMASK_BWD_DQ) until run on a GPU.
     dq_reduce: str = "atomic"
 
     @property
@@ -154,7 +158,7 @@ class FlashBwd:
 
     @staticmethod
     def can_implement(cfg: FlashBwdConfig) -> bool:
-        if cfg.dtype not in _DTYPES:
+        if cfg.dtype not in _DTYPES or cfg.dq_reduce == "tma":  # TMA reduce: FlashBwdSm90
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -808,7 +812,8 @@ class FlashBwdSm90(FlashBwd):
             return False
         if cfg.tile_m != 64:  # one warpgroup row of q; dQ splits the head dim over the two
             return False
-        if FlashBwd.smem_bytes(cfg) > 227 * 1024:
+        dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "tma" else 0
+        if FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes > 227 * 1024:
             return False
         return True
 
@@ -856,6 +861,7 @@ class FlashBwdSm90(FlashBwd):
         sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
+        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "tma") else 0
 
         @cute.struct
         class SharedStorage:
@@ -869,6 +875,18 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
+            # the dQ tile of the TMA reduce (empty otherwise)
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 128]
+
+        tma_atom_dQ, tma_dQ = None, None
+        if const_expr(self.cfg.dq_reduce == "tma"):
+            # dQ tile (tm, D) float32, row-major in shared memory; the TMA view of dq_accum is
+            # (Sq, D, H, B), and rows past Sq are clipped by the TMA unit
+            sdQ_layout = self._sdQ_layout()
+            mdQt = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, [1, 3, 2, 0]))
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_layout, (tm, D)
+            )
 
         gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
@@ -923,12 +941,40 @@ class FlashBwdSm90(FlashBwd):
             tiled_mma_dkv,
             tiled_mma_dq,
             SharedStorage,
+            tma_atom_dQ,
+            tma_dQ,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    def _sdQ_layout(self):
+        """The dQ tile of the TMA reduce: (tile_m, D) float32, row-major (static)."""
+        return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim, 1))
+
+    @cute.jit
+    def _tma_reduce_dq(
+        self, acc_dQ, sdQ, thr_dq, tma_atom_dQ, tma_dQ, batch_idx, head, m_block, tidx
+    ):
+        """dq_accum[q tile m_block] += acc_dQ: through shared memory, then one TMA reduce-add
+        issued by thread 0 (the TMA unit clips the rows past Sq)."""
+        if tidx == 0:  # the previous tile's reduce has read sdQ
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier()
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            tdQsdQ[i] = acc_dQ[i]
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's read
+        cute.arch.barrier()
+        if tidx == 0:
+            gdQ = cute.local_tile(
+                tma_dQ[None, None, head, batch_idx], (self.tile_m, self.head_dim), (m_block, 0)
+            )
+            tdQsdQ_tma, tdQgdQ = _tma_partition(tma_atom_dQ, sdQ, gdQ)
+            cute.copy(tma_atom_dQ, tdQsdQ_tma, tdQgdQ)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.kernel
     def kernel(
@@ -956,6 +1002,8 @@ class FlashBwdSm90(FlashBwd):
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        tma_atom_dQ: Optional[cute.CopyAtom],
+        tma_dQ: Optional[cute.Tensor],
     ):
         D = self.head_dim
         K = self.K
@@ -982,6 +1030,9 @@ class FlashBwdSm90(FlashBwd):
         sdOt = _transpose_view(sdO)  # (D, tm, stage)
         sKt = _transpose_view(sK)  # (D, tn)
         sdSt = _transpose_view(sdS)  # (tn, tm)
+        sdQ = None
+        if const_expr(self.cfg.dq_reduce == "tma"):
+            sdQ = storage.sdQ.get_tensor(self._sdQ_layout())
 
         # ---- K, V tile: loaded once -----------------------------------------------------
         gmem_thr_copy, tQcQ = self._load_kv_tile(
@@ -1096,12 +1147,17 @@ class FlashBwdSm90(FlashBwd):
             wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
             cute.arch.barrier()  # all of dS in shared memory
 
-            # -- dQ += dS K (float32 atomics into dq_accum) ------------------------------
+            # -- dQ += dS K (float32 atomics into dq_accum, or one TMA reduce per tile) -----
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
-            self._atomic_add_dq(
-                acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
-            )
+            if const_expr(self.cfg.dq_reduce == "tma"):
+                self._tma_reduce_dq(
+                    acc_dQ, sdQ, thr_dq, tma_atom_dQ, tma_dQ, batch_idx, head, m_block, tidx
+                )
+            else:
+                self._atomic_add_dq(
+                    acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+                )
 
             if has_next:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
@@ -1110,6 +1166,10 @@ class FlashBwdSm90(FlashBwd):
             m_block = m_next
             stage = 1 - stage
             has_work = has_next
+
+        if const_expr(self.cfg.dq_reduce == "tma"):
+            if tidx == 0:  # sdQ must stay until the last reduce has read it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -1198,8 +1258,8 @@ def compile_flash_bwd(
 
 def _dq_reduce() -> str:
     mode = os.environ.get("COMPILEMASK_BWD_DQ", "atomic")
-    if mode not in ("atomic", "red2"):
-        raise ValueError(f"COMPILEMASK_BWD_DQ must be 'atomic' or 'red2', got {mode!r}")
+    if mode not in ("atomic", "red2", "tma"):
+        raise ValueError(f"COMPILEMASK_BWD_DQ must be 'atomic', 'red2' or 'tma', got {mode!r}")
     return mode
 
 
@@ -1278,7 +1338,11 @@ def flash_bwd(
         arch = default_arch(q.device)
     if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
         cfg = replace(cfg, arch=90)
-    elif not FlashBwd.can_implement(cfg):
+    elif cfg.dq_reduce == "tma":  # the TMA reduce is a FlashBwdSm90 feature
+        log.warning("compilemask: COMPILEMASK_BWD_DQ=tma needs the sm90 backward kernel; "
+                    "this configuration (%s) uses float32 atomics", cfg)
+        cfg = replace(cfg, dq_reduce="atomic")
+    if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)
     dev = q.device

@@ -42,11 +42,18 @@ def test_default_arch(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_dq_red2_emits_vector_reductions(arch, tmp_path):
-    """The opt-in dQ reduction (COMPILEMASK_BWD_DQ=red2) uses red.global.add.v2.f32, the default
-    one float32 reduction per element."""
-    for mode, want, other in (("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add"),
-                              ("atomic", "atom.global.add.f32", "add.v2.f32")):
+def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
+    """dQ accumulation variants (COMPILEMASK_BWD_DQ): the default one float32 atomic per element,
+    the opt-in ``red2`` red.global.add.v2.f32 per column pair, the opt-in ``tma`` (sm90 kernel
+    only) one TMA tensor reduce-add per tile."""
+    modes = [("atomic", "atom.global.add.f32", "add.v2.f32"),
+             ("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add")]
+    if arch == 90:
+        modes.append(("tma", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add",
+                      "atom.global.add"))
+    else:
+        assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, dq_reduce="tma"))
+    for mode, want, other in modes:
         d = tmp_path / mode
         d.mkdir()
         cfg = FlashBwdConfig(dtype="bf16", head_dim=64, tile_m=64, tile_n=128, num_intervals=1,
