@@ -8,6 +8,7 @@
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
 #   bash bench/h200.sh dq        # the backward's dQ accumulation variants (atomic, red2, tma)
+#   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
@@ -56,10 +57,17 @@ case "${1:-}" in
         --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" --tag "dq_$dq"
     done
     ;;
+  order)  # the forward's q-tile order (COMPILEMASK_FWD_ORDER), HSTU and causal at 8K and 32K
+    for order in forward reverse; do
+      step "fwd_order_$order" 150 env COMPILEMASK_FWD_ORDER=$order python3 bench/attention.py \
+        --mode fwd --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" \
+        --tag "order_$order"
+    done
+    ;;
   train)
     step train32k 570 python3 bench/attention.py --mode train --seqlens 32768 --rep 100 \
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train|dq"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train|dq|order"; exit 2 ;;
 esac

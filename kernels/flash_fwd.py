@@ -96,6 +96,10 @@ class FlashFwdConfig:
     warp_specialized: bool = True  # sm90: TMA producer warp + wgmma consumers (flash_fwd_sm90)
     intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
     pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
+    # sm90 warp-specialized: q tiles in reverse order, so the heavy late rows of causal-like masks
+    # start first and light ones fill the tail (opt-in, COMPILEMASK_FWD_ORDER=reverse, until
+    # measured on the GPU)
+    reverse_m: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -106,6 +110,13 @@ class FlashFwdConfig:
         if self.arch < 90:
             return 128
         return (self.tile_m // 64 + (1 if self.warp_specialized else 0)) * 128
+
+
+def _reverse_m() -> bool:
+    order = os.environ.get("COMPILEMASK_FWD_ORDER", "forward")
+    if order not in ("forward", "reverse"):
+        raise ValueError(f"COMPILEMASK_FWD_ORDER must be 'forward' or 'reverse', got {order!r}")
+    return order == "reverse"
 
 
 def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
@@ -886,6 +897,7 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
+        reverse_m=_reverse_m(),
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")
