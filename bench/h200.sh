@@ -2,7 +2,8 @@
 # One device-machine session's steps (see README "GPU"): run from the repository root after
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it.
-#   bash bench/h200.sh tests     # every gpu-marked test (both backward kernels)
+#   bash bench/h200.sh tests     # every gpu-marked test
+#   bash bench/h200.sh variants  # the backward's tests with mma.sync, red2 and tma dQ
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
@@ -21,19 +22,21 @@ step() {  # step NAME SECONDS CMD...
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
 case "${1:-}" in
-  tests)
+  tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+    ;;
+  variants)  # the backward's GPU tests with its other kernels and dQ accumulations
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_red2 170 env COMPILEMASK_BWD_DQ=red2 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_tma 170 env COMPILEMASK_BWD_DQ=tma python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       tests/test_autograd_op.py
-    step bwd_red2 170 env COMPILEMASK_BWD_DQ=red2 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_tma 170 env COMPILEMASK_BWD_DQ=tma python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   pre)
     step preprocess 280 python3 bench/preprocess.py --out "$OUT/preprocess.md" \
@@ -69,5 +72,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|check|pre|fwd|train|dq|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|dq|order"; exit 2 ;;
 esac
