@@ -174,6 +174,31 @@ def _quad_allreduce(val, op):
 # ----------------------------------------------------------------------------------------------
 # Global <-> shared / register copies: 16-byte vectors, rows of 64 elements
 # ----------------------------------------------------------------------------------------------
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """The same memory viewed with its modes reordered (e.g. (B, S, H, D) -> (S, D, H, B) for a
+    TMA atom)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+def tma_partition(tma_atom, s, g):
+    """(smem, gmem) partitions of a TMA copy (one CTA, the tile's first two modes grouped)."""
+    return cpasync.tma_partition(
+        tma_atom,
+        0,
+        cute.make_layout(1),
+        cute.group_modes(s, 0, 2),
+        cute.group_modes(g, 0, 2),
+    )
+
+
+def env_choice(name: str, choices: tuple, default: str) -> str:
+    """The value of the kernel-variant knob ``name`` (an environment variable), checked."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 def tiled_copy_16B(atom, dtype, num_threads: int):
     """``num_threads`` threads copying 16-byte vectors, 64 elements per row (8 threads a row for
     16-bit types)."""

@@ -66,6 +66,7 @@ from .common import (
     _transpose_view,
     compile_cache_key,
     compile_kernel,
+    env_choice,
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
@@ -74,12 +75,13 @@ from .common import (
     interval_visible,
     load_rows,
     next_tile,
+    select_modes,
     tile_state,
     tiled_copy_g2s_16B,
+    tma_partition,
     wgmma,
 )
 from .flash_fwd import Fallback
-from .flash_fwd_sm90 import _tma_partition
 
 log = logging.getLogger("compilemask")
 
@@ -883,7 +885,7 @@ class FlashBwdSm90(FlashBwd):
             # dQ tile (tm, D) float32, row-major in shared memory; the TMA view of dq_accum is
             # (Sq, D, H, B), and rows past Sq are clipped by the TMA unit
             sdQ_layout = self._sdQ_layout()
-            mdQt = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, [1, 3, 2, 0]))
+            mdQt = select_modes(mdQaccum, [1, 3, 2, 0])
             tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_layout, (tm, D)
             )
@@ -972,7 +974,7 @@ class FlashBwdSm90(FlashBwd):
             gdQ = cute.local_tile(
                 tma_dQ[None, None, head, batch_idx], (self.tile_m, self.head_dim), (m_block, 0)
             )
-            tdQsdQ_tma, tdQgdQ = _tma_partition(tma_atom_dQ, sdQ, gdQ)
+            tdQsdQ_tma, tdQgdQ = tma_partition(tma_atom_dQ, sdQ, gdQ)
             cute.copy(tma_atom_dQ, tdQsdQ_tma, tdQgdQ)
             cute.arch.cp_async_bulk_commit_group()
 
@@ -1256,13 +1258,6 @@ def compile_flash_bwd(
     return fn
 
 
-def _dq_reduce() -> str:
-    mode = os.environ.get("COMPILEMASK_BWD_DQ", "atomic")
-    if mode not in ("atomic", "red2", "tma"):
-        raise ValueError(f"COMPILEMASK_BWD_DQ must be 'atomic', 'red2' or 'tma', got {mode!r}")
-    return mode
-
-
 def default_arch(device=None) -> int:
     """90 (the wgmma kernel) on sm_90, else 80 (the mma.sync kernel); ``COMPILEMASK_BWD_ARCH``
     overrides. Both pass the GPU tests on the H200; the wgmma one is 1.17x faster there (HSTU and
@@ -1332,7 +1327,7 @@ def flash_bwd(
         num_params=fallback.num_params if fallback is not None else 0,
         num_row_params=fallback.num_row_params if fallback is not None else 0,
         arch=80,
-        dq_reduce=_dq_reduce(),
+        dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "tma"), "atomic"),
     )
     if arch is None:
         arch = default_arch(q.device)

@@ -57,6 +57,7 @@ from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-expo
     _transpose_view,
     compile_cache_key,
     compile_kernel,
+    env_choice,
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
@@ -110,13 +111,6 @@ class FlashFwdConfig:
         if self.arch < 90:
             return 128
         return (self.tile_m // 64 + (1 if self.warp_specialized else 0)) * 128
-
-
-def _reverse_m() -> bool:
-    order = os.environ.get("COMPILEMASK_FWD_ORDER", "forward")
-    if order not in ("forward", "reverse"):
-        raise ValueError(f"COMPILEMASK_FWD_ORDER must be 'forward' or 'reverse', got {order!r}")
-    return order == "reverse"
 
 
 def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
@@ -897,7 +891,8 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
-        reverse_m=_reverse_m(),
+        reverse_m=env_choice("COMPILEMASK_FWD_ORDER", ("forward", "reverse"), "forward")
+        == "reverse",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")

@@ -37,8 +37,10 @@ from .common import (
     _layout_acc_frgA,
     _transpose_view,
     next_tile,
+    select_modes,
     tile_state,
     tiled_copy_store_16B,
+    tma_partition,
     wgmma,
     wgmma_issue,
 )
@@ -47,10 +49,6 @@ from .flash_fwd import FlashFwd, FlashFwdConfig, make_sm90_tiled_mmas
 # named barriers: 0 = whole CTA; 1, 2 = epilogue of consumer warpgroup 0, 1;
 # 3, 4 = "whose turn" of consumer warpgroup 0, 1 (pingpong)
 _SCHED_BAR = 3
-
-
-def _select(t: cute.Tensor, mode) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode))
 
 
 def _tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
@@ -62,17 +60,6 @@ def _tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
         consumer_group=consumers,
         tx_count=tx_count,
         defer_sync=True,
-    )
-
-
-def _tma_partition(tma_atom, s, g):
-    """(smem, gmem) partitions of a TMA copy (one CTA, the tile's first two modes grouped)."""
-    return cpasync.tma_partition(
-        tma_atom,
-        0,
-        cute.make_layout(1),
-        cute.group_modes(s, 0, 2),
-        cute.group_modes(g, 0, 2),
     )
 
 
@@ -134,9 +121,9 @@ class FlashFwdSm90(FlashFwd):
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
 
         # (B, S, H, D) -> (S, D, H, B) for TMA boxes of (tile rows, D)
-        mQt = _select(mQ, [1, 3, 2, 0])
-        mKt = _select(mK, [1, 3, 2, 0])
-        mVt = _select(mV, [1, 3, 2, 0])
+        mQt = select_modes(mQ, [1, 3, 2, 0])
+        mKt = select_modes(mK, [1, 3, 2, 0])
+        mVt = select_modes(mV, [1, 3, 2, 0])
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQt, sQ_layout, (self.tile_m, D))
         sKV_one = cute.select(sKV_layout, mode=[0, 1])
@@ -261,9 +248,9 @@ class FlashFwdSm90(FlashFwd):
                 gV = cute.local_tile(
                     mV[None, None, head_kv, batch_idx], (self.tile_n, D), (None, 0)
                 )
-                tQsQ, tQgQ = _tma_partition(tma_atom_Q, sQ, gQ)
-                tKsK, tKgK = _tma_partition(tma_atom_K, sK, gK)
-                tVsV, tVgV = _tma_partition(tma_atom_V, sV, gV)
+                tQsQ, tQgQ = tma_partition(tma_atom_Q, sQ, gQ)
+                tKsK, tKgK = tma_partition(tma_atom_K, sK, gK)
+                tVsV, tVgV = tma_partition(tma_atom_V, sV, gV)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))

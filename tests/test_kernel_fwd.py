@@ -101,16 +101,19 @@ def test_compile_sm90_ws_without_overlap(sm90_env):
 def test_compile_sm90_reverse_m(sm90_env, monkeypatch):
     """The opt-in longest-first q-tile order builds, is its own cache entry, and the knob is
     validated."""
-    from compilemask.kernels.flash_fwd import _reverse_m
+    from compilemask.kernels.common import env_choice
+
+    def reverse_m():
+        return env_choice("COMPILEMASK_FWD_ORDER", ("forward", "reverse"), "forward") == "reverse"
 
     cfg = FlashFwdConfig(**{**_cfg("bf16", 128, 2).__dict__, "reverse_m": True})
     assert cfg != _cfg("bf16", 128, 2)
     assert compile_flash_fwd(cfg, gpu_arch=sm90_env) is not None
     monkeypatch.setenv("COMPILEMASK_FWD_ORDER", "reverse")
-    assert _reverse_m()
+    assert reverse_m()
     monkeypatch.setenv("COMPILEMASK_FWD_ORDER", "backwards")
     with pytest.raises(ValueError, match="COMPILEMASK_FWD_ORDER"):
-        _reverse_m()
+        reverse_m()
 
 
 @pytest.mark.parametrize("hdim", [64, 128])
