@@ -3,12 +3,12 @@
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
-#   bash bench/h200.sh variants  # the backward's tests with mma.sync, red2 and tma dQ
+#   bash bench/h200.sh variants  # the backward's tests with mma.sync and the async schedule
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
-#   bash bench/h200.sh dq        # the backward's dQ accumulation variants (atomic, red2, tma)
+#   bash bench/h200.sh sched     # the sm90 backward's wgmma schedule (sync, async)
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
 OUT=${OUT:-/tmp/cm-out}
@@ -25,12 +25,10 @@ case "${1:-}" in
   tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with its other kernels and dQ accumulations
+  variants)  # the backward's GPU tests with its other kernel and schedule
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_red2 170 env COMPILEMASK_BWD_DQ=red2 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_tma 170 env COMPILEMASK_BWD_DQ=tma python3 -m pytest -q -m gpu \
+    step bwd_async 170 env COMPILEMASK_BWD_SCHED=async python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
@@ -54,10 +52,11 @@ case "${1:-}" in
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
-  dq)  # the backward's dQ variants, HSTU and causal at 8K and 32K, our method only
-    for dq in atomic red2 tma; do
-      step "train_dq_$dq" 150 env COMPILEMASK_BWD_DQ=$dq python3 bench/attention.py --mode train \
-        --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" --tag "dq_$dq"
+  sched)  # the sm90 backward's wgmma schedule (sync, async), HSTU and causal at 8K and 32K
+    for sched in sync async; do
+      step "train_sched_$sched" 150 env COMPILEMASK_BWD_SCHED=$sched python3 bench/attention.py \
+        --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm \
+        --out "$OUT" --tag "sched_$sched"
     done
     ;;
   order)  # the forward's q-tile order (COMPILEMASK_FWD_ORDER), HSTU and causal at 8K and 32K
@@ -72,5 +71,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|dq|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|sched|order"; exit 2 ;;
 esac

@@ -82,10 +82,10 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
 _ROW_MAP = "linear"  # or "interleaved" (slower on the H200, see the module docstring)
-# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones.
-# Off until measured on the GPU (bench/preprocess.py --sweep 512:linear:vec); the C target
-# checks it bit for bit in CI.
-_VECTOR_STORES = False
+# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones:
+# CLEAR K = 6 at 128K tokens 21.1-24.1 -> 13.6-15.7 us on the H200, never slower
+# (bench/results/preprocess_2026-11-29_session3.md); the C target checks it bit for bit in CI.
+_VECTOR_STORES = True
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -107,7 +107,7 @@ class PreprocessPlan:
     threads: int
     chunk: int  # n-tiles per chunk (multiple of 16)
     interleaved: bool = False  # row map of stage 1 (see the module docstring)
-    vector_stores: bool = False  # Interval Table rows in vector stores (not yet measured)
+    vector_stores: bool = True  # Interval Table rows in vector stores
 
     @property
     def vector_width(self) -> int:  # ints per vector store: rows are 8K bytes apart

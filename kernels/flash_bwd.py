@@ -22,10 +22,9 @@ Three steps (``flash_bwd`` runs them in order):
    ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
    in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
    the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
-   ``dq_accum`` with float32 atomics. Opt-in until run on a GPU (``COMPILEMASK_BWD_DQ``):
-   ``red2``, one ``red.global.add.v2.f32`` per pair of adjacent columns (half the instructions);
-   ``tma`` (sm90 kernel), the dQ tile through shared memory and one TMA reduce-add
-   (``cp.reduce.async.bulk.tensor``) per tile, as FlashAttention 3 does.
+   ``dq_accum`` with float32 reductions: on sm_90 one ``red.global.add.v2.f32`` per pair of
+   adjacent columns (``red2``, half the instructions of one atomic per element, 1.25x faster on
+   the H200), elsewhere one ``atom.global.add.f32`` per element (``COMPILEMASK_BWD_DQ``).
 3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)``.
 
 Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
@@ -56,7 +55,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .common import (
@@ -75,11 +74,10 @@ from .common import (
     interval_visible,
     load_rows,
     next_tile,
-    select_modes,
     tile_state,
     tiled_copy_g2s_16B,
-    tma_partition,
     wgmma,
+    wgmma_issue,
 )
 from .flash_fwd import Fallback
 
@@ -108,11 +106,14 @@ class FlashBwdConfig:
     num_row_params: int = 0
     arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
     num_threads: int = 256
-    # dQ accumulation: "atomic" (one float32 atomic per element), "red2" (red.global.add.v2.f32
-    # on the two adjacent columns an accumulator fragment holds: half the instructions, no return
-    # value; sm_90 PTX) or "tma" (arch 90 only: the dQ tile through shared memory and one TMA
-    # reduce-add per tile). "red2" and "tma" are opt-in (COMPILEMASK_BWD_DQ) until run on a GPU.
+    # dQ accumulation: "atomic" (one float32 atomic per element) or "red2"
+    # (red.global.add.v2.f32 on the two adjacent columns an accumulator fragment holds: half the
+    # instructions, no return value; sm_90 PTX). flash_bwd picks red2 on sm_90 (HSTU 32K
+    # backward 81.7 -> 65.5 ms on the H200, bench/results/attention_train_dq_*).
     dq_reduce: str = "atomic"
+    # arch 90: issue the S and dP wgmmas back to back and overlap P / dS with the next GEMM
+    # (wait_group 1) instead of waiting for every GEMM (COMPILEMASK_BWD_SCHED=async|sync)
+    async_mma: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -160,7 +161,7 @@ class FlashBwd:
 
     @staticmethod
     def can_implement(cfg: FlashBwdConfig) -> bool:
-        if cfg.dtype not in _DTYPES or cfg.dq_reduce == "tma":  # TMA reduce: FlashBwdSm90
+        if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -814,8 +815,9 @@ class FlashBwdSm90(FlashBwd):
             return False
         if cfg.tile_m != 64:  # one warpgroup row of q; dQ splits the head dim over the two
             return False
-        dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "tma" else 0
-        if FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes > 227 * 1024:
+        if cfg.dq_reduce not in ("atomic", "red2"):
+            return False
+        if FlashBwd.smem_bytes(cfg) > 227 * 1024:
             return False
         return True
 
@@ -863,7 +865,6 @@ class FlashBwdSm90(FlashBwd):
         sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
-        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "tma") else 0
 
         @cute.struct
         class SharedStorage:
@@ -877,18 +878,6 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
-            # the dQ tile of the TMA reduce (empty otherwise)
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 128]
-
-        tma_atom_dQ, tma_dQ = None, None
-        if const_expr(self.cfg.dq_reduce == "tma"):
-            # dQ tile (tm, D) float32, row-major in shared memory; the TMA view of dq_accum is
-            # (Sq, D, H, B), and rows past Sq are clipped by the TMA unit
-            sdQ_layout = self._sdQ_layout()
-            mdQt = select_modes(mdQaccum, [1, 3, 2, 0])
-            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, sdQ_layout, (tm, D)
-            )
 
         gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
@@ -943,40 +932,12 @@ class FlashBwdSm90(FlashBwd):
             tiled_mma_dkv,
             tiled_mma_dq,
             SharedStorage,
-            tma_atom_dQ,
-            tma_dQ,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
-
-    def _sdQ_layout(self):
-        """The dQ tile of the TMA reduce: (tile_m, D) float32, row-major (static)."""
-        return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim, 1))
-
-    @cute.jit
-    def _tma_reduce_dq(
-        self, acc_dQ, sdQ, thr_dq, tma_atom_dQ, tma_dQ, batch_idx, head, m_block, tidx
-    ):
-        """dq_accum[q tile m_block] += acc_dQ: through shared memory, then one TMA reduce-add
-        issued by thread 0 (the TMA unit clips the rows past Sq)."""
-        if tidx == 0:  # the previous tile's reduce has read sdQ
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier()
-        tdQsdQ = thr_dq.partition_C(sdQ)
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            tdQsdQ[i] = acc_dQ[i]
-        cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's read
-        cute.arch.barrier()
-        if tidx == 0:
-            gdQ = cute.local_tile(
-                tma_dQ[None, None, head, batch_idx], (self.tile_m, self.head_dim), (m_block, 0)
-            )
-            tdQsdQ_tma, tdQgdQ = tma_partition(tma_atom_dQ, sdQ, gdQ)
-            cute.copy(tma_atom_dQ, tdQsdQ_tma, tdQgdQ)
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.kernel
     def kernel(
@@ -1004,8 +965,6 @@ class FlashBwdSm90(FlashBwd):
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
-        tma_atom_dQ: Optional[cute.CopyAtom],
-        tma_dQ: Optional[cute.Tensor],
     ):
         D = self.head_dim
         K = self.K
@@ -1032,9 +991,6 @@ class FlashBwdSm90(FlashBwd):
         sdOt = _transpose_view(sdO)  # (D, tm, stage)
         sKt = _transpose_view(sK)  # (D, tn)
         sdSt = _transpose_view(sdS)  # (tn, tm)
-        sdQ = None
-        if const_expr(self.cfg.dq_reduce == "tma"):
-            sdQ = storage.sdQ.get_tensor(self._sdQ_layout())
 
         # ---- K, V tile: loaded once -----------------------------------------------------
         gmem_thr_copy, tQcQ = self._load_kv_tile(
@@ -1112,8 +1068,15 @@ class FlashBwdSm90(FlashBwd):
             need_mask = ((state & 2) != 0) | kv_ragged
 
             # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
+            # async_mma: dP^T = V dO^T runs on the tensor cores while P is computed
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+            if const_expr(self.cfg.async_mma):
+                wgmma_issue(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+                wgmma_issue(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+                warpgroup.wait_group(1)
+            else:
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
             acc_S_mn = _acc_mn(acc_S)
             if need_mask:
                 self._apply_mask_t(
@@ -1126,40 +1089,41 @@ class FlashBwdSm90(FlashBwd):
                 acc_S_mn[None, c] = cute.math.exp2(
                     acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
                 )
+            rP16 = cute.make_fragment_like(acc_S, self.dtype)
+            rP16.store(acc_S.load().to(self.dtype))
+            tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
 
-            # -- dP^T = V dO^T, dS^T = P^T (dP^T - dPsum) ----------------------------------
-            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+            # -- dV += P^T dO (A from registers); dS^T = P^T (dP^T - dPsum) ---------------
+            # async_mma: dV runs while dS is computed
+            if const_expr(self.cfg.async_mma):
+                wgmma_issue(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+                warpgroup.wait_group(1)  # dP
+            else:
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
             acc_dP_mn = _acc_mn(acc_dP)
             for c in cutlass.range_constexpr(n_cols):
                 dps = sdPsum[tScS_mn[0, c][1], stage]
                 acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
-
-            rP16 = cute.make_fragment_like(acc_S, self.dtype)
-            rP16.store(acc_S.load().to(self.dtype))
             rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
             rdS16.store(acc_dP.load().to(self.dtype))
             cute.copy(r2s, r2s.retile(rdS16), tdSsdSt)  # dS^T -> sdS (as dS)
             cute.arch.fence_view_async_shared()
 
-            # -- dV += P^T dO, dK += dS^T Q (A operands from registers) -------------------
-            tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
+            # -- dK += dS^T Q (A from registers) ----------------------------------------------
             tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
-            wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
-            wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+            if const_expr(self.cfg.async_mma):
+                wgmma_issue(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+            else:
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
             cute.arch.barrier()  # all of dS in shared memory
 
-            # -- dQ += dS K (float32 atomics into dq_accum, or one TMA reduce per tile) -----
+            # -- dQ += dS K (float32 reductions into dq_accum) --------------------------------
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
-            if const_expr(self.cfg.dq_reduce == "tma"):
-                self._tma_reduce_dq(
-                    acc_dQ, sdQ, thr_dq, tma_atom_dQ, tma_dQ, batch_idx, head, m_block, tidx
-                )
-            else:
-                self._atomic_add_dq(
-                    acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
-                )
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)  # async_mma: waits for dK too
+            self._atomic_add_dq(
+                acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+            )
 
             if has_next:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
@@ -1168,10 +1132,6 @@ class FlashBwdSm90(FlashBwd):
             m_block = m_next
             stage = 1 - stage
             has_work = has_next
-
-        if const_expr(self.cfg.dq_reduce == "tma"):
-            if tidx == 0:  # sdQ must stay until the last reduce has read it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -1327,16 +1287,20 @@ def flash_bwd(
         num_params=fallback.num_params if fallback is not None else 0,
         num_row_params=fallback.num_row_params if fallback is not None else 0,
         arch=80,
-        dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "tma"), "atomic"),
     )
     if arch is None:
         arch = default_arch(q.device)
     if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
         cfg = replace(cfg, arch=90)
-    elif cfg.dq_reduce == "tma":  # the TMA reduce is a FlashBwdSm90 feature
-        log.warning("compilemask: COMPILEMASK_BWD_DQ=tma needs the sm90 backward kernel; "
-                    "this configuration (%s) uses float32 atomics", cfg)
-        cfg = replace(cfg, dq_reduce="atomic")
+    # red.global.add.v2.f32 is sm_90 PTX: the default there, plain atomics before it
+    sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    cfg = replace(
+        cfg,
+        dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2"),
+                             "red2" if sm90_device else "atomic"),
+        async_mma=cfg.arch >= 90
+        and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
+    )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -43,16 +44,11 @@ def test_default_arch(monkeypatch):
 
 @pytest.mark.parametrize("arch", [80, 90])
 def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
-    """dQ accumulation variants (COMPILEMASK_BWD_DQ): the default one float32 atomic per element,
-    the opt-in ``red2`` red.global.add.v2.f32 per column pair, the opt-in ``tma`` (sm90 kernel
-    only) one TMA tensor reduce-add per tile."""
+    """dQ accumulation variants (COMPILEMASK_BWD_DQ): ``atomic`` one float32 atomic per element,
+    ``red2`` (the default on sm_90) one red.global.add.v2.f32 per column pair; anything else is
+    refused."""
     modes = [("atomic", "atom.global.add.f32", "add.v2.f32"),
              ("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add")]
-    if arch == 90:
-        modes.append(("tma", "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add",
-                      "atom.global.add"))
-    else:
-        assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, dq_reduce="tma"))
     for mode, want, other in modes:
         d = tmp_path / mode
         d.mkdir()
@@ -62,6 +58,25 @@ def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
                           extra_options=f"--keep-ptx --dump-dir {d}")
         ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
         assert want in ptx and other not in ptx, mode
+    kernel = FlashBwdSm90 if arch == 90 else FlashBwd
+    assert not kernel.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=arch,
+                                                   dq_reduce="tma"))
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+def test_async_mma_schedule(hdim, tmp_path):
+    """COMPILEMASK_BWD_SCHED=async (sm90 kernel): S and dP issued back to back, dV and dK left in
+    flight while dS is computed: three wait_groups per q tile (1, 1, 0) instead of five 0s."""
+    for async_mma, waits in ((False, ["0"] * 5), (True, ["1", "1", "0"])):
+        d = tmp_path / str(async_mma)
+        d.mkdir()
+        cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
+                             arch=90, dq_reduce="red2", async_mma=async_mma)
+        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                          extra_options=f"--keep-ptx --dump-dir {d}")
+        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        got = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+        assert got == waits, (async_mma, got)
 
 
 @pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
