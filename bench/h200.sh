@@ -8,7 +8,7 @@
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
-#   bash bench/h200.sh sched     # the sm90 backward's wgmma schedule (sync, async)
+#   bash bench/h200.sh bwd       # the sm90 backward's dQ accumulation x wgmma schedule
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
 OUT=${OUT:-/tmp/cm-out}
@@ -25,8 +25,10 @@ case "${1:-}" in
   tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with its other kernel and schedule
+  variants)  # the backward's GPU tests with its other kernel, dQ accumulation and schedule
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_bulk 170 env COMPILEMASK_BWD_DQ=bulk python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     step bwd_async 170 env COMPILEMASK_BWD_SCHED=async python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
@@ -52,11 +54,11 @@ case "${1:-}" in
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
-  sched)  # the sm90 backward's wgmma schedule (sync, async), HSTU and causal at 8K and 32K
-    for sched in sync async; do
-      step "train_sched_$sched" 150 env COMPILEMASK_BWD_SCHED=$sched python3 bench/attention.py \
-        --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm \
-        --out "$OUT" --tag "sched_$sched"
+  bwd)  # the sm90 backward's dQ accumulation x wgmma schedule, HSTU and causal at 8K and 32K
+    for v in ${BWD_VARIANTS:-red2:sync bulk:sync bulk:async}; do
+      step "train_bwd_${v/:/_}" 150 env COMPILEMASK_BWD_DQ=${v%:*} COMPILEMASK_BWD_SCHED=${v#*:} \
+        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 100 \
+        --masks hstu,causal --methods cm --out "$OUT" --tag "bwd_${v/:/_}"
     done
     ;;
   order)  # the forward's q-tile order (COMPILEMASK_FWD_ORDER), HSTU and causal at 8K and 32K
@@ -71,5 +73,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|sched|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|bwd|order"; exit 2 ;;
 esac

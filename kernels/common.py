@@ -25,7 +25,9 @@ import os
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 
 log = logging.getLogger("compilemask")
 
@@ -238,6 +240,24 @@ def load_rows(gmem_tiled_copy, tXgX, tXsX, tXcX, limit: Int32):
 # ----------------------------------------------------------------------------------------------
 # wgmma
 # ----------------------------------------------------------------------------------------------
+@dsl_user_op
+def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes: int, *, loc=None, ip=None):
+    """``gmem[0:num_bytes] += smem[0:num_bytes]`` (float32, both contiguous) by the TMA unit,
+    asynchronously: one ``cp.reduce.async.bulk ... bulk_group.add.f32`` issued by one thread,
+    followed by ``cp_async_bulk_commit_group``; ``cp_async_bulk_wait_group(n, read=True)`` says
+    when shared memory may be rewritten."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @cute.jit
 def wgmma_issue(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
     """acc (+)= A B as a wgmma chain + commit, no wait (the caller waits with

@@ -45,6 +45,7 @@ Both hold 2 stages of Q/dO (cp.async) so the next q tile loads during the curren
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -63,6 +64,7 @@ from .common import (
     _acc_mn,
     _layout_acc_frgA,
     _transpose_view,
+    bulk_reduce_add_f32,
     compile_cache_key,
     compile_kernel,
     env_choice,
@@ -815,9 +817,10 @@ class FlashBwdSm90(FlashBwd):
             return False
         if cfg.tile_m != 64:  # one warpgroup row of q; dQ splits the head dim over the two
             return False
-        if cfg.dq_reduce not in ("atomic", "red2"):
+        if cfg.dq_reduce not in ("atomic", "red2", "bulk"):
             return False
-        if FlashBwd.smem_bytes(cfg) > 227 * 1024:
+        dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "bulk" else 0
+        if FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes > 227 * 1024:
             return False
         return True
 
@@ -865,6 +868,7 @@ class FlashBwdSm90(FlashBwd):
         sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
+        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "bulk") else 0
 
         @cute.struct
         class SharedStorage:
@@ -878,6 +882,8 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
+            # bulk: the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
@@ -987,6 +993,9 @@ class FlashBwdSm90(FlashBwd):
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
         sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
+        sdQ = None
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
         sQt = _transpose_view(sQ)  # (D, tm, stage)
         sdOt = _transpose_view(sdO)  # (D, tm, stage)
         sKt = _transpose_view(sK)  # (D, tn)
@@ -1029,6 +1038,15 @@ class FlashBwdSm90(FlashBwd):
         tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
         n_cols = cute.size(tScS_mn, mode=[1])  # q rows of the thread
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
+        tdQsdQ = None
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            # thread t of warpgroup w writes fragment elements 4k..4k+3 to half w at 512k + 4t
+            r2s_dq = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+                cute.make_layout((128, 2)),
+                cute.make_layout(4),
+            )
+            tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
 
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
@@ -1121,9 +1139,13 @@ class FlashBwdSm90(FlashBwd):
             # -- dQ += dS K (float32 reductions into dq_accum) --------------------------------
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)  # async_mma: waits for dK too
-            self._atomic_add_dq(
-                acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
-            )
+            if const_expr(self.cfg.dq_reduce == "bulk"):
+                self._bulk_reduce_dq(acc_dQ, tdQsdQ, sdQ, mdQaccum, batch_idx, head, m_block,
+                                     wg_idx, tidx)
+            else:
+                self._atomic_add_dq(
+                    acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+                )
 
             if has_next:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
@@ -1133,12 +1155,38 @@ class FlashBwdSm90(FlashBwd):
             stage = 1 - stage
             has_work = has_next
 
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            if tidx % 128 == 0:  # sdQ stays until the last reduce has read it
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
         self._store_dkv(
             acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
             n_start, seqlen_k,
         )
+
+    @cute.jit
+    def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, batch_idx, head, m_block, wg_idx,
+                        tidx):
+        """dq_accum[batch, head, m_block] += acc_dQ, warpgroup by warpgroup: the fragment goes to
+        its half of sdQ (16-byte stores, in fragment order), then one thread of the warpgroup
+        issues one bulk reduce-add of that contiguous half (the TMA unit does the float32 adds in
+        L2, asynchronously); dq_accum keeps the tile in this order and the postprocess
+        (``_dq_fragment_order``) puts it back in rows."""
+        half = self.tile_m * self.head_dim // 2
+        barrier_id = 1 + wg_idx  # 0 is the block-wide barrier
+        if tidx % 128 == 0:  # the reduce issued one tile ago has read this half
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                          tdQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's reads
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        if tidx % 128 == 0:
+            gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (wg_idx,))
+            bulk_reduce_add_f32(sdQ[None, wg_idx].iterator, gdQ.iterator, half * 4)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def _apply_mask_t(
@@ -1189,7 +1237,10 @@ def make_fake_args(cfg: FlashBwdConfig):
     do = t(dt, (B, Sq, H, D), div)
     lse = t(Float32, (B, H, Sq), 1, 4)
     dpsum = t(Float32, (B, H, Sq), 1, 4)
-    dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
+    if cfg.dq_reduce == "bulk":  # (B, H, q tiles, tile in fragment order)
+        dq_accum = t(Float32, (B, H, sym(), cfg.tile_m * D), 4, 16)
+    else:
+        dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
     dk = t(dt, (B, Sk, Hkv, D), div)
     dv = t(dt, (B, Sk, Hkv, D), div)
     return (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
@@ -1231,6 +1282,27 @@ def default_arch(device=None) -> int:
         major, _ = torch.cuda.get_device_capability(device)
         return 90 if major == 9 else 80
     return 80
+
+
+@functools.lru_cache(maxsize=None)
+def _dq_fragment_order(tile_m: int, head_dim: int, device):
+    """For the ``bulk`` dQ: ``order[row * D + col]`` = where a dq_accum tile keeps (row, col).
+
+    Warpgroup w owns columns [w D/2, (w+1) D/2) of the (tile_m, D) tile and writes its wgmma
+    accumulator fragments (CUTLASS's sm90 C layout: thread t, element e = 4k + v sits at row
+    16 (t // 32) + (t % 32) // 4 + 8 (v // 2), column 8k + 2 (t % 4) + v % 2) as 16-byte
+    vectors: position w tile_m D/2 + 512k + 4t + v."""
+    import torch
+
+    half = tile_m * head_dim // 2
+    p = torch.arange(tile_m * head_dim)
+    w, r = p // half, p % half
+    k, t, v = r // 512, (r % 512) // 4, r % 4
+    row = 16 * (t // 32) + (t % 32) // 4 + 8 * (v // 2)
+    col = w * (head_dim // 2) + 8 * k + 2 * (t % 4) + v % 2
+    order = torch.empty_like(p)
+    order[row * head_dim + col] = p
+    return order.to(device)
 
 
 def flash_bwd(
@@ -1294,10 +1366,15 @@ def flash_bwd(
         cfg = replace(cfg, arch=90)
     # red.global.add.v2.f32 is sm_90 PTX: the default there, plain atomics before it
     sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    red = "red2" if sm90_device else "atomic"
+    dq_reduce = env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "bulk"), red)
+    if dq_reduce == "bulk" and cfg.arch < 90:
+        log.warning("compilemask: COMPILEMASK_BWD_DQ=bulk needs the sm90 backward kernel; this "
+                    "configuration (%s) uses %s", cfg, red)
+        dq_reduce = red
     cfg = replace(
         cfg,
-        dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2"),
-                             "red2" if sm90_device else "atomic"),
+        dq_reduce=dq_reduce,
         async_mma=cfg.arch >= 90
         and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
     )
@@ -1312,7 +1389,10 @@ def flash_bwd(
         dpsum = dpsum - torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)
     dpsum = dpsum.contiguous()
     lse = lse.to(torch.float32).contiguous()
-    dq_accum = torch.zeros(B, Sq, H, D, dtype=torch.float32, device=dev)
+    if cfg.dq_reduce == "bulk":  # per q tile, in the order of the wgmma fragments
+        dq_accum = torch.zeros(B, H, n_m, tile_m * D, dtype=torch.float32, device=dev)
+    else:
+        dq_accum = torch.zeros(B, Sq, H, D, dtype=torch.float32, device=dev)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # a descriptor made for batch 1 (masks without per-sequence metadata) is broadcast
@@ -1330,6 +1410,10 @@ def flash_bwd(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, float(scale))
     # postprocess: dQ = scale * dq_accum, in the input dtype
+    if cfg.dq_reduce == "bulk":
+        order = _dq_fragment_order(tile_m, D, dev)
+        dq_accum = dq_accum.index_select(-1, order).view(B, H, n_m * tile_m, D)[:, :, :Sq]
+        dq_accum = dq_accum.transpose(1, 2)
     dq = (dq_accum * scale).to(q.dtype)
     return dq, dk, dv
 

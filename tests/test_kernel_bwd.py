@@ -58,9 +58,43 @@ def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
                           extra_options=f"--keep-ptx --dump-dir {d}")
         ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
         assert want in ptx and other not in ptx, mode
+    if arch == 90:  # bulk: one cp.reduce.async.bulk per warpgroup and q tile
+        modes = [("bulk", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                  "atom.global.add")]
+        for mode, want, other in modes:
+            d = tmp_path / mode
+            d.mkdir()
+            cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128,
+                                 num_intervals=2, arch=arch, dq_reduce=mode)
+            compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                              extra_options=f"--keep-ptx --dump-dir {d}")
+            ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+            assert ptx.count(want) == 1 and other not in ptx and "red.relaxed" not in ptx
+            assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 2
+    else:
+        assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=arch,
+                                                         dq_reduce="bulk"))
     kernel = FlashBwdSm90 if arch == 90 else FlashBwd
     assert not kernel.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=arch,
                                                    dq_reduce="tma"))
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
+def test_dq_fragment_order(hdim):
+    """The bulk dQ keeps each q tile in wgmma-fragment order: the postprocess order is a
+    permutation, and thread 0's first vector holds (0, 0), (0, 1), (8, 0), (8, 1) (CUTLASS's sm90
+    accumulator layout), warpgroup 1's half starts at column D/2."""
+    from compilemask.kernels.flash_bwd import _dq_fragment_order
+
+    order = _dq_fragment_order(64, hdim, torch.device("cpu"))
+    assert sorted(order.tolist()) == list(range(64 * hdim))
+    where = torch.empty_like(order)
+    where[order] = torch.arange(64 * hdim)  # position -> row * D + col
+    rc = [(int(x) // hdim, int(x) % hdim) for x in where]
+    assert rc[:8] == [(0, 0), (0, 1), (8, 0), (8, 1), (0, 2), (0, 3), (8, 2), (8, 3)]
+    assert rc[4 * 32: 4 * 32 + 2] == [(16, 0), (16, 1)]  # thread 32: warp 1
+    assert rc[512:514] == [(0, 8), (0, 9)]  # vector k = 1
+    assert rc[32 * hdim: 32 * hdim + 2] == [(0, hdim // 2), (0, hdim // 2 + 1)]
 
 
 @pytest.mark.parametrize("hdim", [64, 128])
