@@ -256,7 +256,7 @@ def main(argv=None):
     from compilemask.kernels.flash_bwd import default_arch
 
     knobs = {"backward": f"sm{default_arch(torch.device('cuda'))}",
-             "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "red2 on sm_90"),
+             "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "bulk on sm_90"),
              "bwd schedule": os.environ.get("COMPILEMASK_BWD_SCHED", "sync"),
              "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward")}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "

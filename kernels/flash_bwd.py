@@ -22,9 +22,13 @@ Three steps (``flash_bwd`` runs them in order):
    ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
    in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
    the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
-   ``dq_accum`` with float32 reductions: on sm_90 one ``red.global.add.v2.f32`` per pair of
-   adjacent columns (``red2``, half the instructions of one atomic per element, 1.25x faster on
-   the H200), elsewhere one ``atom.global.add.f32`` per element (``COMPILEMASK_BWD_DQ``).
+   ``dq_accum`` in float32 (``COMPILEMASK_BWD_DQ``): the sm90 kernel's default ``bulk`` writes
+   each warpgroup's half of the dQ tile to shared memory in accumulator-fragment order and adds
+   it with one ``cp.reduce.async.bulk ... add.f32`` (the TMA unit, asynchronous; dq_accum is
+   [B, H, q tiles, tile_m * D] in that order), as FlashAttention 3/4 do; ``red2``, one
+   ``red.global.add.v2.f32`` per pair of adjacent columns (the mma.sync kernel's default on
+   sm_90); ``atomic``, one ``atom.global.add.f32`` per element (before sm_90). On the H200 at
+   HSTU 32K the backward takes 81.7 (atomic), 64.2 (red2), 58.7 (bulk) ms.
 3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)``.
 
 Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
@@ -108,10 +112,10 @@ class FlashBwdConfig:
     num_row_params: int = 0
     arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
     num_threads: int = 256
-    # dQ accumulation: "atomic" (one float32 atomic per element) or "red2"
-    # (red.global.add.v2.f32 on the two adjacent columns an accumulator fragment holds: half the
-    # instructions, no return value; sm_90 PTX). flash_bwd picks red2 on sm_90 (HSTU 32K
-    # backward 81.7 -> 65.5 ms on the H200, bench/results/attention_train_dq_*).
+    # dQ accumulation: "atomic" (one float32 atomic per element), "red2" (red.global.add.v2.f32
+    # on the two adjacent columns an accumulator fragment holds; sm_90 PTX) or "bulk" (arch 90:
+    # fragment-ordered tile halves through shared memory, one bulk reduce-add each). flash_bwd
+    # picks bulk for the sm90 kernel (bench/results/attention_train_bwd_*).
     dq_reduce: str = "atomic"
     # arch 90: issue the S and dP wgmmas back to back and overlap P / dS with the next GEMM
     # (wait_group 1) instead of waiting for every GEMM (COMPILEMASK_BWD_SCHED=async|sync)
@@ -1364,13 +1368,18 @@ def flash_bwd(
         arch = default_arch(q.device)
     if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
         cfg = replace(cfg, arch=90)
-    # red.global.add.v2.f32 is sm_90 PTX: the default there, plain atomics before it
+    # sm_90: the sm90 kernel's bulk reduce-add (red.global.add.v2.f32 for the mma.sync kernel
+    # there); plain atomics before sm_90
     sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     red = "red2" if sm90_device else "atomic"
-    dq_reduce = env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "bulk"), red)
-    if dq_reduce == "bulk" and cfg.arch < 90:
-        log.warning("compilemask: COMPILEMASK_BWD_DQ=bulk needs the sm90 backward kernel; this "
-                    "configuration (%s) uses %s", cfg, red)
+    dq_reduce = env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "bulk"),
+                           "bulk" if cfg.arch >= 90 else red)
+    if dq_reduce == "bulk" and not (
+        cfg.arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, dq_reduce="bulk"))
+    ):  # the mma.sync kernel, or no room for the 32 KB dQ tile in shared memory
+        log.warning("compilemask: the bulk dQ reduce needs the sm90 backward kernel and %d KB of "
+                    "shared memory; this configuration (%s) uses %s", tile_m * D * 4 // 1024,
+                    cfg, red)
         dq_reduce = red
     cfg = replace(
         cfg,
