@@ -32,6 +32,7 @@ from bench.workloads import WORKLOADS, batch_for, flex_mask_mod, make_meta  # no
 
 H, D = 8, 128
 DTYPE = torch.bfloat16
+DETERMINISTIC = False  # --deterministic
 
 
 def _bench(fn, rep_ms):
@@ -80,7 +81,7 @@ def run_one(name, S, mode, methods, rep_ms, results):
         d = pre(meta) if with_pre else desc
         if mode == "train" and not fwd_only:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            cm.attention(qq, kk, vv, d).backward(do)
+            cm.attention(qq, kk, vv, d, deterministic=DETERMINISTIC).backward(do)
         else:
             cm.attention(q, k, v, d)
 
@@ -246,7 +247,11 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=200, help="ms of timed repetitions per point")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--tag", default="", help="added to the output file names")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="cm: cm.attention(..., deterministic=True) (fixed dQ summation order)")
     args = ap.parse_args(argv)
+    global DETERMINISTIC
+    DETERMINISTIC = args.deterministic
     results = []
     # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
@@ -258,7 +263,8 @@ def main(argv=None):
     knobs = {"backward": f"sm{default_arch(torch.device('cuda'))}",
              "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "bulk on sm_90"),
              "bwd schedule": os.environ.get("COMPILEMASK_BWD_SCHED", "sync"),
-             "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward")}
+             "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward"),
+             "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "
                  + ", ".join(f"{k} {v}" for k, v in knobs.items()))

@@ -9,6 +9,7 @@
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
 #   bash bench/h200.sh bwd       # the sm90 backward's dQ accumulation x wgmma schedule
+#   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
 OUT=${OUT:-/tmp/cm-out}
@@ -61,6 +62,15 @@ case "${1:-}" in
         --masks hstu,causal --methods cm --out "$OUT" --tag "bwd_${v/:/_}"
     done
     ;;
+  det)  # the deterministic backward's GPU tests and its cost (HSTU and causal, 8K and 32K)
+    step bwd_det 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_bwd.py \
+      -k deterministic
+    for flag in "" --deterministic; do
+      step "train_det${flag:+_on}" 150 python3 bench/attention.py --mode train \
+        --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" \
+        --tag "det${flag:+_on}" $flag
+    done
+    ;;
   order)  # the forward's q-tile order (COMPILEMASK_FWD_ORDER), HSTU and causal at 8K and 32K
     for order in forward reverse; do
       step "fwd_order_$order" 150 env COMPILEMASK_FWD_ORDER=$order python3 bench/attention.py \
@@ -73,5 +83,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|bwd|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|bwd|det|order"; exit 2 ;;
 esac

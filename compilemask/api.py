@@ -48,14 +48,18 @@ def _validate(q, k, v, desc):
 
 
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
-              return_lse: bool = False):
+              return_lse: bool = False, deterministic: bool = False):
     """Masked attention driven by an Execution Descriptor.
 
     Layouts follow FlashAttention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` with
     ``H % Hkv == 0`` (GQA/MQA); returns ``out [B, Sq, H, D]`` and, with ``return_lse``, the
     float32 log-sum-exp ``[B, H, Sq]`` (-inf for rows that see nothing; their output is 0).
     Autograd-capable. CUDA tensors on sm_90 run the CuTe kernels; anything else runs the dense
-    reference (said once in the log)."""
+    reference (said once in the log). ``deterministic=True``: the backward adds the kv tiles'
+    dQ contributions in a fixed order, so that gradients are identical run to run (sm90 kernel;
+    the reference path is deterministic anyway)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     _validate(q, k, v, desc)
     if q.is_cuda:
         try:
@@ -63,7 +67,7 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
 
             if kernel_available(q, desc):
                 return attention_cuda(q, k, v, desc, softmax_scale=softmax_scale,
-                                      return_lse=return_lse)
+                                      return_lse=return_lse, deterministic=deterministic)
         except ImportError:
             pass
         _say_once("cm.attention: no CuTe kernel for this device/configuration; using the "

@@ -145,7 +145,7 @@ def _cuda_fwd(q, k, v, desc, mask_key, scale):
     return attention_fwd_reference(q, k, v, desc.dense_mask(), scale)
 
 
-def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale):
+def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministic=False):
     if _kernel_dtype_ok(q):
         try:
             from .flash_bwd import flash_bwd
@@ -153,7 +153,8 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale):
             grads = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
                               desc.row_region, desc.params, desc.row_params,
                               tile_m=desc.bwd_tiles.tile_m, tile_n=desc.bwd_tiles.tile_n,
-                              softmax_scale=scale, fallback=_fallback(mask_key), dlse=dlse)
+                              softmax_scale=scale, fallback=_fallback(mask_key), dlse=dlse,
+                              deterministic=deterministic)
             return tuple(g.contiguous() for g in grads)
         except (NotImplementedError, ImportError) as e:
             _say_once(f"compilemask::attention_bwd: CuTe backward unavailable ({e}); using the "
@@ -173,7 +174,7 @@ def attention_fwd(
     intervals: Tensor, row_region: Tensor, fwd_bitmap: Tensor, bwd_bitmap: Tensor,
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
-    bwd_tile_n: int, mask_key: str, softmax_scale: float,
+    bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
 ) -> tuple[Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
@@ -185,7 +186,8 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, intervals, row_region, fwd_bitmap, bwd_bitmap, params, row_params, seqlen_q,
-      seqlen_k, fwd_tile_m, fwd_tile_n, bwd_tile_m, bwd_tile_n, mask_key, softmax_scale):
+      seqlen_k, fwd_tile_m, fwd_tile_n, bwd_tile_m, bwd_tile_n, mask_key, softmax_scale,
+      deterministic):
     B, Sq, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
@@ -199,13 +201,14 @@ def attention_bwd(
     intervals: Tensor, row_region: Tensor, fwd_bitmap: Tensor, bwd_bitmap: Tensor,
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
-    bwd_tile_n: int, mask_key: str, softmax_scale: float,
+    bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
                        bwd_tile_n)
     if q.is_cuda:
-        return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, softmax_scale)
+        return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, softmax_scale,
+                         deterministic)
     return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(),
                                    softmax_scale)
 
@@ -217,7 +220,7 @@ def _(dout, dlse, q, k, v, out, lse, *args):
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
-_N_DESC = 15  # descriptor inputs after q, k, v
+_N_DESC = 15  # descriptor inputs (6 tensors, 9 scalars with the deterministic flag) after q, k, v
 
 
 def _setup_context(ctx, inputs, output):
@@ -243,7 +246,8 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
-def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False):
+def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
+                 deterministic: bool = False):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
@@ -252,5 +256,6 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     out, lse = torch.ops.compilemask.attention_fwd(
         q, k, v, desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap, desc.params,
         desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k), desc.fwd_tiles.tile_m,
-        desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n, key, scale)
+        desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n, key, scale,
+        bool(deterministic))
     return (out, lse) if return_lse else out

@@ -120,6 +120,9 @@ class FlashBwdConfig:
     # arch 90: issue the S and dP wgmmas back to back and overlap P / dS with the next GEMM
     # (wait_group 1) instead of waiting for every GEMM (COMPILEMASK_BWD_SCHED=async|sync)
     async_mma: bool = False
+    # arch 90, bulk dQ: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
+    # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
+    deterministic: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -168,6 +171,8 @@ class FlashBwd:
     @staticmethod
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
+            return False
+        if cfg.deterministic:  # the sm90 kernel's bulk dQ
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -823,6 +828,8 @@ class FlashBwdSm90(FlashBwd):
             return False
         if cfg.dq_reduce not in ("atomic", "red2", "bulk"):
             return False
+        if cfg.deterministic and cfg.dq_reduce != "bulk":
+            return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "bulk" else 0
         if FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes > 227 * 1024:
             return False
@@ -850,6 +857,8 @@ class FlashBwdSm90(FlashBwd):
         mRowRegion: cute.Tensor,
         mParams: cute.Tensor,
         mRowParams: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],  # deterministic: (B, H, q tiles, 2) int32, zeros
+        mRank: Optional[cute.Tensor],  # deterministic: (B, kv tiles, q tiles) int32
         softmax_scale: Float32,
         stream,
     ):
@@ -933,6 +942,8 @@ class FlashBwdSm90(FlashBwd):
             mRowRegion,
             mParams,
             mRowParams,
+            mdQsem,
+            mRank,
             softmax_scale,
             sQ_layout,
             sKV_layout,
@@ -966,6 +977,8 @@ class FlashBwdSm90(FlashBwd):
         mRowRegion: cute.Tensor,
         mParams: cute.Tensor,
         mRowParams: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
+        mRank: Optional[cute.Tensor],
         softmax_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -1144,8 +1157,8 @@ class FlashBwdSm90(FlashBwd):
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)  # async_mma: waits for dK too
             if const_expr(self.cfg.dq_reduce == "bulk"):
-                self._bulk_reduce_dq(acc_dQ, tdQsdQ, sdQ, mdQaccum, batch_idx, head, m_block,
-                                     wg_idx, tidx)
+                self._bulk_reduce_dq(acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx,
+                                     head, n_block, m_block, wg_idx, tidx)
             else:
                 self._atomic_add_dq(
                     acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
@@ -1171,13 +1184,19 @@ class FlashBwdSm90(FlashBwd):
         )
 
     @cute.jit
-    def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, batch_idx, head, m_block, wg_idx,
-                        tidx):
+    def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head,
+                        n_block, m_block, wg_idx, tidx):
         """dq_accum[batch, head, m_block] += acc_dQ, warpgroup by warpgroup: the fragment goes to
         its half of sdQ (16-byte stores, in fragment order), then one thread of the warpgroup
         issues one bulk reduce-add of that contiguous half (the TMA unit does the float32 adds in
         L2, asynchronously); dq_accum keeps the tile in this order and the postprocess
-        (``_dq_fragment_order``) puts it back in rows."""
+        (``_dq_fragment_order``) puts it back in rows.
+
+        deterministic: the kv tiles add to a q tile in increasing n_block order. The half's
+        semaphore counts the adds done; this CTA waits until it equals its rank among the
+        non-empty kv tiles of the column (``mRank``), adds, waits for the add to finish and
+        counts it. Waits only go to lower n_block, which were launched earlier (the grid's
+        fastest index), so they end."""
         half = self.tile_m * self.head_dim // 2
         barrier_id = 1 + wg_idx  # 0 is the block-wide barrier
         if tidx % 128 == 0:  # the reduce issued one tile ago has read this half
@@ -1189,8 +1208,19 @@ class FlashBwdSm90(FlashBwd):
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
         if tidx % 128 == 0:
             gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (wg_idx,))
+            if const_expr(self.cfg.deterministic):
+                sem = mdQsem.iterator + cute.crd2idx(
+                    (batch_idx, head, m_block, wg_idx), mdQsem.layout
+                )
+                rank = mRank[batch_idx, n_block, m_block]
+                done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                while done != rank:
+                    done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
             bulk_reduce_add_f32(sdQ[None, wg_idx].iterator, gdQ.iterator, half * 4)
             cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done
+                cute.arch.red(sem, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
     def _apply_mask_t(
@@ -1247,9 +1277,14 @@ def make_fake_args(cfg: FlashBwdConfig):
         dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
     dk = t(dt, (B, Sk, Hkv, D), div)
     dv = t(dt, (B, Sk, Hkv, D), div)
-    return (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
+    args = (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
         B, Sq, cfg.num_intervals
     )
+    if cfg.arch >= 90:  # the dQ semaphores and kv-tile ranks of the deterministic kernel
+        det = cfg.deterministic
+        args += (t(Int32, (B, H, sym(), 2), 1, 4) if det else None,
+                 t(Int32, (B, sym(), sym()), 1, 4) if det else None)
+    return args
 
 
 def compile_flash_bwd(
@@ -1328,14 +1363,19 @@ def flash_bwd(
     fallback: Optional[Fallback] = None,
     dlse=None,
     arch: Optional[int] = None,
+    deterministic: bool = False,
 ):
     """Masked attention backward. Returns ``(dq, dk, dv)`` shaped like ``q, k, v``.
 
     ``lse`` float32 [B, H, Sq] from the forward (natural log, -inf for rows that see nothing);
     ``intervals`` int32 [B, Sq, K, 2]; ``bwd_bitmap`` int32 [B, ceil(Sk/tile_n), ceil(n_m/16)]
     for this (tile_m, tile_n) (``desc.bwd_tiles``); ``dlse`` (optional, [B, H, Sq]) is the
-    gradient flowing into the LSE output."""
+    gradient flowing into the LSE output. ``deterministic``: run-to-run identical dQ (the kv
+    tiles add to each dQ tile in increasing order; sm90 kernel only, NotImplementedError
+    elsewhere)."""
     import torch
+
+    from compilemask.tiles import unpack_bitmap
 
     B, Sq, H, D = q.shape
     _, Sk, Hkv, _ = k.shape
@@ -1381,8 +1421,13 @@ def flash_bwd(
                     "shared memory; this configuration (%s) uses %s", tile_m * D * 4 // 1024,
                     cfg, red)
         dq_reduce = red
+    if deterministic and dq_reduce != "bulk":
+        raise NotImplementedError(
+            "flash_bwd(deterministic=True) needs the sm90 backward kernel with the bulk dQ "
+            f"reduce (this configuration: {cfg}, dQ {dq_reduce})")
     cfg = replace(
         cfg,
+        deterministic=deterministic,
         dq_reduce=dq_reduce,
         async_mma=cfg.arch >= 90
         and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
@@ -1417,7 +1462,14 @@ def flash_bwd(
     pr = params.to(torch.int32).contiguous().expand(B, -1)
     rp = row_params.to(torch.int32).contiguous().expand(B, -1, -1)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, float(scale))
+    det_args = ()
+    if cfg.arch >= 90:
+        det_args = (None, None)
+        if deterministic:  # per dQ tile half: adds done; per (kv tile, q tile): adds before it
+            nonempty = (unpack_bitmap(bm, n_m) & 1).to(torch.int32)  # [B, n_n, n_m]
+            rank = (torch.cumsum(nonempty, dim=1, dtype=torch.int32) - nonempty).contiguous()
+            det_args = (torch.zeros(B, H, n_m, 2, dtype=torch.int32, device=dev), rank)
+    fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, *det_args, float(scale))
     # postprocess: dQ = scale * dq_accum, in the input dtype
     if cfg.dq_reduce == "bulk":
         order = _dq_fragment_order(tile_m, D, dev)

@@ -158,6 +158,24 @@ def test_compile_sm90_fallback_row_params(arch):
     assert compile_flash_bwd(cfg, fb, gpu_arch=SM90) is not None
 
 
+def test_deterministic_compiles_with_ordered_adds(tmp_path):
+    """deterministic (sm90 kernel, bulk dQ): the elected thread of each warpgroup spins on its dQ
+    tile half's semaphore (ld.acquire), waits for its bulk add to finish, and counts it
+    (red.release); the other kernels refuse it."""
+    cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2,
+                         arch=90, dq_reduce="bulk", deterministic=True)
+    compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    assert "ld.acquire.gpu.global.b32" in ptx
+    assert ptx.count("red.release.gpu.global.add.s32") == 1
+    assert re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)  # the add finished
+    assert not FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90,
+                                                         dq_reduce="red2", deterministic=True))
+    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2,
+                                                     deterministic=True))
+
+
 def test_can_implement():
     ok = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2)
     assert FlashBwd.can_implement(ok)
@@ -186,7 +204,8 @@ def _attn_lowp(q, k, v, dense, scale):
     return torch.matmul(p, vt).transpose(1, 2)
 
 
-def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None):
+def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None,
+                deterministic=False):
     from compilemask.kernels.autograd import _fallback, register_mask
     from compilemask.kernels.flash_bwd import flash_bwd
 
@@ -217,7 +236,7 @@ def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None):
     got = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap, desc.row_region,
                     desc.params, desc.row_params, tile_m=desc.bwd_tiles.tile_m,
                     tile_n=desc.bwd_tiles.tile_n, softmax_scale=scale, fallback=fb,
-                    arch=arch)
+                    arch=arch, deterministic=deterministic)
     torch.cuda.synchronize()
     report = []
     for name, a, r, p in zip(("dq", "dk", "dv"), got, ref, pt):
@@ -258,6 +277,39 @@ def test_bwd_other_masks(name, arch):
 def test_bwd_fp16_mqa(arch):
     print("fp16", arch, _check_case(masks.hstu(), 2, 257, 4, 1, 64, dtype=torch.float16, seed=9,
                                     arch=arch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,S,H,Hkv,D", [("causal", 1000, 4, 2, 128), ("hstu", 129, 4, 4, 64),
+                                             ("clear", 300, 2, 1, 128),
+                                             ("dilated_causal", 257, 2, 2, 128)])
+def test_bwd_deterministic_vs_reference(name, S, H, Hkv, D):
+    spec = getattr(masks, name)()
+    print(name, _check_case(spec, 2, S, H, Hkv, D, seed=5, arch=90, deterministic=True))
+
+
+@pytest.mark.gpu
+def test_bwd_deterministic_is_bitwise_repeatable():
+    """deterministic=True: dQ (and dK, dV) bit-identical over repeated runs, through cm.attention
+    and autograd, on a case where many kv tiles add to each dQ tile."""
+    spec = masks.causal()
+    mask = cm.compile_mask(spec)
+    B, S, H, Hkv, D = 2, 4096, 4, 2, 128
+    desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, backend="torch").to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (H, Hkv, Hkv))
+    dout = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def grads():
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        cm.attention(*xs, desc, deterministic=True).backward(dout)
+        return [x.grad for x in xs]
+
+    first = grads()
+    for _ in range(4):
+        for a, b in zip(grads(), first):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
