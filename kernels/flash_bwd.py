@@ -438,35 +438,23 @@ class FlashBwd:
 
         # ---- work list: (query head g of the group, non-empty q tile m_block) ---------------
         # Masks are per sequence, so every query head walks the same q tiles.
-        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
-        has_work = first_m < m_blocks
+        loads = (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+                 mIntervals, mRowRegion, mRowParams)
+        sMeta = (sLSE, sdPsum, sInt, sFb, sRowP)
+        has_work, first_m, head0 = self._work_start(
+            loads, sMeta, mBitmapRow, m_blocks, batch_idx, head_kv, group, seqlen_q, tidx
+        )
         g = Int32(0)
         m_block = first_m
         stage = Int32(0)
-        head0 = head_kv * group
-        self._load_work(
-            has_work, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-            mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), batch_idx,
-            head0, None, first_m, 1, seqlen_q, tidx, True,
-        )
 
         while has_work:
             head = head0 + g
             m_start = m_block * tm
-            # -- prefetch the next work item into the other stage
-            m_next, g_next, has_next = self._next_work(
-                mBitmapRow, m_block, g, first_m, m_blocks, group
+            m_next, g_next, has_next, need_mask = self._work_begin(
+                loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
+                batch_idx, head0, seqlen_q, tidx, False,
             )
-            self._load_work(
-                has_next, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-                mIntervals, mRowRegion, mRowParams, None, batch_idx, head0, g_next, m_next,
-                stage, seqlen_q, tidx, False,
-            )
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.barrier()
-
-            state = tile_state(mBitmapRow, m_block)
-            need_mask = ((state & 2) != 0) | kv_ragged
 
             # -- S = Q K^T, mask, P = exp(S - LSE) ----------------------------------------
             acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -526,9 +514,7 @@ class FlashBwd:
                 acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
             )
 
-            if has_next:
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
-            cute.arch.barrier()  # this stage and sP/sdS are refilled by the next work items
+            self._work_end(has_next, rMf, rMi, sMeta, stage, tidx)  # also sP, sdS are reused
             g = g_next
             m_block = m_next
             stage = 1 - stage
@@ -672,16 +658,64 @@ class FlashBwd:
         return m_next, g_next, has_next
 
     @cute.jit
+    def _work_start(
+        self, loads, sMeta, mBitmapRow, m_blocks, batch_idx, head_kv, group, seqlen_q, tidx
+    ):
+        """The first work item (the group's first query head, its first non-empty q tile): its
+        loads go to stage 0 and its metadata to shared memory. Returns (has_work, first_m,
+        head0), head0 the group's first query head."""
+        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
+        has_work = first_m < m_blocks
+        head0 = head_kv * group
+        self._load_work(
+            has_work, loads, sMeta, batch_idx, head0, None, first_m, 1, seqlen_q, tidx, True
+        )
+        return has_work, first_m, head0
+
+    @cute.jit
+    def _work_begin(
+        self, loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
+        batch_idx, head0, seqlen_q, tidx, async_proxy: cutlass.Constexpr,
+    ):
+        """Start work item (g, m_block): prefetch the next item into the other stage, wait for
+        this one's loads (``async_proxy``: the wgmma kernel reads them through the async proxy).
+        Returns (m_next, g_next, has_next, need_mask)."""
+        m_next, g_next, has_next = self._next_work(
+            mBitmapRow, m_block, g, first_m, m_blocks, group
+        )
+        self._load_work(
+            has_next, loads, None, batch_idx, head0, g_next, m_next, stage, seqlen_q, tidx, False
+        )
+        cute.arch.cp_async_wait_group(1)
+        if const_expr(async_proxy):
+            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+        cute.arch.barrier()
+        state = tile_state(mBitmapRow, m_block)
+        need_mask = ((state & 2) != 0) | kv_ragged
+        return m_next, g_next, has_next, need_mask
+
+    @cute.jit
+    def _work_end(self, has_next, rMf, rMi, sMeta, stage, tidx):
+        """End a work item: the prefetched item's metadata goes to the other stage, then every
+        thread is done with this stage (refilled by the item after next)."""
+        if has_next:
+            sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+        cute.arch.barrier()
+
+    @cute.jit
     def _load_work(
-        self, pred, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-        mIntervals, mRowRegion, mRowParams, sMeta, batch_idx, head0, g, m_block, cur_stage,
-        seqlen_q, tidx, store_meta: cutlass.Constexpr,
+        self, pred, loads, sMeta, batch_idx, head0, g, m_block, cur_stage, seqlen_q, tidx,
+        store_meta: cutlass.Constexpr,
     ):
         """If ``pred``: cp.async Q/dO of work item (query head ``head0 + g``, or ``head0`` when
         ``g`` is None; q tile ``m_block``) into stage ``1 - cur_stage`` and load its row
-        metadata into registers (the cp.async group is committed either way). With
-        ``store_meta`` (the prologue) the metadata also goes to shared memory ``sMeta`` at once;
-        otherwise the caller stores it after the current tile's compute."""
+        metadata into registers (the cp.async group is committed either way). ``loads``: (tiled
+        copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion,
+        mRowParams). With ``store_meta`` (the prologue) the metadata also goes to shared memory
+        ``sMeta`` at once; otherwise the caller stores it after the current tile's compute."""
+        (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, mIntervals,
+         mRowRegion, mRowParams) = loads
         tm = self.tile_m
         if pred:
             self._load_q_do(
@@ -1072,35 +1106,23 @@ class FlashBwdSm90(FlashBwd):
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
 
         # ---- work list: (query head g, non-empty q tile m_block), prefetched one ahead ---
-        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
-        has_work = first_m < m_blocks
+        loads = (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
+                 mIntervals, mRowRegion, mRowParams)
+        sMeta = (sLSE, sdPsum, sInt, sFb, sRowP)
+        has_work, first_m, head0 = self._work_start(
+            loads, sMeta, mBitmapRow, m_blocks, batch_idx, head_kv, group, seqlen_q, tidx
+        )
         g = Int32(0)
         m_block = first_m
         stage = Int32(0)
-        head0 = head_kv * group
-        self._load_work(
-            has_work, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-            mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), batch_idx,
-            head0, None, first_m, 1, seqlen_q, tidx, True,
-        )
 
         while has_work:
             head = head0 + g
             m_start = m_block * tm
-            m_next, g_next, has_next = self._next_work(
-                mBitmapRow, m_block, g, first_m, m_blocks, group
+            m_next, g_next, has_next, need_mask = self._work_begin(
+                loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
+                batch_idx, head0, seqlen_q, tidx, True,
             )
-            self._load_work(
-                has_next, gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-                mIntervals, mRowRegion, mRowParams, None, batch_idx, head0, g_next, m_next,
-                stage, seqlen_q, tidx, False,
-            )
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
-            cute.arch.barrier()
-
-            state = tile_state(mBitmapRow, m_block)
-            need_mask = ((state & 2) != 0) | kv_ragged
 
             # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
             # async_mma: dP^T = V dO^T runs on the tensor cores while P is computed
@@ -1164,9 +1186,7 @@ class FlashBwdSm90(FlashBwd):
                     acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
                 )
 
-            if has_next:
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
-            cute.arch.barrier()  # this stage and sdS are refilled by the next work items
+            self._work_end(has_next, rMf, rMi, sMeta, stage, tidx)  # also sdS is reused
             g = g_next
             m_block = m_next
             stage = 1 - stage

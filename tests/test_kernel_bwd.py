@@ -295,7 +295,8 @@ def test_bwd_deterministic_is_bitwise_repeatable():
     spec = masks.causal()
     mask = cm.compile_mask(spec)
     B, S, H, Hkv, D = 2, 4096, 4, 2, 128
-    desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, backend="torch").to("cuda")
+    desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, batch_size=B,
+                           backend="torch").to("cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
                for h in (H, Hkv, Hkv))
