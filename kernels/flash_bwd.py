@@ -1115,6 +1115,8 @@ class FlashBwdSm90(FlashBwd):
         g = Int32(0)
         m_block = first_m
         stage = Int32(0)
+        # deterministic: the dQ semaphore (flat index) this warpgroup still has to count
+        pending = Int32(-1)
 
         while has_work:
             head = head0 + g
@@ -1179,8 +1181,10 @@ class FlashBwdSm90(FlashBwd):
             acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)  # async_mma: waits for dK too
             if const_expr(self.cfg.dq_reduce == "bulk"):
-                self._bulk_reduce_dq(acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx,
-                                     head, n_block, m_block, wg_idx, tidx)
+                pending = self._bulk_reduce_dq(
+                    acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
+                    m_block, wg_idx, tidx, pending,
+                )
             else:
                 self._atomic_add_dq(
                     acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
@@ -1194,7 +1198,10 @@ class FlashBwdSm90(FlashBwd):
 
         if const_expr(self.cfg.dq_reduce == "bulk"):
             if tidx % 128 == 0:  # sdQ stays until the last reduce has read it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.cfg.deterministic):
+                    self._count_dq_add(mdQsem, pending)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -1205,7 +1212,7 @@ class FlashBwdSm90(FlashBwd):
 
     @cute.jit
     def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head,
-                        n_block, m_block, wg_idx, tidx):
+                        n_block, m_block, wg_idx, tidx, pending):
         """dq_accum[batch, head, m_block] += acc_dQ, warpgroup by warpgroup: the fragment goes to
         its half of sdQ (16-byte stores, in fragment order), then one thread of the warpgroup
         issues one bulk reduce-add of that contiguous half (the TMA unit does the float32 adds in
@@ -1214,33 +1221,46 @@ class FlashBwdSm90(FlashBwd):
 
         deterministic: the kv tiles add to a q tile in increasing n_block order. The half's
         semaphore counts the adds done; this CTA waits until it equals its rank among the
-        non-empty kv tiles of the column (``mRank``), adds, waits for the add to finish and
-        counts it. Waits only go to lower n_block, which were launched earlier (the grid's
-        fastest index), so they end."""
+        non-empty kv tiles of the column (``mRank``), then adds. The add is counted one work item
+        later (``pending``, the semaphore's index; -1 for none), when the next item needs this
+        shared memory anyway, so that the CTA does not stall on the add's completion. A count
+        is never held back by a wait: it is made before this CTA waits again. Waits only go to
+        lower n_block, which were launched earlier (the grid's fastest index), so they end.
+        Returns the new ``pending``."""
         half = self.tile_m * self.head_dim // 2
         barrier_id = 1 + wg_idx  # 0 is the block-wide barrier
         if tidx % 128 == 0:  # the reduce issued one tile ago has read this half
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.cfg.deterministic):
+                self._count_dq_add(mdQsem, pending)
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
         cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
                           tdQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's reads
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
+        if const_expr(self.cfg.deterministic):
+            pending = Int32(cute.crd2idx((batch_idx, head, m_block, wg_idx), mdQsem.layout))
         if tidx % 128 == 0:
             gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (wg_idx,))
             if const_expr(self.cfg.deterministic):
-                sem = mdQsem.iterator + cute.crd2idx(
-                    (batch_idx, head, m_block, wg_idx), mdQsem.layout
-                )
+                sem = mdQsem.iterator + pending
                 rank = mRank[batch_idx, n_block, m_block]
                 done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
                 while done != rank:
                     done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
             bulk_reduce_add_f32(sdQ[None, wg_idx].iterator, gdQ.iterator, half * 4)
             cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.cfg.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds are done
-                cute.arch.red(sem, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+        return pending
+
+    @cute.jit
+    def _count_dq_add(self, mdQsem, pending):
+        """deterministic: once this thread's last bulk add has finished (not only read its
+        shared memory), count it on its semaphore (release: the adds are visible first)."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if pending >= 0:
+            cute.arch.red(mdQsem.iterator + pending, Int32(1), op="add", dtype="s32",
+                          sem="release", scope="gpu")
 
     @cute.jit
     def _apply_mask_t(

@@ -160,16 +160,18 @@ def test_compile_sm90_fallback_row_params(arch):
 
 def test_deterministic_compiles_with_ordered_adds(tmp_path):
     """deterministic (sm90 kernel, bulk dQ): the elected thread of each warpgroup spins on its dQ
-    tile half's semaphore (ld.acquire), waits for its bulk add to finish, and counts it
-    (red.release); the other kernels refuse it."""
+    tile half's semaphore (ld.acquire) and, one work item later, waits for its bulk add to finish
+    and counts it (red.release); the other kernels refuse it."""
     cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2,
                          arch=90, dq_reduce="bulk", deterministic=True)
     compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
                       extra_options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
     assert "ld.acquire.gpu.global.b32" in ptx
-    assert ptx.count("red.release.gpu.global.add.s32") == 1
-    assert re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)  # the add finished
+    # counted one work item later (and after the loop), once the add has finished
+    assert ptx.count("red.release.gpu.global.add.s32") == 2
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)) == 2
+    assert "cp.async.bulk.wait_group.read" not in ptx
     assert not FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90,
                                                          dq_reduce="red2", deterministic=True))
     assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2,
