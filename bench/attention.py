@@ -263,6 +263,7 @@ def main(argv=None):
     knobs = {"backward": f"sm{default_arch(torch.device('cuda'))}",
              "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "bulk on sm_90"),
              "bwd schedule": os.environ.get("COMPILEMASK_BWD_SCHED", "sync"),
+             "dS store": os.environ.get("COMPILEMASK_BWD_DS_STORE", "scalar"),
              "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "

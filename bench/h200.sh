@@ -8,7 +8,7 @@
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
-#   bash bench/h200.sh bwd       # the sm90 backward's dQ accumulation x wgmma schedule
+#   bash bench/h200.sh bwd       # the sm90 backward's variants (dQ, wgmma schedule, dS store)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
@@ -33,6 +33,8 @@ case "${1:-}" in
       -p no:cacheprovider tests/test_kernel_bwd.py
     step bwd_async 170 env COMPILEMASK_BWD_SCHED=async python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_stmatrix 170 env COMPILEMASK_BWD_DS_STORE=stmatrix python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -55,11 +57,13 @@ case "${1:-}" in
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
-  bwd)  # the sm90 backward's dQ accumulation x wgmma schedule, HSTU and causal at 8K and 32K
-    for v in ${BWD_VARIANTS:-red2:sync bulk:sync bulk:async}; do
-      step "train_bwd_${v/:/_}" 150 env COMPILEMASK_BWD_DQ=${v%:*} COMPILEMASK_BWD_SCHED=${v#*:} \
-        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 100 \
-        --masks hstu,causal --methods cm --out "$OUT" --tag "bwd_${v/:/_}"
+  bwd)  # the sm90 backward's variants (dQ:schedule:dS store), HSTU and causal at 8K and 32K
+    for v in ${BWD_VARIANTS:-bulk:sync:scalar bulk:sync:stmatrix bulk:async:stmatrix}; do
+      IFS=: read -r dq sched ds <<<"$v"
+      step "train_bwd_${dq}_${sched}_${ds}" 150 env COMPILEMASK_BWD_DQ=$dq \
+        COMPILEMASK_BWD_SCHED=$sched COMPILEMASK_BWD_DS_STORE=$ds python3 bench/attention.py \
+        --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm \
+        --out "$OUT" --tag "bwd_${dq}_${sched}_${ds}"
     done
     ;;
   det)  # the deterministic backward's GPU tests and its cost (HSTU and causal, 8K and 32K)

@@ -123,6 +123,9 @@ class FlashBwdConfig:
     # arch 90, bulk dQ: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
     # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
     deterministic: bool = False
+    # arch 90: dS^T registers -> sdS with stmatrix.trans (4 8x8 matrices per instruction) instead
+    # of one 16-bit store per element (COMPILEMASK_BWD_DS_STORE=stmatrix|scalar)
+    ds_stmatrix: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -1082,7 +1085,14 @@ class FlashBwdSm90(FlashBwd):
         acc_dV.fill(0.0)
         acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
         acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
-        r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        if const_expr(self.cfg.ds_stmatrix):
+            # each thread holds dS^T at (kv row, q col pair); stmatrix.trans writes the 8x8
+            # blocks transposed, so sdS rows (q) get 16-byte runs along kv
+            r2s_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+            )
+        else:
+            r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
         r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdSt = r2s.partition_D(sdSt)
 
@@ -1471,6 +1481,8 @@ def flash_bwd(
         dq_reduce=dq_reduce,
         async_mma=cfg.arch >= 90
         and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
+        ds_stmatrix=cfg.arch >= 90
+        and env_choice("COMPILEMASK_BWD_DS_STORE", ("scalar", "stmatrix"), "scalar") == "stmatrix",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")

@@ -98,6 +98,23 @@ def test_dq_fragment_order(hdim):
 
 
 @pytest.mark.parametrize("hdim", [64, 128])
+def test_ds_store_stmatrix(hdim, tmp_path):
+    """COMPILEMASK_BWD_DS_STORE=stmatrix (sm90 kernel): dS^T goes to shared memory in four
+    stmatrix.x4.trans per thread instead of 32 16-bit stores."""
+    for stm in (False, True):
+        d = tmp_path / str(stm)
+        d.mkdir()
+        cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
+                             arch=90, dq_reduce="bulk", ds_stmatrix=stm)
+        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                          extra_options=f"--keep-ptx --dump-dir {d}")
+        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        n_stm = ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
+        n_b16 = ptx.count("st.shared.b16")
+        assert (n_stm, n_b16) == ((4, 0) if stm else (0, 32)), (stm, n_stm, n_b16)
+
+
+@pytest.mark.parametrize("hdim", [64, 128])
 def test_async_mma_schedule(hdim, tmp_path):
     """COMPILEMASK_BWD_SCHED=async (sm90 kernel): S and dP issued back to back, dV and dK left in
     flight while dS is computed: three wait_groups per q tile (1, 1, 0) instead of five 0s."""
