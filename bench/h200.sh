@@ -7,7 +7,7 @@
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
-#   bash bench/h200.sh train     # preprocess + forward + backward vs peers at 32K
+#   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
 #   bash bench/h200.sh bwd       # the sm90 backward's variants (dQ, wgmma schedule, dS store)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
@@ -82,10 +82,12 @@ case "${1:-}" in
         --tag "order_$order"
     done
     ;;
-  train)
-    step train32k 570 python3 bench/attention.py --mode train --seqlens 32768 --rep 100 \
+  train)  # SEQLENS=1024,4096 MASKS=hstu METHODS=... to choose (default: all masks at 32K)
+    tag=${SEQLENS:+s${SEQLENS//,/-}}
+    step "train_${tag:-32k}" 570 python3 bench/attention.py --mode train \
+      --seqlens "${SEQLENS:-32768}" --rep 100 \
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
-      --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag 32k
+      --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
   *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|bwd|det|order"; exit 2 ;;
 esac
