@@ -122,3 +122,11 @@ def test_attention_argument_errors():
     with pytest.raises(ValueError, match="desc was made for batch 1, seqlen_q 8"):
         q2 = torch.randn(1, 9, 2, 16)
         cm.attention(q2, q2, q2, desc)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
+        cm.attention(q, q, q, desc, deterministic="yes")
+    # the reference path (CPU) is deterministic anyway: the flag changes nothing there
+    x = q.clone().requires_grad_()
+    cm.attention(x, x, x, desc, deterministic=True).sum().backward()
+    y = q.clone().requires_grad_()
+    cm.attention(y, y, y, desc).sum().backward()
+    assert torch.equal(x.grad, y.grad)
