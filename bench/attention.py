@@ -264,6 +264,7 @@ def main(argv=None):
              "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "bulk on sm_90"),
              "bwd schedule": os.environ.get("COMPILEMASK_BWD_SCHED", "sync"),
              "dS store": os.environ.get("COMPILEMASK_BWD_DS_STORE", "scalar"),
+             "bwd warp-specialized": os.environ.get("COMPILEMASK_BWD_WS", "0"),
              "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "

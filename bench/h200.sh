@@ -35,6 +35,8 @@ case "${1:-}" in
       -p no:cacheprovider tests/test_kernel_bwd.py
     step bwd_stmatrix 170 env COMPILEMASK_BWD_DS_STORE=stmatrix python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_ws 170 env COMPILEMASK_BWD_WS=1 python3 -m pytest -q -m gpu -x \
+      -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -57,13 +59,14 @@ case "${1:-}" in
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
-  bwd)  # the sm90 backward's variants (dQ:schedule:dS store), HSTU and causal at 8K and 32K
-    for v in ${BWD_VARIANTS:-bulk:sync:scalar bulk:sync:stmatrix bulk:async:stmatrix}; do
-      IFS=: read -r dq sched ds <<<"$v"
-      step "train_bwd_${dq}_${sched}_${ds}" 150 env COMPILEMASK_BWD_DQ=$dq \
-        COMPILEMASK_BWD_SCHED=$sched COMPILEMASK_BWD_DS_STORE=$ds python3 bench/attention.py \
+  bwd)  # the sm90 backward's variants (dQ:schedule:dS store:warp-specialized), HSTU and causal
+    for v in ${BWD_VARIANTS:-bulk:sync:scalar:0 bulk:sync:stmatrix:0 bulk:sync:scalar:1 \
+               bulk:sync:stmatrix:1}; do
+      IFS=: read -r dq sched ds ws <<<"$v"
+      step "train_bwd_${v//:/_}" 150 env COMPILEMASK_BWD_DQ=$dq COMPILEMASK_BWD_SCHED=$sched \
+        COMPILEMASK_BWD_DS_STORE=$ds COMPILEMASK_BWD_WS=$ws python3 bench/attention.py \
         --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm \
-        --out "$OUT" --tag "bwd_${dq}_${sched}_${ds}"
+        --out "$OUT" --tag "bwd_${v//:/_}"
     done
     ;;
   det)  # the deterministic backward's GPU tests and its cost (HSTU and causal, 8K and 32K)

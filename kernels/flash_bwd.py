@@ -59,9 +59,10 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .common import (
@@ -81,14 +82,20 @@ from .common import (
     interval_visible,
     load_rows,
     next_tile,
+    select_modes,
     tile_state,
     tiled_copy_g2s_16B,
+    tma_partition,
     wgmma,
     wgmma_issue,
 )
 from .flash_fwd import Fallback
 
 log = logging.getLogger("compilemask")
+
+# named barriers of the sm90 kernels: 0 = whole CTA; 1, 2 = warpgroup 0, 1 around its dQ tile
+# half (bulk dQ); 3 = the two wgmma warpgroups of the warp-specialized kernel
+_BAR_MMA = 3
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
@@ -127,6 +134,10 @@ class FlashBwdConfig:
     # arch 90: dS^T registers -> sdS with stmatrix.trans (4 8x8 matrices per instruction) instead
     # of one 16-bit store per element (COMPILEMASK_BWD_DS_STORE=stmatrix|scalar)
     ds_stmatrix: bool = False
+    # arch 90: warp-specialized (a TMA producer warpgroup loads K, V once and Q, dO per q tile
+    # into a 2-stage mbarrier pipeline; the two wgmma warpgroups never issue a load and sync
+    # with named barriers only): COMPILEMASK_BWD_WS=1
+    warp_specialized: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -176,7 +187,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic:  # the sm90 kernel's bulk dQ
+        if cfg.deterministic or cfg.warp_specialized:  # sm90 kernel features
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -920,6 +931,8 @@ class FlashBwdSm90(FlashBwd):
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
         dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "bulk") else 0
+        ws = self.cfg.warp_specialized
+        n_mbar_kv, n_mbar_qdo = (2, 2 * S) if const_expr(ws) else (0, 0)
 
         @cute.struct
         class SharedStorage:
@@ -935,6 +948,9 @@ class FlashBwdSm90(FlashBwd):
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
             # bulk: the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
+            # warp-specialized: (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, n_mbar_kv]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, n_mbar_qdo]
 
         gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
 
@@ -965,6 +981,34 @@ class FlashBwdSm90(FlashBwd):
             cute.size(mK.shape[0]) * cute.size(mK.shape[2]),
             1,
         )
+        if const_expr(ws):
+            # (B, S, H, D) -> (S, D, H, B): TMA boxes of (tile rows, D); rows past the sequence
+            # are zero-filled by the TMA unit (as the cp.async path zero-fills them)
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            sQ_one = cute.select(sQ_layout, mode=[0, 1])
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                g2s, select_modes(mQ, [1, 3, 2, 0]), sQ_one, (tm, D))
+            tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+                g2s, select_modes(mdO, [1, 3, 2, 0]), sQ_one, (tm, D))
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+                g2s, select_modes(mK, [1, 3, 2, 0]), sKV_layout, (tn, D))
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+                g2s, select_modes(mV, [1, 3, 2, 0]), sKV_layout, (tn, D))
+            self.tx_qdo = 2 * cute.size_in_bytes(dtype, sQ_one)
+            self.tx_kv = 2 * cute.size_in_bytes(dtype, sKV_layout)
+            self.kernel_ws(
+                mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, mIntervals, mBitmap, mRowRegion,
+                mParams, mRowParams, mdQsem, mRank, softmax_scale, tma_atom_Q, tma_Q,
+                tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ_layout,
+                sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                SharedStorage,
+            ).launch(
+                grid=grid,
+                block=[self.num_threads + 128, 1, 1],
+                smem=SharedStorage.size_in_bytes(),
+                stream=stream,
+            )
+            return
         self.kernel(
             mQ,
             mK,
@@ -1220,6 +1264,286 @@ class FlashBwdSm90(FlashBwd):
             acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
             n_start, seqlen_k,
         )
+
+    @cute.kernel
+    def kernel_ws(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mIntervals: cute.Tensor,
+        mBitmap: cute.Tensor,
+        mRowRegion: cute.Tensor,
+        mParams: cute.Tensor,
+        mRowParams: cute.Tensor,
+        mdQsem: Optional[cute.Tensor],
+        mRank: Optional[cute.Tensor],
+        softmax_scale: Float32,
+        tma_atom_Q: cute.CopyAtom,
+        tma_Q: cute.Tensor,
+        tma_atom_dO: cute.CopyAtom,
+        tma_dO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom,
+        tma_K: cute.Tensor,
+        tma_atom_V: cute.CopyAtom,
+        tma_V: cute.Tensor,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        """Warp-specialized backward: warpgroup 0 is the producer (its warp 0 issues the TMA
+        loads: K and V once, then Q and dO of every work item into a 2-stage pipeline);
+        warpgroups 1 and 2 compute as ``kernel`` does, waiting on mbarriers instead of cp.async
+        groups and syncing with each other through named barriers only. Their threads < tile_m
+        still prefetch the next item's row metadata (LSE, dPsum, intervals) into registers and
+        store it after the current item, as in ``kernel``."""
+        D = self.head_dim
+        K = self.K
+        tm, tn = self.tile_m, self.tile_n
+        S = self.num_stages
+        P = self.cfg.num_params
+        R = self.cfg.num_row_params
+        Rs = max(R, 1)
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        (
+            n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
+            kv_ragged, mBitmapRow,
+        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
+        head0 = head_kv * group
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
+                cpasync.prefetch_descriptor(atom)
+
+        # ---- shared memory, pipelines ---------------------------------------------------
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_kv, defer_sync=True,
+        )
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=S, producer_group=producer,
+            consumer_group=consumers, tx_count=self.tx_qdo, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tm, D, stage)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
+        sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
+        sdQ = None
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
+        pipeline.pipeline_init_wait()
+
+        first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
+        has_work = first_m < m_blocks
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if wg_idx == 0:
+            # ================================ producer ==================================
+            cute.arch.setmaxregister_decrease(24)
+            if warp_idx == 0:
+                gK = cute.local_tile(tma_K[None, None, head_kv, batch_idx], (tn, D), (n_block, 0))
+                gV = cute.local_tile(tma_V[None, None, head_kv, batch_idx], (tn, D), (n_block, 0))
+                tKsK, tKgK = tma_partition(tma_atom_K, sK, gK)
+                tVsV, tVgV = tma_partition(tma_atom_V, sV, gV)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipe_kv.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK, tKsK,
+                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                cute.copy(tma_atom_V, tVgV, tVsV,
+                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                g = Int32(0)
+                m_block = first_m
+                work = has_work
+                while work:
+                    head = head0 + g
+                    gQ = cute.local_tile(tma_Q[None, None, head, batch_idx], (tm, D), (m_block, 0))
+                    gdO = cute.local_tile(
+                        tma_dO[None, None, head, batch_idx], (tm, D), (m_block, 0)
+                    )
+                    tQsQ, tQgQ = tma_partition(tma_atom_Q, sQ, gQ)
+                    tdOsdO, tdOgdO = tma_partition(tma_atom_dO, sdO, gdO)
+                    pipe_qdo.producer_acquire(q_state)
+                    bar = pipe_qdo.producer_get_barrier(q_state)
+                    cute.copy(tma_atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=bar)
+                    cute.copy(tma_atom_dO, tdOgdO, tdOsdO[None, q_state.index], tma_bar_ptr=bar)
+                    q_state.advance()
+                    m_block, g, work = self._next_work(
+                        mBitmapRow, m_block, g, first_m, m_blocks, group
+                    )
+        else:
+            # ================================ consumers =================================
+            cute.arch.setmaxregister_increase(240)
+            mma_tidx = tidx - 128
+            cwg = wg_idx - 1
+            sQt = _transpose_view(sQ)  # (D, tm, stage)
+            sdOt = _transpose_view(sdO)  # (D, tm, stage)
+            sKt = _transpose_view(sK)  # (D, tn)
+            sdSt = _transpose_view(sdS)  # (tn, tm)
+            wg_sdp = tiled_mma_sdp.get_slice(cwg * 128)
+            wg_dkv = tiled_mma_dkv.get_slice(cwg * 128)
+            wg_dq = tiled_mma_dq.get_slice(cwg * 128)
+            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
+            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (..., stage)
+            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (..., stage)
+            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (..., stage)
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+            thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
+            thr_dkv = tiled_mma_dkv.get_slice(mma_tidx)
+            thr_dq = tiled_mma_dq.get_slice(mma_tidx)
+            acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+            acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
+            acc_dK.fill(0.0)
+            acc_dV.fill(0.0)
+            acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
+            acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
+            if const_expr(self.cfg.ds_stmatrix):
+                r2s_atom = cute.make_copy_atom(
+                    warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+                )
+            else:
+                r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+            r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(mma_tidx)
+            tdSsdSt = r2s.partition_D(sdSt)
+            tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+            n_cols = cute.size(tScS_mn, mode=[1])  # q rows of the thread
+            tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
+            tdQsdQ = None
+            if const_expr(self.cfg.dq_reduce == "bulk"):
+                r2s_dq = cute.make_tiled_copy_tv(
+                    cute.make_copy_atom(
+                        cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128
+                    ),
+                    cute.make_layout((128, 2)),
+                    cute.make_layout(4),
+                )
+                tdQsdQ = r2s_dq.get_slice(mma_tidx).partition_D(sdQ)
+
+            rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+            for p in cutlass.range_constexpr(P):
+                rP[p] = mParams[batch_idx, p]
+            rMf = cute.make_rmem_tensor((2,), Float32)
+            rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+            # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
+            if has_work:
+                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                batch_idx, head0, first_m * tm + mma_tidx, seqlen_q, mma_tidx)
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, mma_tidx)
+            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+            pending = Int32(-1)
+            g = Int32(0)
+            m_block = first_m
+            work = has_work
+            while work:
+                head = head0 + g
+                m_start = m_block * tm
+                stage = q_state.index
+                m_next, g_next, has_next = self._next_work(
+                    mBitmapRow, m_block, g, first_m, m_blocks, group
+                )
+                if has_next:  # registers now, shared memory after this item
+                    self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                    batch_idx, head0 + g_next, m_next * tm + mma_tidx, seqlen_q,
+                                    mma_tidx)
+                pipe_qdo.consumer_wait(q_state)
+                state = tile_state(mBitmapRow, m_block)
+                need_mask = ((state & 2) != 0) | kv_ragged
+
+                # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) -------------------------------
+                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
+                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
+                acc_S_mn = _acc_mn(acc_S)
+                if need_mask:
+                    self._apply_mask_t(
+                        acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                        sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                        seqlen_q - 1,
+                    )
+                for c in cutlass.range_constexpr(n_cols):
+                    lse_l2 = sLSE[tScS_mn[0, c][1], stage]
+                    acc_S_mn[None, c] = cute.math.exp2(
+                        acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
+                    )
+                rP16 = cute.make_fragment_like(acc_S, self.dtype)
+                rP16.store(acc_S.load().to(self.dtype))
+                tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
+
+                # -- dP^T = V dO^T, dS^T = P^T (dP^T - dPsum) -------------------------------
+                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
+                acc_dP_mn = _acc_mn(acc_dP)
+                for c in cutlass.range_constexpr(n_cols):
+                    dps = sdPsum[tScS_mn[0, c][1], stage]
+                    acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (
+                        acc_dP_mn[None, c].load() - dps
+                    )
+                rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
+                rdS16.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s, r2s.retile(rdS16), tdSsdSt)  # dS^T -> sdS (as dS)
+                cute.arch.fence_view_async_shared()
+
+                # -- dV += P^T dO, dK += dS^T Q (A operands from registers) -----------------
+                tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
+                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
+                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+                pipe_qdo.consumer_release(q_state)  # the last reads of Q and dO are done
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+
+                # -- dQ += dS K -----------------------------------------------------------------
+                acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
+                if const_expr(self.cfg.dq_reduce == "bulk"):
+                    pending = self._bulk_reduce_dq(
+                        acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
+                        m_block, cwg, mma_tidx, pending,
+                    )
+                else:
+                    self._atomic_add_dq(
+                        acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start,
+                        seqlen_q,
+                    )
+                if has_next:
+                    self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage,
+                                     mma_tidx)
+                # sdS and this metadata stage are rewritten by the next items
+                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+                q_state.advance()
+                g = g_next
+                m_block = m_next
+                work = has_next
+
+            if const_expr(self.cfg.dq_reduce == "bulk"):
+                if mma_tidx % 128 == 0:  # sdQ stays until the last reduce has read it
+                    if const_expr(self.cfg.deterministic):
+                        self._count_dq_add(mdQsem, pending)
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self._store_dkv(
+                acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
+                n_start, seqlen_k,
+            )
 
     @cute.jit
     def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head,
@@ -1484,6 +1808,8 @@ def flash_bwd(
         and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
         ds_stmatrix=cfg.arch >= 90
         and env_choice("COMPILEMASK_BWD_DS_STORE", ("scalar", "stmatrix"), "scalar") == "stmatrix",
+        warp_specialized=cfg.arch >= 90
+        and env_choice("COMPILEMASK_BWD_WS", ("0", "1"), "0") == "1",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")

@@ -114,6 +114,28 @@ def test_ds_store_stmatrix(hdim, tmp_path):
         assert (n_stm, n_b16) == ((4, 0) if stm else (0, 32)), (stm, n_stm, n_b16)
 
 
+@pytest.mark.parametrize("dtype,hdim,K,extra", [
+    ("bf16", 128, 2, {}), ("fp16", 64, 1, {}),
+    ("bf16", 128, 4, {"dq_reduce": "red2"}),
+    ("bf16", 128, 2, {"deterministic": True, "ds_stmatrix": True}),
+])
+def test_warp_specialized_compiles(dtype, hdim, K, extra, tmp_path):
+    """COMPILEMASK_BWD_WS=1 (sm90 kernel): a producer warpgroup issues the TMA loads (K, V once;
+    Q, dO per q tile), gives registers back (setmaxnreg.dec) to the two wgmma warpgroups
+    (setmaxnreg.inc); no cp.async, and no block-wide barrier in the loop (named barrier 3)."""
+    cfg = FlashBwdConfig(dtype=dtype, head_dim=hdim, tile_m=64, tile_n=128, num_intervals=K,
+                         arch=90, dq_reduce=extra.pop("dq_reduce", "bulk"),
+                         warp_specialized=True, **extra)
+    compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
+    assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
+    assert len(re.findall(r"bar\.sync\s+3, 256;", ptx)) == 3
+    assert len(re.findall(r"bar\.sync\s+0;", ptx)) <= 1  # pipeline set-up only
+
+
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_async_mma_schedule(hdim, tmp_path):
     """COMPILEMASK_BWD_SCHED=async (sm90 kernel): S and dP issued back to back, dV and dK left in
