@@ -55,6 +55,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Optional
 
 import cutlass
@@ -1073,7 +1074,7 @@ class FlashBwdSm90(FlashBwd):
     ):
         D = self.head_dim
         K = self.K
-        tm, tn = self.tile_m, self.tile_n
+        tm = self.tile_m
         P = self.cfg.num_params
         R = self.cfg.num_row_params
         Rs = max(R, 1)
@@ -1095,10 +1096,6 @@ class FlashBwdSm90(FlashBwd):
         sdQ = None
         if const_expr(self.cfg.dq_reduce == "bulk"):
             sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
-        sQt = _transpose_view(sQ)  # (D, tm, stage)
-        sdOt = _transpose_view(sdO)  # (D, tm, stage)
-        sKt = _transpose_view(sK)  # (D, tn)
-        sdSt = _transpose_view(sdS)  # (tn, tm)
 
         # ---- K, V tile: loaded once -----------------------------------------------------
         gmem_thr_copy, tQcQ = self._load_kv_tile(
@@ -1109,50 +1106,9 @@ class FlashBwdSm90(FlashBwd):
 
         # ---- MMA partitions (operand descriptors per warpgroup) ---------------------------
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * 128)
-        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * 128)
-        wg_dq = tiled_mma_dq.get_slice(wg_idx * 128)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
-        tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (..., stage)
-        tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (..., stage)
-        tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (..., stage)
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
-
-        thr_sdp = tiled_mma_sdp.get_slice(tidx)
-        thr_dkv = tiled_mma_dkv.get_slice(tidx)
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
-        acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
-        acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
-        if const_expr(self.cfg.ds_stmatrix):
-            # each thread holds dS^T at (kv row, q col pair); stmatrix.trans writes the 8x8
-            # blocks transposed, so sdS rows (q) get 16-byte runs along kv
-            r2s_atom = cute.make_copy_atom(
-                warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
-            )
-        else:
-            r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
-        r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
-        tdSsdSt = r2s.partition_D(sdSt)
-
-        tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        n_cols = cute.size(tScS_mn, mode=[1])  # q rows of the thread
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
-        tdQsdQ = None
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            # thread t of warpgroup w writes fragment elements 4k..4k+3 to half w at 512k + 4t
-            r2s_dq = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-                cute.make_layout((128, 2)),
-                cute.make_layout(4),
-            )
-            tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
+        f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
+                            tiled_mma_dq, wg_idx, tidx)
+        acc_dK, acc_dV = f.acc_dK, f.acc_dV
 
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
@@ -1181,69 +1137,11 @@ class FlashBwdSm90(FlashBwd):
                 batch_idx, head0, seqlen_q, tidx, True,
             )
 
-            # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
-            # async_mma: dP^T = V dO^T runs on the tensor cores while P is computed
-            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-            if const_expr(self.cfg.async_mma):
-                wgmma_issue(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-                wgmma_issue(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
-                warpgroup.wait_group(1)
-            else:
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-            acc_S_mn = _acc_mn(acc_S)
-            if need_mask:
-                self._apply_mask_t(
-                    acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                    seqlen_q - 1,
-                )
-            for c in cutlass.range_constexpr(n_cols):
-                lse_l2 = sLSE[tScS_mn[0, c][1], stage]
-                acc_S_mn[None, c] = cute.math.exp2(
-                    acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
-                )
-            rP16 = cute.make_fragment_like(acc_S, self.dtype)
-            rP16.store(acc_S.load().to(self.dtype))
-            tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
-
-            # -- dV += P^T dO (A from registers); dS^T = P^T (dP^T - dPsum) ---------------
-            # async_mma: dV runs while dS is computed
-            if const_expr(self.cfg.async_mma):
-                wgmma_issue(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
-                warpgroup.wait_group(1)  # dP
-            else:
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
-            acc_dP_mn = _acc_mn(acc_dP)
-            for c in cutlass.range_constexpr(n_cols):
-                dps = sdPsum[tScS_mn[0, c][1], stage]
-                acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
-            rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
-            rdS16.store(acc_dP.load().to(self.dtype))
-            cute.copy(r2s, r2s.retile(rdS16), tdSsdSt)  # dS^T -> sdS (as dS)
-            cute.arch.fence_view_async_shared()
-
-            # -- dK += dS^T Q (A from registers) ----------------------------------------------
-            tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
-            if const_expr(self.cfg.async_mma):
-                wgmma_issue(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
-            else:
-                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
+            self._sdp_dkv(f, stage, need_mask, sMeta, rP, m_start, n_start, mRowParams,
+                          batch_idx, seqlen_q, scale_log2)
             cute.arch.barrier()  # all of dS in shared memory
-
-            # -- dQ += dS K (float32 reductions into dq_accum) --------------------------------
-            acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)  # async_mma: waits for dK too
-            if const_expr(self.cfg.dq_reduce == "bulk"):
-                pending = self._bulk_reduce_dq(
-                    acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
-                    m_block, wg_idx, tidx, pending,
-                )
-            else:
-                self._atomic_add_dq(
-                    acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
-                )
+            pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block, m_block,
+                               m_start, seqlen_q, wg_idx, tidx, pending)
 
             self._work_end(has_next, rMf, rMi, sMeta, stage, tidx)  # also sdS is reused
             g = g_next
@@ -1261,7 +1159,7 @@ class FlashBwdSm90(FlashBwd):
         # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
         cute.arch.cp_async_wait_group(0)
         self._store_dkv(
-            acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
+            acc_dK, acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
             n_start, seqlen_k,
         )
 
@@ -1391,52 +1289,8 @@ class FlashBwdSm90(FlashBwd):
             cute.arch.setmaxregister_increase(240)
             mma_tidx = tidx - 128
             cwg = wg_idx - 1
-            sQt = _transpose_view(sQ)  # (D, tm, stage)
-            sdOt = _transpose_view(sdO)  # (D, tm, stage)
-            sKt = _transpose_view(sK)  # (D, tn)
-            sdSt = _transpose_view(sdS)  # (tn, tm)
-            wg_sdp = tiled_mma_sdp.get_slice(cwg * 128)
-            wg_dkv = tiled_mma_dkv.get_slice(cwg * 128)
-            wg_dq = tiled_mma_dq.get_slice(cwg * 128)
-            tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-            tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
-            tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-            tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (..., stage)
-            tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (..., stage)
-            tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (..., stage)
-            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
-
-            thr_sdp = tiled_mma_sdp.get_slice(mma_tidx)
-            thr_dkv = tiled_mma_dkv.get_slice(mma_tidx)
-            thr_dq = tiled_mma_dq.get_slice(mma_tidx)
-            acc_dK = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
-            acc_dV = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, D)), Float32)
-            acc_dK.fill(0.0)
-            acc_dV.fill(0.0)
-            acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
-            acc_shape_dQ = thr_dq.partition_shape_C((tm, D))
-            if const_expr(self.cfg.ds_stmatrix):
-                r2s_atom = cute.make_copy_atom(
-                    warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
-                )
-            else:
-                r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
-            r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(mma_tidx)
-            tdSsdSt = r2s.partition_D(sdSt)
-            tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-            n_cols = cute.size(tScS_mn, mode=[1])  # q rows of the thread
-            tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
-            tdQsdQ = None
-            if const_expr(self.cfg.dq_reduce == "bulk"):
-                r2s_dq = cute.make_tiled_copy_tv(
-                    cute.make_copy_atom(
-                        cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128
-                    ),
-                    cute.make_layout((128, 2)),
-                    cute.make_layout(4),
-                )
-                tdQsdQ = r2s_dq.get_slice(mma_tidx).partition_D(sdQ)
+            f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
+                                tiled_mma_dq, cwg, mma_tidx)
 
             rP = cute.make_rmem_tensor((max(P, 1),), Int32)
             for p in cutlass.range_constexpr(P):
@@ -1471,59 +1325,12 @@ class FlashBwdSm90(FlashBwd):
                 state = tile_state(mBitmapRow, m_block)
                 need_mask = ((state & 2) != 0) | kv_ragged
 
-                # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) -------------------------------
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                acc_dP = cute.make_rmem_tensor(acc_shape_S, Float32)
-                wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage], True)
-                acc_S_mn = _acc_mn(acc_S)
-                if need_mask:
-                    self._apply_mask_t(
-                        acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                        sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                        seqlen_q - 1,
-                    )
-                for c in cutlass.range_constexpr(n_cols):
-                    lse_l2 = sLSE[tScS_mn[0, c][1], stage]
-                    acc_S_mn[None, c] = cute.math.exp2(
-                        acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
-                    )
-                rP16 = cute.make_fragment_like(acc_S, self.dtype)
-                rP16.store(acc_S.load().to(self.dtype))
-                tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
-
-                # -- dP^T = V dO^T, dS^T = P^T (dP^T - dPsum) -------------------------------
-                wgmma(tiled_mma_sdp, acc_dP, tdPrV, tdPrdO[None, None, None, stage], True)
-                acc_dP_mn = _acc_mn(acc_dP)
-                for c in cutlass.range_constexpr(n_cols):
-                    dps = sdPsum[tScS_mn[0, c][1], stage]
-                    acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (
-                        acc_dP_mn[None, c].load() - dps
-                    )
-                rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
-                rdS16.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s, r2s.retile(rdS16), tdSsdSt)  # dS^T -> sdS (as dS)
-                cute.arch.fence_view_async_shared()
-
-                # -- dV += P^T dO, dK += dS^T Q (A operands from registers) -----------------
-                tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
-                wgmma(tiled_mma_dkv, acc_dV, tdVrP, tdVrdOt[None, None, None, stage], False)
-                wgmma(tiled_mma_dkv, acc_dK, tdKrdS, tdKrQt[None, None, None, stage], False)
-                pipe_qdo.consumer_release(q_state)  # the last reads of Q and dO are done
+                self._sdp_dkv(f, stage, need_mask, (sLSE, sdPsum, sInt, sFb, sRowP), rP,
+                              m_start, n_start, mRowParams, batch_idx, seqlen_q, scale_log2)
                 cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-
-                # -- dQ += dS K -----------------------------------------------------------------
-                acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, True)
-                if const_expr(self.cfg.dq_reduce == "bulk"):
-                    pending = self._bulk_reduce_dq(
-                        acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
-                        m_block, cwg, mma_tidx, pending,
-                    )
-                else:
-                    self._atomic_add_dq(
-                        acc_dQ, mdQaccum, thr_dq, tdQcdQ, batch_idx, head, m_block, m_start,
-                        seqlen_q,
-                    )
+                pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
+                                   m_block, m_start, seqlen_q, cwg, mma_tidx, pending)
+                pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
                 if has_next:
                     self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage,
                                      mma_tidx)
@@ -1541,9 +1348,149 @@ class FlashBwdSm90(FlashBwd):
                     else:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
             self._store_dkv(
-                acc_dK, acc_dV, mdK, mdV, thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
-                n_start, seqlen_k,
+                f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
+                n_block, n_start, seqlen_k,
             )
+
+    @cute.jit
+    def _mma_setup(self, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                   wg_idx, tidx):
+        """The wgmma operand descriptors of warpgroup ``wg_idx`` and the partitions of thread
+        ``tidx`` (both counted among the wgmma warpgroups), the zeroed dK/dV accumulators, the
+        dS and dQ shared-memory stores: a namespace for ``_sdp_dkv`` and ``_dq``."""
+        D = self.head_dim
+        tm, tn = self.tile_m, self.tile_n
+        f = SimpleNamespace()
+        f.sQ, f.sdO, f.sdQ = sQ, sdO, sdQ
+        sQt = _transpose_view(sQ)  # (D, tm, stage)
+        sdOt = _transpose_view(sdO)  # (D, tm, stage)
+        sKt = _transpose_view(sK)  # (D, tn)
+        sdSt = _transpose_view(sdS)  # (tn, tm)
+        f.tiled_mma_sdp, f.tiled_mma_dkv = tiled_mma_sdp, tiled_mma_dkv
+        f.tiled_mma_dq = tiled_mma_dq
+        wg_sdp = tiled_mma_sdp.get_slice(wg_idx * 128)
+        wg_dkv = tiled_mma_dkv.get_slice(wg_idx * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg_idx * 128)
+        f.tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        f.tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (..., stage)
+        f.tdPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        f.tdPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (..., stage)
+        f.tdVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (..., stage)
+        f.tdKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (..., stage)
+        f.tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        f.tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        f.thr_dkv = tiled_mma_dkv.get_slice(tidx)
+        f.thr_dq = tiled_mma_dq.get_slice(tidx)
+        f.acc_dK = cute.make_rmem_tensor(f.thr_dkv.partition_shape_C((tn, D)), Float32)
+        f.acc_dV = cute.make_rmem_tensor(f.thr_dkv.partition_shape_C((tn, D)), Float32)
+        f.acc_dK.fill(0.0)
+        f.acc_dV.fill(0.0)
+        f.acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
+        f.acc_shape_dQ = f.thr_dq.partition_shape_C((tm, D))
+        if const_expr(self.cfg.ds_stmatrix):
+            # each thread holds dS^T at (kv row, q col pair); stmatrix.trans writes the 8x8
+            # blocks transposed, so sdS rows (q) get 16-byte runs along kv
+            r2s_atom = cute.make_copy_atom(
+                warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+            )
+        else:
+            r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        f.r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
+        f.tdSsdSt = f.r2s.partition_D(sdSt)
+
+        f.tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+        f.tdQcdQ = f.thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
+        f.tdQsdQ = None
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            # thread t of warpgroup w writes fragment elements 4k..4k+3 to half w at 512k + 4t
+            r2s_dq = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+                cute.make_layout((128, 2)),
+                cute.make_layout(4),
+            )
+            f.tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
+        return f
+
+    @cute.jit
+    def _sdp_dkv(self, f, stage, need_mask, sMeta, rP, m_start, n_start, mRowParams, batch_idx,
+                 seqlen_q, scale_log2):
+        """One work item up to the dK/dV GEMMs: S^T = K Q^T, mask, P^T = exp(S^T - LSE), dP^T =
+        V dO^T, dS^T = P^T (dP^T - dPsum) (to sdS, as dS), dV += P^T dO, dK += dS^T Q. The caller
+        syncs the wgmma warpgroups before ``_dq`` reads sdS."""
+        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        n_cols = cute.size(f.tScS_mn, mode=[1])  # q rows of the thread
+        # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
+        # async_mma: dP^T = V dO^T runs on the tensor cores while P is computed
+        acc_S = cute.make_rmem_tensor(f.acc_shape_S, Float32)
+        acc_dP = cute.make_rmem_tensor(f.acc_shape_S, Float32)
+        if const_expr(self.cfg.async_mma):
+            wgmma_issue(f.tiled_mma_sdp, acc_S, f.tSrK, f.tSrQ[None, None, None, stage], True)
+            wgmma_issue(f.tiled_mma_sdp, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, stage],
+                        True)
+            warpgroup.wait_group(1)
+        else:
+            wgmma(f.tiled_mma_sdp, acc_S, f.tSrK, f.tSrQ[None, None, None, stage], True)
+        acc_S_mn = _acc_mn(acc_S)
+        if need_mask:
+            self._apply_mask_t(
+                acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                seqlen_q - 1,
+            )
+        for c in cutlass.range_constexpr(n_cols):
+            lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
+            acc_S_mn[None, c] = cute.math.exp2(
+                acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
+            )
+        rP16 = cute.make_fragment_like(acc_S, self.dtype)
+        rP16.store(acc_S.load().to(self.dtype))
+        tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
+
+        # -- dV += P^T dO (A from registers); dS^T = P^T (dP^T - dPsum) ---------------
+        # async_mma: dV runs while dS is computed
+        if const_expr(self.cfg.async_mma):
+            wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
+                        False)
+            warpgroup.wait_group(1)  # dP
+        else:
+            wgmma(f.tiled_mma_sdp, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, stage], True)
+        acc_dP_mn = _acc_mn(acc_dP)
+        for c in cutlass.range_constexpr(n_cols):
+            dps = sdPsum[f.tScS_mn[0, c][1], stage]
+            acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
+        rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS16.store(acc_dP.load().to(self.dtype))
+        cute.copy(f.r2s, f.r2s.retile(rdS16), f.tdSsdSt)  # dS^T -> sdS (as dS)
+        cute.arch.fence_view_async_shared()
+
+        # -- dK += dS^T Q (A from registers) ----------------------------------------------
+        tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
+        if const_expr(self.cfg.async_mma):
+            wgmma_issue(f.tiled_mma_dkv, f.acc_dK, tdKrdS, f.tdKrQt[None, None, None, stage],
+                        False)
+        else:
+            wgmma(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage], False)
+            wgmma(f.tiled_mma_dkv, f.acc_dK, tdKrdS, f.tdKrQt[None, None, None, stage], False)
+
+    @cute.jit
+    def _dq(self, f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block, m_block, m_start,
+            seqlen_q, wg_idx, tidx, pending):
+        """dQ += dS K for one work item (float32 reductions into dq_accum); with async_mma the
+        wait also covers the dK GEMM. Returns the deterministic ``pending`` semaphore."""
+        acc_dQ = cute.make_rmem_tensor(f.acc_shape_dQ, Float32)
+        wgmma(f.tiled_mma_dq, acc_dQ, f.tdQrdS, f.tdQrKt, True)
+        if const_expr(self.cfg.dq_reduce == "bulk"):
+            pending = self._bulk_reduce_dq(
+                acc_dQ, f.tdQsdQ, f.sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
+                m_block, wg_idx, tidx, pending,
+            )
+        else:
+            self._atomic_add_dq(
+                acc_dQ, mdQaccum, f.thr_dq, f.tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
+            )
+        return pending
 
     @cute.jit
     def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head,
