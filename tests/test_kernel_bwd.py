@@ -26,6 +26,14 @@ from compilemask.reference import attention_reference  # noqa: E402
 SM90 = "sm_90a"  # compile target passed as --gpu-arch: no GPU needed
 
 
+def _ptx(cfg, dump_dir):
+    """The PTX of the backward kernel for ``cfg``, compiled for sm_90a (no GPU, no cache)."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
+                      extra_options=f"--keep-ptx --dump-dir {dump_dir}")
+    return "".join(p.read_text() for p in dump_dir.rglob("*.ptx"))
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU: the backward kernel compiles for sm_90a (no GPU, no launch)
 # ---------------------------------------------------------------------------------------------
@@ -50,25 +58,17 @@ def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
     modes = [("atomic", "atom.global.add.f32", "add.v2.f32"),
              ("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add")]
     for mode, want, other in modes:
-        d = tmp_path / mode
-        d.mkdir()
         cfg = FlashBwdConfig(dtype="bf16", head_dim=64, tile_m=64, tile_n=128, num_intervals=1,
                              arch=arch, dq_reduce=mode)
-        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                          extra_options=f"--keep-ptx --dump-dir {d}")
-        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        ptx = _ptx(cfg, tmp_path / mode)
         assert want in ptx and other not in ptx, mode
     if arch == 90:  # bulk: one cp.reduce.async.bulk per warpgroup and q tile
         modes = [("bulk", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
                   "atom.global.add")]
         for mode, want, other in modes:
-            d = tmp_path / mode
-            d.mkdir()
             cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128,
                                  num_intervals=2, arch=arch, dq_reduce=mode)
-            compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                              extra_options=f"--keep-ptx --dump-dir {d}")
-            ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+            ptx = _ptx(cfg, tmp_path / mode)
             assert ptx.count(want) == 1 and other not in ptx and "red.relaxed" not in ptx
             assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 2
     else:
@@ -102,13 +102,9 @@ def test_ds_store_stmatrix(hdim, tmp_path):
     """COMPILEMASK_BWD_DS_STORE=stmatrix (sm90 kernel): dS^T goes to shared memory in four
     stmatrix.x4.trans per thread instead of 32 16-bit stores."""
     for stm in (False, True):
-        d = tmp_path / str(stm)
-        d.mkdir()
         cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
                              arch=90, dq_reduce="bulk", ds_stmatrix=stm)
-        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                          extra_options=f"--keep-ptx --dump-dir {d}")
-        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        ptx = _ptx(cfg, tmp_path / str(stm))
         n_stm = ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
         n_b16 = ptx.count("st.shared.b16")
         assert (n_stm, n_b16) == ((4, 0) if stm else (0, 32)), (stm, n_stm, n_b16)
@@ -126,9 +122,7 @@ def test_warp_specialized_compiles(dtype, hdim, K, extra, tmp_path):
     cfg = FlashBwdConfig(dtype=dtype, head_dim=hdim, tile_m=64, tile_n=128, num_intervals=K,
                          arch=90, dq_reduce=extra.pop("dq_reduce", "bulk"),
                          warp_specialized=True, **extra)
-    compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
-    ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    ptx = _ptx(cfg, tmp_path)
     assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes" in ptx
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
     assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
@@ -141,13 +135,9 @@ def test_async_mma_schedule(hdim, tmp_path):
     """COMPILEMASK_BWD_SCHED=async (sm90 kernel): S and dP issued back to back, dV and dK left in
     flight while dS is computed: three wait_groups per q tile (1, 1, 0) instead of five 0s."""
     for async_mma, waits in ((False, ["0"] * 5), (True, ["1", "1", "0"])):
-        d = tmp_path / str(async_mma)
-        d.mkdir()
         cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
                              arch=90, dq_reduce="red2", async_mma=async_mma)
-        compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                          extra_options=f"--keep-ptx --dump-dir {d}")
-        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        ptx = _ptx(cfg, tmp_path / str(async_mma))
         got = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
         assert got == waits, (async_mma, got)
 
@@ -203,9 +193,7 @@ def test_deterministic_compiles_with_ordered_adds(tmp_path):
     and counts it (red.release); the other kernels refuse it."""
     cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2,
                          arch=90, dq_reduce="bulk", deterministic=True)
-    compile_flash_bwd(cfg, gpu_arch=SM90, use_cache=False,
-                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
-    ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    ptx = _ptx(cfg, tmp_path)
     assert "ld.acquire.gpu.global.b32" in ptx
     # counted one work item later (and after the loop), once the add has finished
     assert ptx.count("red.release.gpu.global.add.s32") == 2
