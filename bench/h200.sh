@@ -26,10 +26,9 @@ case "${1:-}" in
   tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with its other kernel, dQ accumulation and schedule
+  variants)  # the backward's GPU tests with its other kernels (mma.sync, warp-specialized),
+    # the async schedule and the stmatrix dS store
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_bulk 170 env COMPILEMASK_BWD_DQ=bulk python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     step bwd_async 170 env COMPILEMASK_BWD_SCHED=async python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
