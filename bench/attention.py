@@ -32,7 +32,6 @@ from bench.workloads import WORKLOADS, batch_for, flex_mask_mod, make_meta  # no
 
 H, D = 8, 128
 DTYPE = torch.bfloat16
-DETERMINISTIC = False  # --deterministic
 
 
 def _bench(fn, rep_ms):
@@ -56,7 +55,7 @@ def _compiled_flex(backend):
     return torch.compile(flex_attention, dynamic=False)
 
 
-def run_one(name, S, mode, methods, rep_ms, results):
+def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
     B = batch_for(S)
     dev = "cuda"
     meta = make_meta(name, B, S, device=dev)
@@ -81,7 +80,7 @@ def run_one(name, S, mode, methods, rep_ms, results):
         d = pre(meta) if with_pre else desc
         if mode == "train" and not fwd_only:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            cm.attention(qq, kk, vv, d, deterministic=DETERMINISTIC).backward(do)
+            cm.attention(qq, kk, vv, d, deterministic=deterministic).backward(do)
         else:
             cm.attention(q, k, v, d)
 
@@ -250,8 +249,6 @@ def main(argv=None):
     ap.add_argument("--deterministic", action="store_true",
                     help="cm: cm.attention(..., deterministic=True) (fixed dQ summation order)")
     args = ap.parse_args(argv)
-    global DETERMINISTIC
-    DETERMINISTIC = args.deterministic
     results = []
     # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
@@ -275,7 +272,8 @@ def main(argv=None):
     stem = f"attention_{args.mode}{'_' + args.tag if args.tag else ''}_{datetime.date.today()}"
     for name in args.masks.split(","):
         for S in map(int, args.seqlens.split(",")):
-            run_one(name, S, args.mode, args.methods.split(","), args.rep, results)
+            run_one(name, S, args.mode, args.methods.split(","), args.rep, results,
+                    deterministic=args.deterministic)
             # written after every point: a run cut short keeps what it measured
             md = to_markdown(results, args.mode, meta_line)
             (out / f"{stem}.md").write_text(md)

@@ -240,6 +240,21 @@ def load_rows(gmem_tiled_copy, tXgX, tXsX, tXcX, limit: Int32):
 # ----------------------------------------------------------------------------------------------
 # wgmma
 # ----------------------------------------------------------------------------------------------
+def tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
+    """A TMA-fed ``num_stages``-deep pipeline on the mbarriers ``mbar`` (set up before
+    ``pipeline_init_arrive``/``pipeline_init_wait``)."""
+    import cutlass.pipeline as pipeline
+
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar.data_ptr(),
+        num_stages=num_stages,
+        producer_group=producer,
+        consumer_group=consumers,
+        tx_count=tx_count,
+        defer_sync=True,
+    )
+
+
 @dsl_user_op
 def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes: int, *, loc=None, ip=None):
     """``gmem[0:num_bytes] += smem[0:num_bytes]`` (float32, both contiguous) by the TMA unit,

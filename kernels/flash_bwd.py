@@ -87,6 +87,7 @@ from .common import (
     tile_state,
     tiled_copy_g2s_16B,
     tma_partition,
+    tma_pipeline,
     wgmma,
     wgmma_issue,
 )
@@ -1227,14 +1228,8 @@ class FlashBwdSm90(FlashBwd):
         storage = smem.allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_kv, defer_sync=True,
-        )
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=S, producer_group=producer,
-            consumer_group=consumers, tx_count=self.tx_qdo, defer_sync=True,
-        )
+        pipe_kv = tma_pipeline(storage.mbar_kv, 1, producer, consumers, self.tx_kv)
+        pipe_qdo = tma_pipeline(storage.mbar_qdo, S, producer, consumers, self.tx_qdo)
         pipeline.pipeline_init_arrive()
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)

@@ -41,6 +41,7 @@ from .common import (
     tile_state,
     tiled_copy_store_16B,
     tma_partition,
+    tma_pipeline,
     wgmma,
     wgmma_issue,
 )
@@ -49,18 +50,6 @@ from .flash_fwd import FlashFwd, FlashFwdConfig, make_sm90_tiled_mmas
 # named barriers: 0 = whole CTA; 1, 2 = epilogue of consumer warpgroup 0, 1;
 # 3, 4 = "whose turn" of consumer warpgroup 0, 1 (pingpong)
 _SCHED_BAR = 3
-
-
-def _tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
-    """A TMA-fed ``num_stages``-deep pipeline on the mbarriers ``mbar``."""
-    return pipeline.PipelineTmaAsync.create(
-        barrier_storage=mbar.data_ptr(),
-        num_stages=num_stages,
-        producer_group=producer,
-        consumer_group=consumers,
-        tx_count=tx_count,
-        defer_sync=True,
-    )
 
 
 class FlashFwdSm90(FlashFwd):
@@ -222,9 +211,9 @@ class FlashFwdSm90(FlashFwd):
         storage = smem.allocate(SharedStorage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_q = _tma_pipeline(storage.mbar_Q, 1, producer, consumers, self.tx_Q)
-        pipe_k = _tma_pipeline(storage.mbar_K, self.num_stages, producer, consumers, self.tx_KV)
-        pipe_v = _tma_pipeline(storage.mbar_V, self.num_stages, producer, consumers, self.tx_KV)
+        pipe_q = tma_pipeline(storage.mbar_Q, 1, producer, consumers, self.tx_Q)
+        pipe_k = tma_pipeline(storage.mbar_K, self.num_stages, producer, consumers, self.tx_KV)
+        pipe_v = tma_pipeline(storage.mbar_V, self.num_stages, producer, consumers, self.tx_KV)
         pipeline.pipeline_init_arrive()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
