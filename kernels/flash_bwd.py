@@ -96,8 +96,12 @@ from .flash_fwd import Fallback
 log = logging.getLogger("compilemask")
 
 # named barriers of the sm90 kernels: 0 = whole CTA; 1, 2 = warpgroup 0, 1 around its dQ tile
-# half (bulk dQ); 3 = the two wgmma warpgroups of the warp-specialized kernel
+# half (bulk dQ); 3 = the two wgmma warpgroups of the warp-specialized kernel; 4 + w / 6 + w =
+# the dQ half w of the pipelined warp-specialized kernel is full / empty (warpgroup w and the
+# dQ writer warp)
 _BAR_MMA = 3
+_BAR_DQ_FULL = 4
+_BAR_DQ_EMPTY = 6
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
@@ -882,7 +886,12 @@ class FlashBwdSm90(FlashBwd):
         if cfg.deterministic and cfg.dq_reduce != "bulk":
             return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "bulk" else 0
-        if FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes > 227 * 1024:
+        pipelined = cfg.warp_specialized and cfg.async_mma
+        if pipelined and cfg.dq_reduce != "bulk":  # the dQ writer warp issues bulk reduce-adds
+            return False
+        ds_bytes = cfg.tile_m * cfg.tile_n * 2 if pipelined else 0  # the second dS buffer
+        if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
+                > 227 * 1024):
             return False
         return True
 
@@ -931,9 +940,13 @@ class FlashBwdSm90(FlashBwd):
         )
         sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
-        sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
-        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "bulk") else 0
         ws = self.cfg.warp_specialized
+        pipelined = ws and self.cfg.async_mma
+        if const_expr(pipelined):  # one dS buffer per Q/dO stage: no barrier at the item's end
+            sdS_layout = cute.tile_to_shape(atom_n, (tm, tn, S), order=(0, 1, 2))
+        else:
+            sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
+        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "bulk") else 0
         n_mbar_kv, n_mbar_qdo = (2, 2 * S) if const_expr(ws) else (0, 0)
 
         @cute.struct
@@ -1279,6 +1292,10 @@ class FlashBwdSm90(FlashBwd):
                     m_block, g, work = self._next_work(
                         mBitmapRow, m_block, g, first_m, m_blocks, group
                     )
+            if const_expr(self.cfg.async_mma):
+                if warp_idx == 1:
+                    self._dq_writer(has_work, first_m, mBitmapRow, m_blocks, group, head0,
+                                    batch_idx, n_block, sdQ, mdQaccum, mdQsem, mRank)
         else:
             # ================================ consumers =================================
             cute.arch.setmaxregister_increase(240)
@@ -1286,66 +1303,242 @@ class FlashBwdSm90(FlashBwd):
             cwg = wg_idx - 1
             f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
                                 tiled_mma_dq, cwg, mma_tidx)
-
-            rP = cute.make_rmem_tensor((max(P, 1),), Int32)
-            for p in cutlass.range_constexpr(P):
-                rP[p] = mParams[batch_idx, p]
-            rMf = cute.make_rmem_tensor((2,), Float32)
-            rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
-            # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
-            if has_work:
-                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                batch_idx, head0, first_m * tm + mma_tidx, seqlen_q, mma_tidx)
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, mma_tidx)
-            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_kv.consumer_wait(kv_state)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
-            pending = Int32(-1)
-            g = Int32(0)
-            m_block = first_m
-            work = has_work
-            while work:
-                head = head0 + g
-                m_start = m_block * tm
-                stage = q_state.index
-                m_next, g_next, has_next = self._next_work(
-                    mBitmapRow, m_block, g, first_m, m_blocks, group
+            if const_expr(self.cfg.async_mma):
+                self._consumer_pipelined(
+                    f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
+                    batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
+                    mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), cwg,
+                    mma_tidx,
                 )
-                if has_next:  # registers now, shared memory after this item
+                self._store_dkv(
+                    f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
+                    n_block, n_start, seqlen_k,
+                )
+            else:
+                rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+                for p in cutlass.range_constexpr(P):
+                    rP[p] = mParams[batch_idx, p]
+                rMf = cute.make_rmem_tensor((2,), Float32)
+                rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+                # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
+                if has_work:
                     self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                    batch_idx, head0 + g_next, m_next * tm + mma_tidx, seqlen_q,
-                                    mma_tidx)
-                pipe_qdo.consumer_wait(q_state)
-                state = tile_state(mBitmapRow, m_block)
-                need_mask = ((state & 2) != 0) | kv_ragged
-
-                self._sdp_dkv(f, stage, need_mask, (sLSE, sdPsum, sInt, sFb, sRowP), rP,
-                              m_start, n_start, mRowParams, batch_idx, seqlen_q, scale_log2)
+                                    batch_idx, head0, first_m * tm + mma_tidx, seqlen_q, mma_tidx)
+                    self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, mma_tidx)
                 cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-                pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
-                                   m_block, m_start, seqlen_q, cwg, mma_tidx, pending)
-                pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
-                if has_next:
-                    self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage,
-                                     mma_tidx)
-                # sdS and this metadata stage are rewritten by the next items
-                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-                q_state.advance()
-                g = g_next
-                m_block = m_next
-                work = has_next
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+                pipe_kv.consumer_wait(kv_state)
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
+                pending = Int32(-1)
+                g = Int32(0)
+                m_block = first_m
+                work = has_work
+                while work:
+                    head = head0 + g
+                    m_start = m_block * tm
+                    stage = q_state.index
+                    m_next, g_next, has_next = self._next_work(
+                        mBitmapRow, m_block, g, first_m, m_blocks, group
+                    )
+                    if has_next:  # registers now, shared memory after this item
+                        self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                        batch_idx, head0 + g_next, m_next * tm + mma_tidx, seqlen_q,
+                                        mma_tidx)
+                    pipe_qdo.consumer_wait(q_state)
+                    state = tile_state(mBitmapRow, m_block)
+                    need_mask = ((state & 2) != 0) | kv_ragged
 
-            if const_expr(self.cfg.dq_reduce == "bulk"):
-                if mma_tidx % 128 == 0:  # sdQ stays until the last reduce has read it
-                    if const_expr(self.cfg.deterministic):
-                        self._count_dq_add(mdQsem, pending)
-                    else:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-            self._store_dkv(
-                f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
-                n_block, n_start, seqlen_k,
+                    self._sdp_dkv(f, stage, need_mask, (sLSE, sdPsum, sInt, sFb, sRowP), rP,
+                                  m_start, n_start, mRowParams, batch_idx, seqlen_q, scale_log2)
+                    cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+                    pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
+                                       m_block, m_start, seqlen_q, cwg, mma_tidx, pending)
+                    pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
+                    if has_next:
+                        self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage,
+                                         mma_tidx)
+                    # sdS and this metadata stage are rewritten by the next items
+                    cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+                    q_state.advance()
+                    g = g_next
+                    m_block = m_next
+                    work = has_next
+
+                if const_expr(self.cfg.dq_reduce == "bulk"):
+                    if mma_tidx % 128 == 0:  # sdQ stays until the last reduce has read it
+                        if const_expr(self.cfg.deterministic):
+                            self._count_dq_add(mdQsem, pending)
+                        else:
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self._store_dkv(
+                    f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
+                    n_block, n_start, seqlen_k,
+                )
+
+    @cute.jit
+    def _consumer_pipelined(
+        self, f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
+        batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum, mIntervals,
+        mRowRegion, mRowParams, sMeta, cwg, tidx,
+    ):
+        """The wgmma warpgroups of the pipelined warp-specialized kernel, one barrier per work
+        item: S and dP are issued back to back; dV runs while dS is computed; after the one
+        barrier of the two warpgroups (dS complete in shared memory) dQ, then dK are issued;
+        dQ goes to this warpgroup's half of sdQ for the dQ writer warp (``_dq_writer``), which
+        issues the reduce-add. dS has one buffer per Q/dO stage, and the next item's row
+        metadata is stored before the barrier, so nothing is rewritten that the other
+        warpgroup may still read and the item needs no second barrier."""
+        K = self.K
+        P = self.cfg.num_params
+        Rs = max(self.cfg.num_row_params, 1)
+        tm = self.tile_m
+        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
+        for p in cutlass.range_constexpr(P):
+            rP[p] = mParams[batch_idx, p]
+        rMf = cute.make_rmem_tensor((2,), Float32)
+        rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+        if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
+            self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                            batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        g = Int32(0)
+        m_block = first_m
+        work = has_work
+        while work:
+            m_start = m_block * tm
+            stage = q_state.index
+            m_next, g_next, has_next = self._next_work(
+                mBitmapRow, m_block, g, first_m, m_blocks, group
             )
+            if has_next:  # registers now, shared memory before this item's barrier
+                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                batch_idx, head0 + g_next, m_next * tm + tidx, seqlen_q, tidx)
+            state = tile_state(mBitmapRow, m_block)
+            need_mask = ((state & 2) != 0) | kv_ragged
+            pipe_qdo.consumer_wait(q_state)
+
+            self._item_pipelined(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+                                 n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx)
+            pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
+            q_state.advance()
+            g = g_next
+            m_block = m_next
+            work = has_next
+
+    @cute.jit
+    def _item_pipelined(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+                        n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx):
+        """One work item of ``_consumer_pipelined``: from the S and dP GEMMs to the dK GEMM's
+        completion (Q/dO stage ``stage`` read through)."""
+        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        n_cols = cute.size(f.tScS_mn, mode=[1])  # q rows of the thread
+        # -- S^T = K Q^T and dP^T = V dO^T back to back; P^T = exp(S^T - LSE) -------------
+        acc_S = cute.make_rmem_tensor(f.acc_shape_S, Float32)
+        acc_dP = cute.make_rmem_tensor(f.acc_shape_S, Float32)
+        wgmma_issue(f.tiled_mma_sdp, acc_S, f.tSrK, f.tSrQ[None, None, None, stage], True)
+        wgmma_issue(f.tiled_mma_sdp, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, stage],
+                    True)
+        warpgroup.wait_group(1)
+        acc_S_mn = _acc_mn(acc_S)
+        if need_mask:
+            self._apply_mask_t(
+                acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                seqlen_q - 1,
+            )
+        for c in cutlass.range_constexpr(n_cols):
+            lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
+            acc_S_mn[None, c] = cute.math.exp2(
+                acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
+            )
+        rP16 = cute.make_fragment_like(acc_S, self.dtype)
+        rP16.store(acc_S.load().to(self.dtype))
+        tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
+
+        # -- dS^T = P^T (dP^T - dPsum) -> sdS[stage] (as dS); dV += P^T dO in flight ------
+        warpgroup.wait_group(0)
+        acc_dP_mn = _acc_mn(acc_dP)
+        for c in cutlass.range_constexpr(n_cols):
+            dps = sdPsum[f.tScS_mn[0, c][1], stage]
+            acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
+        rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS16.store(acc_dP.load().to(self.dtype))
+        cute.copy(f.r2s, f.r2s.retile(rdS16), f.tdSsdSt[None, None, None, stage])
+        wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
+                    False)
+        if has_next:  # every read of the other metadata stage was before the last barrier
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+        cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+
+        # -- dQ = dS K (both warpgroups' dS), then dK += dS^T Q ---------------------------
+        acc_dQ = cute.make_rmem_tensor(f.acc_shape_dQ, Float32)
+        wgmma_issue(f.tiled_mma_dq, acc_dQ, f.tdQrdS[None, None, None, stage], f.tdQrKt,
+                    True)
+        warpgroup.wait_group(1)  # dV
+        tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
+        wgmma_issue(f.tiled_mma_dkv, f.acc_dK, tdKrdS, f.tdKrQt[None, None, None, stage],
+                    False)
+        warpgroup.wait_group(1)  # dQ
+        # this warpgroup's dQ half -> sdQ once the writer has issued the last one's reduce
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + cwg, number_of_threads=128 + 32)
+        cute.autovec_copy(
+            cute.make_tensor(acc_dQ.iterator, cute.make_layout(f.tdQsdQ.shape)), f.tdQsdQ
+        )
+        cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's reads
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + cwg, number_of_threads=128 + 32)
+        warpgroup.wait_group(0)  # dK
+
+    @cute.jit
+    def _dq_writer(self, has_work, first_m, mBitmapRow, m_blocks, group, head0, batch_idx,
+                   n_block, sdQ, mdQaccum, mdQsem, mRank):
+        """The dQ writer warp of the pipelined warp-specialized kernel (warp 1): per work item
+        and dQ half w, it frees sdQ half w once the previous reduce-add has read it (named
+        barrier 6 + w), waits until warpgroup w has written it (4 + w), and issues one bulk
+        reduce-add of the half into dq_accum. deterministic: before adding, lane 0 waits until
+        the half's semaphore equals this CTA's rank among the column's non-empty kv tiles,
+        and after the adds have completed it counts them (release), as ``_bulk_reduce_dq``."""
+        half = self.tile_m * self.head_dim // 2
+        lane = cute.arch.lane_idx()
+        g = Int32(0)
+        m_block = first_m
+        work = has_work
+        while work:
+            head = head0 + g
+            for w in cutlass.range_constexpr(2):
+                if const_expr(not self.cfg.deterministic):
+                    if lane == 0:
+                        cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + w, number_of_threads=128 + 32)
+            for w in cutlass.range_constexpr(2):
+                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + w, number_of_threads=128 + 32)
+                if lane == 0:
+                    gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (w,))
+                    if const_expr(self.cfg.deterministic):
+                        sem = mdQsem.iterator + cute.crd2idx((batch_idx, head, m_block, w),
+                                                             mdQsem.layout)
+                        rank = mRank[batch_idx, n_block, m_block]
+                        done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                        while done != rank:
+                            done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+                    bulk_reduce_add_f32(sdQ[None, w].iterator, gdQ.iterator, half * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+            if const_expr(self.cfg.deterministic):
+                if lane == 0:  # the adds are complete (not only read): count them
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    for w in cutlass.range_constexpr(2):
+                        sem = mdQsem.iterator + cute.crd2idx((batch_idx, head, m_block, w),
+                                                             mdQsem.layout)
+                        cute.arch.red(sem, Int32(1), op="add", dtype="s32", sem="release",
+                                      scope="gpu")
+            m_block, g, work = self._next_work(mBitmapRow, m_block, g, first_m, m_blocks, group)
+        if lane == 0:  # sdQ stays until the last reduce-add has read it
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _mma_setup(self, sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
