@@ -257,11 +257,9 @@ def main(argv=None):
     # the knobs that pick kernel variants, so that a table says which ones it measured
     from compilemask.kernels.flash_bwd import default_arch
 
-    knobs = {"backward": f"sm{default_arch(torch.device('cuda'))}",
-             "dQ": os.environ.get("COMPILEMASK_BWD_DQ", "bulk on sm_90"),
-             "bwd schedule": os.environ.get("COMPILEMASK_BWD_SCHED", "sync"),
-             "dS store": os.environ.get("COMPILEMASK_BWD_DS_STORE", "scalar"),
-             "bwd warp-specialized": os.environ.get("COMPILEMASK_BWD_WS", "0"),
+    bwd_arch = default_arch(torch.device("cuda"))
+    knobs = {"backward": f"sm{bwd_arch}"
+             + ("" if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
              "q-tile order": os.environ.get("COMPILEMASK_FWD_ORDER", "forward"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "

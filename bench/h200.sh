@@ -3,12 +3,11 @@
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
-#   bash bench/h200.sh variants  # the backward's tests with mma.sync and the async schedule
+#   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
-#   bash bench/h200.sh bwd       # the sm90 backward's variants (dQ, wgmma schedule, dS store)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
@@ -26,15 +25,8 @@ case "${1:-}" in
   tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with its other kernels (mma.sync, warp-specialized),
-    # the async schedule and the stmatrix dS store
+  variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_async 170 env COMPILEMASK_BWD_SCHED=async python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_stmatrix 170 env COMPILEMASK_BWD_DS_STORE=stmatrix python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/test_kernel_bwd.py
-    step bwd_ws 170 env COMPILEMASK_BWD_WS=1 python3 -m pytest -q -m gpu -x \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
@@ -57,16 +49,6 @@ case "${1:-}" in
     step fwd32k 560 python3 bench/attention.py --mode fwd --seqlens 32768 --rep 100 \
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
-    ;;
-  bwd)  # the sm90 backward's variants (dQ:schedule:dS store:warp-specialized), HSTU and causal
-    for v in ${BWD_VARIANTS:-bulk:sync:scalar:0 bulk:sync:stmatrix:0 bulk:sync:scalar:1 \
-               bulk:sync:stmatrix:1}; do
-      IFS=: read -r dq sched ds ws <<<"$v"
-      step "train_bwd_${v//:/_}" 150 env COMPILEMASK_BWD_DQ=$dq COMPILEMASK_BWD_SCHED=$sched \
-        COMPILEMASK_BWD_DS_STORE=$ds COMPILEMASK_BWD_WS=$ws python3 bench/attention.py \
-        --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm \
-        --out "$OUT" --tag "bwd_${v//:/_}"
-    done
     ;;
   det)  # the deterministic backward's GPU tests and its cost (HSTU and causal, 8K and 32K)
     step bwd_det 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_bwd.py \
@@ -91,5 +73,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|bwd|det|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|order"; exit 2 ;;
 esac

@@ -2,8 +2,9 @@
 
 Three steps (``flash_bwd`` runs them in order):
 
-1. preprocess: ``dPsum[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`` in float32 (``D`` in the
-   FlashAttention papers); ``dq_accum`` float32 ``[B, Sq, H, D]`` is zeroed.
+1. preprocess (``bwd_aux.BwdPreprocess``, one warp per row): ``dPsum[b, h, i] = sum_d
+   dO[b, i, h, d] * O[b, i, h, d]`` in float32 (``D`` in the FlashAttention papers); ``dq_accum``
+   float32 is zeroed.
 2. main kernel (:class:`FlashBwd`): one CTA per (kv tile ``n_block``, batch, kv head). The CTA
    holds its K and V tile in shared memory and, for every query head of its GQA group, streams the
    q tiles that the backward Tile-State Bitmap row ``bwd_bitmap[b, n_block, :]`` marks non-empty
@@ -22,17 +23,15 @@ Three steps (``flash_bwd`` runs them in order):
    ``dP = dO V^T``, ``dS = P * (dP - dPsum)``; ``dV += P^T dO`` and ``dK += dS^T Q`` accumulate
    in registers across the q tiles *and* the query heads of the group (so dK/dV of a kv head are
    the sum over its query heads, written once, no atomics); ``dQ_tile = dS K`` is added to
-   ``dq_accum`` in float32 (``COMPILEMASK_BWD_DQ``): the sm90 kernel's default ``bulk`` writes
-   each warpgroup's half of the dQ tile to shared memory in accumulator-fragment order and adds
-   it with one ``cp.reduce.async.bulk ... add.f32`` (the TMA unit, asynchronous; dq_accum is
-   [B, H, q tiles, tile_m * D] in that order), as FlashAttention 3/4 do; ``red2``, one
-   ``red.global.add.v2.f32`` per pair of adjacent columns (the mma.sync kernel's default on
-   sm_90); ``atomic``, one ``atom.global.add.f32`` per element (before sm_90). On the H200 at
-   HSTU 32K the backward takes 81.7 (atomic), 64.2 (red2), 58.7 (bulk) ms.
-3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)`` (``bulk``: gathered back into rows
-   first).
-
-Steps 1 and 3 are elementwise torch ops today (a bandwidth-bound pass each).
+   ``dq_accum`` in float32. The sm90 kernel (``bulk``) writes each warpgroup's half of the dQ
+   tile to shared memory in accumulator-fragment order and a writer warp adds it with one
+   ``cp.reduce.async.bulk ... add.f32`` (the TMA unit, asynchronous; dq_accum is
+   [B, H, q tiles, tile_m * D] in that order), as FlashAttention 3/4 do. The mma.sync kernel
+   (``COMPILEMASK_BWD_DQ``) uses ``red2``, one ``red.global.add.v2.f32`` per pair of adjacent
+   columns (sm_90), or ``atomic``, one ``atom.global.add.f32`` per element (before sm_90).
+3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)`` (``bwd_aux.DqPostprocess``
+   gathers the ``bulk`` fragment order back into rows in the same pass; a torch expression for
+   the mma.sync kernel's row-major dq_accum).
 
 Two MMA paths share the schedule, the loads, the mask and the epilogue:
 
@@ -41,11 +40,18 @@ Two MMA paths share the schedule, the loads, the mask and the epilogue:
   that need them transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the
   float32 reference).
 * ``arch=90`` (:class:`FlashBwdSm90`, the default on sm_90; ``COMPILEMASK_BWD_ARCH=80`` picks
-  the other): all five GEMMs on wgmma (SASS ``HGMMA``), two warpgroups; the score tile is
-  computed transposed (S^T = K Q^T) so P^T and dS^T feed dV/dK as register A operands. No
-  spills (242 registers); passes every GPU backward test on the H200.
+  the other): all five GEMMs on wgmma (SASS ``HGMMA``), warp-specialized. A producer warpgroup
+  loads K and V once and Q, dO per q tile with TMA into a 2-stage mbarrier pipeline, and its
+  second warp issues the dQ reduce-adds; two wgmma warpgroups compute, with one barrier between
+  them per q tile. The score tile is computed transposed (S^T = K Q^T) so P^T and dS^T feed
+  dV/dK as register A operands; S and dP are issued back to back and dV, dQ, dK overlap the
+  pointwise math (the FlashAttention 3 schedule). The variants it replaced (cp.async loads,
+  waiting for every GEMM, scalar dS stores, dQ adds issued by the compute warpgroups) are
+  measured in ``bench/results/backward_variants_2026-11-29.md``: HSTU 32K backward 81.7 ms
+  (atomics) -> 58.7 (bulk) -> 47.7 (this kernel) on the H200.
 
-Both hold 2 stages of Q/dO (cp.async) so the next q tile loads during the current one's math.
+The mma.sync kernel holds 2 stages of Q/dO (cp.async) so the next q tile loads during the
+current one's math.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
+from .bwd_aux import AuxConfig, compile_aux
 from .common import (
     SeqlenInfo,
     _acc_mn,
@@ -88,17 +95,14 @@ from .common import (
     tiled_copy_g2s_16B,
     tma_partition,
     tma_pipeline,
-    wgmma,
     wgmma_issue,
 )
 from .flash_fwd import Fallback
 
 log = logging.getLogger("compilemask")
 
-# named barriers of the sm90 kernels: 0 = whole CTA; 1, 2 = warpgroup 0, 1 around its dQ tile
-# half (bulk dQ); 3 = the two wgmma warpgroups of the warp-specialized kernel; 4 + w / 6 + w =
-# the dQ half w of the pipelined warp-specialized kernel is full / empty (warpgroup w and the
-# dQ writer warp)
+# named barriers of the sm90 kernel: 0 = whole CTA (set-up); 3 = the two wgmma warpgroups;
+# 4 + w / 6 + w = dQ half w is full / empty (wgmma warpgroup w and the dQ writer warp)
 _BAR_MMA = 3
 _BAR_DQ_FULL = 4
 _BAR_DQ_EMPTY = 6
@@ -127,23 +131,17 @@ class FlashBwdConfig:
     arch: int = 80  # 80: mma.sync (runs on sm80..sm90a); 90: wgmma (sm90a)
     num_threads: int = 256
     # dQ accumulation: "atomic" (one float32 atomic per element), "red2" (red.global.add.v2.f32
-    # on the two adjacent columns an accumulator fragment holds; sm_90 PTX) or "bulk" (arch 90:
-    # fragment-ordered tile halves through shared memory, one bulk reduce-add each). flash_bwd
-    # picks bulk for the sm90 kernel (bench/results/attention_train_bwd_*).
-    dq_reduce: str = "atomic"
-    # arch 90: issue the S and dP wgmmas back to back and overlap P / dS with the next GEMM
-    # (wait_group 1) instead of waiting for every GEMM (COMPILEMASK_BWD_SCHED=async|sync)
-    async_mma: bool = False
-    # arch 90, bulk dQ: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
+    # on the two adjacent columns an accumulator fragment holds; sm_90 PTX): the mma.sync
+    # kernel; "bulk" (fragment-ordered tile halves through shared memory, one bulk reduce-add
+    # each): the sm90 kernel, which needs it
+    dq_reduce: str = ""  # "": the kernel's own (bulk for arch 90, atomic for arch 80)
+    # arch 90: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
     # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
     deterministic: bool = False
-    # arch 90: dS^T registers -> sdS with stmatrix.trans (4 8x8 matrices per instruction) instead
-    # of one 16-bit store per element (COMPILEMASK_BWD_DS_STORE=stmatrix|scalar)
-    ds_stmatrix: bool = False
-    # arch 90: warp-specialized (a TMA producer warpgroup loads K, V once and Q, dO per q tile
-    # into a 2-stage mbarrier pipeline; the two wgmma warpgroups never issue a load and sync
-    # with named barriers only): COMPILEMASK_BWD_WS=1
-    warp_specialized: bool = False
+
+    def __post_init__(self):
+        if not self.dq_reduce:
+            object.__setattr__(self, "dq_reduce", "bulk" if self.arch >= 90 else "atomic")
 
     @property
     def cutlass_dtype(self):
@@ -193,7 +191,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic or cfg.warp_specialized:  # sm90 kernel features
+        if cfg.deterministic:  # an sm90 kernel feature
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -863,7 +861,8 @@ class FlashBwd:
 # Hopper variant: the same schedule with wgmma (SASS HGMMA)
 # ----------------------------------------------------------------------------------------------
 class FlashBwdSm90(FlashBwd):
-    """``FlashBwd`` with every GEMM on wgmma (two consumer warpgroups, cp.async loads).
+    """``FlashBwd`` with every GEMM on wgmma, warp-specialized (a TMA producer warpgroup with a
+    dQ writer warp, two wgmma warpgroups).
 
     The score tile is computed transposed, ``S^T = K Q^T`` (kv rows on the warpgroups' M, q
     columns on N), so P^T and dS^T stay in registers as the A operand of ``dV += P^T dO`` and
@@ -881,15 +880,10 @@ class FlashBwdSm90(FlashBwd):
             return False
         if cfg.tile_m != 64:  # one warpgroup row of q; dQ splits the head dim over the two
             return False
-        if cfg.dq_reduce not in ("atomic", "red2", "bulk"):
+        if cfg.dq_reduce != "bulk":  # the dQ writer warp issues bulk reduce-adds
             return False
-        if cfg.deterministic and cfg.dq_reduce != "bulk":
-            return False
-        dq_bytes = cfg.tile_m * cfg.head_dim * 4 if cfg.dq_reduce == "bulk" else 0
-        pipelined = cfg.warp_specialized and cfg.async_mma
-        if pipelined and cfg.dq_reduce != "bulk":  # the dQ writer warp issues bulk reduce-adds
-            return False
-        ds_bytes = cfg.tile_m * cfg.tile_n * 2 if pipelined else 0  # the second dS buffer
+        dq_bytes = cfg.tile_m * cfg.head_dim * 4
+        ds_bytes = cfg.tile_m * cfg.tile_n * 2  # the second dS buffer
         if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
                 > 227 * 1024):
             return False
@@ -940,14 +934,8 @@ class FlashBwdSm90(FlashBwd):
         )
         sQ_layout = cute.tile_to_shape(atom_d, (tm, D, S), order=(0, 1, 2))
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
-        ws = self.cfg.warp_specialized
-        pipelined = ws and self.cfg.async_mma
-        if const_expr(pipelined):  # one dS buffer per Q/dO stage: no barrier at the item's end
-            sdS_layout = cute.tile_to_shape(atom_n, (tm, tn, S), order=(0, 1, 2))
-        else:
-            sdS_layout = cute.tile_to_shape(atom_n, (tm, tn), order=(0, 1))
-        dq_elems = tm * D if const_expr(self.cfg.dq_reduce == "bulk") else 0
-        n_mbar_kv, n_mbar_qdo = (2, 2 * S) if const_expr(ws) else (0, 0)
+        # one dS buffer per Q/dO stage: the item needs no barrier at its end
+        sdS_layout = cute.tile_to_shape(atom_n, (tm, tn, S), order=(0, 1, 2))
 
         @cute.struct
         class SharedStorage:
@@ -961,13 +949,11 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
-            # bulk: the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
-            # warp-specialized: (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, n_mbar_kv]
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, n_mbar_qdo]
-
-        gmem_tiled_copy = tiled_copy_g2s_16B(dtype, self.num_threads)
+            # the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
+            # (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * S]
 
         Kmaj = cute.nvgpu.OperandMajorMode.K
         MNmaj = cute.nvgpu.OperandMajorMode.MN
@@ -996,189 +982,35 @@ class FlashBwdSm90(FlashBwd):
             cute.size(mK.shape[0]) * cute.size(mK.shape[2]),
             1,
         )
-        if const_expr(ws):
-            # (B, S, H, D) -> (S, D, H, B): TMA boxes of (tile rows, D); rows past the sequence
-            # are zero-filled by the TMA unit (as the cp.async path zero-fills them)
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            sQ_one = cute.select(sQ_layout, mode=[0, 1])
-            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-                g2s, select_modes(mQ, [1, 3, 2, 0]), sQ_one, (tm, D))
-            tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
-                g2s, select_modes(mdO, [1, 3, 2, 0]), sQ_one, (tm, D))
-            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-                g2s, select_modes(mK, [1, 3, 2, 0]), sKV_layout, (tn, D))
-            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-                g2s, select_modes(mV, [1, 3, 2, 0]), sKV_layout, (tn, D))
-            self.tx_qdo = 2 * cute.size_in_bytes(dtype, sQ_one)
-            self.tx_kv = 2 * cute.size_in_bytes(dtype, sKV_layout)
-            self.kernel_ws(
-                mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, mIntervals, mBitmap, mRowRegion,
-                mParams, mRowParams, mdQsem, mRank, softmax_scale, tma_atom_Q, tma_Q,
-                tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ_layout,
-                sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
-                SharedStorage,
-            ).launch(
-                grid=grid,
-                block=[self.num_threads + 128, 1, 1],
-                smem=SharedStorage.size_in_bytes(),
-                stream=stream,
-            )
-            return
+        # (B, S, H, D) -> (S, D, H, B): TMA boxes of (tile rows, D); rows past the sequence
+        # are zero-filled by the TMA unit (as the cp.async path zero-fills them)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        sQ_one = cute.select(sQ_layout, mode=[0, 1])
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mQ, [1, 3, 2, 0]), sQ_one, (tm, D))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mdO, [1, 3, 2, 0]), sQ_one, (tm, D))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mK, [1, 3, 2, 0]), sKV_layout, (tn, D))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            g2s, select_modes(mV, [1, 3, 2, 0]), sKV_layout, (tn, D))
+        self.tx_qdo = 2 * cute.size_in_bytes(dtype, sQ_one)
+        self.tx_kv = 2 * cute.size_in_bytes(dtype, sKV_layout)
         self.kernel(
-            mQ,
-            mK,
-            mV,
-            mdO,
-            mLSE,
-            mdPsum,
-            mdQaccum,
-            mdK,
-            mdV,
-            mIntervals,
-            mBitmap,
-            mRowRegion,
-            mParams,
-            mRowParams,
-            mdQsem,
-            mRank,
-            softmax_scale,
-            sQ_layout,
-            sKV_layout,
-            sdS_layout,
-            gmem_tiled_copy,
-            tiled_mma_sdp,
-            tiled_mma_dkv,
-            tiled_mma_dq,
+            mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, mIntervals, mBitmap, mRowRegion,
+            mParams, mRowParams, mdQsem, mRank, softmax_scale, tma_atom_Q, tma_Q,
+            tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ_layout,
+            sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             SharedStorage,
         ).launch(
             grid=grid,
-            block=[self.num_threads, 1, 1],
+            block=[self.num_threads + 128, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
 
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
-        mdQsem: Optional[cute.Tensor],
-        mRank: Optional[cute.Tensor],
-        softmax_scale: Float32,
-        sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        gmem_tiled_copy: cute.TiledCopy,
-        tiled_mma_sdp: cute.TiledMma,
-        tiled_mma_dkv: cute.TiledMma,
-        tiled_mma_dq: cute.TiledMma,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        D = self.head_dim
-        K = self.K
-        tm = self.tile_m
-        P = self.cfg.num_params
-        R = self.cfg.num_row_params
-        Rs = max(R, 1)
-        tidx, _, _ = cute.arch.thread_idx()
-        (
-            n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
-            kv_ragged, mBitmapRow,
-        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
-
-        # ---- shared memory ------------------------------------------------------------------
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tm, D, stage)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
-        sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
-        sdQ = None
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
-
-        # ---- K, V tile: loaded once -----------------------------------------------------
-        gmem_thr_copy, tQcQ = self._load_kv_tile(
-            gmem_tiled_copy, mK, mV, sK, sV, batch_idx, head_kv, n_block, seqlen_k, tidx
-        )
-        tQsQ = gmem_thr_copy.partition_D(sQ)
-        tdOsdO = gmem_thr_copy.partition_D(sdO)
-
-        # ---- MMA partitions (operand descriptors per warpgroup) ---------------------------
-        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
-        f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
-                            tiled_mma_dq, wg_idx, tidx)
-        acc_dK, acc_dV = f.acc_dK, f.acc_dV
-
-        rP = cute.make_rmem_tensor((max(P, 1),), Int32)
-        for p in cutlass.range_constexpr(P):
-            rP[p] = mParams[batch_idx, p]
-        rMf = cute.make_rmem_tensor((2,), Float32)
-        rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
-
-        # ---- work list: (query head g, non-empty q tile m_block), prefetched one ahead ---
-        loads = (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-                 mIntervals, mRowRegion, mRowParams)
-        sMeta = (sLSE, sdPsum, sInt, sFb, sRowP)
-        has_work, first_m, head0 = self._work_start(
-            loads, sMeta, mBitmapRow, m_blocks, batch_idx, head_kv, group, seqlen_q, tidx
-        )
-        g = Int32(0)
-        m_block = first_m
-        stage = Int32(0)
-        # deterministic: the dQ semaphore (flat index) this warpgroup still has to count
-        pending = Int32(-1)
-
-        while has_work:
-            head = head0 + g
-            m_start = m_block * tm
-            m_next, g_next, has_next, need_mask = self._work_begin(
-                loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
-                batch_idx, head0, seqlen_q, tidx, True,
-            )
-
-            self._sdp_dkv(f, stage, need_mask, sMeta, rP, m_start, n_start, mRowParams,
-                          batch_idx, seqlen_q, scale_log2)
-            cute.arch.barrier()  # all of dS in shared memory
-            pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block, m_block,
-                               m_start, seqlen_q, wg_idx, tidx, pending)
-
-            self._work_end(has_next, rMf, rMi, sMeta, stage, tidx)  # also sdS is reused
-            g = g_next
-            m_block = m_next
-            stage = 1 - stage
-            has_work = has_next
-
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            if tidx % 128 == 0:  # sdQ stays until the last reduce has read it
-                if const_expr(self.cfg.deterministic):
-                    self._count_dq_add(mdQsem, pending)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-        # ---- epilogue: dK *= scale; store dK, dV (rows < Sk) ------------------------------
-        cute.arch.cp_async_wait_group(0)
-        self._store_dkv(
-            acc_dK, acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv, n_block,
-            n_start, seqlen_k,
-        )
-
-    @cute.kernel
-    def kernel_ws(
         self,
         mQ: cute.Tensor,
         mK: cute.Tensor,
@@ -1212,19 +1044,14 @@ class FlashBwdSm90(FlashBwd):
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        """Warp-specialized backward: warpgroup 0 is the producer (its warp 0 issues the TMA
-        loads: K and V once, then Q and dO of every work item into a 2-stage pipeline);
-        warpgroups 1 and 2 compute as ``kernel`` does, waiting on mbarriers instead of cp.async
-        groups and syncing with each other through named barriers only. Their threads < tile_m
-        still prefetch the next item's row metadata (LSE, dPsum, intervals) into registers and
-        store it after the current item, as in ``kernel``."""
+        """Warpgroup 0 is the producer: its warp 0 issues the TMA loads (K and V once, then Q
+        and dO of every work item into a 2-stage pipeline), its warp 1 is the dQ writer
+        (``_dq_writer``). Warpgroups 1 and 2 compute (``_consumer``) and sync with each other
+        through named barriers only; their threads < tile_m prefetch the next item's row
+        metadata (LSE, dPsum, intervals) into registers."""
         D = self.head_dim
-        K = self.K
         tm, tn = self.tile_m, self.tile_n
         S = self.num_stages
-        P = self.cfg.num_params
-        R = self.cfg.num_row_params
-        Rs = max(R, 1)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         (
@@ -1248,11 +1075,10 @@ class FlashBwdSm90(FlashBwd):
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (tm, D, stage)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)  # (tm, tn)
+        # (tm, tn, stage)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE, sdPsum, sInt, sFb, sRowP = self._meta_smem(storage)
-        sdQ = None
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
+        sdQ = storage.sdQ.get_tensor(cute.make_layout((tm * D // 2, 2)))
         pipeline.pipeline_init_wait()
 
         first_m = next_tile(mBitmapRow, Int32(0), m_blocks)
@@ -1292,10 +1118,9 @@ class FlashBwdSm90(FlashBwd):
                     m_block, g, work = self._next_work(
                         mBitmapRow, m_block, g, first_m, m_blocks, group
                     )
-            if const_expr(self.cfg.async_mma):
-                if warp_idx == 1:
-                    self._dq_writer(has_work, first_m, mBitmapRow, m_blocks, group, head0,
-                                    batch_idx, n_block, sdQ, mdQaccum, mdQsem, mRank)
+            if warp_idx == 1:
+                self._dq_writer(has_work, first_m, mBitmapRow, m_blocks, group, head0,
+                                batch_idx, n_block, sdQ, mdQaccum, mdQsem, mRank)
         else:
             # ================================ consumers =================================
             cute.arch.setmaxregister_increase(240)
@@ -1303,87 +1128,26 @@ class FlashBwdSm90(FlashBwd):
             cwg = wg_idx - 1
             f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
                                 tiled_mma_dq, cwg, mma_tidx)
-            if const_expr(self.cfg.async_mma):
-                self._consumer_pipelined(
-                    f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
-                    batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
-                    mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), cwg,
-                    mma_tidx,
-                )
-                self._store_dkv(
-                    f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
-                    n_block, n_start, seqlen_k,
-                )
-            else:
-                rP = cute.make_rmem_tensor((max(P, 1),), Int32)
-                for p in cutlass.range_constexpr(P):
-                    rP[p] = mParams[batch_idx, p]
-                rMf = cute.make_rmem_tensor((2,), Float32)
-                rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
-                # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
-                if has_work:
-                    self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                    batch_idx, head0, first_m * tm + mma_tidx, seqlen_q, mma_tidx)
-                    self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, mma_tidx)
-                cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-                pipe_kv.consumer_wait(kv_state)
-                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S)
-                pending = Int32(-1)
-                g = Int32(0)
-                m_block = first_m
-                work = has_work
-                while work:
-                    head = head0 + g
-                    m_start = m_block * tm
-                    stage = q_state.index
-                    m_next, g_next, has_next = self._next_work(
-                        mBitmapRow, m_block, g, first_m, m_blocks, group
-                    )
-                    if has_next:  # registers now, shared memory after this item
-                        self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                        batch_idx, head0 + g_next, m_next * tm + mma_tidx, seqlen_q,
-                                        mma_tidx)
-                    pipe_qdo.consumer_wait(q_state)
-                    state = tile_state(mBitmapRow, m_block)
-                    need_mask = ((state & 2) != 0) | kv_ragged
-
-                    self._sdp_dkv(f, stage, need_mask, (sLSE, sdPsum, sInt, sFb, sRowP), rP,
-                                  m_start, n_start, mRowParams, batch_idx, seqlen_q, scale_log2)
-                    cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-                    pending = self._dq(f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
-                                       m_block, m_start, seqlen_q, cwg, mma_tidx, pending)
-                    pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
-                    if has_next:
-                        self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage,
-                                         mma_tidx)
-                    # sdS and this metadata stage are rewritten by the next items
-                    cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
-                    q_state.advance()
-                    g = g_next
-                    m_block = m_next
-                    work = has_next
-
-                if const_expr(self.cfg.dq_reduce == "bulk"):
-                    if mma_tidx % 128 == 0:  # sdQ stays until the last reduce has read it
-                        if const_expr(self.cfg.deterministic):
-                            self._count_dq_add(mdQsem, pending)
-                        else:
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                self._store_dkv(
-                    f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
-                    n_block, n_start, seqlen_k,
-                )
+            self._consumer(
+                f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
+                batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
+                mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), cwg,
+                mma_tidx,
+            )
+            self._store_dkv(
+                f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
+                n_block, n_start, seqlen_k,
+            )
 
     @cute.jit
-    def _consumer_pipelined(
+    def _consumer(
         self, f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
         batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum, mIntervals,
         mRowRegion, mRowParams, sMeta, cwg, tidx,
     ):
-        """The wgmma warpgroups of the pipelined warp-specialized kernel, one barrier per work
-        item: S and dP are issued back to back; dV runs while dS is computed; after the one
-        barrier of the two warpgroups (dS complete in shared memory) dQ, then dK are issued;
+        """The two wgmma warpgroups, one barrier per work item: S and dP are issued back to
+        back; dV runs while dS is computed; after the one barrier of the two warpgroups (dS
+        complete in shared memory) dQ, then dK are issued;
         dQ goes to this warpgroup's half of sdQ for the dQ writer warp (``_dq_writer``), which
         issues the reduce-add. dS has one buffer per Q/dO stage, and the next item's row
         metadata is stored before the barrier, so nothing is rewritten that the other
@@ -1422,7 +1186,7 @@ class FlashBwdSm90(FlashBwd):
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
-            self._item_pipelined(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+            self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
                                  n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
@@ -1431,9 +1195,9 @@ class FlashBwdSm90(FlashBwd):
             work = has_next
 
     @cute.jit
-    def _item_pipelined(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+    def _item(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
                         n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx):
-        """One work item of ``_consumer_pipelined``: from the S and dP GEMMs to the dK GEMM's
+        """One work item of ``_consumer``: from the S and dP GEMMs to the dK GEMM's
         completion (Q/dO stage ``stage`` read through)."""
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
         n_cols = cute.size(f.tScS_mn, mode=[1])  # q rows of the thread
@@ -1497,12 +1261,13 @@ class FlashBwdSm90(FlashBwd):
     @cute.jit
     def _dq_writer(self, has_work, first_m, mBitmapRow, m_blocks, group, head0, batch_idx,
                    n_block, sdQ, mdQaccum, mdQsem, mRank):
-        """The dQ writer warp of the pipelined warp-specialized kernel (warp 1): per work item
+        """The dQ writer warp (warp 1): per work item
         and dQ half w, it frees sdQ half w once the previous reduce-add has read it (named
         barrier 6 + w), waits until warpgroup w has written it (4 + w), and issues one bulk
         reduce-add of the half into dq_accum. deterministic: before adding, lane 0 waits until
         the half's semaphore equals this CTA's rank among the column's non-empty kv tiles,
-        and after the adds have completed it counts them (release), as ``_bulk_reduce_dq``."""
+        and after the adds have completed it counts them (release). Waits only go to lower
+        n_block, which were launched earlier (the grid's fastest index), so they end."""
         half = self.tile_m * self.head_dim // 2
         lane = cute.arch.lane_idx()
         g = Int32(0)
@@ -1545,7 +1310,7 @@ class FlashBwdSm90(FlashBwd):
                    wg_idx, tidx):
         """The wgmma operand descriptors of warpgroup ``wg_idx`` and the partitions of thread
         ``tidx`` (both counted among the wgmma warpgroups), the zeroed dK/dV accumulators, the
-        dS and dQ shared-memory stores: a namespace for ``_sdp_dkv`` and ``_dq``."""
+        dS and dQ shared-memory stores: a namespace for ``_item``."""
         D = self.head_dim
         tm, tn = self.tile_m, self.tile_n
         f = SimpleNamespace()
@@ -1577,160 +1342,23 @@ class FlashBwdSm90(FlashBwd):
         f.acc_dV.fill(0.0)
         f.acc_shape_S = thr_sdp.partition_shape_C((tn, tm))
         f.acc_shape_dQ = f.thr_dq.partition_shape_C((tm, D))
-        if const_expr(self.cfg.ds_stmatrix):
-            # each thread holds dS^T at (kv row, q col pair); stmatrix.trans writes the 8x8
-            # blocks transposed, so sdS rows (q) get 16-byte runs along kv
-            r2s_atom = cute.make_copy_atom(
-                warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
-            )
-        else:
-            r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        # each thread holds dS^T at (kv row, q col pair); stmatrix.trans writes the 8x8 blocks
+        # transposed, so sdS rows (q) get 16-byte runs along kv
+        r2s_atom = cute.make_copy_atom(
+            warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+        )
         f.r2s = cute.make_tiled_copy_C(r2s_atom, tiled_mma_sdp).get_slice(tidx)
         f.tdSsdSt = f.r2s.partition_D(sdSt)
 
         f.tScS_mn = _acc_mn(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        f.tdQcdQ = f.thr_dq.partition_C(cute.make_identity_tensor((tm, D)))
-        f.tdQsdQ = None
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            # thread t of warpgroup w writes fragment elements 4k..4k+3 to half w at 512k + 4t
-            r2s_dq = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-                cute.make_layout((128, 2)),
-                cute.make_layout(4),
-            )
-            f.tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
+        # thread t of warpgroup w writes fragment elements 4k..4k+3 to half w at 512k + 4t
+        r2s_dq = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout((128, 2)),
+            cute.make_layout(4),
+        )
+        f.tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
         return f
-
-    @cute.jit
-    def _sdp_dkv(self, f, stage, need_mask, sMeta, rP, m_start, n_start, mRowParams, batch_idx,
-                 seqlen_q, scale_log2):
-        """One work item up to the dK/dV GEMMs: S^T = K Q^T, mask, P^T = exp(S^T - LSE), dP^T =
-        V dO^T, dS^T = P^T (dP^T - dPsum) (to sdS, as dS), dV += P^T dO, dK += dS^T Q. The caller
-        syncs the wgmma warpgroups before ``_dq`` reads sdS."""
-        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
-        n_cols = cute.size(f.tScS_mn, mode=[1])  # q rows of the thread
-        # -- S^T = K Q^T, mask, P^T = exp(S^T - LSE) ---------------------------------
-        # async_mma: dP^T = V dO^T runs on the tensor cores while P is computed
-        acc_S = cute.make_rmem_tensor(f.acc_shape_S, Float32)
-        acc_dP = cute.make_rmem_tensor(f.acc_shape_S, Float32)
-        if const_expr(self.cfg.async_mma):
-            wgmma_issue(f.tiled_mma_sdp, acc_S, f.tSrK, f.tSrQ[None, None, None, stage], True)
-            wgmma_issue(f.tiled_mma_sdp, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, stage],
-                        True)
-            warpgroup.wait_group(1)
-        else:
-            wgmma(f.tiled_mma_sdp, acc_S, f.tSrK, f.tSrQ[None, None, None, stage], True)
-        acc_S_mn = _acc_mn(acc_S)
-        if need_mask:
-            self._apply_mask_t(
-                acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                seqlen_q - 1,
-            )
-        for c in cutlass.range_constexpr(n_cols):
-            lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
-            acc_S_mn[None, c] = cute.math.exp2(
-                acc_S_mn[None, c].load() * scale_log2 - lse_l2, fastmath=True
-            )
-        rP16 = cute.make_fragment_like(acc_S, self.dtype)
-        rP16.store(acc_S.load().to(self.dtype))
-        tdVrP = cute.make_tensor(rP16.iterator, _layout_acc_frgA(rP16.layout))
-
-        # -- dV += P^T dO (A from registers); dS^T = P^T (dP^T - dPsum) ---------------
-        # async_mma: dV runs while dS is computed
-        if const_expr(self.cfg.async_mma):
-            wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
-                        False)
-            warpgroup.wait_group(1)  # dP
-        else:
-            wgmma(f.tiled_mma_sdp, acc_dP, f.tdPrV, f.tdPrdO[None, None, None, stage], True)
-        acc_dP_mn = _acc_mn(acc_dP)
-        for c in cutlass.range_constexpr(n_cols):
-            dps = sdPsum[f.tScS_mn[0, c][1], stage]
-            acc_dP_mn[None, c] = acc_S_mn[None, c].load() * (acc_dP_mn[None, c].load() - dps)
-        rdS16 = cute.make_fragment_like(acc_dP, self.dtype)
-        rdS16.store(acc_dP.load().to(self.dtype))
-        cute.copy(f.r2s, f.r2s.retile(rdS16), f.tdSsdSt)  # dS^T -> sdS (as dS)
-        cute.arch.fence_view_async_shared()
-
-        # -- dK += dS^T Q (A from registers) ----------------------------------------------
-        tdKrdS = cute.make_tensor(rdS16.iterator, _layout_acc_frgA(rdS16.layout))
-        if const_expr(self.cfg.async_mma):
-            wgmma_issue(f.tiled_mma_dkv, f.acc_dK, tdKrdS, f.tdKrQt[None, None, None, stage],
-                        False)
-        else:
-            wgmma(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage], False)
-            wgmma(f.tiled_mma_dkv, f.acc_dK, tdKrdS, f.tdKrQt[None, None, None, stage], False)
-
-    @cute.jit
-    def _dq(self, f, mdQaccum, mdQsem, mRank, batch_idx, head, n_block, m_block, m_start,
-            seqlen_q, wg_idx, tidx, pending):
-        """dQ += dS K for one work item (float32 reductions into dq_accum); with async_mma the
-        wait also covers the dK GEMM. Returns the deterministic ``pending`` semaphore."""
-        acc_dQ = cute.make_rmem_tensor(f.acc_shape_dQ, Float32)
-        wgmma(f.tiled_mma_dq, acc_dQ, f.tdQrdS, f.tdQrKt, True)
-        if const_expr(self.cfg.dq_reduce == "bulk"):
-            pending = self._bulk_reduce_dq(
-                acc_dQ, f.tdQsdQ, f.sdQ, mdQaccum, mdQsem, mRank, batch_idx, head, n_block,
-                m_block, wg_idx, tidx, pending,
-            )
-        else:
-            self._atomic_add_dq(
-                acc_dQ, mdQaccum, f.thr_dq, f.tdQcdQ, batch_idx, head, m_block, m_start, seqlen_q
-            )
-        return pending
-
-    @cute.jit
-    def _bulk_reduce_dq(self, acc_dQ, tdQsdQ, sdQ, mdQaccum, mdQsem, mRank, batch_idx, head,
-                        n_block, m_block, wg_idx, tidx, pending):
-        """dq_accum[batch, head, m_block] += acc_dQ, warpgroup by warpgroup: the fragment goes to
-        its half of sdQ (16-byte stores, in fragment order), then one thread of the warpgroup
-        issues one bulk reduce-add of that contiguous half (the TMA unit does the float32 adds in
-        L2, asynchronously); dq_accum keeps the tile in this order and the postprocess
-        (``_dq_fragment_order``) puts it back in rows.
-
-        deterministic: the kv tiles add to a q tile in increasing n_block order. The half's
-        semaphore counts the adds done; this CTA waits until it equals its rank among the
-        non-empty kv tiles of the column (``mRank``), then adds. The add is counted one work item
-        later (``pending``, the semaphore's index; -1 for none), when the next item needs this
-        shared memory anyway, so that the CTA does not stall on the add's completion. A count
-        is never held back by a wait: it is made before this CTA waits again. Waits only go to
-        lower n_block, which were launched earlier (the grid's fastest index), so they end.
-        Returns the new ``pending``."""
-        half = self.tile_m * self.head_dim // 2
-        barrier_id = 1 + wg_idx  # 0 is the block-wide barrier
-        if tidx % 128 == 0:  # the reduce issued one tile ago has read this half
-            if const_expr(self.cfg.deterministic):
-                self._count_dq_add(mdQsem, pending)
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                          tdQsdQ)
-        cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's reads
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=128)
-        if const_expr(self.cfg.deterministic):
-            pending = Int32(cute.crd2idx((batch_idx, head, m_block, wg_idx), mdQsem.layout))
-        if tidx % 128 == 0:
-            gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (wg_idx,))
-            if const_expr(self.cfg.deterministic):
-                sem = mdQsem.iterator + pending
-                rank = mRank[batch_idx, n_block, m_block]
-                done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-                while done != rank:
-                    done = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-            bulk_reduce_add_f32(sdQ[None, wg_idx].iterator, gdQ.iterator, half * 4)
-            cute.arch.cp_async_bulk_commit_group()
-        return pending
-
-    @cute.jit
-    def _count_dq_add(self, mdQsem, pending):
-        """deterministic: once this thread's last bulk add has finished (not only read its
-        shared memory), count it on its semaphore (release: the adds are visible first)."""
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        if pending >= 0:
-            cute.arch.red(mdQsem.iterator + pending, Int32(1), op="add", dtype="s32",
-                          sem="release", scope="gpu")
 
     @cute.jit
     def _apply_mask_t(
@@ -1916,43 +1544,31 @@ def flash_bwd(
     )
     if arch is None:
         arch = default_arch(q.device)
-    if arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, arch=90)):
-        cfg = replace(cfg, arch=90)
-    # sm_90: the sm90 kernel's bulk reduce-add (red.global.add.v2.f32 for the mma.sync kernel
-    # there); plain atomics before sm_90
-    sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
-    red = "red2" if sm90_device else "atomic"
-    dq_reduce = env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2", "bulk"),
-                           "bulk" if cfg.arch >= 90 else red)
-    if dq_reduce == "bulk" and not (
-        cfg.arch >= 90 and FlashBwdSm90.can_implement(replace(cfg, dq_reduce="bulk"))
-    ):  # the mma.sync kernel, or no room for the 32 KB dQ tile in shared memory
-        log.warning("compilemask: the bulk dQ reduce needs the sm90 backward kernel and %d KB of "
-                    "shared memory; this configuration (%s) uses %s", tile_m * D * 4 // 1024,
-                    cfg, red)
-        dq_reduce = red
-    if deterministic and dq_reduce != "bulk":
-        raise NotImplementedError(
-            "flash_bwd(deterministic=True) needs the sm90 backward kernel with the bulk dQ "
-            f"reduce (this configuration: {cfg}, dQ {dq_reduce})")
-    cfg = replace(
-        cfg,
-        deterministic=deterministic,
-        dq_reduce=dq_reduce,
-        async_mma=cfg.arch >= 90
-        and env_choice("COMPILEMASK_BWD_SCHED", ("sync", "async"), "sync") == "async",
-        ds_stmatrix=cfg.arch >= 90
-        and env_choice("COMPILEMASK_BWD_DS_STORE", ("scalar", "stmatrix"), "scalar") == "stmatrix",
-        warp_specialized=cfg.arch >= 90
-        and env_choice("COMPILEMASK_BWD_WS", ("0", "1"), "0") == "1",
-    )
+    if arch >= 90:
+        if FlashBwdSm90.can_implement(replace(cfg, arch=90, dq_reduce="bulk")):
+            cfg = replace(cfg, arch=90, dq_reduce="bulk")
+        else:  # say so: the mma.sync kernel is slower
+            log.warning("compilemask: the sm90 backward kernel cannot implement %s; using the "
+                        "mma.sync kernel", cfg)
+    if cfg.arch < 90:
+        # the mma.sync kernel's dQ adds: red.global.add.v2.f32 on sm_90, atomics before
+        sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+        cfg = replace(cfg, dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2"),
+                                                "red2" if sm90_device else "atomic"))
+        if deterministic:
+            raise NotImplementedError(
+                f"flash_bwd(deterministic=True) needs the sm90 backward kernel (this "
+                f"configuration: {cfg})")
+    cfg = replace(cfg, deterministic=deterministic)
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)
     dev = q.device
     q, k, v, dout = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, dout))
-    # preprocess: dPsum = rowsum(dO * O) in float32, [B, H, Sq]
-    dpsum = torch.einsum("bshd,bshd->bhs", dout.float(), out.float())
+    # preprocess: dPsum = rowsum(dO * O) in float32, [B, H, Sq] (one pass over O and dO)
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    dpsum = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
+    compile_aux(AuxConfig("dpsum", cfg.dtype, D))(out, dout, dpsum)
     if dlse is not None:  # a gradient flowing into the LSE output: dS += P * dLSE
         dpsum = dpsum - torch.nan_to_num(dlse.float(), nan=0.0, posinf=0.0, neginf=0.0)
     dpsum = dpsum.contiguous()
@@ -1984,12 +1600,13 @@ def flash_bwd(
             rank = (torch.cumsum(nonempty, dim=1, dtype=torch.int32) - nonempty).contiguous()
             det_args = (torch.zeros(B, H, n_m, 2, dtype=torch.int32, device=dev), rank)
     fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, *det_args, float(scale))
-    # postprocess: dQ = scale * dq_accum, in the input dtype
+    # postprocess: dQ = scale * dq_accum, in the input dtype (bulk: gathered from the fragment
+    # order in the same pass)
     if cfg.dq_reduce == "bulk":
-        order = _dq_fragment_order(tile_m, D, dev)
-        dq_accum = dq_accum.index_select(-1, order).view(B, H, n_m * tile_m, D)[:, :, :Sq]
-        dq_accum = dq_accum.transpose(1, 2)
-    dq = (dq_accum * scale).to(q.dtype)
+        dq = torch.empty(B, Sq, H, D, dtype=q.dtype, device=dev)
+        compile_aux(AuxConfig("dq", cfg.dtype, D, tile_m))(dq_accum, dq, float(scale))
+    else:
+        dq = (dq_accum * scale).to(q.dtype)
     return dq, dk, dv
 
 

@@ -50,33 +50,25 @@ def test_default_arch(monkeypatch):
     assert default_arch(torch.device("cuda", 0)) == 80
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_dq_reduce_variants_emit_their_instructions(arch, tmp_path):
-    """dQ accumulation variants (COMPILEMASK_BWD_DQ): ``atomic`` one float32 atomic per element,
-    ``red2`` (the default on sm_90) one red.global.add.v2.f32 per column pair; anything else is
+def test_dq_reduce_variants_emit_their_instructions(tmp_path):
+    """The mma.sync kernel's dQ accumulation (COMPILEMASK_BWD_DQ): ``atomic`` one float32
+    atomic per element, ``red2`` (its default on sm_90) one red.global.add.v2.f32 per column
+    pair; the sm90 kernel adds bulk only (``test_sm90_kernel_structure``); anything else is
     refused."""
     modes = [("atomic", "atom.global.add.f32", "add.v2.f32"),
              ("red2", "red.relaxed.gpu.global.add.v2.f32", "atom.global.add")]
     for mode, want, other in modes:
         cfg = FlashBwdConfig(dtype="bf16", head_dim=64, tile_m=64, tile_n=128, num_intervals=1,
-                             arch=arch, dq_reduce=mode)
+                             arch=80, dq_reduce=mode)
         ptx = _ptx(cfg, tmp_path / mode)
         assert want in ptx and other not in ptx, mode
-    if arch == 90:  # bulk: one cp.reduce.async.bulk per warpgroup and q tile
-        modes = [("bulk", "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
-                  "atom.global.add")]
-        for mode, want, other in modes:
-            cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128,
-                                 num_intervals=2, arch=arch, dq_reduce=mode)
-            ptx = _ptx(cfg, tmp_path / mode)
-            assert ptx.count(want) == 1 and other not in ptx and "red.relaxed" not in ptx
-            assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 2
-    else:
-        assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=arch,
-                                                         dq_reduce="bulk"))
-    kernel = FlashBwdSm90 if arch == 90 else FlashBwd
-    assert not kernel.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=arch,
-                                                   dq_reduce="tma"))
+    assert FlashBwdConfig("bf16", 64, 64, 128, 1).dq_reduce == "atomic"
+    assert FlashBwdConfig("bf16", 64, 64, 128, 1, arch=90).dq_reduce == "bulk"
+    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, dq_reduce="bulk"))
+    for mode in ("atomic", "red2", "tma"):
+        assert not FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, arch=90,
+                                                             dq_reduce=mode))
+    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 64, 64, 128, 1, dq_reduce="tma"))
 
 
 @pytest.mark.parametrize("hdim", [64, 128])
@@ -97,49 +89,39 @@ def test_dq_fragment_order(hdim):
     assert rc[32 * hdim: 32 * hdim + 2] == [(0, hdim // 2), (0, hdim // 2 + 1)]
 
 
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_ds_store_stmatrix(hdim, tmp_path):
-    """COMPILEMASK_BWD_DS_STORE=stmatrix (sm90 kernel): dS^T goes to shared memory in four
-    stmatrix.x4.trans per thread instead of 32 16-bit stores."""
-    for stm in (False, True):
-        cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
-                             arch=90, dq_reduce="bulk", ds_stmatrix=stm)
-        ptx = _ptx(cfg, tmp_path / str(stm))
-        n_stm = ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
-        n_b16 = ptx.count("st.shared.b16")
-        assert (n_stm, n_b16) == ((4, 0) if stm else (0, 32)), (stm, n_stm, n_b16)
+@pytest.mark.parametrize("dtype,hdim,K", [("bf16", 128, 2), ("fp16", 64, 1), ("bf16", 64, 4)])
+def test_sm90_kernel_structure(dtype, hdim, K, tmp_path):
+    """The sm90 backward kernel, from its PTX:
 
-
-@pytest.mark.parametrize("dtype,hdim,K,extra", [
-    ("bf16", 128, 2, {}), ("fp16", 64, 1, {}),
-    ("bf16", 128, 4, {"dq_reduce": "red2"}),
-    ("bf16", 128, 2, {"deterministic": True, "ds_stmatrix": True}),
-])
-def test_warp_specialized_compiles(dtype, hdim, K, extra, tmp_path):
-    """COMPILEMASK_BWD_WS=1 (sm90 kernel): a producer warpgroup issues the TMA loads (K, V once;
-    Q, dO per q tile), gives registers back (setmaxnreg.dec) to the two wgmma warpgroups
-    (setmaxnreg.inc); no cp.async, and no block-wide barrier in the loop (named barrier 3)."""
+    * warp specialization: the producer warpgroup issues the TMA loads (K, V once; Q, dO per q
+      tile) and gives registers back (setmaxnreg.dec) to the two wgmma warpgroups
+      (setmaxnreg.inc); no cp.async, no block-wide barrier after the set-up;
+    * one barrier of the wgmma warpgroups per q tile (named barrier 3; one more before the loop);
+    * the wgmma schedule: S and dP issued back to back (wait 1: S), dP (wait 0), then dV, dQ, dK
+      in flight together (wait 1: dV, wait 1: dQ, wait 0: dK);
+    * dS stored with 4 stmatrix.x4.trans per thread, no 16-bit stores;
+    * dQ: the writer warp issues one bulk reduce-add per warpgroup half (2 per q tile) after
+      the halves' full barriers (4, 5), and frees each half once the previous add has read it
+      (wait_group.read 1, 0; barriers 6, 7)."""
     cfg = FlashBwdConfig(dtype=dtype, head_dim=hdim, tile_m=64, tile_n=128, num_intervals=K,
-                         arch=90, dq_reduce=extra.pop("dq_reduce", "bulk"),
-                         warp_specialized=True, **extra)
+                         arch=90)
     ptx = _ptx(cfg, tmp_path)
     assert "cp.async.bulk.tensor.4d.shared::cta.global.tile.mbarrier::complete_tx::bytes" in ptx
     assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx
     assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
-    assert len(re.findall(r"bar\.sync\s+3, 256;", ptx)) == 3
-    assert len(re.findall(r"bar\.sync\s+0;", ptx)) <= 1  # pipeline set-up only
-
-
-@pytest.mark.parametrize("hdim", [64, 128])
-def test_async_mma_schedule(hdim, tmp_path):
-    """COMPILEMASK_BWD_SCHED=async (sm90 kernel): S and dP issued back to back, dV and dK left in
-    flight while dS is computed: three wait_groups per q tile (1, 1, 0) instead of five 0s."""
-    for async_mma, waits in ((False, ["0"] * 5), (True, ["1", "1", "0"])):
-        cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=2,
-                             arch=90, dq_reduce="red2", async_mma=async_mma)
-        ptx = _ptx(cfg, tmp_path / str(async_mma))
-        got = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
-        assert got == waits, (async_mma, got)
+    assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1  # pipeline set-up only
+    assert len(re.findall(r"bar\.sync\s+3, 256;", ptx)) == 2
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits == ["1", "0", "1", "1", "0"], waits
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16") == 4
+    assert "st.shared.b16" not in ptx
+    assert ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32") == 2
+    assert "atom.global.add" not in ptx and "red.relaxed" not in ptx
+    for bar in ("bar.sync \t4, 160;", "bar.sync \t5, 160;", "bar.arrive 6, 160;",
+                "bar.arrive 7, 160;"):
+        assert bar in ptx, bar
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)) == 1
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 2
 
 
 @pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
@@ -188,21 +170,69 @@ def test_compile_sm90_fallback_row_params(arch):
 
 
 def test_deterministic_compiles_with_ordered_adds(tmp_path):
-    """deterministic (sm90 kernel, bulk dQ): the elected thread of each warpgroup spins on its dQ
-    tile half's semaphore (ld.acquire) and, one work item later, waits for its bulk add to finish
-    and counts it (red.release); the other kernels refuse it."""
+    """deterministic (sm90 kernel): before each dQ half's bulk add, the writer warp's lane 0
+    spins on the half's semaphore (ld.acquire); after both adds it waits for them to finish (not
+    only to read shared memory) and counts them (red.release); the mma.sync kernel and other
+    dQ modes refuse it."""
     cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2,
-                         arch=90, dq_reduce="bulk", deterministic=True)
+                         arch=90, deterministic=True)
     ptx = _ptx(cfg, tmp_path)
     assert "ld.acquire.gpu.global.b32" in ptx
-    # counted one work item later (and after the loop), once the add has finished
-    assert ptx.count("red.release.gpu.global.add.s32") == 2
-    assert len(re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)) == 2
-    assert "cp.async.bulk.wait_group.read" not in ptx
+    assert ptx.count("red.release.gpu.global.add.s32") == 2  # one per half
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\s+0;", ptx)) == 1
+    # the only read-wait left is the one that keeps sdQ until the CTA's last add has read it
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+\d+;", ptx)) == 1
     assert not FlashBwdSm90.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90,
                                                          dq_reduce="red2", deterministic=True))
     assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 128, 64, 128, 2,
                                                      deterministic=True))
+
+
+@pytest.mark.parametrize("dtype,hdim", [("bf16", 128), ("fp16", 64)])
+def test_aux_kernels_compile_vectorized(dtype, hdim, tmp_path):
+    """The backward's pre- and postprocess kernels compile for sm_90a with vector accesses:
+    dPsum reads D/32 contiguous 16-bit elements of O and dO per lane in one load each; the dQ
+    postprocess reads four 8-byte dq_accum pairs and writes 8 outputs in one 16-byte store."""
+    from compilemask.kernels.bwd_aux import AuxConfig, compile_aux
+
+    vec = {64: "ld.global.v2.b16", 128: "ld.global.v4.b16"}[hdim]
+    for kind, want in (("dpsum", {vec: 2, "st.global.b32": 1}),
+                       ("dq", {"ld.global.v2.b32": 4, "st.global.v4.b32": 1})):
+        d = tmp_path / kind
+        d.mkdir()
+        compile_aux(AuxConfig(kind, dtype, hdim), gpu_arch=SM90, use_cache=False,
+                    extra_options=f"--keep-ptx --dump-dir {d}")
+        ptx = "".join(p.read_text() for p in d.rglob("*.ptx"))
+        got = {op: len(re.findall(re.escape(op) + r"\s", ptx)) for op in want}
+        assert got == want, (kind, got)
+    with pytest.raises(ValueError, match="kind"):
+        compile_aux(AuxConfig("dk", dtype, hdim), gpu_arch=SM90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hdim", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_aux_kernels_vs_torch(dtype, hdim):
+    """dPsum vs a float64 rowsum; the dQ postprocess vs the host gather of the fragment order
+    (``_dq_fragment_order``), scaled and cast: bit-identical. S = 300 ends mid-tile."""
+    from compilemask.kernels.bwd_aux import AuxConfig, compile_aux
+    from compilemask.kernels.flash_bwd import _dq_fragment_order
+
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    B, S, H, D = 2, 300, 3, hdim
+    g = torch.Generator(device="cuda").manual_seed(7)
+    out = torch.randn(B, S, H, D, device="cuda", generator=g).to(dtype)
+    dout = torch.randn(B, S, H, D, device="cuda", generator=g).to(dtype)
+    dpsum = torch.empty(B, H, S, device="cuda")
+    compile_aux(AuxConfig("dpsum", name, D))(out, dout, dpsum)
+    ref = torch.einsum("bshd,bshd->bhs", dout.double(), out.double())
+    assert (dpsum.double() - ref).abs().max() <= 1e-5 * (1 + ref.abs().max())
+    n_m = -(-S // 64)
+    acc = torch.randn(B, H, n_m, 64 * D, device="cuda", generator=g)
+    dq = torch.empty(B, S, H, D, device="cuda", dtype=dtype)
+    compile_aux(AuxConfig("dq", name, D))(acc, dq, 0.37)
+    order = _dq_fragment_order(64, D, acc.device)
+    rows = acc.index_select(-1, order).view(B, H, n_m * 64, D)[:, :, :S].transpose(1, 2)
+    assert torch.equal(dq, (rows * 0.37).to(dtype))
 
 
 def test_can_implement():
