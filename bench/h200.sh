@@ -9,7 +9,6 @@
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
-#   bash bench/h200.sh order     # the forward's q-tile order (forward, reverse)
 set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
@@ -22,7 +21,7 @@ step() {  # step NAME SECONDS CMD...
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
 case "${1:-}" in
-  tests)  # every gpu-marked test (default kernels; the forward's reverse order is a variant)
+  tests)  # every gpu-marked test
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
   variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
@@ -59,13 +58,6 @@ case "${1:-}" in
         --tag "det${flag:+_on}" $flag
     done
     ;;
-  order)  # the forward's q-tile order (COMPILEMASK_FWD_ORDER), HSTU and causal at 8K and 32K
-    for order in forward reverse; do
-      step "fwd_order_$order" 150 env COMPILEMASK_FWD_ORDER=$order python3 bench/attention.py \
-        --mode fwd --seqlens 8192,32768 --rep 100 --masks hstu,causal --methods cm --out "$OUT" \
-        --tag "order_$order"
-    done
-    ;;
   train)  # SEQLENS=1024,4096 MASKS=hstu METHODS=... to choose (default: all masks at 32K)
     tag=${SEQLENS:+s${SEQLENS//,/-}}
     step "train_${tag:-32k}" 570 python3 bench/attention.py --mode train \
@@ -73,5 +65,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|order"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det"; exit 2 ;;
 esac

@@ -97,10 +97,6 @@ class FlashFwdConfig:
     warp_specialized: bool = True  # sm90: TMA producer warp + wgmma consumers (flash_fwd_sm90)
     intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
     pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
-    # sm90 warp-specialized: q tiles in reverse order, so the heavy late rows of causal-like masks
-    # start first and light ones fill the tail (opt-in, COMPILEMASK_FWD_ORDER=reverse, until
-    # measured on the GPU)
-    reverse_m: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -891,8 +887,6 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
-        reverse_m=env_choice("COMPILEMASK_FWD_ORDER", ("forward", "reverse"), "forward")
-        == "reverse",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")

@@ -189,8 +189,6 @@ class FlashFwdSm90(FlashFwd):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         m_block, bh, _ = cute.arch.block_idx()
-        if const_expr(self.cfg.reverse_m):
-            m_block = cute.ceil_div(mO.shape[1], self.tile_m) - 1 - m_block
         num_heads = mO.shape[2]
         batch_idx = bh // num_heads
         head_idx = bh - batch_idx * num_heads

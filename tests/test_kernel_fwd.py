@@ -98,24 +98,6 @@ def test_compile_sm90_ws_without_overlap(sm90_env):
     assert compile_flash_fwd(cfg, gpu_arch=sm90_env) is not None
 
 
-def test_compile_sm90_reverse_m(sm90_env, monkeypatch):
-    """The opt-in longest-first q-tile order builds, is its own cache entry, and the knob is
-    validated."""
-    from compilemask.kernels.common import env_choice
-
-    def reverse_m():
-        return env_choice("COMPILEMASK_FWD_ORDER", ("forward", "reverse"), "forward") == "reverse"
-
-    cfg = FlashFwdConfig(**{**_cfg("bf16", 128, 2).__dict__, "reverse_m": True})
-    assert cfg != _cfg("bf16", 128, 2)
-    assert compile_flash_fwd(cfg, gpu_arch=sm90_env) is not None
-    monkeypatch.setenv("COMPILEMASK_FWD_ORDER", "reverse")
-    assert reverse_m()
-    monkeypatch.setenv("COMPILEMASK_FWD_ORDER", "backwards")
-    with pytest.raises(ValueError, match="COMPILEMASK_FWD_ORDER"):
-        reverse_m()
-
-
 @pytest.mark.parametrize("hdim", [64, 128])
 def test_compile_sm90_single_role(sm90_env, hdim):
     # the non-warp-specialized wgmma variant (cp.async loads, all warps compute)
@@ -330,16 +312,14 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", ["sm90ws", "sm90ws_rev", "sm90", "sm80"])
+@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80"])
 @pytest.mark.parametrize(
     "case",
     CASES,
     ids=lambda c: f"{c[0]}-B{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{str(c[7])[6:]}",
 )
-def test_fwd_numerics(case, variant, monkeypatch):
+def test_fwd_numerics(case, variant):
     mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
-    # sm90ws_rev: the warp-specialized kernel with q tiles in reverse order (opt-in)
-    monkeypatch.setenv("COMPILEMASK_FWD_ORDER", "reverse" if variant == "sm90ws_rev" else "forward")
     arch = 80 if variant == "sm80" else 90
     major, _ = torch.cuda.get_device_capability()
     if arch == 90 and major != 9:
@@ -375,7 +355,7 @@ def test_fwd_numerics(case, variant, monkeypatch):
         softmax_scale=scale,
         fallback=fb,
         arch=arch,
-        warp_specialized=variant in ("sm90ws", "sm90ws_rev"),
+        warp_specialized=variant == "sm90ws",
         out=out,
         lse=lse,
     )
