@@ -1,6 +1,7 @@
 """Single-operator attention benchmark on one GPU: CompileMask vs its peers, in one run.
 
     python bench/attention.py --mode fwd --seqlens 1024,8192,32768 --out bench/results
+    python bench/attention.py --mode train --merge a.json b.json --tag merged  # no GPU needed
 
 Methods: ``cm`` (our preprocess + kernel; kernel-only reported too), ``flex_triton`` and
 ``flex_flash`` (FlexAttention, BlockMask built per batch with B = batch by a compiled
@@ -237,6 +238,31 @@ def plot(results, mode, path):
     fig.savefig(path, dpi=110)
 
 
+def merge(paths, mode, out: Path, tag: str = "merged"):
+    """One markdown table and one plot from several runs' JSON results (rows keyed by mask and
+    S; a later file's row replaces an earlier one). The header names the source files and the
+    header lines of their markdown tables (date, GPU, commit, kernel knobs)."""
+    rows = {}
+    sources = []
+    for p in map(Path, paths):
+        for r in json.loads(p.read_text()):
+            rows[(r["mask"], r["S"])] = r
+        md = p.with_suffix(".md")
+        meta = md.read_text().splitlines()[2] if md.exists() else "(no markdown next to it)"
+        sources.append(f"- `{p.name}`: {meta}")
+    order = {m: i for i, m in enumerate(WORKLOADS)}
+    results = sorted(rows.values(), key=lambda r: (order.get(r["mask"], 99), r["S"]))
+    meta_line = "Merged from:\n\n" + "\n".join(sources)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"attention_{mode}_{tag or 'merged'}"
+    md = to_markdown(results, mode, meta_line)
+    (out / f"{stem}.md").write_text(md)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    plot(results, mode, out / f"{stem}.png")
+    print(md)
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["fwd", "train"], default="fwd")
@@ -248,7 +274,12 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="added to the output file names")
     ap.add_argument("--deterministic", action="store_true",
                     help="cm: cm.attention(..., deterministic=True) (fixed dQ summation order)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no measuring: one table and plot from the results of earlier runs "
+                         "(one device call each), each row once (the last file wins)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.mode, Path(args.out), args.tag)
     results = []
     # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("CM_COMMIT") or subprocess.run(

@@ -23,3 +23,36 @@ def test_flex_mask_mod_equals_compiled_mask(name):
     flex = create_mask(flex_mask_mod(name, meta), B, None, S, S, device="cpu")[:, 0]
     assert torch.equal(ours, flex)
     assert ours.any() and not ours.all()
+
+
+def test_merge_runs_into_one_table_and_plot(tmp_path):
+    """bench/attention.py --merge: rows of several device calls in one table and plot (CPU);
+    a later file's row replaces an earlier one, and the sources' header lines are kept."""
+    pytest.importorskip("matplotlib")
+    from bench.attention import main
+
+    def row(mask, S, ms):
+        cm_ = {"ms": ms, "tflops": 100.0 / ms, "kernel_ms": ms - 1, "preprocess_ms": 0.01,
+               "fwd_ms": ms / 4}
+        return {"mask": mask, "S": S, "B": 131072 // S, "cm": cm_,
+                "flex_flash": {"ms": 2 * ms, "tflops": 50.0 / ms, "kernel_ms": ms,
+                               "block_mask_ms": 1.0}}
+
+    runs = {"a": [row("hstu", 1024, 4.0), row("hstu", 32768, 60.0)],
+            "b": [row("hstu", 32768, 57.0), row("causal", 1024, 3.0)]}
+    paths = []
+    for name, rows in runs.items():
+        p = tmp_path / f"attention_train_{name}.json"
+        p.write_text(__import__("json").dumps(rows))
+        p.with_suffix(".md").write_text(f"# t\n\nheader of run {name}\n")
+        paths.append(str(p))
+    main(["--mode", "train", "--merge", *paths, "--out", str(tmp_path / "out"), "--tag", "m"])
+    md = (tmp_path / "out" / "attention_train_m.md").read_text()
+    lines = [x for x in md.splitlines() if x.startswith("| hstu") or x.startswith("| causal")]
+    # in the workloads' order, then by S
+    assert [x.split(" | ")[:2] for x in lines] == [["| causal", "1024"], ["| hstu", "1024"],
+                                                    ["| hstu", "32768"]]
+    assert "57.000" in lines[2] and "60.000" not in md
+    assert "2.00x" in lines[0]  # best peer / cm
+    assert "header of run a" in md and "header of run b" in md
+    assert (tmp_path / "out" / "attention_train_m.png").stat().st_size > 0
