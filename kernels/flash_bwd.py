@@ -47,8 +47,9 @@ Two MMA paths share the schedule, the loads, the mask and the epilogue:
   dV/dK as register A operands; S and dP are issued back to back and dV, dQ, dK overlap the
   pointwise math (the FlashAttention 3 schedule). The variants it replaced (cp.async loads,
   waiting for every GEMM, scalar dS stores, dQ adds issued by the compute warpgroups) are
-  measured in ``bench/results/backward_variants_2026-11-29.md``: HSTU 32K backward 81.7 ms
-  (atomics) -> 58.7 (bulk) -> 47.7 (this kernel) on the H200.
+  measured in ``bench/results/backward_variants_2026-11-29.md``: HSTU 32K backward on the H200
+  81.7 ms (atomics) -> 58.7 (bulk) -> 43.8-47.7 (this kernel) -> 41.5 (with the CuTe
+  pre/postprocess of ``bwd_aux``).
 
 The mma.sync kernel holds 2 stages of Q/dO (cp.async) so the next q tile loads during the
 current one's math.
