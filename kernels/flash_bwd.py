@@ -1148,11 +1148,11 @@ class FlashBwdSm90(FlashBwd):
     ):
         """The two wgmma warpgroups, one barrier per work item: S and dP are issued back to
         back; dV runs while dS is computed; after the one barrier of the two warpgroups (dS
-        complete in shared memory) dQ, then dK are issued;
-        dQ goes to this warpgroup's half of sdQ for the dQ writer warp (``_dq_writer``), which
-        issues the reduce-add. dS has one buffer per Q/dO stage, and the next item's row
-        metadata is stored before the barrier, so nothing is rewritten that the other
-        warpgroup may still read and the item needs no second barrier."""
+        complete in shared memory) dQ, then dK are issued; dQ goes to this warpgroup's half of
+        sdQ for the dQ writer warp (``_dq_writer``), which issues the reduce-add. dS has one
+        buffer per Q/dO stage, and the next item's row metadata is stored before the barrier,
+        so nothing is rewritten that the other warpgroup may still read and the item needs no
+        second barrier."""
         K = self.K
         P = self.cfg.num_params
         Rs = max(self.cfg.num_row_params, 1)
@@ -1187,8 +1187,8 @@ class FlashBwdSm90(FlashBwd):
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
-            self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-                                 n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx)
+            self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
+                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
             g = g_next
