@@ -3,7 +3,8 @@
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
-#   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
+#   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel, metadata by TMA
+#   bash bench/h200.sh meta      # the backward's row metadata: registers vs bulk copies
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
@@ -24,9 +25,19 @@ case "${1:-}" in
   tests)  # every gpu-marked test
     step gpu_tests 380 python3 -m pytest -q -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
+  variants)  # the backward's GPU tests with the mma.sync kernel (the portable path) and with
+    # the sm90 kernel's opt-in bulk-copied row metadata (-x: the time limit stops a hang)
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    step bwd_meta_tma 170 env COMPILEMASK_BWD_META=tma python3 -m pytest -q -m gpu -x \
+      -p no:cacheprovider tests/test_kernel_bwd.py
+    ;;
+  meta)  # the sm90 backward's row metadata: registers (default) vs bulk copies, 8K and 32K
+    for m in regs tma; do
+      step "train_meta_$m" 200 env COMPILEMASK_BWD_META=$m python3 bench/attention.py \
+        --mode train --seqlens 8192,32768 --rep 100 --masks hstu,causal,clear --methods cm \
+        --out "$OUT" --tag "meta_$m"
+    done
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -65,5 +76,5 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|meta"; exit 2 ;;
 esac
