@@ -1540,6 +1540,31 @@ def _dq_fragment_order(tile_m: int, head_dim: int, device):
     return order.to(device)
 
 
+def _pad_row_metadata(lse, dpsum, intervals, row_region, row_params, tile_m: int):
+    """meta_tma: the backward's row metadata padded to whole q tiles, as the kernel's bulk
+    copies read it: LSE in log2 units with -inf (a row that sees nothing) and the padding rows
+    +inf (so P = exp2(s - inf) = 0), dPsum 0, interval slots (start, len) = (0, 0), region -1,
+    row params 0. ``lse``, ``dpsum`` [B, H, Sq]; ``intervals`` [B, Sq, 2K]; ``row_region``
+    [B, Sq]; ``row_params`` [B, Sq, R] (batch-1 tensors are broadcast to B)."""
+    import torch
+
+    B, H, Sq = lse.shape
+    Sp = -(-Sq // tile_m) * tile_m
+    dev = lse.device
+
+    lse_p = torch.full((B, H, Sp), math.inf, dtype=torch.float32, device=dev)
+    lse_p[..., :Sq] = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)
+    dps_p = torch.zeros(B, H, Sp, dtype=torch.float32, device=dev)
+    dps_p[..., :Sq] = dpsum
+    iv_p = torch.zeros(B, Sp, intervals.shape[-1], dtype=torch.int32, device=dev)
+    iv_p[:, :Sq] = intervals
+    rr_p = torch.full((B, Sp), -1, dtype=torch.int32, device=dev)
+    rr_p[:, :Sq] = row_region
+    rp_p = torch.zeros(B, Sp, row_params.shape[-1], dtype=torch.int32, device=dev)
+    rp_p[:, :Sq] = row_params
+    return lse_p, dps_p, iv_p, rr_p, rp_p
+
+
 def flash_bwd(
     dout,
     q,
@@ -1650,19 +1675,8 @@ def flash_bwd(
         row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
     pr = params.to(torch.int32).contiguous().expand(B, -1)
     rp = row_params.to(torch.int32).contiguous().expand(B, -1, -1)
-    if cfg.meta_tma:  # the row metadata padded to whole q tiles, LSE in log2 units (+inf: P = 0)
-        Sp = n_m * tile_m
-        lse_p = torch.full((B, H, Sp), math.inf, dtype=torch.float32, device=dev)
-        lse_p[..., :Sq] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
-        dps_p = torch.zeros(B, H, Sp, dtype=torch.float32, device=dev)
-        dps_p[..., :Sq] = dpsum
-        iv_p = torch.zeros(B, Sp, 2 * Kslots, dtype=torch.int32, device=dev)
-        iv_p[:, :Sq] = iv
-        rr_p = torch.full((B, Sp), -1, dtype=torch.int32, device=dev)
-        rr_p[:, :Sq] = rr
-        rp_p = torch.zeros(B, Sp, rp.shape[-1], dtype=torch.int32, device=dev)
-        rp_p[:, :Sq] = rp
-        lse, dpsum, iv, rr, rp = lse_p, dps_p, iv_p, rr_p, rp_p
+    if cfg.meta_tma:
+        lse, dpsum, iv, rr, rp = _pad_row_metadata(lse, dpsum, iv, rr, rp, tile_m)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     det_args = ()
     if cfg.arch >= 90:

@@ -200,6 +200,37 @@ def test_meta_tma_compiles(K, fallback, tmp_path):
         assert "0 bytes spill stores, 0 bytes spill loads" in info, info
 
 
+def test_pad_row_metadata_matches_the_register_path():
+    """meta_tma's host padding (CPU): what the bulk copies bring per row equals what the register
+    path stores (``_store_meta``): LSE in log2 units, -inf -> +inf, rows past Sq +inf (P = 0);
+    dPsum; interval slots (the padding rows empty); region -1 and row params 0 past Sq; every
+    array a whole number of q tiles (one contiguous 16-byte aligned run per tile)."""
+    from compilemask.kernels.flash_bwd import LOG2E, _pad_row_metadata
+
+    B, H, Sq, K, R, tm = 2, 3, 130, 2, 1, 64
+    g = torch.Generator().manual_seed(0)
+    lse = torch.randn(B, H, Sq, generator=g)
+    lse[0, 1, 5] = -math.inf  # a row that sees nothing
+    dpsum = torch.randn(B, H, Sq, generator=g)
+    iv = torch.randint(0, 100, (1, Sq, 2 * K), generator=g, dtype=torch.int32).expand(B, -1, -1)
+    rr = torch.randint(-1, 2, (B, Sq), generator=g, dtype=torch.int32)
+    rp = torch.randint(0, 9, (B, Sq, R), generator=g, dtype=torch.int32)
+    lse_p, dps_p, iv_p, rr_p, rp_p = _pad_row_metadata(lse, dpsum, iv, rr, rp, tm)
+    Sp = 192
+    assert lse_p.shape == dps_p.shape == (B, H, Sp) and iv_p.shape == (B, Sp, 2 * K)
+    assert rr_p.shape == (B, Sp) and rp_p.shape == (B, Sp, R)
+    assert all(t.is_contiguous() for t in (lse_p, dps_p, iv_p, rr_p, rp_p))
+    want = lse * LOG2E
+    want[0, 1, 5] = math.inf
+    assert torch.equal(lse_p[..., :Sq], want) and bool((lse_p[..., Sq:] == math.inf).all())
+    assert torch.equal(dps_p[..., :Sq], dpsum) and not dps_p[..., Sq:].any()
+    assert torch.equal(iv_p[:, :Sq], iv) and not iv_p[:, Sq:].any()
+    assert torch.equal(rr_p[:, :Sq], rr) and bool((rr_p[:, Sq:] == -1).all())
+    assert torch.equal(rp_p[:, :Sq], rp) and not rp_p[:, Sq:].any()
+    for bytes_per_row in (4, 2 * K * 4, R * 4):  # a tile's run: a multiple of 16 bytes
+        assert tm * bytes_per_row % 16 == 0
+
+
 def test_deterministic_compiles_with_ordered_adds(tmp_path):
     """deterministic (sm90 kernel): before each dQ half's bulk add, the writer warp's lane 0
     spins on the half's semaphore (ld.acquire); after both adds it waits for them to finish (not
