@@ -5,6 +5,7 @@
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel, metadata by TMA
 #   bash bench/h200.sh meta      # the backward's row metadata: registers vs bulk copies
+#   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (merge the calls' JSON)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
@@ -77,5 +78,11 @@ case "${1:-}" in
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|meta"; exit 2 ;;
+  study)  # the 1K-16K train points of one mask (MASK=hstu|causal|shared_prompt_rm|clear), one
+    # device call each; join the calls' JSON with bench/attention.py --merge (no GPU)
+    step "train_study_${MASK:?MASK=...}" 570 python3 bench/attention.py --mode train \
+      --seqlens "${SEQLENS:-1024,2048,4096,8192,16384}" --rep "${REP:-50}" --masks "$MASK" \
+      --methods "${METHODS:-cm,flex_flash,flex_triton,fa4}" --out "$OUT" --tag "study_$MASK"
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|meta|study"; exit 2 ;;
 esac
