@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .common import compile_cache_key, fake_tensor
+from .common import compile_cache_key, compile_kernel, fake_tensor
 
 __all__ = ["AuxConfig", "BwdPreprocess", "DqPostprocess", "compile_aux"]
 
@@ -157,7 +157,7 @@ def _fake_args(cfg: AuxConfig):
         return (fake_tensor(dt, (B, S, H, D), div), fake_tensor(dt, (B, S, H, D), div),
                 fake_tensor(Float32, (B, H, S), 1, 4))
     return (fake_tensor(Float32, (B, H, sym(), cfg.tile_m * D), 4, 16),
-            fake_tensor(dt, (B, S, H, D), div), Float32(1.0))
+            fake_tensor(dt, (B, S, H, D), div))
 
 
 def compile_aux(cfg: AuxConfig, gpu_arch=None, use_cache: bool = True, extra_options: str = ""):
@@ -170,11 +170,8 @@ def compile_aux(cfg: AuxConfig, gpu_arch=None, use_cache: bool = True, extra_opt
     if cfg.kind not in ("dpsum", "dq"):
         raise ValueError(f"AuxConfig.kind must be 'dpsum' or 'dq', got {cfg.kind!r}")
     kernel = (BwdPreprocess if cfg.kind == "dpsum" else DqPostprocess)(cfg)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
-    if extra_options:
-        options += " " + extra_options
-    fn = cute.compile(kernel, *_fake_args(cfg), stream, options=options)
+    fn = compile_kernel(kernel, _fake_args(cfg), gpu_arch, extra_options,
+                        with_scale=cfg.kind == "dq")
     _COMPILE_CACHE[key] = fn
     return fn
 

@@ -357,14 +357,16 @@ def fake_descriptor_args(B, Sq, num_intervals: int):
     return intervals, bitmap, row_region, params, row_params
 
 
-def compile_kernel(kernel, args, gpu_arch=None, extra_options: str = ""):
-    """``cute.compile`` of a kernel object over fake ``args`` (+ the float32 softmax scale and
-    the TVM-FFI environment stream); ``gpu_arch`` (e.g. "sm_90a") needs no GPU."""
+def compile_kernel(kernel, args, gpu_arch=None, extra_options: str = "", with_scale: bool = True):
+    """``cute.compile`` of a kernel object over fake ``args`` (+ a float32 scale when
+    ``with_scale``, and the TVM-FFI environment stream); ``gpu_arch`` (e.g. "sm_90a") needs no
+    GPU."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {gpu_arch}" if gpu_arch else "")
     if extra_options:
         options += " " + extra_options
-    return cute.compile(kernel, *args, Float32(1.0), stream, options=options)
+    scale = (Float32(1.0),) if with_scale else ()
+    return cute.compile(kernel, *args, *scale, stream, options=options)
 
 
 def compile_cache_key(cfg, gpu_arch=None):
