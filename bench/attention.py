@@ -33,6 +33,7 @@ from bench.workloads import WORKLOADS, batch_for, flex_mask_mod, make_meta  # no
 
 H, D = 8, 128
 DTYPE = torch.bfloat16
+METHODS = ("cm", "flex_triton", "flex_flash", "fa4", "sdpa")  # table and plot order
 
 
 def _bench(fn, rep_ms):
@@ -152,7 +153,10 @@ def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
 
                 ms = _bench(run_sdpa, rep_ms)
                 record("sdpa", ms, ms)
-        except torch.cuda.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError as e:
+            # the allocator's own numbers say whether it is this shape or what earlier runs left
+            print(f"  OOM in {method}: {str(e).splitlines()[0][:200]} "
+                  f"(allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB)", flush=True)
             record(method, None, note="OOM")
             torch.cuda.empty_cache()
         except Exception as e:  # a peer that fails is reported, not fatal
@@ -167,7 +171,7 @@ def _pairs_from_intervals(desc):
 
 
 def to_markdown(results, mode, meta_line):
-    methods = ["cm", "flex_triton", "flex_flash", "fa4", "sdpa"]
+    methods = list(METHODS)
     extra = ["cm kernel ms", "cm preprocess ms"]
     if mode == "train":
         extra += ["cm fwd ms", "cm bwd ms"]
@@ -221,14 +225,17 @@ def plot(results, mode, path):
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         rows = [r for r in results if r["mask"] == name]
-        for m in ["cm", "flex_triton", "flex_flash", "fa4", "sdpa"]:
+        for color, m in enumerate(METHODS):  # one color per method in every panel
             pts = [(r["S"], r[m]["tflops"]) for r in rows if r.get(m) and r[m]["ms"]]
             oom = [r["S"] for r in rows if r.get(m) and r[m]["ms"] is None]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
+                ax.plot(*zip(*pts), marker="o", label=m, color=f"C{color}")
             for s in oom:
-                ax.annotate("OOM", (s, 0), fontsize=7)
+                ax.annotate(f"{m} OOM", (s, 0), fontsize=7, color=f"C{color}")
+        seqlens = sorted({r["S"] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [f"{s // 1024}K" if s >= 1024 else str(s) for s in seqlens])
+        ax.set_ylim(bottom=0)
         ax.set_title(name)
         ax.set_xlabel("sequence length")
         ax.set_ylabel("effective TFLOP/s")
@@ -239,20 +246,37 @@ def plot(results, mode, path):
 
 
 def merge(paths, mode, out: Path, tag: str = "merged"):
-    """One markdown table and one plot from several runs' JSON results (rows keyed by mask and
-    S; a later file's row replaces an earlier one). The header names the source files and the
-    header lines of their markdown tables (date, GPU, commit, kernel knobs)."""
-    rows = {}
-    sources = []
+    """One markdown table and one plot from several runs' JSON results. Points are keyed by
+    (mask, S, method): a later file's measurement of a method replaces an earlier one, and a
+    later OOM or failure does not replace a measurement (a sweep's process can run out of memory
+    on leftovers of earlier shapes where a fresh process does not). The header names each source
+    file, the header line of its markdown table (date, GPU, commit, kernel knobs) and the points
+    it contributed."""
+    rows, owner, sources = {}, {}, []
     for p in map(Path, paths):
         for r in json.loads(p.read_text()):
-            rows[(r["mask"], r["S"])] = r
+            key = (r["mask"], r["S"])
+            row = rows.setdefault(key, {k: v for k, v in r.items() if k not in METHODS})
+            for m in METHODS:
+                x = r.get(m)
+                if x is None or (x["ms"] is None and (row.get(m) or {}).get("ms")):
+                    continue
+                row[m] = x
+                owner[(*key, m)] = p.name
         md = p.with_suffix(".md")
         meta = md.read_text().splitlines()[2] if md.exists() else "(no markdown next to it)"
-        sources.append(f"- `{p.name}`: {meta}")
+        sources.append((p.name, meta))
     order = {m: i for i, m in enumerate(WORKLOADS)}
     results = sorted(rows.values(), key=lambda r: (order.get(r["mask"], 99), r["S"]))
-    meta_line = "Merged from:\n\n" + "\n".join(sources)
+    lines = []
+    for name, meta in sources:
+        got = {}
+        for (mask, S, m), src in sorted(owner.items(), key=lambda kv: kv[0]):
+            if src == name:
+                got.setdefault(f"{mask} {m}", []).append(str(S))
+        used = "; ".join(f"{k} @ {','.join(v)}" for k, v in got.items()) or "nothing (replaced)"
+        lines.append(f"- `{name}`: {meta}\n  - points used: {used}")
+    meta_line = "Merged from:\n\n" + "\n".join(lines)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"attention_{mode}_{tag or 'merged'}"
     md = to_markdown(results, mode, meta_line)
@@ -290,8 +314,7 @@ def main(argv=None):
 
     bwd_arch = default_arch(torch.device("cuda"))
     knobs = {"backward": f"sm{bwd_arch}"
-             + (f" (row metadata {os.environ.get('COMPILEMASK_BWD_META', 'regs')})"
-                if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
+             + ("" if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "

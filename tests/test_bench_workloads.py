@@ -26,8 +26,9 @@ def test_flex_mask_mod_equals_compiled_mask(name):
 
 
 def test_merge_runs_into_one_table_and_plot(tmp_path):
-    """bench/attention.py --merge: rows of several device calls in one table and plot (CPU);
-    a later file's row replaces an earlier one, and the sources' header lines are kept."""
+    """bench/attention.py --merge: points of several device calls in one table and plot (CPU);
+    a later file's measurement of a method replaces an earlier one, a later OOM does not, other
+    methods of the row are kept, and the sources' header lines are kept."""
     pytest.importorskip("matplotlib")
     from bench.attention import main
 
@@ -39,7 +40,12 @@ def test_merge_runs_into_one_table_and_plot(tmp_path):
                                "block_mask_ms": 1.0}}
 
     runs = {"a": [row("hstu", 1024, 4.0), row("hstu", 32768, 60.0)],
-            "b": [row("hstu", 32768, 57.0), row("causal", 1024, 3.0)]}
+            "b": [row("hstu", 32768, 57.0), row("causal", 1024, 3.0)],
+            # a peer measured alone, and a sweep's OOM that a fresh process did not have
+            "c": [{"mask": "hstu", "S": 32768, "B": 4,
+                   "flex_triton": {"ms": 90.0, "tflops": 1.0, "kernel_ms": 89.0}},
+                  {"mask": "hstu", "S": 1024, "B": 128,
+                   "cm": {"ms": None, "tflops": None, "kernel_ms": None, "note": "OOM"}}]}
     paths = []
     for name, rows in runs.items():
         p = tmp_path / f"attention_train_{name}.json"
@@ -53,6 +59,9 @@ def test_merge_runs_into_one_table_and_plot(tmp_path):
     assert [x.split(" | ")[:2] for x in lines] == [["| causal", "1024"], ["| hstu", "1024"],
                                                     ["| hstu", "32768"]]
     assert "57.000" in lines[2] and "60.000" not in md
+    assert "90.000" in lines[2] and "114.000" in lines[2]  # flex_triton from c, flex_flash from b
+    assert "4.000" in lines[1] and "OOM" not in lines[1]
+    assert "hstu flex_triton @ 32768" in md  # which points each source file gave
     assert "2.00x" in lines[0]  # best peer / cm
     assert "header of run a" in md and "header of run b" in md
     assert (tmp_path / "out" / "attention_train_m.png").stat().st_size > 0
