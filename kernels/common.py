@@ -61,21 +61,13 @@ def _at(t, row, i):
     return t[i] if row is None else t[row, i]
 
 
-def interval_visible(kv_idx, rInt, num_intervals: int, row=None, lens: bool = False):
+def interval_visible(kv_idx, rInt, num_intervals: int, row=None):
     """``OR_k start_k <= kv_idx < end_k`` over the row's K interval slots, unrolled.
 
     ``rInt`` holds the row's slots as (start, end = start + len) pairs: ``rInt[2k]``,
     ``rInt[2k + 1]`` (or ``rInt[row, 2k]``, ``rInt[row, 2k + 1]`` when ``row`` is given). The
     two signed compares equal ``uint32(kv_idx - start) < uint32(len)`` for
-    ``0 <= start, len < 2^31``. ``lens``: the slots are the descriptor's own (start, len) pairs:
-    ``0 <= kv_idx - start < len``, the same test (the DSL compares Uint32 values signed, so the
-    unsigned form is spelled as two signed compares)."""
-    if lens:
-        vis = Int32(False)
-        for k in range(num_intervals):
-            d = kv_idx - _at(rInt, row, 2 * k)
-            vis = vis | ((d >= 0) & (d < _at(rInt, row, 2 * k + 1)))
-        return vis
+    ``0 <= start, len < 2^31``."""
     vis = (kv_idx >= _at(rInt, row, 0)) & (kv_idx < _at(rInt, row, 1))
     for k in range(1, num_intervals):
         vis = vis | ((kv_idx >= _at(rInt, row, 2 * k)) & (kv_idx < _at(rInt, row, 2 * k + 1)))
@@ -275,23 +267,6 @@ def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes: int, *, loc=None, ip=None
          Int32(num_bytes).ir_value(loc=loc, ip=ip)],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def bulk_copy_g2s(smem_ptr, gmem_ptr, num_bytes: int, mbar_ptr, *, loc=None, ip=None):
-    """``smem[0:num_bytes] = gmem[0:num_bytes]`` by the TMA unit, asynchronously: one
-    ``cp.async.bulk`` (both addresses 16-byte aligned, ``num_bytes`` a multiple of 16) whose
-    bytes count as transactions of the mbarrier ``mbar_ptr`` (as a TMA tile load's do)."""
-    llvm.inline_asm(
-        None,
-        [smem_ptr.toint(loc=loc, ip=ip).ir_value(), gmem_ptr.llvm_ptr,
-         Int32(num_bytes).ir_value(loc=loc, ip=ip), mbar_ptr.toint(loc=loc, ip=ip).ir_value()],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,

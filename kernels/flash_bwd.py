@@ -79,7 +79,6 @@ from .common import (
     _acc_mn,
     _layout_acc_frgA,
     _transpose_view,
-    bulk_copy_g2s,
     bulk_reduce_add_f32,
     compile_cache_key,
     compile_kernel,
@@ -140,11 +139,6 @@ class FlashBwdConfig:
     # arch 90: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
     # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
     deterministic: bool = False
-    # arch 90: the producer warp loads each q tile's row metadata (LSE in log2 units, dPsum, the
-    # (start, len) interval slots, fallback region and row params) with 1D bulk copies into the
-    # Q/dO stage, from buffers padded to whole q tiles, instead of the wgmma warpgroups loading
-    # it into registers (COMPILEMASK_BWD_META=tma; opt-in until measured on the GPU)
-    meta_tma: bool = False
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -198,7 +192,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic or cfg.meta_tma:  # sm90 kernel features
+        if cfg.deterministic:  # an sm90 kernel feature
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -1002,8 +996,6 @@ class FlashBwdSm90(FlashBwd):
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             g2s, select_modes(mV, [1, 3, 2, 0]), sKV_layout, (tn, D))
         self.tx_qdo = 2 * cute.size_in_bytes(dtype, sQ_one)
-        if const_expr(self.cfg.meta_tma):  # LSE, dPsum, intervals (+ region, row params)
-            self.tx_qdo += self._meta_bytes()
         self.tx_kv = 2 * cute.size_in_bytes(dtype, sKV_layout)
         self.kernel(
             mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, mIntervals, mBitmap, mRowRegion,
@@ -1123,11 +1115,6 @@ class FlashBwdSm90(FlashBwd):
                     bar = pipe_qdo.producer_get_barrier(q_state)
                     cute.copy(tma_atom_Q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=bar)
                     cute.copy(tma_atom_dO, tdOgdO, tdOsdO[None, q_state.index], tma_bar_ptr=bar)
-                    if const_expr(self.cfg.meta_tma):
-                        self._load_meta_tma(
-                            (sLSE, sdPsum, sInt, sFb, sRowP), q_state.index, bar, mLSE, mdPsum,
-                            mIntervals, mRowRegion, mRowParams, batch_idx, head, m_block,
-                        )
                     q_state.advance()
                     m_block, g, work = self._next_work(
                         mBitmapRow, m_block, g, first_m, m_blocks, group
@@ -1153,37 +1140,6 @@ class FlashBwdSm90(FlashBwd):
                 n_block, n_start, seqlen_k,
             )
 
-    def _meta_bytes(self) -> int:
-        """Bytes of one q tile's row metadata in the meta_tma layout (all multiples of 16)."""
-        tm = self.tile_m
-        n = tm * 4 * (2 + 2 * self.K)
-        if self.cfg.has_fallback:
-            n += tm * 4 * (1 + self.cfg.num_row_params)
-        return n
-
-    @cute.jit
-    def _load_meta_tma(self, sMeta, stage, bar, mLSE, mdPsum, mIntervals, mRowRegion,
-                       mRowParams, batch_idx, head, m_block):
-        """meta_tma: the row metadata of q tile ``m_block`` (query head ``head``) into metadata
-        stage ``stage`` with one bulk copy per array, completing on the Q/dO stage's mbarrier
-        ``bar``. The arrays are padded to whole q tiles (rows past Sq: LSE +inf, the rest 0 or
-        region -1), so a tile is always one contiguous, 16-byte aligned run."""
-        tm = self.tile_m
-        K = self.K
-        R = self.cfg.num_row_params
-        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
-        for src, dst in ((mLSE, sLSE), (mdPsum, sdPsum)):
-            g = cute.local_tile(src[batch_idx, head, None], (tm,), (m_block,))
-            bulk_copy_g2s(dst[None, stage].iterator, g.iterator, tm * 4, bar)
-        gInt = cute.local_tile(mIntervals[batch_idx, None, None], (tm, 2 * K), (m_block, 0))
-        bulk_copy_g2s(sInt[None, None, stage].iterator, gInt.iterator, tm * 2 * K * 4, bar)
-        if const_expr(self.cfg.has_fallback):
-            gReg = cute.local_tile(mRowRegion[batch_idx, None], (tm,), (m_block,))
-            bulk_copy_g2s(sFb[None, stage].iterator, gReg.iterator, tm * 4, bar)
-            if const_expr(R > 0):
-                gRowP = cute.local_tile(mRowParams[batch_idx, None, None], (tm, R), (m_block, 0))
-                bulk_copy_g2s(sRowP[None, None, stage].iterator, gRowP.iterator, tm * R * 4, bar)
-
     @cute.jit
     def _consumer(
         self, f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
@@ -1205,15 +1161,13 @@ class FlashBwdSm90(FlashBwd):
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
             rP[p] = mParams[batch_idx, p]
-        rMf, rMi = None, None
-        if const_expr(not self.cfg.meta_tma):
-            rMf = cute.make_rmem_tensor((2,), Float32)
-            rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
-            if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, a row each)
-                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
-            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+        rMf = cute.make_rmem_tensor((2,), Float32)
+        rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+        if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
+            self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                            batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -1226,11 +1180,9 @@ class FlashBwdSm90(FlashBwd):
             m_next, g_next, has_next = self._next_work(
                 mBitmapRow, m_block, g, first_m, m_blocks, group
             )
-            if const_expr(not self.cfg.meta_tma):
-                if has_next:  # registers now, shared memory before this item's barrier
-                    self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                    batch_idx, head0 + g_next, m_next * tm + tidx, seqlen_q,
-                                    tidx)
+            if has_next:  # registers now, shared memory before this item's barrier
+                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                batch_idx, head0 + g_next, m_next * tm + tidx, seqlen_q, tidx)
             state = tile_state(mBitmapRow, m_block)
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
@@ -1284,9 +1236,8 @@ class FlashBwdSm90(FlashBwd):
         cute.copy(f.r2s, f.r2s.retile(rdS16), f.tdSsdSt[None, None, None, stage])
         wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
                     False)
-        if const_expr(not self.cfg.meta_tma):
-            if has_next:  # every read of the other metadata stage was before the last barrier
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+        if has_next:  # every read of the other metadata stage was before the last barrier
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
         cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
 
@@ -1425,17 +1376,11 @@ class FlashBwdSm90(FlashBwd):
                 rInt[k] = sInt[col, k]
             if const_expr(self.cfg.has_fallback):
                 fb = sFb[col]
-                if const_expr(self.cfg.meta_tma):  # the raw region id -> its fallback slot
-                    region = fb
-                    fb = Int32(-1)
-                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
-                        if region == self.cfg.fallback_regions[slot]:
-                            fb = Int32(slot)
                 args = [rP[p] for p in range(self.cfg.num_params)]
                 args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
             for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
                 kv_idx = n_start + tScS_mn[r, 0][0]
-                vis = interval_visible(kv_idx, rInt, K, lens=self.cfg.meta_tma)
+                vis = interval_visible(kv_idx, rInt, K)
                 if const_expr(self.cfg.has_fallback):
                     vis = fallback_visible(
                         vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
@@ -1463,10 +1408,8 @@ def make_fake_args(cfg: FlashBwdConfig):
     k = t(dt, (B, Sk, Hkv, D), div)
     v = t(dt, (B, Sk, Hkv, D), div)
     do = t(dt, (B, Sq, H, D), div)
-    # meta_tma: the row metadata is padded to whole q tiles (its own length)
-    Sm = sym() if cfg.meta_tma else Sq
-    lse = t(Float32, (B, H, Sm), 1, 4)
-    dpsum = t(Float32, (B, H, Sm), 1, 4)
+    lse = t(Float32, (B, H, Sq), 1, 4)
+    dpsum = t(Float32, (B, H, Sq), 1, 4)
     if cfg.dq_reduce == "bulk":  # (B, H, q tiles, tile in fragment order)
         dq_accum = t(Float32, (B, H, sym(), cfg.tile_m * D), 4, 16)
     else:
@@ -1474,7 +1417,7 @@ def make_fake_args(cfg: FlashBwdConfig):
     dk = t(dt, (B, Sk, Hkv, D), div)
     dv = t(dt, (B, Sk, Hkv, D), div)
     args = (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
-        B, Sm, cfg.num_intervals
+        B, Sq, cfg.num_intervals
     )
     if cfg.arch >= 90:  # the dQ semaphores and kv-tile ranks of the deterministic kernel
         det = cfg.deterministic
@@ -1538,31 +1481,6 @@ def _dq_fragment_order(tile_m: int, head_dim: int, device):
     order = torch.empty_like(p)
     order[row * head_dim + col] = p
     return order.to(device)
-
-
-def _pad_row_metadata(lse, dpsum, intervals, row_region, row_params, tile_m: int):
-    """meta_tma: the backward's row metadata padded to whole q tiles, as the kernel's bulk
-    copies read it: LSE in log2 units with -inf (a row that sees nothing) and the padding rows
-    +inf (so P = exp2(s - inf) = 0), dPsum 0, interval slots (start, len) = (0, 0), region -1,
-    row params 0. ``lse``, ``dpsum`` [B, H, Sq]; ``intervals`` [B, Sq, 2K]; ``row_region``
-    [B, Sq]; ``row_params`` [B, Sq, R] (batch-1 tensors are broadcast to B)."""
-    import torch
-
-    B, H, Sq = lse.shape
-    Sp = -(-Sq // tile_m) * tile_m
-    dev = lse.device
-
-    lse_p = torch.full((B, H, Sp), math.inf, dtype=torch.float32, device=dev)
-    lse_p[..., :Sq] = torch.where(lse == -math.inf, math.inf, lse.float() * LOG2E)
-    dps_p = torch.zeros(B, H, Sp, dtype=torch.float32, device=dev)
-    dps_p[..., :Sq] = dpsum
-    iv_p = torch.zeros(B, Sp, intervals.shape[-1], dtype=torch.int32, device=dev)
-    iv_p[:, :Sq] = intervals
-    rr_p = torch.full((B, Sp), -1, dtype=torch.int32, device=dev)
-    rr_p[:, :Sq] = row_region
-    rp_p = torch.zeros(B, Sp, row_params.shape[-1], dtype=torch.int32, device=dev)
-    rp_p[:, :Sq] = row_params
-    return lse_p, dps_p, iv_p, rr_p, rp_p
 
 
 def flash_bwd(
@@ -1642,8 +1560,7 @@ def flash_bwd(
             raise NotImplementedError(
                 f"flash_bwd(deterministic=True) needs the sm90 backward kernel (this "
                 f"configuration: {cfg})")
-    cfg = replace(cfg, deterministic=deterministic, meta_tma=cfg.arch >= 90 and env_choice(
-        "COMPILEMASK_BWD_META", ("regs", "tma"), "regs") == "tma")
+    cfg = replace(cfg, deterministic=deterministic)
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)
@@ -1675,8 +1592,6 @@ def flash_bwd(
         row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
     pr = params.to(torch.int32).contiguous().expand(B, -1)
     rp = row_params.to(torch.int32).contiguous().expand(B, -1, -1)
-    if cfg.meta_tma:
-        lse, dpsum, iv, rr, rp = _pad_row_metadata(lse, dpsum, iv, rr, rp, tile_m)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     det_args = ()
     if cfg.arch >= 90:

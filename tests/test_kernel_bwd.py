@@ -169,68 +169,6 @@ def test_compile_sm90_fallback_row_params(arch):
     assert compile_flash_bwd(cfg, fb, gpu_arch=SM90) is not None
 
 
-@pytest.mark.parametrize("K,fallback", [(2, False), (6, False), (1, True)])
-def test_meta_tma_compiles(K, fallback, tmp_path):
-    """meta_tma (COMPILEMASK_BWD_META=tma, sm90 kernel): the producer warp issues one 1D bulk
-    copy per metadata array and q tile (LSE, dPsum, intervals; + region and row params with a
-    fallback) on the Q/dO stage's mbarrier; the wgmma warpgroups load no metadata (their only
-    global loads are the fallback's scalar params); without a fallback nothing spills, where the
-    register prefetch spilled at K = 6."""
-    import shutil
-    import subprocess
-
-    fb = Fallback.from_mask(cm.compile_mask(masks.dilated_causal())) if fallback else None
-    extra = {} if fb is None else dict(
-        has_fallback=True, fallback_hash=fb.hash, fallback_regions=fb.regions,
-        num_params=fb.num_params, num_row_params=fb.num_row_params)
-    cfg = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=K,
-                         arch=90, meta_tma=True, **extra)
-    tmp_path.mkdir(exist_ok=True)
-    compile_flash_bwd(cfg, fb, gpu_arch=SM90, use_cache=False,
-                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
-    ptx_file = next(tmp_path.rglob("*.ptx"))
-    ptx = ptx_file.read_text()
-    copies = ptx.count("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes")
-    assert copies == (3 + (1 + (fb.num_row_params > 0) if fb else 0))
-    assert not FlashBwd.can_implement(FlashBwdConfig("bf16", 128, 64, 128, K, meta_tma=True))
-    ptxas = shutil.which("ptxas")
-    if ptxas and fb is None:
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx_file), "-o", "/dev/null"],
-                              capture_output=True, text=True).stderr
-        assert "0 bytes spill stores, 0 bytes spill loads" in info, info
-
-
-def test_pad_row_metadata_matches_the_register_path():
-    """meta_tma's host padding (CPU): what the bulk copies bring per row equals what the register
-    path stores (``_store_meta``): LSE in log2 units, -inf -> +inf, rows past Sq +inf (P = 0);
-    dPsum; interval slots (the padding rows empty); region -1 and row params 0 past Sq; every
-    array a whole number of q tiles (one contiguous 16-byte aligned run per tile)."""
-    from compilemask.kernels.flash_bwd import LOG2E, _pad_row_metadata
-
-    B, H, Sq, K, R, tm = 2, 3, 130, 2, 1, 64
-    g = torch.Generator().manual_seed(0)
-    lse = torch.randn(B, H, Sq, generator=g)
-    lse[0, 1, 5] = -math.inf  # a row that sees nothing
-    dpsum = torch.randn(B, H, Sq, generator=g)
-    iv = torch.randint(0, 100, (1, Sq, 2 * K), generator=g, dtype=torch.int32).expand(B, -1, -1)
-    rr = torch.randint(-1, 2, (B, Sq), generator=g, dtype=torch.int32)
-    rp = torch.randint(0, 9, (B, Sq, R), generator=g, dtype=torch.int32)
-    lse_p, dps_p, iv_p, rr_p, rp_p = _pad_row_metadata(lse, dpsum, iv, rr, rp, tm)
-    Sp = 192
-    assert lse_p.shape == dps_p.shape == (B, H, Sp) and iv_p.shape == (B, Sp, 2 * K)
-    assert rr_p.shape == (B, Sp) and rp_p.shape == (B, Sp, R)
-    assert all(t.is_contiguous() for t in (lse_p, dps_p, iv_p, rr_p, rp_p))
-    want = lse * LOG2E
-    want[0, 1, 5] = math.inf
-    assert torch.equal(lse_p[..., :Sq], want) and bool((lse_p[..., Sq:] == math.inf).all())
-    assert torch.equal(dps_p[..., :Sq], dpsum) and not dps_p[..., Sq:].any()
-    assert torch.equal(iv_p[:, :Sq], iv) and not iv_p[:, Sq:].any()
-    assert torch.equal(rr_p[:, :Sq], rr) and bool((rr_p[:, Sq:] == -1).all())
-    assert torch.equal(rp_p[:, :Sq], rp) and not rp_p[:, Sq:].any()
-    for bytes_per_row in (4, 2 * K * 4, R * 4):  # a tile's run: a multiple of 16 bytes
-        assert tm * bytes_per_row % 16 == 0
-
-
 def test_deterministic_compiles_with_ordered_adds(tmp_path):
     """deterministic (sm90 kernel): before each dQ half's bulk add, the writer warp's lane 0
     spins on the half's semaphore (ld.acquire); after both adds it waits for them to finish (not
@@ -398,21 +336,6 @@ def test_bwd_other_masks(name, arch):
 def test_bwd_fp16_mqa(arch):
     print("fp16", arch, _check_case(masks.hstu(), 2, 257, 4, 1, 64, dtype=torch.float16, seed=9,
                                     arch=arch))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,S,H,Hkv,D,dtype", [
-    ("causal", 1000, 4, 2, 128, torch.bfloat16), ("hstu", 129, 4, 4, 64, torch.float16),
-    ("clear", 300, 2, 1, 128, torch.bfloat16), ("dilated_causal", 257, 2, 2, 128, torch.bfloat16),
-    ("prefix_lm", 1, 2, 1, 64, torch.bfloat16), ("packed_documents", 127, 2, 2, 128,
-                                                   torch.bfloat16)])
-def test_bwd_meta_tma_vs_reference(name, S, H, Hkv, D, dtype, monkeypatch):
-    """COMPILEMASK_BWD_META=tma (opt-in): the row metadata comes by bulk copies from buffers
-    padded to whole q tiles (S = 1, 127, 129, 257, 300, 1000 end mid-tile), intervals as
-    (start, len), the fallback region mapped to its slot in the kernel (dilated_causal)."""
-    monkeypatch.setenv("COMPILEMASK_BWD_META", "tma")
-    spec = masks.EXAMPLES[name]() if name in masks.EXAMPLES else getattr(masks, name)()
-    print(name, _check_case(spec, 2, S, H, Hkv, D, dtype=dtype, seed=11, arch=90))
 
 
 @pytest.mark.gpu
