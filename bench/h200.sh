@@ -4,6 +4,7 @@
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
+#   bash bench/h200.sh bits      # forward partial tiles by column bits: GPU tests, fwd timing
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
@@ -29,6 +30,18 @@ case "${1:-}" in
   variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
+    ;;
+  bits)  # the forward's partial tiles by column bits (COMPILEMASK_FWD_MASK=bits, opt-in): its
+    # GPU tests (-x: stop at the first failure), then the forward with and without it
+    step fwd_bits_tests 240 env COMPILEMASK_FWD_MASK=bits python3 -m pytest -q -m gpu -x \
+      -p no:cacheprovider tests/test_kernel_fwd.py tests/test_gpu_end_to_end.py \
+      -k "bits or reference"
+    for m in compare bits; do
+      step "fwd_mask_$m" 150 env COMPILEMASK_FWD_MASK=$m python3 bench/attention.py --mode fwd \
+        --seqlens 8192,32768 --rep 100 --masks clear,hstu,shared_prompt_rm,causal --methods cm \
+        --out "$OUT" --tag "mask_$m"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_fwd_mask_${m}_*.md | cut -c1-90
+    done
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -79,5 +92,5 @@ case "${1:-}" in
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|bits|check|pre|fwd|train|det|study"; exit 2 ;;
 esac

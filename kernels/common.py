@@ -3,7 +3,8 @@
 * the *reading side of the descriptor contract* (see ``compilemask/descriptor.py``): the 2-bit
   state of a tile in a Tile-State Bitmap row (:func:`tile_state`), the next non-empty tile of a
   row (:func:`next_tile`), the interval test of one score against a row's interval slots
-  (:func:`interval_visible`) and the fallback predicate AND-ed on top of it
+  (:func:`interval_visible`), the same test once per row as a word of column bits
+  (:func:`interval_bits`, :func:`bit_visible`) and the fallback predicate AND-ed on top of it
   (:func:`fallback_visible`);
 * per-batch sequence bookkeeping (:class:`SeqlenInfo`);
 * accumulator layout views, the 16-byte row copies (:func:`load_rows` and the tiled copies) and
@@ -72,6 +73,66 @@ def interval_visible(kv_idx, rInt, num_intervals: int, row=None):
     for k in range(1, num_intervals):
         vis = vis | ((kv_idx >= _at(rInt, row, 2 * k)) & (kv_idx < _at(rInt, row, 2 * k + 1)))
     return vis
+
+
+# Partial tiles by bits: the interval test once per row instead of once per element. A thread's
+# columns of an mma/wgmma score fragment are ``g * (c // w) + c % w`` past its first one (pairs
+# of adjacent columns every 8: w = 2, g = 8), so the columns that one interval [start, end)
+# covers are a contiguous run of c: [cols_below(start), cols_below(end)). OR-ing those runs
+# gives the row's visible columns as one 32-bit word; each element then tests one bit, and K
+# no longer multiplies the per-element work. Written with >>, &, ^ and a caller's min/max, so
+# that the CPU tests run these very functions on Python ints.
+def column_pattern(t_mn):
+    """``(n, w, g)`` when the static column offsets of the (rows, cols) coordinate view ``t_mn``
+    are ``g * (c // w) + c % w`` for its ``n <= 32`` columns, with ``w`` and ``g`` powers of
+    two; ``None`` otherwise (the caller keeps the per-element test). Trace time only."""
+    n = cute.size(t_mn, mode=[1])
+    offs = [cute.crd2idx((0, c), t_mn.layout)[1] for c in range(n)]
+    return pattern_of_offsets(offs)
+
+
+def pattern_of_offsets(offs):
+    """``(n, w, g)`` if ``offs[c] == g * (c // w) + c % w`` (see :func:`column_pattern`)."""
+    n = len(offs)
+    if n == 0 or n > 32 or not all(isinstance(o, int) for o in offs):
+        return None
+    w = next((c for c in range(1, n) if offs[c] != c), n)
+    g = offs[w] if w < n else w
+    pow2 = all(x > 0 and x & (x - 1) == 0 for x in (w, g))
+    if not pow2 or n % w or any(o != g * (c // w) + c % w for c, o in enumerate(offs)):
+        return None
+    return n, w, g
+
+
+def cols_below(x, pattern, mn, mx):
+    """How many of the thread's columns lie below ``x`` (relative to its first column)."""
+    n, w, g = pattern
+    xc = mn(mx(x, 0), g * (n // w))
+    return (xc >> (g.bit_length() - 1)) * w + mn(xc & (g - 1), w)
+
+
+def low_bits(n, one):
+    """The ``n`` low bits set, ``0 <= n <= 32``, in 32-bit arithmetic without a shift by 32
+    (``one``: the constant 1 of the caller's integer type)."""
+    h = n >> 1
+    return ((one << h) << (n - h)) - 1
+
+
+def interval_bits(rInt, row, num_intervals: int, x0, pattern, one, mn, mx):
+    """Bit ``c`` set iff the thread's column ``c`` lies in one of the row's interval slots
+    (``rInt`` as in :func:`interval_visible`); ``x0`` is the kv index of its first column."""
+    bits = None
+    for k in range(num_intervals):
+        lo = cols_below(_at(rInt, row, 2 * k) - x0, pattern, mn, mx)
+        hi = cols_below(_at(rInt, row, 2 * k + 1) - x0, pattern, mn, mx)
+        run = low_bits(hi, one) & (low_bits(lo, one) ^ -1)  # columns [lo, hi)
+        bits = run if bits is None else bits | run
+    return bits
+
+
+def bit_visible(bits, c: int):
+    """Column ``c`` (a compile-time index) of a row's :func:`interval_bits` word."""
+    return ((bits >> c) & 1) != 0
 
 
 def fallback_visible(

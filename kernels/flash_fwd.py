@@ -55,6 +55,8 @@ from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-expo
     _layout_acc_mn,
     _quad_allreduce,
     _transpose_view,
+    bit_visible,
+    column_pattern,
     compile_cache_key,
     compile_kernel,
     env_choice,
@@ -63,6 +65,7 @@ from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-expo
     fallback_predicates,
     fallback_visible,
     init_kernel,
+    interval_bits,
     interval_visible,
     next_tile,
     tile_state,
@@ -97,6 +100,9 @@ class FlashFwdConfig:
     warp_specialized: bool = True  # sm90: TMA producer warp + wgmma consumers (flash_fwd_sm90)
     intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
     pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
+    # partial tiles: the interval test once per row, as a word of the thread's column bits, then
+    # one bit test per element (COMPILEMASK_FWD_MASK=bits; opt-in until measured on a GPU)
+    mask_bits: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -638,6 +644,17 @@ class FlashFwd:
             )
         return acc_S_mn
 
+    def _bits_pattern(self, tScS_mn):
+        """Trace time: the column pattern of the score fragment when ``mask_bits`` is on (and
+        the fragment has one), else None: the per-element interval test."""
+        if not self.cfg.mask_bits:
+            return None
+        pattern = column_pattern(tScS_mn)
+        if pattern is None:
+            log.warning("flash_fwd: mask_bits: score fragment columns %s have no bit pattern; "
+                        "partial tiles keep the per-element interval test", tScS_mn.layout)
+        return pattern
+
     @cute.jit
     def _apply_mask(
         self,
@@ -654,11 +671,18 @@ class FlashFwd:
         max_row,
     ):
         K = self.K
+        pattern = self._bits_pattern(tScS_mn)
         for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
             q_idx = m_start + tScS_mn[r, 0][0]
+            if const_expr(pattern is not None):
+                x0 = n_start + tScS_mn[0, 0][1]  # kv index of the thread's first column
+                bits = interval_bits(rInt, r, K, x0, pattern, Int32(1), cutlass.min, cutlass.max)
             for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
                 kv_idx = n_start + tScS_mn[0, c][1]
-                vis = interval_visible(kv_idx, rInt, K, row=r)
+                if const_expr(pattern is not None):
+                    vis = bit_visible(bits, c)
+                else:
+                    vis = interval_visible(kv_idx, rInt, K, row=r)
                 if const_expr(self.cfg.has_fallback):
                     args = [rP[p] for p in range(self.cfg.num_params)]
                     args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
@@ -887,6 +911,7 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
+        mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"), "compare") == "bits",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")

@@ -6,6 +6,7 @@ import glob
 import logging
 import math
 import os
+import random
 import shutil
 import subprocess
 import zlib
@@ -155,6 +156,54 @@ def test_sass_has_hgmma(sm90_env, tmp_path, monkeypatch):
     assert " LDL" not in text and " STL" not in text, "register spills to local memory"
 
 
+def _sass(cfg, tmp_path, fallback=None):
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm>=13.3)")
+    d = tmp_path / f"k{len(list(tmp_path.iterdir()))}"
+    d.mkdir()
+    compile_flash_fwd(cfg, fallback, gpu_arch="sm_90a", use_cache=False,
+                      extra_options=f"--keep-sass --keep-cubin --dump-dir {d}")
+    cubins = glob.glob(str(d / "*.cubin"))
+    if not cubins:
+        pytest.skip("the DSL did not keep the cubin in this environment")
+    return subprocess.run([exe, "-c", cubins[0]], capture_output=True, text=True,
+                          timeout=120).stdout
+
+
+def test_mask_bits_sass(sm90_env, tmp_path, monkeypatch):
+    """mask_bits (COMPILEMASK_FWD_MASK=bits, CPU): partial tiles test the row's K intervals once
+    per row (a word of the thread's column bits) and one bit per element. At K = 6 the
+    per-element test spills to local memory and costs over a thousand integer compares per
+    thread; with bits there are no spills and a tenth of the compares. With a fallback
+    predicate it compiles too (the predicate stays per element)."""
+    from dataclasses import replace
+
+    monkeypatch.setenv("PATH", os.path.dirname(_nvdisasm() or "x") + os.pathsep
+                       + os.environ.get("PATH", ""))
+    cmp_ = _sass(_cfg("bf16", 128, 6), tmp_path)
+    bits = _sass(replace(_cfg("bf16", 128, 6), mask_bits=True), tmp_path)
+    assert " STL" in cmp_  # what the bits remove (if this changes, update the docstring)
+    assert " STL" not in bits and " LDL" not in bits, "register spills to local memory"
+    n_cmp, n_bits = cmp_.count("ISETP"), bits.count("ISETP")
+    assert n_cmp > 1000 and n_bits * 10 < n_cmp, (n_cmp, n_bits)
+    assert "HGMMA" in bits
+    fb = fallback_spec()
+    text = _sass(replace(_cfg("bf16", 128, 2, fallback=fb), mask_bits=True), tmp_path, fb)
+    assert "HGMMA" in text
+
+
+def test_mask_bits_knob(monkeypatch):
+    """COMPILEMASK_FWD_MASK picks the partial-tile test; a wrong value is a clear error before
+    any kernel is built."""
+    q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
+    bm = torch.zeros(1, 1, 1, dtype=torch.int32)
+    monkeypatch.setenv("COMPILEMASK_FWD_MASK", "bitz")
+    with pytest.raises(ValueError, match="COMPILEMASK_FWD_MASK"):
+        flash_fwd(q, q, q, iv, bm, tile_m=128, tile_n=128, arch=90)
+
+
 # ---------------------------------------------------------------------------------------------
 # Descriptor helpers for the tests (plain torch)
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +226,18 @@ def hstu_like_intervals(B, Sq, Sk, gen):
         hi = torch.clamp(i + 1, max=Sk)
         iv[b, :, 1, 0] = torch.where(hi > lo, lo, torch.zeros_like(lo))
         iv[b, :, 1, 1] = torch.clamp(hi - lo, min=0)
+    return iv
+
+
+def random_intervals(B, Sq, Sk, gen, K=5):
+    """K random slots per row inside [0, Sk): overlapping, zero-length and tiny ones, and runs
+    that start or end inside a thread's column pair (the partial-tile test's edge cases)."""
+    st = torch.randint(0, Sk, (B, Sq, K), generator=gen)
+    ln = torch.randint(0, 200, (B, Sq, K), generator=gen)
+    ln[torch.rand(B, Sq, K, generator=gen) < 0.2] = 0
+    ln[torch.rand(B, Sq, K, generator=gen) < 0.2] = 1
+    iv = torch.stack([st, torch.minimum(ln, Sk - st)], dim=-1)
+    iv[iv[..., 1] == 0] = 0  # an empty slot is (0, 0)
     return iv
 
 
@@ -258,6 +319,8 @@ CASES = [
     ("hstu", 2, 1, 1000, 2, 1, 64, torch.bfloat16),
     ("empty", 2, 1000, 1000, 2, 2, 128, torch.bfloat16),
     ("empty", 2, 127, 129, 2, 1, 64, torch.float16),
+    ("multi", 2, 1000, 1000, 2, 1, 128, torch.bfloat16),
+    ("multi", 2, 129, 300, 2, 2, 64, torch.float16),
     ("fallback", 2, 1000, 1000, 4, 2, 128, torch.bfloat16),
     ("fallback", 2, 129, 127, 2, 2, 64, torch.float16),
     ("fallback_j", 2, 1000, 1000, 2, 1, 128, torch.bfloat16),
@@ -273,6 +336,9 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
         dense = dense_from_intervals(iv, Sk)
     elif mask_kind == "hstu":
         iv = hstu_like_intervals(B, Sq, Sk, gen)
+        dense = dense_from_intervals(iv, Sk)
+    elif mask_kind == "multi":
+        iv = with_empty_rows(random_intervals(B, Sq, Sk, gen), gen)
         dense = dense_from_intervals(iv, Sk)
     elif mask_kind == "empty":
         iv = with_empty_rows(hstu_like_intervals(B, Sq, Sk, gen), gen)
@@ -312,14 +378,18 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80"])
+# -bits: partial tiles by column bits (COMPILEMASK_FWD_MASK=bits, opt-in)
+@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-bits", "sm80-bits"])
 @pytest.mark.parametrize(
     "case",
     CASES,
     ids=lambda c: f"{c[0]}-B{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{str(c[7])[6:]}",
 )
-def test_fwd_numerics(case, variant):
+def test_fwd_numerics(case, variant, monkeypatch):
     mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
+    variant, _, bits = variant.partition("-")
+    if bits:
+        monkeypatch.setenv("COMPILEMASK_FWD_MASK", bits)
     arch = 80 if variant == "sm80" else 90
     major, _ = torch.cuda.get_device_capability()
     if arch == 90 and major != 9:
@@ -328,7 +398,7 @@ def test_fwd_numerics(case, variant):
         pytest.skip("keep the mma.sync run short")
     if variant == "sm90" and Sq > 2000:
         pytest.skip("keep the single-role wgmma run short")
-    seed = zlib.crc32(repr((case, variant)).encode())
+    seed = zlib.crc32(repr((case, variant + bits)).encode())
     gen = torch.Generator().manual_seed(seed)
     iv, dense, always, row_region, params, row_params, fb = _build_case(mask_kind, B, Sq, Sk, gen)
     tm, tn = default_tiles(D, arch)
@@ -379,3 +449,61 @@ def test_fwd_numerics(case, variant):
     assert lse_err <= 2e-3 * max(1.0, ref_lse[fin].abs().max().item() if fin.any() else 1.0), (
         lse_err
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: partial tiles by bits (COMPILEMASK_FWD_MASK=bits), the very functions on Python ints
+# ---------------------------------------------------------------------------------------------
+WGMMA_COLS = [8 * (c // 2) + c % 2 for c in range(32)]  # a thread's columns in a 128-wide tile
+
+
+def test_pattern_of_offsets():
+    from compilemask.kernels.common import pattern_of_offsets
+
+    assert pattern_of_offsets(WGMMA_COLS) == (32, 2, 8)
+    assert pattern_of_offsets(WGMMA_COLS[:16]) == (16, 2, 8)  # 64-wide tiles
+    assert pattern_of_offsets(list(range(8))) == (8, 8, 8)  # contiguous columns
+    assert pattern_of_offsets([0, 1, 4, 5, 8, 9]) == (6, 2, 4)
+    assert pattern_of_offsets([0, 2, 4, 6]) == (4, 1, 2)  # every other column
+    assert pattern_of_offsets([0, 1, 8, 10]) is None
+    assert pattern_of_offsets(list(range(64))) is None  # more than one 32-bit word
+
+
+@pytest.mark.parametrize(
+    "cols", [WGMMA_COLS, WGMMA_COLS[:16], list(range(16)), [2 * c for c in range(32)]]
+)
+def test_interval_bits_equal_the_interval_test(cols):
+    """Every bit of every row word equals ``OR_k start_k <= kv_idx < end_k`` for the column it
+    stands for: random slots around the tile, including empty, zero-length and clipped ones,
+    and slots that cover the whole tile; each of a quad's four first columns."""
+    from compilemask.kernels.common import interval_bits, pattern_of_offsets
+
+    pattern = pattern_of_offsets(cols)
+    rng = random.Random(7)
+    tile_n = 128
+    for trial in range(3000):
+        K = rng.randrange(1, 7)
+        n_start = tile_n * rng.randrange(0, 4)
+        base = rng.choice([0, 2, 4, 6])  # the thread's first column in the tile
+        slots = []
+        for _ in range(K):
+            kind = rng.random()
+            if kind < 0.15:
+                s, e = 0, 0  # an unused slot
+            elif kind < 0.25:
+                s = rng.randrange(-50, 700)
+                e = s  # zero length
+            elif kind < 0.35:
+                s = n_start - rng.randrange(0, 40)  # the whole tile and more
+                e = n_start + tile_n + rng.randrange(0, 40)
+            else:
+                s = n_start + rng.randrange(-40, tile_n + 40)
+                e = s + rng.randrange(0, 90)
+            slots += [max(s, 0), max(e, 0)]
+        x0 = n_start + base
+        word = interval_bits(slots, None, K, x0, pattern, 1, min, max) & 0xFFFFFFFF
+        for c, off in enumerate(cols):
+            kv_idx = x0 + off
+            want = any(slots[2 * k] <= kv_idx < slots[2 * k + 1] for k in range(K))
+            assert bool((word >> c) & 1) == want, (trial, slots, base, c)
+        assert word >> len(cols) == 0  # no bit past the thread's columns
