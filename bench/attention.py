@@ -315,7 +315,8 @@ def main(argv=None):
     bwd_arch = default_arch(torch.device("cuda"))
     knobs = {"backward": f"sm{bwd_arch}"
              + ("" if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
-             "forward partial tiles": os.environ.get("COMPILEMASK_FWD_MASK", "compare"),
+             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "compare")
+             + ", bwd " + os.environ.get("COMPILEMASK_BWD_MASK", "compare"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "

@@ -4,7 +4,7 @@
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
-#   bash bench/h200.sh bits      # forward partial tiles by column bits: GPU tests, fwd timing
+#   bash bench/h200.sh bits      # partial tiles by bit words (fwd, bwd): GPU tests, timing
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
@@ -31,16 +31,18 @@ case "${1:-}" in
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
-  bits)  # the forward's partial tiles by column bits (COMPILEMASK_FWD_MASK=bits, opt-in): its
-    # GPU tests (-x: stop at the first failure), then the forward with and without it
-    step fwd_bits_tests 240 env COMPILEMASK_FWD_MASK=bits python3 -m pytest -q -m gpu -x \
-      -p no:cacheprovider tests/test_kernel_fwd.py tests/test_gpu_end_to_end.py \
-      -k "bits or reference"
+  bits)  # partial tiles by bit words (COMPILEMASK_FWD_MASK=bits, COMPILEMASK_BWD_MASK=bits;
+    # opt-in): the GPU tests with both on (-x: stop at the first failure), then a train step
+    # (forward and backward times) with both off and both on, 8K and 32K
+    step bits_tests 250 env COMPILEMASK_FWD_MASK=bits COMPILEMASK_BWD_MASK=bits \
+      python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernel_fwd.py \
+      tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
+      -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
     for m in compare bits; do
-      step "fwd_mask_$m" 150 env COMPILEMASK_FWD_MASK=$m python3 bench/attention.py --mode fwd \
-        --seqlens 8192,32768 --rep 100 --masks clear,hstu,shared_prompt_rm,causal --methods cm \
-        --out "$OUT" --tag "mask_$m"
-      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_fwd_mask_${m}_*.md | cut -c1-90
+      step "train_mask_$m" 150 env COMPILEMASK_FWD_MASK=$m COMPILEMASK_BWD_MASK=$m \
+        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 60 \
+        --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "mask_$m"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_mask_${m}_*.md | cut -c1-150
     done
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch

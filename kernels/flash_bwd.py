@@ -88,6 +88,7 @@ from .common import (
     fallback_predicates,
     fallback_visible,
     init_kernel,
+    interval_bits,
     interval_visible,
     load_rows,
     next_tile,
@@ -139,6 +140,10 @@ class FlashBwdConfig:
     # arch 90: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
     # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
     deterministic: bool = False
+    # arch 90, partial tiles: each q row's intervals become words of kv-row bits over the CTA's
+    # kv tile, stored with the row metadata; a score tests one bit (COMPILEMASK_BWD_MASK=bits,
+    # opt-in until measured on a GPU)
+    mask_bits: bool = False
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -192,7 +197,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic:  # an sm90 kernel feature
+        if cfg.deterministic or cfg.mask_bits:  # sm90 kernel features
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -792,6 +797,13 @@ class FlashBwd:
         rMi[2 * K] = -1
         for a in cutlass.range_constexpr(R):
             rMi[2 * K + 1 + a] = 0
+        if const_expr(self.cfg.mask_bits):
+            # every thread builds one word of kv-row bits (_store_meta): it needs the intervals
+            # of row tidx % tile_m (threads < tile_m: their own row, loaded below)
+            q_row = q_idx - tidx + tidx % self.tile_m
+            if (tidx >= self.tile_m) & (q_row < seqlen_q):
+                for k in cutlass.range_constexpr(2 * K):
+                    rMi[k] = mIntervals[batch_idx, q_row, k]
         if (tidx < self.tile_m) & (q_idx < seqlen_q):
             rMf[0] = mLSE[batch_idx, head, q_idx]
             rMf[1] = mdPsum[batch_idx, head, q_idx]
@@ -803,12 +815,26 @@ class FlashBwd:
                     rMi[2 * K + 1 + a] = mRowParams[batch_idx, q_idx, a]
 
     @cute.jit
-    def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
+    def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx, sBits=None,
+                    n_start=None):
         """Row metadata -> shared memory ``stage``: LSE in log2 units with -inf (a row that sees
         nothing, or past Sq) mapped to +inf so that P = exp2(s - inf) = 0; intervals as
-        (start, end = start + len); the fallback slot of the row's region (-1 if none)."""
+        (start, end = start + len); the fallback slot of the row's region (-1 if none); with
+        ``sBits`` (mask_bits) the row's visible kv rows of the tile at ``n_start``, 32 per word:
+        thread ``t`` writes word ``t // tile_m`` of row ``t % tile_m`` (one word per thread, so
+        the work is spread over both warpgroups ahead of their shared barrier)."""
         K = self.K
         R = self.cfg.num_row_params
+        if const_expr(sBits is not None):
+            assert self.num_threads == self.tile_m * self.tile_n // 32, "one word per thread"
+            rSE = cute.make_rmem_tensor((2 * K,), Int32)
+            for k in cutlass.range_constexpr(K):
+                rSE[2 * k] = rMi[2 * k]
+                rSE[2 * k + 1] = rMi[2 * k] + rMi[2 * k + 1]
+            w = tidx // self.tile_m
+            sBits[tidx % self.tile_m, w, stage] = interval_bits(
+                rSE, None, K, n_start + 32 * w, (32, 32, 32), Int32(1), cutlass.min, cutlass.max
+            )
         if tidx < self.tile_m:
             lse = rMf[0]
             lse_l2 = lse * LOG2E
@@ -885,8 +911,9 @@ class FlashBwdSm90(FlashBwd):
             return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4
         ds_bytes = cfg.tile_m * cfg.tile_n * 2  # the second dS buffer
-        if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
-                > 227 * 1024):
+        bits_bytes = cfg.tile_m * cfg.tile_n // 32 * 2 * 4 if cfg.mask_bits else 0
+        if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic", mask_bits=False)) + dq_bytes
+                + ds_bytes + bits_bytes > 227 * 1024):
             return False
         return True
 
@@ -937,6 +964,7 @@ class FlashBwdSm90(FlashBwd):
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         # one dS buffer per Q/dO stage: the item needs no barrier at its end
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn, S), order=(0, 1, 2))
+        n_bits = tm * (tn // 32) * S if self.cfg.mask_bits else 1
 
         @cute.struct
         class SharedStorage:
@@ -950,6 +978,8 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
+            # mask_bits: per q row, its visible kv rows of the tile, 32 per word
+            sBits: cute.struct.Align[cute.struct.MemRange[Int32, n_bits], 128]
             # the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
             # (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
@@ -1129,6 +1159,10 @@ class FlashBwdSm90(FlashBwd):
             cwg = wg_idx - 1
             f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
                                 tiled_mma_dq, cwg, mma_tidx)
+            f.sBits = None  # (tm, tn / 32, stage) with mask_bits
+            if const_expr(self.cfg.mask_bits):
+                f.sBits = storage.sBits.get_tensor(cute.make_layout(
+                    (tm, tn // 32, S), stride=(tn // 32, 1, tm * (tn // 32))))
             self._consumer(
                 f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
                 batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
@@ -1166,7 +1200,8 @@ class FlashBwdSm90(FlashBwd):
         if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
             self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
                             batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx, f.sBits,
+                             n_start)
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -1210,11 +1245,14 @@ class FlashBwdSm90(FlashBwd):
                     True)
         warpgroup.wait_group(1)
         acc_S_mn = _acc_mn(acc_S)
+        sBits = None
+        if const_expr(f.sBits is not None):
+            sBits = f.sBits[None, None, stage]
         if need_mask:
             self._apply_mask_t(
                 acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
                 sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                seqlen_q - 1,
+                seqlen_q - 1, sBits,
             )
         for c in cutlass.range_constexpr(n_cols):
             lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
@@ -1237,7 +1275,8 @@ class FlashBwdSm90(FlashBwd):
         wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
                     False)
         if has_next:  # every read of the other metadata stage was before the last barrier
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
+            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx,
+                             f.sBits, n_start)
         cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
 
@@ -1364,23 +1403,35 @@ class FlashBwdSm90(FlashBwd):
     @cute.jit
     def _apply_mask_t(
         self, acc_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
-        max_row,
+        max_row, sBits=None,
     ):
-        """The interval test on a transposed score tile: rows are kv, columns are q."""
+        """The interval test on a transposed score tile: rows are kv, columns are q. With
+        ``sBits`` (mask_bits) one word load and one bit test per score instead of K slots."""
         K = self.K
+        n_rows = cute.size(tScS_mn, mode=[0])
+        if const_expr(sBits is not None):  # the thread's kv rows: word and bit, per tile
+            rWord = cute.make_rmem_tensor((n_rows,), Int32)
+            rBit = cute.make_rmem_tensor((n_rows,), Int32)
+            for r in cutlass.range_constexpr(n_rows):
+                rWord[r] = tScS_mn[r, 0][0] >> 5
+                rBit[r] = tScS_mn[r, 0][0] & 31
         for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
             col = tScS_mn[0, c][1]
             q_idx = m_start + col
             rInt = cute.make_rmem_tensor((2 * K,), Int32)
-            for k in cutlass.range_constexpr(2 * K):
-                rInt[k] = sInt[col, k]
+            if const_expr(sBits is None):
+                for k in cutlass.range_constexpr(2 * K):
+                    rInt[k] = sInt[col, k]
             if const_expr(self.cfg.has_fallback):
                 fb = sFb[col]
                 args = [rP[p] for p in range(self.cfg.num_params)]
                 args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
-            for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+            for r in cutlass.range_constexpr(n_rows):
                 kv_idx = n_start + tScS_mn[r, 0][0]
-                vis = interval_visible(kv_idx, rInt, K)
+                if const_expr(sBits is not None):
+                    vis = ((sBits[col, rWord[r]] >> rBit[r]) & 1) != 0
+                else:
+                    vis = interval_visible(kv_idx, rInt, K)
                 if const_expr(self.cfg.has_fallback):
                     vis = fallback_visible(
                         vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
@@ -1560,7 +1611,8 @@ def flash_bwd(
             raise NotImplementedError(
                 f"flash_bwd(deterministic=True) needs the sm90 backward kernel (this "
                 f"configuration: {cfg})")
-    cfg = replace(cfg, deterministic=deterministic)
+    cfg = replace(cfg, deterministic=deterministic, mask_bits=cfg.arch >= 90 and env_choice(
+        "COMPILEMASK_BWD_MASK", ("compare", "bits"), "compare") == "bits")
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)

@@ -235,6 +235,47 @@ def test_aux_kernels_vs_torch(dtype, hdim):
     assert torch.equal(dq, (rows * 0.37).to(dtype))
 
 
+def test_mask_bits_ptx(tmp_path):
+    """mask_bits (COMPILEMASK_BWD_MASK=bits, sm90 kernel; CPU): every consumer thread turns one
+    q row's intervals into one word of kv-row bits next to the row metadata (same stores, same
+    barriers: still one per q tile), and a partial tile tests one bit per score instead of
+    loading and comparing the row's K slots: the kernel's compares no longer grow with K."""
+    from dataclasses import replace
+
+    def setp(K, bits):
+        cfg = FlashBwdConfig("bf16", 128, 64, 128, K, arch=90, mask_bits=bits)
+        ptx = _ptx(cfg, tmp_path / f"k{K}{bits}")
+        assert len(re.findall(r"bar\.sync\s+3, 256;", ptx)) == 2
+        assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
+        return ptx.count("setp.")
+
+    cmp2, cmp6, bits2, bits6 = setp(2, False), setp(6, False), setp(2, True), setp(6, True)
+    assert cmp6 - cmp2 > 200  # the per-score test: 2 compares per slot and score
+    assert abs(bits6 - bits2) <= 4 and bits6 < cmp2, (cmp2, cmp6, bits2, bits6)
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, 6, arch=90, mask_bits=True)
+    assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic"))
+    assert FlashBwdSm90.can_implement(cfg)
+
+
+def test_mask_bits_fallback_compiles(tmp_path):
+    """mask_bits with a fallback predicate: the bits replace the interval test only; the
+    predicate is still evaluated per score (its generated function is in the PTX)."""
+
+    from compilemask.kernels.autograd import _fallback, register_mask
+
+    mask = cm.compile_mask(masks.dilated_causal())
+    register_mask(mask)
+    fb = _fallback(str(mask.key))
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, mask_bits=True,
+                         has_fallback=True, fallback_hash=fb.hash, fallback_regions=fb.regions,
+                         num_params=fb.num_params, num_row_params=fb.num_row_params)
+    tmp_path.mkdir(exist_ok=True)
+    compile_flash_bwd(cfg, fb, gpu_arch=SM90, use_cache=False,
+                      extra_options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
+    assert "rem.s32" in ptx or "rem.u32" in ptx or "div.s32" in ptx  # the dilation predicate
+
+
 def test_can_implement():
     ok = FlashBwdConfig(dtype="bf16", head_dim=128, tile_m=64, tile_n=128, num_intervals=2)
     assert FlashBwd.can_implement(ok)
@@ -329,6 +370,17 @@ def test_bwd_vs_reference(name, S, D, arch):
 def test_bwd_other_masks(name, arch):
     spec = getattr(masks, name)()
     print(name, arch, _check_case(spec, 2, 300, 2, 1, 128, seed=3, arch=arch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
+                                    ("clear", 300), ("clear", 1000), ("shared_prompt_rm", 300),
+                                    ("packed_documents", 257), ("dilated_causal", 300)])
+def test_bwd_mask_bits_vs_reference(name, S, monkeypatch):
+    """COMPILEMASK_BWD_MASK=bits (opt-in): partial tiles by the kv-row bit words."""
+    monkeypatch.setenv("COMPILEMASK_BWD_MASK", "bits")
+    spec = getattr(masks, name)()
+    print(name, S, _check_case(spec, 2, S, 4, 2, 128, seed=S + 11, arch=90))
 
 
 @pytest.mark.gpu
