@@ -978,13 +978,14 @@ class FlashBwdSm90(FlashBwd):
             sInt: cute.struct.Align[cute.struct.MemRange[Int32, tm * 2 * K * S], 128]
             sFb: cute.struct.Align[cute.struct.MemRange[Int32, tm * S], 128]
             sRowP: cute.struct.Align[cute.struct.MemRange[Int32, tm * R * S], 128]
-            # mask_bits: per q row, its visible kv rows of the tile, 32 per word
-            sBits: cute.struct.Align[cute.struct.MemRange[Int32, n_bits], 128]
             # the dQ tile in accumulator-fragment order, one contiguous half per warpgroup
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tm * D], 1024]
             # (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            # mask_bits: per q row, its visible kv rows of the tile, 32 per word (last: the
+            # default build's layout is the one without it)
+            sBits: cute.struct.Align[cute.struct.MemRange[Int32, n_bits], 16]
 
         Kmaj = cute.nvgpu.OperandMajorMode.K
         MNmaj = cute.nvgpu.OperandMajorMode.MN
