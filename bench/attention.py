@@ -57,7 +57,7 @@ def _compiled_flex(backend):
     return torch.compile(flex_attention, dynamic=False)
 
 
-def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
+def run_one(name, S, mode, methods, rep_ms, results, deterministic=False, breakdown=False):
     B = batch_for(S)
     dev = "cuda"
     meta = make_meta(name, B, S, device=dev)
@@ -108,8 +108,8 @@ def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
 
                 bm = build()
 
-                def run_flex(block_mask):
-                    if mode == "train":
+                def run_flex(block_mask, fwd_only=False):
+                    if mode == "train" and not fwd_only:
                         qq, kk, vv = (t.detach().requires_grad_() for t in (qt, kt, vt))
                         flex(qq, kk, vv, block_mask=block_mask, kernel_options=opts).backward(
                             do.transpose(1, 2))
@@ -121,13 +121,15 @@ def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
                 total = _bench(lambda: run_flex(build()), rep_ms)
                 record(method, total, kernel, note=f"block mask {bm_ms:.3f} ms")
                 row[method]["block_mask_ms"] = bm_ms
+                if mode == "train" and breakdown:  # a second compile (no autograd graph)
+                    row[method]["fwd_ms"] = _bench(lambda: run_flex(bm, True), rep_ms)
             elif method == "fa4":
                 if name != "causal":
                     continue
                 from flash_attn.cute import flash_attn_func
 
-                def run_fa4():
-                    if mode == "train":
+                def run_fa4(fwd_only=False):
+                    if mode == "train" and not fwd_only:
                         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
                         o = flash_attn_func(qq, kk, vv, causal=True)
                         (o[0] if isinstance(o, tuple) else o).backward(do)
@@ -136,6 +138,8 @@ def run_one(name, S, mode, methods, rep_ms, results, deterministic=False):
 
                 ms = _bench(run_fa4, rep_ms)
                 record("fa4", ms, ms)
+                if mode == "train" and breakdown:
+                    row["fa4"]["fwd_ms"] = _bench(lambda: run_fa4(True), rep_ms)
             elif method == "sdpa":
                 if B * S * S > 2**31:
                     record("sdpa", None, note="OOM (dense mask)")
@@ -212,7 +216,31 @@ def to_markdown(results, mode, meta_line):
                   f"{ff['kernel_ms'] / c['kernel_ms']:.2f}x"
                   if ff.get("kernel_ms") and c.get("kernel_ms") else ""]
         out.append(f"| {r['mask']} | {r['S']} | {r['B']} | " + " | ".join(cells) + " |")
+    if mode == "train":
+        out += _breakdown(results)
     return "\n".join(out) + "\n"
+
+
+def _breakdown(results):
+    """The paper's Table 1 split of a train step, per method where the forward was timed
+    alone: mask preparation (our preprocess, Flex's block mask), forward, backward (the kernel
+    time less the forward), and the step with the preparation."""
+    lines = []
+    for r in results:
+        for m in METHODS:
+            x = r.get(m) or {}
+            if not (x.get("ms") and x.get("fwd_ms") and x.get("kernel_ms")):
+                continue
+            prep = x.get("preprocess_ms", x.get("block_mask_ms"))
+            lines.append(f"| {r['mask']} | {r['S']} | {m} | "
+                         + ("" if prep is None else f"{prep:.3f}")
+                         + f" | {x['fwd_ms']:.3f} | {x['kernel_ms'] - x['fwd_ms']:.3f} | "
+                         f"{x['ms']:.3f} |")
+    if not lines:
+        return []
+    return ["", "Breakdown (ms; backward = kernel time - forward alone):", "",
+            "| mask | S | method | preprocess / block mask | fwd | bwd | pre + fwd + bwd |",
+            "|---|---|---|---|---|---|---|", *lines]
 
 
 def plot(results, mode, path):
@@ -298,6 +326,9 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="added to the output file names")
     ap.add_argument("--deterministic", action="store_true",
                     help="cm: cm.attention(..., deterministic=True) (fixed dQ summation order)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="train: also time the peers' forward alone (Table 1's fwd / bwd split; "
+                         "one more torch.compile per Flex point)")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="no measuring: one table and plot from the results of earlier runs "
                          "(one device call each), each row once (the last file wins)")
@@ -327,7 +358,7 @@ def main(argv=None):
     for name in args.masks.split(","):
         for S in map(int, args.seqlens.split(",")):
             run_one(name, S, args.mode, args.methods.split(","), args.rep, results,
-                    deterministic=args.deterministic)
+                    deterministic=args.deterministic, breakdown=args.breakdown)
             # written after every point: a run cut short keeps what it measured
             md = to_markdown(results, args.mode, meta_line)
             (out / f"{stem}.md").write_text(md)

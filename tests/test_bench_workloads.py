@@ -54,7 +54,8 @@ def test_merge_runs_into_one_table_and_plot(tmp_path):
         paths.append(str(p))
     main(["--mode", "train", "--merge", *paths, "--out", str(tmp_path / "out"), "--tag", "m"])
     md = (tmp_path / "out" / "attention_train_m.md").read_text()
-    lines = [x for x in md.splitlines() if x.startswith("| hstu") or x.startswith("| causal")]
+    main_table = md.split("Breakdown")[0]
+    lines = [x for x in main_table.splitlines() if x.startswith(("| hstu", "| causal"))]
     # in the workloads' order, then by S
     assert [x.split(" | ")[:2] for x in lines] == [["| causal", "1024"], ["| hstu", "1024"],
                                                     ["| hstu", "32768"]]
@@ -62,6 +63,8 @@ def test_merge_runs_into_one_table_and_plot(tmp_path):
     assert "90.000" in lines[2] and "114.000" in lines[2]  # flex_triton from c, flex_flash from b
     assert "4.000" in lines[1] and "OOM" not in lines[1]
     assert "hstu flex_triton @ 32768" in md  # which points each source file gave
+    # Table 1 breakdown: cm's forward was timed alone in every row; bwd = kernel - fwd
+    assert "| hstu | 32768 | cm | 0.010 | 14.250 | 41.750 | 57.000 |" in md
     assert "2.00x" in lines[0]  # best peer / cm
     assert "header of run a" in md and "header of run b" in md
     assert (tmp_path / "out" / "attention_train_m.png").stat().st_size > 0
