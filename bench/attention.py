@@ -345,7 +345,8 @@ def main(argv=None):
 
     bwd_arch = default_arch(torch.device("cuda"))
     knobs = {"backward": f"sm{bwd_arch}"
-             + ("" if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
+             + (f" (row metadata {os.environ.get('COMPILEMASK_BWD_META', 'regs')})"
+                if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
              "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "compare")
              + ", bwd " + os.environ.get("COMPILEMASK_BWD_MASK", "compare"),
              "deterministic": str(args.deterministic)}

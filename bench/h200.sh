@@ -4,7 +4,8 @@
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
-#   bash bench/h200.sh bits      # partial tiles by bit words (fwd, bwd): GPU tests, timing
+#   bash bench/h200.sh knobs     # the opt-in variants' GPU tests (bit words, cp.async metadata)
+#   bash bench/h200.sh knobs_time  # their train-step timing, 8K and 32K
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
@@ -31,18 +32,26 @@ case "${1:-}" in
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
-  bits)  # partial tiles by bit words (COMPILEMASK_FWD_MASK=bits, COMPILEMASK_BWD_MASK=bits;
-    # opt-in): the GPU tests with both on (-x: stop at the first failure), then a train step
-    # (forward and backward times) with both off and both on, 8K and 32K
+  knobs)  # the opt-in variants' GPU tests (-x: stop at the first failure): partial tiles by
+    # bit words (COMPILEMASK_FWD_MASK=bits, COMPILEMASK_BWD_MASK=bits), then the backward's
+    # row metadata by cp.async (COMPILEMASK_BWD_META=async)
     step bits_tests 250 env COMPILEMASK_FWD_MASK=bits COMPILEMASK_BWD_MASK=bits \
       python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernel_fwd.py \
       tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
-    for m in compare bits; do
-      step "train_mask_$m" 150 env COMPILEMASK_FWD_MASK=$m COMPILEMASK_BWD_MASK=$m \
-        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 60 \
-        --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "mask_$m"
-      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_mask_${m}_*.md | cut -c1-150
+    step async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
+      -p no:cacheprovider tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
+      -k "meta_async or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
+    ;;
+  knobs_time)  # a train step (forward and backward times) per variant, 8K and 32K, cm only
+    for v in "compare regs" "bits regs" "compare async" "bits async"; do
+      set -- $v
+      step "train_knobs_$1_$2" 140 env COMPILEMASK_FWD_MASK=$1 COMPILEMASK_BWD_MASK=$1 \
+        COMPILEMASK_BWD_META=$2 python3 bench/attention.py --mode train --seqlens 8192,32768 \
+        --rep 60 --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" \
+        --tag "knobs_$1_$2"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_$2_*.md \
+        | cut -d'|' -f2,3,5,12,13
     done
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
@@ -94,5 +103,5 @@ case "${1:-}" in
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|bits|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|check|pre|fwd|train|det|study"; exit 2 ;;
 esac

@@ -317,6 +317,22 @@ def tma_pipeline(mbar, num_stages, producer, consumers, tx_count):
 
 
 @dsl_user_op
+def cp_async_4B(smem_ptr, gmem_ptr, *, loc=None, ip=None):
+    """``smem[0:4] = gmem[0:4]``, asynchronously: one ``cp.async.ca`` of 4 bytes issued by this
+    thread; ``cute.arch.cp_async_commit_group`` / ``cp_async_wait_group`` complete it (its own
+    view), a barrier after that shows it to the others."""
+    llvm.inline_asm(
+        None,
+        [smem_ptr.toint(loc=loc, ip=ip).ir_value(), gmem_ptr.llvm_ptr],
+        "cp.async.ca.shared.global [$0], [$1], 4;",
+        "r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def bulk_reduce_add_f32(smem_ptr, gmem_ptr, num_bytes: int, *, loc=None, ip=None):
     """``gmem[0:num_bytes] += smem[0:num_bytes]`` (float32, both contiguous) by the TMA unit,
     asynchronously: one ``cp.reduce.async.bulk ... bulk_group.add.f32`` issued by one thread,

@@ -82,6 +82,7 @@ from .common import (
     bulk_reduce_add_f32,
     compile_cache_key,
     compile_kernel,
+    cp_async_4B,
     env_choice,
     fake_descriptor_args,
     fake_tensor,
@@ -144,6 +145,10 @@ class FlashBwdConfig:
     # kv tile, stored with the row metadata; a score tests one bit (COMPILEMASK_BWD_MASK=bits,
     # opt-in until measured on a GPU)
     mask_bits: bool = False
+    # arch 90: the next q tile's row metadata goes global -> shared by per-thread cp.async
+    # (finished in place before the item's barrier) instead of through registers held across
+    # the whole item (COMPILEMASK_BWD_META=async; opt-in until measured on a GPU)
+    meta_async: bool = False
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -197,7 +202,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic or cfg.mask_bits:  # sm90 kernel features
+        if cfg.deterministic or cfg.mask_bits or cfg.meta_async:  # sm90 kernel features
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -816,7 +821,7 @@ class FlashBwd:
 
     @cute.jit
     def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx, sBits=None,
-                    n_start=None):
+                    n_start=None, rows: cutlass.Constexpr = True):
         """Row metadata -> shared memory ``stage``: LSE in log2 units with -inf (a row that sees
         nothing, or past Sq) mapped to +inf so that P = exp2(s - inf) = 0; intervals as
         (start, end = start + len); the fallback slot of the row's region (-1 if none); with
@@ -824,7 +829,6 @@ class FlashBwd:
         thread ``t`` writes word ``t // tile_m`` of row ``t % tile_m`` (one word per thread, so
         the work is spread over both warpgroups ahead of their shared barrier)."""
         K = self.K
-        R = self.cfg.num_row_params
         if const_expr(sBits is not None):
             assert self.num_threads == self.tile_m * self.tile_n // 32, "one word per thread"
             rSE = cute.make_rmem_tensor((2 * K,), Int32)
@@ -835,6 +839,13 @@ class FlashBwd:
             sBits[tidx % self.tile_m, w, stage] = interval_bits(
                 rSE, None, K, n_start + 32 * w, (32, 32, 32), Int32(1), cutlass.min, cutlass.max
             )
+        if const_expr(rows):
+            self._store_rows(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx)
+
+    @cute.jit
+    def _store_rows(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
+        K = self.K
+        R = self.cfg.num_row_params
         if tidx < self.tile_m:
             lse = rMf[0]
             lse_l2 = lse * LOG2E
@@ -855,6 +866,73 @@ class FlashBwd:
                 sFb[tidx, stage] = fb
                 for a in cutlass.range_constexpr(R):
                     sRowP[tidx, a, stage] = rMi[2 * K + 1 + a]
+
+    @cute.jit
+    def _copy_meta(self, sMeta, stage, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                   batch_idx, head, q_idx, seqlen_q, tidx):
+        """meta_async: thread ``tidx < tile_m`` starts 4-byte cp.async copies of row ``q_idx``'s
+        raw metadata into shared memory ``stage`` (LSE, dPsum, the (start, len) slots, region,
+        row params); :meth:`_finish_meta` completes them. No registers are held meanwhile."""
+        K = self.K
+        R = self.cfg.num_row_params
+        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        if (tidx < self.tile_m) & (q_idx < seqlen_q):
+            cp_async_4B(sLSE.iterator + cute.crd2idx((tidx, stage), sLSE.layout),
+                        mLSE.iterator + cute.crd2idx((batch_idx, head, q_idx), mLSE.layout))
+            cp_async_4B(sdPsum.iterator + cute.crd2idx((tidx, stage), sdPsum.layout),
+                        mdPsum.iterator + cute.crd2idx((batch_idx, head, q_idx), mdPsum.layout))
+            for k in cutlass.range_constexpr(2 * K):
+                cp_async_4B(
+                    sInt.iterator + cute.crd2idx((tidx, k, stage), sInt.layout),
+                    mIntervals.iterator + cute.crd2idx((batch_idx, q_idx, k), mIntervals.layout),
+                )
+            if const_expr(self.cfg.has_fallback):
+                cp_async_4B(
+                    sFb.iterator + cute.crd2idx((tidx, stage), sFb.layout),
+                    mRowRegion.iterator + cute.crd2idx((batch_idx, q_idx), mRowRegion.layout),
+                )
+                for a in cutlass.range_constexpr(R):
+                    cp_async_4B(
+                        sRowP.iterator + cute.crd2idx((tidx, a, stage), sRowP.layout),
+                        mRowParams.iterator
+                        + cute.crd2idx((batch_idx, q_idx, a), mRowParams.layout),
+                    )
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _finish_meta(self, sMeta, stage, q_idx, seqlen_q, tidx):
+        """meta_async: wait for this thread's copies, then put its row in the form the item
+        reads (as :meth:`_store_meta`): LSE in log2 units (-inf -> +inf), slots as (start,
+        end), the region's fallback slot; rows past Sq get LSE +inf, empty slots, slot -1."""
+        K = self.K
+        R = self.cfg.num_row_params
+        sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        if tidx < self.tile_m:
+            if q_idx < seqlen_q:
+                cute.arch.cp_async_wait_group(0)
+                lse_l2 = sLSE[tidx, stage] * LOG2E
+                if sLSE[tidx, stage] == -Float32.inf:
+                    lse_l2 = Float32.inf
+                sLSE[tidx, stage] = lse_l2
+                for k in cutlass.range_constexpr(K):
+                    sInt[tidx, 2 * k + 1, stage] = sInt[tidx, 2 * k, stage] + sInt[
+                        tidx, 2 * k + 1, stage]
+                if const_expr(self.cfg.has_fallback):
+                    region = sFb[tidx, stage]
+                    fb = Int32(-1)
+                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
+                        if region == self.cfg.fallback_regions[slot]:
+                            fb = Int32(slot)
+                    sFb[tidx, stage] = fb
+            else:
+                sLSE[tidx, stage] = Float32.inf
+                sdPsum[tidx, stage] = Float32(0.0)
+                for k in cutlass.range_constexpr(2 * K):
+                    sInt[tidx, k, stage] = 0
+                if const_expr(self.cfg.has_fallback):
+                    sFb[tidx, stage] = -1
+                    for a in cutlass.range_constexpr(R):
+                        sRowP[tidx, a, stage] = 0
 
     @cute.jit
     def _apply_mask(
@@ -1198,11 +1276,18 @@ class FlashBwdSm90(FlashBwd):
             rP[p] = mParams[batch_idx, p]
         rMf = cute.make_rmem_tensor((2,), Float32)
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
+        async_meta = self.cfg.meta_async
+        regs_meta = not async_meta or self.cfg.mask_bits  # bits are built from registers
         if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
-            self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                            batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx, f.sBits,
-                             n_start)
+            if const_expr(async_meta):
+                self._copy_meta(sMeta, 0, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+                self._finish_meta(sMeta, 0, first_m * tm + tidx, seqlen_q, tidx)
+            if const_expr(regs_meta):
+                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
+                                batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx, f.sBits,
+                                 n_start, rows=not async_meta)
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -1216,15 +1301,22 @@ class FlashBwdSm90(FlashBwd):
             m_next, g_next, has_next = self._next_work(
                 mBitmapRow, m_block, g, first_m, m_blocks, group
             )
-            if has_next:  # registers now, shared memory before this item's barrier
-                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                batch_idx, head0 + g_next, m_next * tm + tidx, seqlen_q, tidx)
+            if has_next:  # registers (or cp.async) now, shared memory before the item's barrier
+                if const_expr(async_meta):  # the previous item's barrier freed stage 1 - stage
+                    self._copy_meta(sMeta, 1 - stage, mLSE, mdPsum, mIntervals, mRowRegion,
+                                    mRowParams, batch_idx, head0 + g_next, m_next * tm + tidx,
+                                    seqlen_q, tidx)
+                if const_expr(regs_meta):
+                    self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion,
+                                    mRowParams, batch_idx, head0 + g_next, m_next * tm + tidx,
+                                    seqlen_q, tidx)
             state = tile_state(mBitmapRow, m_block)
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
             self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
-                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx)
+                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
+                       m_next * tm + tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
             g = g_next
@@ -1233,7 +1325,7 @@ class FlashBwdSm90(FlashBwd):
 
     @cute.jit
     def _item(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-                        n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx):
+              n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, q_next):
         """One work item of ``_consumer``: from the S and dP GEMMs to the dK GEMM's
         completion (Q/dO stage ``stage`` read through)."""
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
@@ -1276,8 +1368,11 @@ class FlashBwdSm90(FlashBwd):
         wgmma_issue(f.tiled_mma_dkv, f.acc_dV, tdVrP, f.tdVrdOt[None, None, None, stage],
                     False)
         if has_next:  # every read of the other metadata stage was before the last barrier
-            self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx,
-                             f.sBits, n_start)
+            if const_expr(self.cfg.meta_async):
+                self._finish_meta(sMeta, 1 - stage, q_next, seqlen_q, tidx)
+            if const_expr(not self.cfg.meta_async or self.cfg.mask_bits):
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx,
+                                 f.sBits, n_start, rows=not self.cfg.meta_async)
         cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
 
@@ -1612,8 +1707,14 @@ def flash_bwd(
             raise NotImplementedError(
                 f"flash_bwd(deterministic=True) needs the sm90 backward kernel (this "
                 f"configuration: {cfg})")
-    cfg = replace(cfg, deterministic=deterministic, mask_bits=cfg.arch >= 90 and env_choice(
-        "COMPILEMASK_BWD_MASK", ("compare", "bits"), "compare") == "bits")
+    sm90 = cfg.arch >= 90
+    cfg = replace(
+        cfg, deterministic=deterministic,
+        mask_bits=sm90 and env_choice("COMPILEMASK_BWD_MASK", ("compare", "bits"),
+                                      "compare") == "bits",
+        meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
+                                       "regs") == "async",
+    )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
     fn = compile_flash_bwd(cfg, fallback)

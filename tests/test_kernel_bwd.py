@@ -257,23 +257,51 @@ def test_mask_bits_ptx(tmp_path):
     assert FlashBwdSm90.can_implement(cfg)
 
 
-def test_mask_bits_fallback_compiles(tmp_path):
-    """mask_bits with a fallback predicate: the bits replace the interval test only; the
-    predicate is still evaluated per score (its generated function is in the PTX)."""
+def test_meta_async_ptx(tmp_path):
+    """meta_async (COMPILEMASK_BWD_META=async, sm90 kernel; CPU): the consumers copy the next
+    q tile's row metadata global -> shared with 4-byte cp.async (LSE, dPsum, 2K slot words per
+    row thread, at the prologue and in the loop) and wait for their own copies before the
+    item's barrier; no new barrier, fewer global loads than the register path."""
+    from dataclasses import replace
+
+    K = 2
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, K, arch=90)
+    regs = _ptx(cfg, tmp_path / "regs")
+    ptx = _ptx(replace(cfg, meta_async=True), tmp_path / "async")
+    assert ptx.count("cp.async.ca.shared.global") == 2 * (2 + 2 * K)
+    assert ptx.count("cp.async.commit_group") == 2
+    assert len(re.findall(r"cp\.async\.wait_group\s+0;", ptx)) == 2
+    assert "cp.async" not in regs.replace("cp.async.bulk", "")
+    for p in (regs, ptx):
+        assert len(re.findall(r"bar\.sync\s+3, 256;", p)) == 2
+    assert ptx.count("ld.global") < regs.count("ld.global")
+    assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic", meta_async=True))
+    assert FlashBwdSm90.can_implement(replace(cfg, meta_async=True, mask_bits=True))
+
+
+@pytest.mark.parametrize("bits,meta_async", [(True, False), (False, True), (True, True)])
+def test_mask_bits_fallback_compiles(bits, meta_async, tmp_path):
+    """mask_bits / meta_async with a fallback predicate: the bits replace the interval test
+    only, the predicate is still evaluated per score (its generated function is in the PTX);
+    meta_async copies the rows' region and params too."""
 
     from compilemask.kernels.autograd import _fallback, register_mask
 
     mask = cm.compile_mask(masks.dilated_causal())
     register_mask(mask)
     fb = _fallback(str(mask.key))
-    cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, mask_bits=True,
-                         has_fallback=True, fallback_hash=fb.hash, fallback_regions=fb.regions,
-                         num_params=fb.num_params, num_row_params=fb.num_row_params)
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, mask_bits=bits,
+                         meta_async=meta_async, has_fallback=True, fallback_hash=fb.hash,
+                         fallback_regions=fb.regions, num_params=fb.num_params,
+                         num_row_params=fb.num_row_params)
     tmp_path.mkdir(exist_ok=True)
     compile_flash_bwd(cfg, fb, gpu_arch=SM90, use_cache=False,
                       extra_options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
     assert "rem.s32" in ptx or "rem.u32" in ptx or "div.s32" in ptx  # the dilation predicate
+    if meta_async:  # LSE, dPsum, 2K slots, the region and R row params per copy site
+        n = 2 + 2 * mask.num_intervals + 1 + fb.num_row_params
+        assert ptx.count("cp.async.ca.shared.global") == 2 * n
 
 
 def test_can_implement():
@@ -381,6 +409,20 @@ def test_bwd_mask_bits_vs_reference(name, S, monkeypatch):
     monkeypatch.setenv("COMPILEMASK_BWD_MASK", "bits")
     spec = getattr(masks, name)()
     print(name, S, _check_case(spec, 2, S, 4, 2, 128, seed=S + 11, arch=90))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
+                                    ("clear", 1000), ("shared_prompt_rm", 300),
+                                    ("packed_documents", 257), ("dilated_causal", 300)])
+@pytest.mark.parametrize("bits", ["compare", "bits"])
+def test_bwd_meta_async_vs_reference(name, S, bits, monkeypatch):
+    """COMPILEMASK_BWD_META=async (opt-in): row metadata by per-thread cp.async, alone and
+    with the bit-word partial tiles."""
+    monkeypatch.setenv("COMPILEMASK_BWD_META", "async")
+    monkeypatch.setenv("COMPILEMASK_BWD_MASK", bits)
+    spec = getattr(masks, name)()
+    print(name, S, bits, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
 
 
 @pytest.mark.gpu
