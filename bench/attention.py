@@ -347,6 +347,7 @@ def main(argv=None):
     knobs = {"backward": f"sm{bwd_arch}"
              + (f" (row metadata {os.environ.get('COMPILEMASK_BWD_META', 'regs')})"
                 if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
+             "forward loop": os.environ.get("COMPILEMASK_FWD_LOOP", "one"),
              "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "compare")
              + ", bwd " + os.environ.get("COMPILEMASK_BWD_MASK", "compare"),
              "deterministic": str(args.deterministic)}

@@ -4,7 +4,7 @@
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
-#   bash bench/h200.sh knobs     # the opt-in variants' GPU tests (bit words, cp.async metadata)
+#   bash bench/h200.sh knobs     # the opt-in variants' GPU tests (split loop, bits, cp.async)
 #   bash bench/h200.sh knobs_time  # their train-step timing, 8K and 32K
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
@@ -32,25 +32,29 @@ case "${1:-}" in
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
-  knobs)  # the opt-in variants' GPU tests (-x: stop at the first failure): partial tiles by
-    # bit words (COMPILEMASK_FWD_MASK=bits, COMPILEMASK_BWD_MASK=bits), then the backward's
-    # row metadata by cp.async (COMPILEMASK_BWD_META=async)
-    step bits_tests 250 env COMPILEMASK_FWD_MASK=bits COMPILEMASK_BWD_MASK=bits \
-      python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernel_fwd.py \
-      tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
-      -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
+  knobs)  # the opt-in variants' GPU tests (-x: stop at the first failure): the forward's split
+    # loop and partial tiles by bit words (COMPILEMASK_FWD_LOOP=split, COMPILEMASK_FWD_MASK=bits,
+    # COMPILEMASK_BWD_MASK=bits), then the backward's row metadata by cp.async
+    # (COMPILEMASK_BWD_META=async)
+    step bits_split_tests 250 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
+      COMPILEMASK_BWD_MASK=bits python3 -m pytest -q -m gpu -x -p no:cacheprovider \
+      tests/test_kernel_fwd.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
+      -k "bits or split or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
     step async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
       -p no:cacheprovider tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       -k "meta_async or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
     ;;
-  knobs_time)  # a train step (forward and backward times) per variant, 8K and 32K, cm only
-    for v in "compare regs" "bits regs" "compare async" "bits async"; do
+  knobs_time)  # a train step (forward and backward times) per combination of the opt-in
+    # knobs, 8K and 32K, cm only; fwd and bwd knobs are independent, so 4 runs separate them:
+    # fwd split (2 vs 1), fwd bits with / without split (3 vs 2, 4 vs 1); bwd async (2 vs 1),
+    # bwd bits with / without async (3 vs 2, 4 vs 1)
+    for v in "one compare regs" "split compare async" "split bits async" "one bits regs"; do
       set -- $v
-      step "train_knobs_$1_$2" 140 env COMPILEMASK_FWD_MASK=$1 COMPILEMASK_BWD_MASK=$1 \
-        COMPILEMASK_BWD_META=$2 python3 bench/attention.py --mode train --seqlens 8192,32768 \
-        --rep 60 --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" \
-        --tag "knobs_$1_$2"
-      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_$2_*.md \
+      step "train_knobs_$1_$2_$3" 140 env COMPILEMASK_FWD_LOOP=$1 COMPILEMASK_FWD_MASK=$2 \
+        COMPILEMASK_BWD_MASK=$2 COMPILEMASK_BWD_META=$3 python3 bench/attention.py \
+        --mode train --seqlens 8192,32768 --rep 60 --masks clear,hstu,shared_prompt_rm,causal \
+        --methods cm --out "$OUT" --tag "knobs_$1_$2_$3"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_$2_$3_*.md \
         | cut -d'|' -f2,3,5,12,13
     done
     ;;

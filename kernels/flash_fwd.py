@@ -103,6 +103,10 @@ class FlashFwdConfig:
     # partial tiles: the interval test once per row, as a word of the thread's column bits, then
     # one bit test per element (COMPILEMASK_FWD_MASK=bits; opt-in until measured on a GPU)
     mask_bits: bool = False
+    # sm90 overlapped loop: one straight-line body for partial tiles and one for full tiles
+    # instead of a mask branch inside the body (COMPILEMASK_FWD_LOOP=split; opt-in until
+    # measured on a GPU)
+    split_loop: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -912,6 +916,7 @@ def flash_fwd(
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
         mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"), "compare") == "bits",
+        split_loop=env_choice("COMPILEMASK_FWD_LOOP", ("one", "split"), "one") == "split",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")

@@ -23,6 +23,8 @@ reuses); the differences are the data movement and the thread roles:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -151,6 +153,43 @@ class FlashFwdSm90(FlashFwd):
             tiled_mma_pv,
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def _overlap_step(self, c, masked, state, n_block, kv_state, v_state):
+        """One kv tile of the overlapped loop: S(i) = Q K(i)^T and O += P(i-1) V(i-1) issued
+        back to back, the softmax of S(i) while P V runs, then the O rescale and P(i).
+        ``masked``: None tests the tile's state inside (the default build); True / False (the
+        split loop) mask unconditionally / never."""
+        pipe_k, pipe_v, kv, v = c.pipe_k, c.pipe_v, kv_state, v_state
+        pipe_k.consumer_wait(kv)
+        if const_expr(c.pingpong):  # wait for this warpgroup's turn
+            cute.arch.barrier(barrier_id=_SCHED_BAR + c.cwg, number_of_threads=256)
+        acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
+        wgmma_issue(c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, kv.index], True)
+        pipe_v.consumer_wait(v)
+        wgmma_issue(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, v.index], False)
+        if const_expr(c.pingpong):  # hand the tensor cores to the other one
+            cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - c.cwg, number_of_threads=256)
+        warpgroup.wait_group(1)  # S(i) ready; P(i-1) V(i-1) may still run
+        pipe_k.consumer_release(kv)
+        if const_expr(masked is None):
+            acc_S_mn = self._mask_tile(
+                acc_S, state, n_block, c.tScS_mn, c.row_data, c.m_start, c.seqlen_q, c.seqlen_k,
+                c.mRowParams, c.batch_idx,
+            )
+        else:
+            acc_S_mn = _acc_mn(acc_S)
+            if const_expr(masked):
+                rInt, rFb, rP, rRowP = c.row_data
+                self._apply_mask(
+                    acc_S_mn, c.tScS_mn, rInt, rFb, rP, rRowP, c.m_start, n_block * self.tile_n,
+                    c.mRowParams, c.batch_idx, c.seqlen_q - 1,
+                )
+        self._softmax_rows(acc_S_mn, c.row_max, c.row_sum, c.row_scale, c.softmax_scale_log2)
+        warpgroup.wait_group(0)  # O += P(i-1) V(i-1) done
+        pipe_v.consumer_release(v)
+        self._rescale_O(c.acc_O, c.row_scale)
+        c.rPt.store(acc_S.load().to(self.dtype))
 
     @cute.jit
     def _qk_wait(self, pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S):
@@ -346,37 +385,29 @@ class FlashFwdSm90(FlashFwd):
                     rPt.store(acc_S.load().to(self.dtype))
                     kv_state.advance()
                     n_block = next_tile(mBitmapRow, n_block + 1, n_blocks)
+                    ctx = SimpleNamespace(
+                        pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
+                        tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
+                        rPt=rPt, acc_O=acc_O, acc_shape_S=acc_shape_S, pingpong=pingpong,
+                        cwg=cwg, tScS_mn=tScS_mn, row_data=row_data, m_start=m_start,
+                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, mRowParams=mRowParams,
+                        batch_idx=batch_idx, row_max=row_max, row_sum=row_sum,
+                        row_scale=row_scale, softmax_scale_log2=softmax_scale_log2,
+                    )
                     while n_block < n_blocks:
                         n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
                         state = tile_state(mBitmapRow, n_block)
-                        pipe_k.consumer_wait(kv_state)
-                        if const_expr(pingpong):  # wait for this warpgroup's turn
-                            cute.arch.barrier(barrier_id=_SCHED_BAR + cwg, number_of_threads=256)
-                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                        wgmma_issue(
-                            tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True
-                        )
-                        pipe_v.consumer_wait(v_state)
-                        wgmma_issue(
-                            tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False
-                        )
-                        if const_expr(pingpong):  # hand the tensor cores to the other one
-                            cute.arch.barrier_arrive(
-                                barrier_id=_SCHED_BAR + 1 - cwg, number_of_threads=256
-                            )
-                        warpgroup.wait_group(1)  # S(i) ready; P(i-1) V(i-1) may still run
-                        pipe_k.consumer_release(kv_state)
-                        acc_S_mn = self._mask_tile(
-                            acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
-                            mRowParams, batch_idx,
-                        )
-                        self._softmax_rows(
-                            acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2
-                        )
-                        warpgroup.wait_group(0)  # O += P(i-1) V(i-1) done
-                        pipe_v.consumer_release(v_state)
-                        self._rescale_O(acc_O, row_scale)
-                        rPt.store(acc_S.load().to(self.dtype))
+                        if const_expr(self.cfg.split_loop):
+                            # one straight-line body per kind of tile: a branch inside the body
+                            # made ptxas wait for P V before any of the softmax
+                            need_mask = ((state & 2) != 0) | (
+                                (n_block + 1) * self.tile_n > seqlen_k)
+                            if need_mask:
+                                self._overlap_step(ctx, True, state, n_block, kv_state, v_state)
+                            else:
+                                self._overlap_step(ctx, False, state, n_block, kv_state, v_state)
+                        else:
+                            self._overlap_step(ctx, None, state, n_block, kv_state, v_state)
                         v_state.advance()
                         kv_state.advance()
                         n_block = n_next
