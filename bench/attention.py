@@ -347,7 +347,8 @@ def main(argv=None):
     knobs = {"backward": f"sm{bwd_arch}"
              + (f" (row metadata {os.environ.get('COMPILEMASK_BWD_META', 'regs')})"
                 if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
-             "forward loop": os.environ.get("COMPILEMASK_FWD_LOOP", "one"),
+             "loops": "fwd " + os.environ.get("COMPILEMASK_FWD_LOOP", "one")
+             + ", bwd " + os.environ.get("COMPILEMASK_BWD_LOOP", "one"),
              "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "compare")
              + ", bwd " + os.environ.get("COMPILEMASK_BWD_MASK", "compare"),
              "deterministic": str(args.deterministic)}

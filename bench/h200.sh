@@ -37,7 +37,8 @@ case "${1:-}" in
     # COMPILEMASK_BWD_MASK=bits), then the backward's row metadata by cp.async
     # (COMPILEMASK_BWD_META=async)
     step bits_split_tests 250 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
-      COMPILEMASK_BWD_MASK=bits python3 -m pytest -q -m gpu -x -p no:cacheprovider \
+      COMPILEMASK_BWD_MASK=bits COMPILEMASK_BWD_LOOP=split \
+      python3 -m pytest -q -m gpu -x -p no:cacheprovider \
       tests/test_kernel_fwd.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       -k "bits or split or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
     step async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
@@ -45,16 +46,18 @@ case "${1:-}" in
       -k "meta_async or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
     ;;
   knobs_time)  # a train step (forward and backward times) per combination of the opt-in
-    # knobs, 8K and 32K, cm only; fwd and bwd knobs are independent, so 4 runs separate them:
-    # fwd split (2 vs 1), fwd bits with / without split (3 vs 2, 4 vs 1); bwd async (2 vs 1),
-    # bwd bits with / without async (3 vs 2, 4 vs 1)
-    for v in "one compare regs" "split compare async" "split bits async" "one bits regs"; do
+    # knobs, 8K and 32K, cm only. Forward and backward knobs act on different kernels, so 5 runs
+    # separate them: fwd split (b vs a), fwd bits with split (c vs e), without (d vs a); bwd
+    # async (b vs a), bwd split (e vs b), bwd bits with split + async (c vs e), alone (d vs a)
+    for v in "a one compare regs one" "b split compare async one" "c split bits async split" \
+             "d one bits regs one" "e split compare async split"; do
       set -- $v
-      step "train_knobs_$1_$2_$3" 140 env COMPILEMASK_FWD_LOOP=$1 COMPILEMASK_FWD_MASK=$2 \
-        COMPILEMASK_BWD_MASK=$2 COMPILEMASK_BWD_META=$3 python3 bench/attention.py \
-        --mode train --seqlens 8192,32768 --rep 60 --masks clear,hstu,shared_prompt_rm,causal \
-        --methods cm --out "$OUT" --tag "knobs_$1_$2_$3"
-      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_$2_$3_*.md \
+      step "train_knobs_$1" 120 env COMPILEMASK_FWD_LOOP=$2 COMPILEMASK_FWD_MASK=$3 \
+        COMPILEMASK_BWD_MASK=$3 COMPILEMASK_BWD_META=$4 COMPILEMASK_BWD_LOOP=$5 \
+        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 50 \
+        --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$1"
+      echo "$v"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_*.md \
         | cut -d'|' -f2,3,5,12,13
     done
     ;;

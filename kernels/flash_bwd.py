@@ -149,6 +149,9 @@ class FlashBwdConfig:
     # (finished in place before the item's barrier) instead of through registers held across
     # the whole item (COMPILEMASK_BWD_META=async; opt-in until measured on a GPU)
     meta_async: bool = False
+    # arch 90: one straight-line item body for partial q tiles and one for full ones instead of
+    # a mask branch inside the item (COMPILEMASK_BWD_LOOP=split; opt-in until measured)
+    split_loop: bool = False
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -202,7 +205,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic or cfg.mask_bits or cfg.meta_async:  # sm90 kernel features
+        if cfg.deterministic or cfg.mask_bits or cfg.meta_async or cfg.split_loop:  # sm90 only
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -1314,9 +1317,21 @@ class FlashBwdSm90(FlashBwd):
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
-            self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
-                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
-                       m_next * tm + tidx)
+            if const_expr(self.cfg.split_loop):
+                # one straight-line item per kind of tile (a branch inside the item splits
+                # its softmax from the S / dP wgmmas it should overlap)
+                if need_mask:
+                    self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+                               n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
+                               m_next * tm + tidx, masked=True)
+                else:
+                    self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+                               n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
+                               m_next * tm + tidx, masked=False)
+            else:
+                self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
+                           n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
+                           m_next * tm + tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
             g = g_next
@@ -1325,7 +1340,8 @@ class FlashBwdSm90(FlashBwd):
 
     @cute.jit
     def _item(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-              n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, q_next):
+              n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, q_next,
+              masked: cutlass.Constexpr = None):
         """One work item of ``_consumer``: from the S and dP GEMMs to the dK GEMM's
         completion (Q/dO stage ``stage`` read through)."""
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
@@ -1341,7 +1357,14 @@ class FlashBwdSm90(FlashBwd):
         sBits = None
         if const_expr(f.sBits is not None):
             sBits = f.sBits[None, None, stage]
-        if need_mask:
+        if const_expr(masked is not None):  # split_loop: decided by the caller
+            if const_expr(masked):
+                self._apply_mask_t(
+                    acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
+                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
+                    seqlen_q - 1, sBits,
+                )
+        elif need_mask:
             self._apply_mask_t(
                 acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
                 sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
@@ -1714,6 +1737,7 @@ def flash_bwd(
                                       "compare") == "bits",
         meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
                                        "regs") == "async",
+        split_loop=sm90 and env_choice("COMPILEMASK_BWD_LOOP", ("one", "split"), "one") == "split",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")

@@ -279,6 +279,23 @@ def test_meta_async_ptx(tmp_path):
     assert FlashBwdSm90.can_implement(replace(cfg, meta_async=True, mask_bits=True))
 
 
+def test_split_loop_ptx(tmp_path):
+    """split_loop (COMPILEMASK_BWD_LOOP=split, sm90 kernel; CPU): two straight-line item bodies,
+    one masking unconditionally and one never, chosen per q tile: twice the wgmma issue
+    pattern and the per-item barrier, and the interval test in one body only."""
+    from dataclasses import replace
+
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90)
+    one = _ptx(cfg, tmp_path / "one")
+    split = _ptx(replace(cfg, split_loop=True), tmp_path / "split")
+    assert len(re.findall(r"bar\.sync\s+3, 256;", one)) == 2
+    assert len(re.findall(r"bar\.sync\s+3, 256;", split)) == 3  # set-up + one per body
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", split)
+    assert waits == ["1", "0", "1", "1", "0"] * 2, waits
+    assert FlashBwdSm90.can_implement(replace(cfg, split_loop=True))
+    assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic", split_loop=True))
+
+
 @pytest.mark.parametrize("bits,meta_async", [(True, False), (False, True), (True, True)])
 def test_mask_bits_fallback_compiles(bits, meta_async, tmp_path):
     """mask_bits / meta_async with a fallback predicate: the bits replace the interval test
@@ -291,7 +308,8 @@ def test_mask_bits_fallback_compiles(bits, meta_async, tmp_path):
     register_mask(mask)
     fb = _fallback(str(mask.key))
     cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, mask_bits=bits,
-                         meta_async=meta_async, has_fallback=True, fallback_hash=fb.hash,
+                         meta_async=meta_async, split_loop=bits and meta_async,
+                         has_fallback=True, fallback_hash=fb.hash,
                          fallback_regions=fb.regions, num_params=fb.num_params,
                          num_row_params=fb.num_row_params)
     tmp_path.mkdir(exist_ok=True)
