@@ -394,23 +394,34 @@ class FlashFwdSm90(FlashFwd):
                         batch_idx=batch_idx, row_max=row_max, row_sum=row_sum,
                         row_scale=row_scale, softmax_scale_log2=softmax_scale_log2,
                     )
-                    while n_block < n_blocks:
+                    if const_expr(self.cfg.split_loop):
+                        # one straight-line body per kind of tile (a branch inside the body made
+                        # ptxas wait for P V before any of the softmax); the bitmap is read one
+                        # tile ahead, so those loads are not on the path to the next wgmmas
                         n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
                         state = tile_state(mBitmapRow, n_block)
-                        if const_expr(self.cfg.split_loop):
-                            # one straight-line body per kind of tile: a branch inside the body
-                            # made ptxas wait for P V before any of the softmax
+                        while n_block < n_blocks:
+                            n_after = next_tile(mBitmapRow, n_next + 1, n_blocks)
+                            state_next = tile_state(mBitmapRow, cutlass.min(n_next, n_blocks - 1))
                             need_mask = ((state & 2) != 0) | (
                                 (n_block + 1) * self.tile_n > seqlen_k)
                             if need_mask:
                                 self._overlap_step(ctx, True, state, n_block, kv_state, v_state)
                             else:
                                 self._overlap_step(ctx, False, state, n_block, kv_state, v_state)
-                        else:
+                            v_state.advance()
+                            kv_state.advance()
+                            n_block = n_next
+                            n_next = n_after
+                            state = state_next
+                    else:
+                        while n_block < n_blocks:
+                            n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
+                            state = tile_state(mBitmapRow, n_block)
                             self._overlap_step(ctx, None, state, n_block, kv_state, v_state)
-                        v_state.advance()
-                        kv_state.advance()
-                        n_block = n_next
+                            v_state.advance()
+                            kv_state.advance()
+                            n_block = n_next
                     pipe_v.consumer_wait(v_state)
                     wgmma(
                         tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False
