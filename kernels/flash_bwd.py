@@ -992,9 +992,9 @@ class FlashBwdSm90(FlashBwd):
             return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4
         ds_bytes = cfg.tile_m * cfg.tile_n * 2  # the second dS buffer
-        bits_bytes = cfg.tile_m * cfg.tile_n // 32 * 2 * 4 if cfg.mask_bits else 0
-        if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic", mask_bits=False)) + dq_bytes
-                + ds_bytes + bits_bytes > 227 * 1024):
+        bits_bytes = cfg.tile_m * cfg.tile_n // 32 * 2 * 4 if cfg.mask_bits else 0  # 2 stages
+        if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
+                + bits_bytes > 227 * 1024):
             return False
         return True
 
