@@ -4,7 +4,8 @@
 # step that hangs or fails does not take the others' results with it.
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
-#   bash bench/h200.sh knobs     # the opt-in variants' GPU tests (split loop, bits, cp.async)
+#   bash bench/h200.sh knobs     # the opt-in forward variants' GPU tests (bits, split loop)
+#   bash bench/h200.sh knobs_bwd # the opt-in backward variants' GPU tests (bits, split, cp.async)
 #   bash bench/h200.sh knobs_time  # their train-step timing, 8K and 32K
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
@@ -25,25 +26,29 @@ step() {  # step NAME SECONDS CMD...
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
 case "${1:-}" in
-  tests)  # every gpu-marked test
-    step gpu_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+  tests)  # every gpu-marked test but the opt-in variants' (knobs, knobs_bwd run those)
+    step gpu_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
+      -k "not bits and not split and not meta_async"
     ;;
   variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
-  knobs)  # the opt-in variants' GPU tests (-x: stop at the first failure): the forward's split
-    # loop and partial tiles by bit words (COMPILEMASK_FWD_LOOP=split, COMPILEMASK_FWD_MASK=bits,
-    # COMPILEMASK_BWD_MASK=bits), then the backward's row metadata by cp.async
-    # (COMPILEMASK_BWD_META=async)
-    step bits_split_tests 250 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
+  knobs)  # the opt-in forward variants' GPU tests: the -bits, -split, -split-bits variants of
+    # the wgmma forward tests (each test sets its knobs; -x: stop at the first failure)
+    step fwd_knob_tests 280 python3 -m pytest -q -m gpu -x -p no:cacheprovider \
+      tests/test_kernel_fwd.py -k "sm90ws-bits or sm90ws-split"
+    ;;
+  knobs_bwd)  # the opt-in backward variants' GPU tests: bit words + split loop (with the
+    # forward knobs on in the end-to-end test), then the cp.async row metadata
+    step bwd_bits_split_tests 280 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
       COMPILEMASK_BWD_MASK=bits COMPILEMASK_BWD_LOOP=split \
-      python3 -m pytest -q -m gpu -x -p no:cacheprovider \
-      tests/test_kernel_fwd.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
-      -k "bits or split or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
-    step async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
-      -p no:cacheprovider tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
-      -k "meta_async or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
+      python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernel_bwd.py \
+      tests/test_gpu_end_to_end.py \
+      -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
+    step bwd_async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
+      -p no:cacheprovider tests/test_kernel_bwd.py \
+      -k "meta_async or bwd_other_masks or (bwd_vs_reference and 90)"
     ;;
   knobs_time)  # a train step (forward and backward times) per combination of the opt-in
     # knobs, 8K and 32K, cm only. Forward and backward knobs act on different kernels, so 5 runs
@@ -110,5 +115,5 @@ case "${1:-}" in
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_bwd|knobs_time|check|pre|fwd|train|det|study"; exit 2 ;;
 esac
