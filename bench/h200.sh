@@ -9,6 +9,7 @@
 #   bash bench/h200.sh knobs_time  # their train-step timing, 8K and 32K
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
+#   bash bench/h200.sh ncu       # Nsight Compute: one train step, ours vs FA4 (MASK=, S=)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
@@ -66,6 +67,25 @@ case "${1:-}" in
         | cut -d'|' -f2,3,5,12,13
     done
     ;;
+  ncu)  # Nsight Compute on one train step of ours and of FA4 (causal 8K by default; MASK=,
+    # S=): per kernel, duration, tensor-pipe and issue activity, warp stall reasons. Firecracker
+    # machines only (gVisor has no counters); the clocks are left alone (METHOD.md)
+    step ncu 420 ncu --clock-control none --nvtx --nvtx-include "measure_cm/" --nvtx-include "measure_fa4/" \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section LaunchStats --export "$OUT/ncu_${MASK:-causal}" --force-overwrite \
+      python3 bench/ncu_case.py --mask "${MASK:-causal}" --seqlen "${S:-8192}"
+    tail -3 "$OUT/ncu.log"
+    ncu --import "$OUT/ncu_${MASK:-causal}.ncu-rep" --page details --csv 2>/dev/null \
+      > "$OUT/ncu_${MASK:-causal}.csv"
+    python3 -c "import csv,sys; rows=list(csv.DictReader(open(sys.argv[1])))
+keep=('Duration','Compute (SM) Throughput','Issue Slots Busy','Registers Per Thread',
+      'Stall Long Scoreboard','Stall Barrier','Stall Wait','Stall Math Pipe Throttle',
+      'Stall MIO Throttle','Stall Short Scoreboard','No Eligible','Warp Cycles Per Issued Instruction')
+for r in rows:
+    if any(r.get('Metric Name','').startswith(k) for k in keep):
+        print(r.get('Kernel Name','')[:60], '|', r['Metric Name'], '|', r['Metric Value'], r.get('Metric Unit',''))
+" "$OUT/ncu_${MASK:-causal}.csv" | head -80
+    ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
@@ -115,5 +135,5 @@ case "${1:-}" in
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_bwd|knobs_time|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_bwd|knobs_time|ncu|check|pre|fwd|train|det|study"; exit 2 ;;
 esac
