@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session's steps (see README "GPU"): run from the repository root after
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
-# step that hangs or fails does not take the others' results with it.
+# step that hangs or fails does not take the others' results with it. To run the GPU tests in
+# parallel processes, carry pytest-xdist's wheels in .whl/ (git-ignored) with the call:
+#   pip download --no-deps -d .whl pytest-xdist execnet
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
 #   bash bench/h200.sh knobs     # the opt-in forward variants' GPU tests (bits, split loop)
@@ -19,6 +21,13 @@ set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# pytest-xdist, when its wheels were carried in .whl/ (README "GPU"): the GPU tests' kernel
+# compiles run in parallel processes (one GPU; NPROC=1 to run them one by one)
+if [ -d .whl ] && ! python3 -c "import xdist" 2>/dev/null; then
+  pip install -q --no-index --no-deps .whl/*.whl >/dev/null 2>&1 || true
+fi
+PAR=""
+if python3 -c "import xdist" 2>/dev/null && [ "${NPROC:-8}" != 1 ]; then PAR="-n ${NPROC:-8}"; fi
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
@@ -28,26 +37,26 @@ step() {  # step NAME SECONDS CMD...
 }
 case "${1:-}" in
   tests)  # every gpu-marked test but the opt-in variants' (knobs, knobs_bwd run those)
-    step gpu_tests 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests \
+    step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests \
       -k "not bits and not split and not meta_async"
     ;;
   variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
-    step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q -m gpu \
+    step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q $PAR -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   knobs)  # the opt-in forward variants' GPU tests: the -bits, -split, -split-bits variants of
     # the wgmma forward tests (each test sets its knobs; -x: stop at the first failure)
-    step fwd_knob_tests 280 python3 -m pytest -q -m gpu -x -p no:cacheprovider \
+    step fwd_knob_tests 280 python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
       tests/test_kernel_fwd.py -k "sm90ws-bits or sm90ws-split"
     ;;
   knobs_bwd)  # the opt-in backward variants' GPU tests: bit words + split loop (with the
     # forward knobs on in the end-to-end test), then the cp.async row metadata
     step bwd_bits_split_tests 280 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
       COMPILEMASK_BWD_MASK=bits COMPILEMASK_BWD_LOOP=split \
-      python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernel_bwd.py \
+      python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider tests/test_kernel_bwd.py \
       tests/test_gpu_end_to_end.py \
       -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
-    step bwd_async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q -m gpu -x \
+    step bwd_async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q $PAR -m gpu -x \
       -p no:cacheprovider tests/test_kernel_bwd.py \
       -k "meta_async or bwd_other_masks or (bwd_vs_reference and 90)"
     ;;
@@ -87,7 +96,7 @@ for r in rows:
 " "$OUT/ncu_${MASK:-causal}.csv" | head -80
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
-    step gpu_check 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    step gpu_check 330 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
       tests/test_autograd_op.py
     ;;
@@ -108,7 +117,7 @@ for r in rows:
       --out "$OUT" --tag 32k
     ;;
   det)  # the deterministic backward's GPU tests and its cost (HSTU and causal, 8K and 32K)
-    step bwd_det 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_bwd.py \
+    step bwd_det 200 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests/test_kernel_bwd.py \
       -k deterministic
     for flag in "" --deterministic; do
       step "train_det${flag:+_on}" 150 python3 bench/attention.py --mode train \
