@@ -850,25 +850,34 @@ class FlashBwd:
         K = self.K
         R = self.cfg.num_row_params
         if tidx < self.tile_m:
-            lse = rMf[0]
-            lse_l2 = lse * LOG2E
-            if lse == -Float32.inf:
-                lse_l2 = Float32.inf
-            sLSE[tidx, stage] = lse_l2
+            sLSE[tidx, stage] = self._lse_log2(rMf[0])
             sdPsum[tidx, stage] = rMf[1]
             for k in cutlass.range_constexpr(K):
                 st = rMi[2 * k]
                 sInt[tidx, 2 * k, stage] = st
                 sInt[tidx, 2 * k + 1, stage] = st + rMi[2 * k + 1]
             if const_expr(self.cfg.has_fallback):
-                region = rMi[2 * K]
-                fb = Int32(-1)
-                for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
-                    if region == self.cfg.fallback_regions[slot]:
-                        fb = Int32(slot)
-                sFb[tidx, stage] = fb
+                sFb[tidx, stage] = self._fallback_slot(rMi[2 * K])
                 for a in cutlass.range_constexpr(R):
                     sRowP[tidx, a, stage] = rMi[2 * K + 1 + a]
+
+    @cute.jit
+    def _lse_log2(self, lse):
+        """LSE in log2 units; -inf (a row that sees nothing, or past Sq) -> +inf, so that
+        P = exp2(s - inf) = 0."""
+        lse_l2 = lse * LOG2E
+        if lse == -Float32.inf:
+            lse_l2 = Float32.inf
+        return lse_l2
+
+    @cute.jit
+    def _fallback_slot(self, region):
+        """The fallback predicate slot of a row's region (-1: the interval test alone)."""
+        fb = Int32(-1)
+        for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
+            if region == self.cfg.fallback_regions[slot]:
+                fb = Int32(slot)
+        return fb
 
     @cute.jit
     def _copy_meta(self, sMeta, stage, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
@@ -913,20 +922,12 @@ class FlashBwd:
         if tidx < self.tile_m:
             if q_idx < seqlen_q:
                 cute.arch.cp_async_wait_group(0)
-                lse_l2 = sLSE[tidx, stage] * LOG2E
-                if sLSE[tidx, stage] == -Float32.inf:
-                    lse_l2 = Float32.inf
-                sLSE[tidx, stage] = lse_l2
+                sLSE[tidx, stage] = self._lse_log2(sLSE[tidx, stage])
                 for k in cutlass.range_constexpr(K):
                     sInt[tidx, 2 * k + 1, stage] = sInt[tidx, 2 * k, stage] + sInt[
                         tidx, 2 * k + 1, stage]
                 if const_expr(self.cfg.has_fallback):
-                    region = sFb[tidx, stage]
-                    fb = Int32(-1)
-                    for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
-                        if region == self.cfg.fallback_regions[slot]:
-                            fb = Int32(slot)
-                    sFb[tidx, stage] = fb
+                    sFb[tidx, stage] = self._fallback_slot(sFb[tidx, stage])
             else:
                 sLSE[tidx, stage] = Float32.inf
                 sdPsum[tidx, stage] = Float32(0.0)

@@ -623,15 +623,23 @@ class FlashFwd:
         return cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
 
     @cute.jit
+    def _needs_mask(self, state, n_block, seqlen_k):
+        """Partial tiles (``state`` 11) and the ragged last kv tile get the interval test."""
+        return ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
+
+    @cute.jit
     def _mask_tile(
         self, acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k, mRowParams,
-        batch_idx,
+        batch_idx, masked: cutlass.Constexpr = None,
     ):
-        """(rows, cols) view of the score tile ``n_block``, masked where needed: partial tiles
-        (``state`` 11) and the ragged last kv tile."""
+        """(rows, cols) view of the score tile ``n_block``, masked where needed
+        (:meth:`_needs_mask`); ``masked`` True / False: the caller has decided (split loop)."""
         rInt, rFb, rP, rRowP = row_data
-        need_mask = ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
         acc_S_mn = _acc_mn(acc_S)
+        if const_expr(masked is None):
+            need_mask = self._needs_mask(state, n_block, seqlen_k)
+        else:
+            need_mask = masked
         if need_mask:
             self._apply_mask(
                 acc_S_mn,

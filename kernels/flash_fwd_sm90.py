@@ -172,19 +172,10 @@ class FlashFwdSm90(FlashFwd):
             cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - c.cwg, number_of_threads=256)
         warpgroup.wait_group(1)  # S(i) ready; P(i-1) V(i-1) may still run
         pipe_k.consumer_release(kv)
-        if const_expr(masked is None):
-            acc_S_mn = self._mask_tile(
-                acc_S, state, n_block, c.tScS_mn, c.row_data, c.m_start, c.seqlen_q, c.seqlen_k,
-                c.mRowParams, c.batch_idx,
-            )
-        else:
-            acc_S_mn = _acc_mn(acc_S)
-            if const_expr(masked):
-                rInt, rFb, rP, rRowP = c.row_data
-                self._apply_mask(
-                    acc_S_mn, c.tScS_mn, rInt, rFb, rP, rRowP, c.m_start, n_block * self.tile_n,
-                    c.mRowParams, c.batch_idx, c.seqlen_q - 1,
-                )
+        acc_S_mn = self._mask_tile(
+            acc_S, state, n_block, c.tScS_mn, c.row_data, c.m_start, c.seqlen_q, c.seqlen_k,
+            c.mRowParams, c.batch_idx, masked,
+        )
         self._softmax_rows(acc_S_mn, c.row_max, c.row_sum, c.row_scale, c.softmax_scale_log2)
         warpgroup.wait_group(0)  # O += P(i-1) V(i-1) done
         pipe_v.consumer_release(v)
@@ -403,9 +394,7 @@ class FlashFwdSm90(FlashFwd):
                         while n_block < n_blocks:
                             n_after = next_tile(mBitmapRow, n_next + 1, n_blocks)
                             state_next = tile_state(mBitmapRow, cutlass.min(n_next, n_blocks - 1))
-                            need_mask = ((state & 2) != 0) | (
-                                (n_block + 1) * self.tile_n > seqlen_k)
-                            if need_mask:
+                            if self._needs_mask(state, n_block, seqlen_k):
                                 self._overlap_step(ctx, True, state, n_block, kv_state, v_state)
                             else:
                                 self._overlap_step(ctx, False, state, n_block, kv_state, v_state)
