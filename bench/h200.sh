@@ -64,12 +64,15 @@ case "${1:-}" in
     # knobs, 8K and 32K, cm only. Forward and backward knobs act on different kernels, so 5 runs
     # separate them: fwd split (b vs a), fwd bits with split (c vs e), without (d vs a); bwd
     # async (b vs a), bwd split (e vs b), bwd bits with split + async (c vs e), alone (d vs a)
-    for v in "a one compare regs one" "b split compare async one" "c split bits async split" \
-             "d one bits regs one" "e split compare async split"; do
-      set -- $v
+    # (KNOBS="a c" to run some; SEQLENS=32768 to shorten)
+    all="a:one:compare:regs:one b:split:compare:async:one c:split:bits:async:split"
+    all="$all d:one:bits:regs:one e:split:compare:async:split"
+    for v in $all; do
+      set -- ${v//:/ }
+      case " ${KNOBS:-a b c d e} " in *" $1 "*) ;; *) continue ;; esac
       step "train_knobs_$1" 120 env COMPILEMASK_FWD_LOOP=$2 COMPILEMASK_FWD_MASK=$3 \
         COMPILEMASK_BWD_MASK=$3 COMPILEMASK_BWD_META=$4 COMPILEMASK_BWD_LOOP=$5 \
-        python3 bench/attention.py --mode train --seqlens 8192,32768 --rep 50 \
+        python3 bench/attention.py --mode train --seqlens "${SEQLENS:-8192,32768}" --rep 50 \
         --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$1"
       echo "$v"
       grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_*.md \
