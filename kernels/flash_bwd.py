@@ -147,7 +147,7 @@ class FlashBwdConfig:
     mask_bits: bool = False
     # arch 90: the next q tile's row metadata goes global -> shared by per-thread cp.async
     # (finished in place before the item's barrier) instead of through registers held across
-    # the whole item (COMPILEMASK_BWD_META=async; opt-in until measured on a GPU)
+    # the whole item (flash_bwd's default for K > 2; COMPILEMASK_BWD_META=regs|async)
     meta_async: bool = False
     # arch 90: one straight-line item body for partial q tiles and one for full ones instead of
     # a mask branch inside the item (COMPILEMASK_BWD_LOOP=split; opt-in until measured)
@@ -1736,8 +1736,10 @@ def flash_bwd(
         cfg, deterministic=deterministic,
         mask_bits=sm90 and env_choice("COMPILEMASK_BWD_MASK", ("compare", "bits"),
                                       "compare") == "bits",
+        # measured on the H200 (bench/results/knobs_2026-11-29.md): at K = 6 the registers
+        # held across the item cost 7% of the backward, at K <= 2 cp.async is a wash
         meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
-                                       "regs") == "async",
+                                       "async" if cfg.num_intervals > 2 else "regs") == "async",
         split_loop=sm90 and env_choice("COMPILEMASK_BWD_LOOP", ("one", "split"), "one") == "split",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):

@@ -101,7 +101,7 @@ class FlashFwdConfig:
     intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
     pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
     # partial tiles: the interval test once per row, as a word of the thread's column bits, then
-    # one bit test per element (COMPILEMASK_FWD_MASK=bits; opt-in until measured on a GPU)
+    # one bit test per element (flash_fwd's default on sm90; COMPILEMASK_FWD_MASK=compare|bits)
     mask_bits: bool = False
     # sm90 overlapped loop: one straight-line body for partial tiles and one for full tiles
     # instead of a mask branch inside the body (COMPILEMASK_FWD_LOOP=split; opt-in until
@@ -923,7 +923,10 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
-        mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"), "compare") == "bits",
+        # measured on the H200 (bench/results/knobs_2026-11-29.md): the bits are faster at
+        # every K on the wgmma forward (CLEAR, K = 6: -8%); the mma.sync path keeps the compares
+        mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"),
+                             "bits" if arch >= 90 else "compare") == "bits",
         split_loop=env_choice("COMPILEMASK_FWD_LOOP", ("one", "split"), "one") == "split",
     )
     if not FlashFwd.can_implement(cfg):

@@ -414,9 +414,10 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 
 @gpu
 @needs_cuda
-# opt-in variants: -bits: partial tiles by column bits (COMPILEMASK_FWD_MASK=bits); -split: one
-# loop body per kind of tile (COMPILEMASK_FWD_LOOP=split)
-@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-bits", "sm80-bits",
+# variants: -bits / -compare: partial tiles by column bits or by the interval compares
+# (COMPILEMASK_FWD_MASK; the default is bits on sm90, compare on sm80); -split: one loop body
+# per kind of tile (COMPILEMASK_FWD_LOOP=split)
+@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-compare", "sm80-bits",
                                      "sm90ws-split", "sm90ws-split-bits"])
 @pytest.mark.parametrize(
     "case",
@@ -426,8 +427,9 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 def test_fwd_numerics(case, variant, monkeypatch):
     mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
     variant, *opts = variant.split("-")
-    if "bits" in opts:
-        monkeypatch.setenv("COMPILEMASK_FWD_MASK", "bits")
+    for mask_opt in ("bits", "compare"):
+        if mask_opt in opts:
+            monkeypatch.setenv("COMPILEMASK_FWD_MASK", mask_opt)
     if "split" in opts:
         monkeypatch.setenv("COMPILEMASK_FWD_LOOP", "split")
     arch = 80 if variant == "sm80" else 90
