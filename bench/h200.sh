@@ -84,7 +84,8 @@ case "${1:-}" in
     # machines only (gVisor has no counters); the clocks are left alone (METHOD.md)
     step ncu 420 ncu --clock-control none --nvtx --nvtx-include "measure_cm/" --nvtx-include "measure_fa4/" \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-      --section LaunchStats --export "$OUT/ncu_${MASK:-causal}" --force-overwrite \
+      --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis \
+      --metrics sass__inst_executed_per_opcode --export "$OUT/ncu_${MASK:-causal}" --force-overwrite \
       python3 bench/ncu_case.py --mask "${MASK:-causal}" --seqlen "${S:-8192}"
     tail -3 "$OUT/ncu.log"
     ncu --import "$OUT/ncu_${MASK:-causal}.ncu-rep" --page details --csv 2>/dev/null \
@@ -97,6 +98,9 @@ for r in rows:
     if any(r.get('Metric Name','').startswith(k) for k in keep):
         print(r.get('Kernel Name','')[:60], '|', r['Metric Name'], '|', r['Metric Value'], r.get('Metric Unit',''))
 " "$OUT/ncu_${MASK:-causal}.csv" | head -80
+    # raw metrics: instructions executed, stall reasons per issue, the opcode mix
+    ncu --import "$OUT/ncu_${MASK:-causal}.ncu-rep" --page raw --csv 2>/dev/null \
+      > "$OUT/ncu_${MASK:-causal}_raw.csv"
     ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider \
