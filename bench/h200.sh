@@ -102,6 +102,19 @@ for r in rows:
     ncu --import "$OUT/ncu_${MASK:-causal}.ncu-rep" --page raw --csv 2>/dev/null \
       > "$OUT/ncu_${MASK:-causal}_raw.csv"
     ;;
+  ncu_src)  # Nsight Compute source counters of the four attention kernels (ours and FA4's
+    # forward and backward, causal 8K by default): executed instructions per SASS line, to find
+    # where ours executes more (written compressed: $OUT/ncu_src_*.csv.xz)
+    step ncu_src 300 ncu --clock-control none --nvtx --nvtx-include "measure_cm/" \
+      --nvtx-include "measure_fa4/" \
+      --kernel-name 'regex:FlashFwdSm90|FlashBwdSm90|FlashAttentionForwardSm90|FlashAttentionBackwardSm90' \
+      --section SourceCounters --section InstructionStats --export "$OUT/ncu_src" --force-overwrite \
+      python3 bench/ncu_case.py --mask "${MASK:-causal}" --seqlen "${S:-8192}"
+    tail -2 "$OUT/ncu_src.log"
+    ncu --import "$OUT/ncu_src.ncu-rep" --page source --csv --print-source sass 2>&1 \
+      | xz -T0 > "$OUT/ncu_src_${MASK:-causal}.csv.xz"
+    ls -la "$OUT"; rm -f "$OUT/ncu_src.ncu-rep"
+    ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
