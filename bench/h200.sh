@@ -115,6 +115,20 @@ for r in rows:
       | xz -T0 > "$OUT/ncu_src_${MASK:-causal}.csv.xz"
     ls -la "$OUT"; rm -f "$OUT/ncu_src.ncu-rep"
     ;;
+  ab)  # A/B timing: the older tree in .old/ (a git worktree with dsl/, codegen/, kernels/ copied
+    # under compilemask/, carried with the call) against this one, interleaved, cm only
+    for r in 1 2; do
+      for side in old new; do
+        root=.; [ $side = old ] && root=.old
+        step "train_ab_${side}_$r" 200 python3 $root/bench/attention.py --mode train \
+          --seqlens "${SEQLENS:-32768}" --rep "${REP:-300}" --masks "${MASKS:-hstu,causal,clear}" \
+          --methods cm --out "$OUT" --tag "ab_${side}_$r"
+        echo "$side $r"
+        grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_ab_${side}_${r}_*.md \
+          | cut -d'|' -f2,3,5,12,13
+      done
+    done
+    ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \

@@ -38,23 +38,36 @@ log = logging.getLogger("compilemask")
 # ----------------------------------------------------------------------------------------------
 @cute.jit
 def tile_state(mBitmapRow: cute.Tensor, t: Int32) -> Int32:
-    """State of tile ``t`` in a bitmap row: 0 empty, 1 full, 3 partial (16 tiles per int32)."""
-    word = mBitmapRow[t // 16]
-    return (word >> ((t % 16) * 2)) & 3
+    """State of tile ``t >= 0`` in a bitmap row: 0 empty, 1 full, 3 partial (16 tiles per
+    int32). Shifts, not ``//`` and ``%``: Python's floor division of a signed Int32 costs ~9
+    instructions, and this runs in every consumer warp once per tile (Nsight Compute,
+    ``bench/results/ncu_causal_8k_2026-11-29.md``)."""
+    word = mBitmapRow[t >> 4]
+    return (word >> ((t & 15) << 1)) & 3
+
+
+@cute.jit
+def next_tile_state(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32):
+    """First tile ``>= start`` whose state is not empty, and that state: ``(t, state)``;
+    ``(n_blocks, 0)`` if none. One bitmap read for both, where a ``next_tile`` + ``tile_state``
+    pair reads and decodes the word twice."""
+    t = start
+    state = Int32(0)
+    searching = t < n_blocks
+    while searching:
+        state = tile_state(mBitmapRow, t)
+        if state != 0:
+            searching = False
+        else:
+            t = t + 1
+            searching = t < n_blocks
+    return t, state
 
 
 @cute.jit
 def next_tile(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
     """First tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
-    t = start
-    searching = t < n_blocks
-    while searching:
-        st = tile_state(mBitmapRow, t)
-        if st != 0:
-            searching = False
-        else:
-            t = t + 1
-            searching = t < n_blocks
+    t, _ = next_tile_state(mBitmapRow, start, n_blocks)
     return t
 
 

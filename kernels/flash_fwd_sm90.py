@@ -39,8 +39,8 @@ from .common import (
     _layout_acc_frgA,
     _transpose_view,
     next_tile,
+    next_tile_state,
     select_modes,
-    tile_state,
     tiled_copy_store_16B,
     tma_partition,
     tma_pipeline,
@@ -332,11 +332,11 @@ class FlashFwdSm90(FlashFwd):
             kv_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_stages
             )
-            n_block = next_tile(mBitmapRow, Int32(0), n_blocks)
+            # each tile's state comes with it from the scan (one bitmap read per tile)
+            n_block, state = next_tile_state(mBitmapRow, Int32(0), n_blocks)
             if const_expr(not self.cfg.intra_wg_overlap):
                 while n_block < n_blocks:
-                    n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
-                    state = tile_state(mBitmapRow, n_block)
+                    n_next, state_next = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
                     acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
                     acc_S_mn = self._mask_tile(
                         acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
@@ -352,6 +352,7 @@ class FlashFwdSm90(FlashFwd):
                     pipe_v.consumer_release(kv_state)
                     kv_state.advance()
                     n_block = n_next
+                    state = state_next
             else:
                 # software pipeline (FA3 "intra-warpgroup overlap"): while the softmax of tile
                 # i runs on the CUDA cores, the tensor cores finish P(i-1) V(i-1)
@@ -366,7 +367,6 @@ class FlashFwdSm90(FlashFwd):
                 rPt = cute.make_rmem_tensor(acc_shape_S, self.dtype)
                 tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
                 if n_block < n_blocks:
-                    state = tile_state(mBitmapRow, n_block)
                     acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
                     acc_S_mn = self._mask_tile(
                         acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
@@ -375,7 +375,7 @@ class FlashFwdSm90(FlashFwd):
                     self._softmax_rows(acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2)
                     rPt.store(acc_S.load().to(self.dtype))
                     kv_state.advance()
-                    n_block = next_tile(mBitmapRow, n_block + 1, n_blocks)
+                    n_block, state = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
                     ctx = SimpleNamespace(
                         pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
@@ -389,11 +389,10 @@ class FlashFwdSm90(FlashFwd):
                         # one straight-line body per kind of tile (a branch inside the body made
                         # ptxas wait for P V before any of the softmax); the bitmap is read one
                         # tile ahead, so those loads are not on the path to the next wgmmas
-                        n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
-                        state = tile_state(mBitmapRow, n_block)
+                        n_next, state_next = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
                         while n_block < n_blocks:
-                            n_after = next_tile(mBitmapRow, n_next + 1, n_blocks)
-                            state_next = tile_state(mBitmapRow, cutlass.min(n_next, n_blocks - 1))
+                            n_after, state_after = next_tile_state(mBitmapRow, n_next + 1,
+                                                                   n_blocks)
                             if self._needs_mask(state, n_block, seqlen_k):
                                 self._overlap_step(ctx, True, state, n_block, kv_state, v_state)
                             else:
@@ -403,14 +402,16 @@ class FlashFwdSm90(FlashFwd):
                             n_block = n_next
                             n_next = n_after
                             state = state_next
+                            state_next = state_after
                     else:
                         while n_block < n_blocks:
-                            n_next = next_tile(mBitmapRow, n_block + 1, n_blocks)
-                            state = tile_state(mBitmapRow, n_block)
+                            n_next, state_next = next_tile_state(mBitmapRow, n_block + 1,
+                                                                 n_blocks)
                             self._overlap_step(ctx, None, state, n_block, kv_state, v_state)
                             v_state.advance()
                             kv_state.advance()
                             n_block = n_next
+                            state = state_next
                     pipe_v.consumer_wait(v_state)
                     wgmma(
                         tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False
