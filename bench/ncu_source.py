@@ -1,0 +1,99 @@
+"""Read Nsight Compute source counters (``bench/h200.sh ncu_src``: the source page as CSV, one
+section per kernel) and say where each kernel spends its executed instructions.
+
+Per kernel: static and executed instruction counts, the executed opcode mix, and the hottest
+straight-line runs (consecutive SASS lines with the same execution count, i.e. basic blocks),
+each with its length, executions per instruction and share of the kernel. With ``--pair A B``
+(kernel indices), the per-opcode difference of executed instructions, A minus B.
+
+    python bench/ncu_source.py bench/results/ncu/ncu_causal_8k_source_2026-11-29.csv.xz \
+        --names cm_fwd,cm_bwd,fa4_fwd,fa4_bwd --pair 0 2 --pair 1 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import lzma
+import re
+
+__all__ = ["read_kernels", "opcode_mix", "hot_runs"]
+
+
+def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
+    """[(kernel name, [(SASS text, executed warp instructions), ...]), ...] in file order."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        lines = f.read().split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
+    kernels = []
+    for a, b in zip(starts, starts[1:] + [len(lines)]):
+        name = next(csv.reader([lines[a]]))[1]
+        rows = list(csv.reader(io.StringIO("\n".join(lines[a + 1:b]))))
+        col = {h: i for i, h in enumerate(rows[0])}
+        ins = [(r[col["Source"]].strip(), int(r[col["Instructions Executed"]] or 0))
+               for r in rows[1:] if len(r) == len(rows[0])]
+        kernels.append((name, ins))
+    return kernels
+
+
+def _opcode(sass: str) -> str:
+    body = re.sub(r"^@!?U?P\w+\s+", "", sass)  # drop the predicate
+    return body.split()[0].split(".")[0] if body else "?"
+
+
+def opcode_mix(ins) -> collections.Counter:
+    mix = collections.Counter()
+    for sass, n in ins:
+        mix[_opcode(sass)] += n
+    return mix
+
+
+def hot_runs(ins, top: int = 12):
+    """The ``top`` runs of consecutive lines with equal execution counts, by executed share:
+    [(first line, length, executions per instruction, share, opcode summary)]."""
+    runs, cur = [], []
+    for i, (sass, n) in enumerate(ins):
+        if cur and n != cur[-1][2]:
+            runs.append(cur)
+            cur = []
+        cur.append((i, sass, n))
+    runs.append(cur)
+    total = sum(n for _, n in ins) or 1
+    out = []
+    for run in sorted(runs, key=lambda r: -len(r) * r[0][2])[:top]:
+        ops = collections.Counter(_opcode(s) for _, s, _ in run)
+        out.append((run[0][0], len(run), run[0][2], len(run) * run[0][2] / total,
+                    " ".join(f"{o}{c}" for o, c in ops.most_common(8))))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="source-page CSV (.csv or .csv.xz)")
+    ap.add_argument("--names", default="", help="short names for the kernels, comma-separated")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--pair", nargs=2, type=int, action="append", default=[],
+                    metavar=("A", "B"), help="opcode difference of kernel A minus kernel B")
+    args = ap.parse_args(argv)
+    kernels = read_kernels(args.csv)
+    names = args.names.split(",") if args.names else [k[0][:40] for k in kernels]
+    for name, (_, ins) in zip(names, kernels):
+        total = sum(n for _, n in ins)
+        mix = opcode_mix(ins)
+        print(f"== {name}: {len(ins)} SASS lines, {total:,} warp instructions executed")
+        print("   mix: " + ", ".join(f"{o} {v / total:.1%}" for o, v in mix.most_common(12)))
+        for first, length, execs, share, ops in hot_runs(ins, args.top):
+            print(f"   line {first:5d} x{length:4d}  {execs:>11,d} each  {share:6.1%}  {ops}")
+    for a, b in args.pair:
+        ma, mb = opcode_mix(kernels[a][1]), opcode_mix(kernels[b][1])
+        diff = sorted(((ma[o] - mb[o], o) for o in set(ma) | set(mb)), reverse=True)
+        print(f"== {names[a]} - {names[b]}: {(sum(ma.values()) - sum(mb.values())) / 1e6:+.1f}M")
+        print("   more: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[:12]))
+        print("   less: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[-6:]))
+
+
+if __name__ == "__main__":
+    main()
