@@ -344,13 +344,12 @@ def main(argv=None):
     from compilemask.kernels.flash_bwd import default_arch
 
     bwd_arch = default_arch(torch.device("cuda"))
+    # unset knobs: the sm90 kernels' defaults (the backward tests partial tiles by compares only)
+    bwd_meta = os.environ.get("COMPILEMASK_BWD_META", "regs for K <= 2, cp.async for K > 2")
     knobs = {"backward": f"sm{bwd_arch}"
-             + (f" (row metadata {os.environ.get('COMPILEMASK_BWD_META', 'regs')})"
+             + (f" (row metadata: {bwd_meta})"
                 if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
-             "loops": "fwd " + os.environ.get("COMPILEMASK_FWD_LOOP", "one")
-             + ", bwd " + os.environ.get("COMPILEMASK_BWD_LOOP", "one"),
-             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "compare")
-             + ", bwd " + os.environ.get("COMPILEMASK_BWD_MASK", "compare"),
+             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "bits"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "

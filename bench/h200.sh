@@ -6,9 +6,8 @@
 #   pip download --no-deps -d .whl pytest-xdist execnet
 #   bash bench/h200.sh tests     # every gpu-marked test
 #   bash bench/h200.sh variants  # the backward's tests with the mma.sync kernel
-#   bash bench/h200.sh knobs     # the opt-in forward variants' GPU tests (bits, split loop)
-#   bash bench/h200.sh knobs_bwd # the opt-in backward variants' GPU tests (bits, split, cp.async)
-#   bash bench/h200.sh knobs_time  # their train-step timing, 8K and 32K
+#   bash bench/h200.sh knobs     # the non-default variants' GPU tests (fwd compare, bwd cp.async)
+#   bash bench/h200.sh knobs_time  # train-step timing per knob combination, 8K and 32K
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
 #   bash bench/h200.sh ncu       # Nsight Compute: one train step, ours vs FA4 (MASK=, S=)
@@ -36,46 +35,36 @@ step() {  # step NAME SECONDS CMD...
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
 case "${1:-}" in
-  tests)  # every gpu-marked test but the opt-in variants' (knobs, knobs_bwd run those)
-    step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests \
-      -k "not split and not bwd_mask_bits"
+  tests)  # every gpu-marked test (the non-default variants' too; knobs runs those alone)
+    step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests
     ;;
   variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
     step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q $PAR -m gpu \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
-  knobs)  # the opt-in forward variants' GPU tests: the -bits, -split, -split-bits variants of
-    # the wgmma forward tests (each test sets its knobs; -x: stop at the first failure)
-    step fwd_knob_tests 280 python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
-      tests/test_kernel_fwd.py -k "sm90ws-bits or sm90ws-split"
+  knobs)  # the GPU tests of the non-default variants: the forward's interval compares on sm90
+    # (the -compare variants, COMPILEMASK_FWD_MASK=compare) and the backward's cp.async row
+    # metadata at every K (meta_async, COMPILEMASK_BWD_META=async); each test sets its knob
+    # (-x: stop at the first failure)
+    step fwd_bwd_variants 280 python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
+      tests/test_kernel_fwd.py tests/test_kernel_bwd.py -k "compare or meta_async"
     ;;
-  knobs_bwd)  # the opt-in backward variants' GPU tests: bit words + split loop (with the
-    # forward knobs on in the end-to-end test), then the cp.async row metadata
-    step bwd_bits_split_tests 280 env COMPILEMASK_FWD_LOOP=split COMPILEMASK_FWD_MASK=bits \
-      COMPILEMASK_BWD_MASK=bits COMPILEMASK_BWD_LOOP=split \
-      python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider tests/test_kernel_bwd.py \
-      tests/test_gpu_end_to_end.py \
-      -k "bits or forward_backward or bwd_other_masks or (bwd_vs_reference and 90)"
-    step bwd_async_tests 250 env COMPILEMASK_BWD_META=async python3 -m pytest -q $PAR -m gpu -x \
-      -p no:cacheprovider tests/test_kernel_bwd.py \
-      -k "meta_async or bwd_other_masks or (bwd_vs_reference and 90)"
-    ;;
-  knobs_time)  # a train step (forward and backward times) per combination of the opt-in
-    # knobs, 8K and 32K, cm only. Forward and backward knobs act on different kernels, so 5 runs
-    # separate them: fwd split (b vs a), fwd bits with split (c vs e), without (d vs a); bwd
-    # async (b vs a), bwd split (e vs b), bwd bits with split + async (c vs e), alone (d vs a)
+  knobs_time)  # a train step (forward and backward times) per knob combination, 8K and 32K,
+    # cm only: a the defaults (fwd partial tiles by bits; bwd row metadata in registers for
+    # K <= 2, by cp.async for K > 2), b fwd compare + bwd registers, c bwd cp.async at every K.
+    # Forward and backward knobs act on different kernels: fwd compare is b vs a; bwd registers
+    # at K > 2 (clear) b vs a, bwd cp.async at K <= 2 (hstu, shared_prompt_rm, causal) c vs a
     # (KNOBS="a c" to run some; SEQLENS=32768 to shorten)
-    all="a:one:compare:regs:one b:split:compare:async:one c:split:bits:async:split"
-    all="$all d:one:bits:regs:one e:split:compare:async:split"
-    for v in $all; do
+    for v in a b:COMPILEMASK_FWD_MASK=compare:COMPILEMASK_BWD_META=regs \
+        c:COMPILEMASK_BWD_META=async; do
       set -- ${v//:/ }
-      case " ${KNOBS:-a b c d e} " in *" $1 "*) ;; *) continue ;; esac
-      step "train_knobs_$1" 120 env COMPILEMASK_FWD_LOOP=$2 COMPILEMASK_FWD_MASK=$3 \
-        COMPILEMASK_BWD_MASK=$3 COMPILEMASK_BWD_META=$4 COMPILEMASK_BWD_LOOP=$5 \
+      k=$1; shift
+      case " ${KNOBS:-a b c} " in *" $k "*) ;; *) continue ;; esac
+      step "train_knobs_$k" 120 env -u COMPILEMASK_FWD_MASK -u COMPILEMASK_BWD_META "$@" \
         python3 bench/attention.py --mode train --seqlens "${SEQLENS:-8192,32768}" --rep 50 \
-        --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$1"
-      echo "$v"
-      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_$1_*.md \
+        --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$k"
+      echo "$k ${*:-defaults}"
+      grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_${k}_*.md \
         | cut -d'|' -f2,3,5,12,13
     done
     ;;
@@ -178,5 +167,5 @@ for r in rows:
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_bwd|knobs_time|ncu|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|check|pre|fwd|train|det|study"; exit 2 ;;
 esac

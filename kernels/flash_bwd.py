@@ -89,7 +89,6 @@ from .common import (
     fallback_predicates,
     fallback_visible,
     init_kernel,
-    interval_bits,
     interval_visible,
     load_rows,
     next_tile,
@@ -141,17 +140,10 @@ class FlashBwdConfig:
     # arch 90: the kv tiles add to each dQ tile in a fixed order (run-to-run identical
     # dQ) through per-tile semaphores (flash_bwd(deterministic=True))
     deterministic: bool = False
-    # arch 90, partial tiles: each q row's intervals become words of kv-row bits over the CTA's
-    # kv tile, stored with the row metadata; a score tests one bit (COMPILEMASK_BWD_MASK=bits,
-    # opt-in until measured on a GPU)
-    mask_bits: bool = False
     # arch 90: the next q tile's row metadata goes global -> shared by per-thread cp.async
     # (finished in place before the item's barrier) instead of through registers held across
     # the whole item (flash_bwd's default for K > 2; COMPILEMASK_BWD_META=regs|async)
     meta_async: bool = False
-    # arch 90: one straight-line item body for partial q tiles and one for full ones instead of
-    # a mask branch inside the item (COMPILEMASK_BWD_LOOP=split; opt-in until measured)
-    split_loop: bool = False
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -205,7 +197,7 @@ class FlashBwd:
     def can_implement(cfg: FlashBwdConfig) -> bool:
         if cfg.dtype not in _DTYPES or cfg.dq_reduce not in ("atomic", "red2"):
             return False
-        if cfg.deterministic or cfg.mask_bits or cfg.meta_async or cfg.split_loop:  # sm90 only
+        if cfg.deterministic or cfg.meta_async:  # sm90 only
             return False
         if cfg.head_dim not in (64, 128):
             return False
@@ -805,13 +797,6 @@ class FlashBwd:
         rMi[2 * K] = -1
         for a in cutlass.range_constexpr(R):
             rMi[2 * K + 1 + a] = 0
-        if const_expr(self.cfg.mask_bits):
-            # every thread builds one word of kv-row bits (_store_meta): it needs the intervals
-            # of row tidx % tile_m (threads < tile_m: their own row, loaded below)
-            q_row = q_idx - tidx + tidx % self.tile_m
-            if (tidx >= self.tile_m) & (q_row < seqlen_q):
-                for k in cutlass.range_constexpr(2 * K):
-                    rMi[k] = mIntervals[batch_idx, q_row, k]
         if (tidx < self.tile_m) & (q_idx < seqlen_q):
             rMf[0] = mLSE[batch_idx, head, q_idx]
             rMf[1] = mdPsum[batch_idx, head, q_idx]
@@ -823,30 +808,10 @@ class FlashBwd:
                     rMi[2 * K + 1 + a] = mRowParams[batch_idx, q_idx, a]
 
     @cute.jit
-    def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx, sBits=None,
-                    n_start=None, rows: cutlass.Constexpr = True):
+    def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
         """Row metadata -> shared memory ``stage``: LSE in log2 units with -inf (a row that sees
         nothing, or past Sq) mapped to +inf so that P = exp2(s - inf) = 0; intervals as
-        (start, end = start + len); the fallback slot of the row's region (-1 if none); with
-        ``sBits`` (mask_bits) the row's visible kv rows of the tile at ``n_start``, 32 per word:
-        thread ``t`` writes word ``t // tile_m`` of row ``t % tile_m`` (one word per thread, so
-        the work is spread over both warpgroups ahead of their shared barrier)."""
-        K = self.K
-        if const_expr(sBits is not None):
-            assert self.num_threads == self.tile_m * self.tile_n // 32, "one word per thread"
-            rSE = cute.make_rmem_tensor((2 * K,), Int32)
-            for k in cutlass.range_constexpr(K):
-                rSE[2 * k] = rMi[2 * k]
-                rSE[2 * k + 1] = rMi[2 * k] + rMi[2 * k + 1]
-            w = tidx // self.tile_m
-            sBits[tidx % self.tile_m, w, stage] = interval_bits(
-                rSE, None, K, n_start + 32 * w, (32, 32, 32), Int32(1), cutlass.min, cutlass.max
-            )
-        if const_expr(rows):
-            self._store_rows(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx)
-
-    @cute.jit
-    def _store_rows(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
+        (start, end = start + len); the fallback slot of the row's region (-1 if none)."""
         K = self.K
         R = self.cfg.num_row_params
         if tidx < self.tile_m:
@@ -993,9 +958,8 @@ class FlashBwdSm90(FlashBwd):
             return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4
         ds_bytes = cfg.tile_m * cfg.tile_n * 2  # the second dS buffer
-        bits_bytes = cfg.tile_m * cfg.tile_n // 32 * 2 * 4 if cfg.mask_bits else 0  # 2 stages
         if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
-                + bits_bytes > 227 * 1024):
+                > 227 * 1024):
             return False
         return True
 
@@ -1046,7 +1010,6 @@ class FlashBwdSm90(FlashBwd):
         sKV_layout = cute.tile_to_shape(atom_d, (tn, D), order=(0, 1))
         # one dS buffer per Q/dO stage: the item needs no barrier at its end
         sdS_layout = cute.tile_to_shape(atom_n, (tm, tn, S), order=(0, 1, 2))
-        n_bits = tm * (tn // 32) * S if self.cfg.mask_bits else 1
 
         @cute.struct
         class SharedStorage:
@@ -1065,9 +1028,6 @@ class FlashBwdSm90(FlashBwd):
             # (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            # mask_bits: per q row, its visible kv rows of the tile, 32 per word (last: the
-            # default build's layout is the one without it)
-            sBits: cute.struct.Align[cute.struct.MemRange[Int32, n_bits], 16]
 
         Kmaj = cute.nvgpu.OperandMajorMode.K
         MNmaj = cute.nvgpu.OperandMajorMode.MN
@@ -1242,10 +1202,6 @@ class FlashBwdSm90(FlashBwd):
             cwg = wg_idx - 1
             f = self._mma_setup(sQ, sdO, sK, sV, sdS, sdQ, tiled_mma_sdp, tiled_mma_dkv,
                                 tiled_mma_dq, cwg, mma_tidx)
-            f.sBits = None  # (tm, tn / 32, stage) with mask_bits
-            if const_expr(self.cfg.mask_bits):
-                f.sBits = storage.sBits.get_tensor(cute.make_layout(
-                    (tm, tn // 32, S), stride=(tn // 32, 1, tm * (tn // 32))))
             self._consumer(
                 f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
                 batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
@@ -1281,7 +1237,7 @@ class FlashBwdSm90(FlashBwd):
         rMf = cute.make_rmem_tensor((2,), Float32)
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
         async_meta = self.cfg.meta_async
-        regs_meta = not async_meta or self.cfg.mask_bits  # bits are built from registers
+        regs_meta = not async_meta
         if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
             if const_expr(async_meta):
                 self._copy_meta(sMeta, 0, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
@@ -1290,8 +1246,7 @@ class FlashBwdSm90(FlashBwd):
             if const_expr(regs_meta):
                 self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
                                 batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx, f.sBits,
-                                 n_start, rows=not async_meta)
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -1318,21 +1273,8 @@ class FlashBwdSm90(FlashBwd):
             need_mask = ((state & 2) != 0) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
-            if const_expr(self.cfg.split_loop):
-                # one straight-line item per kind of tile (a branch inside the item splits
-                # its softmax from the S / dP wgmmas it should overlap)
-                if need_mask:
-                    self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-                               n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
-                               m_next * tm + tidx, masked=True)
-                else:
-                    self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-                               n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
-                               m_next * tm + tidx, masked=False)
-            else:
-                self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-                           n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx,
-                           m_next * tm + tidx)
+            self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
+                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, m_next * tm + tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
             g = g_next
@@ -1341,8 +1283,7 @@ class FlashBwdSm90(FlashBwd):
 
     @cute.jit
     def _item(self, f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start,
-              n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, q_next,
-              masked: cutlass.Constexpr = None):
+              n_start, mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, q_next):
         """One work item of ``_consumer``: from the S and dP GEMMs to the dK GEMM's
         completion (Q/dO stage ``stage`` read through)."""
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
@@ -1355,21 +1296,11 @@ class FlashBwdSm90(FlashBwd):
                     True)
         warpgroup.wait_group(1)
         acc_S_mn = _acc_mn(acc_S)
-        sBits = None
-        if const_expr(f.sBits is not None):
-            sBits = f.sBits[None, None, stage]
-        if const_expr(masked is not None):  # split_loop: decided by the caller
-            if const_expr(masked):
-                self._apply_mask_t(
-                    acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                    seqlen_q - 1, sBits,
-                )
-        elif need_mask:
+        if need_mask:
             self._apply_mask_t(
                 acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
                 sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                seqlen_q - 1, sBits,
+                seqlen_q - 1,
             )
         for c in cutlass.range_constexpr(n_cols):
             lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
@@ -1394,9 +1325,8 @@ class FlashBwdSm90(FlashBwd):
         if has_next:  # every read of the other metadata stage was before the last barrier
             if const_expr(self.cfg.meta_async):
                 self._finish_meta(sMeta, 1 - stage, q_next, seqlen_q, tidx)
-            if const_expr(not self.cfg.meta_async or self.cfg.mask_bits):
-                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx,
-                                 f.sBits, n_start, rows=not self.cfg.meta_async)
+            else:
+                self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
         cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
 
@@ -1523,35 +1453,24 @@ class FlashBwdSm90(FlashBwd):
     @cute.jit
     def _apply_mask_t(
         self, acc_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
-        max_row, sBits=None,
+        max_row,
     ):
-        """The interval test on a transposed score tile: rows are kv, columns are q. With
-        ``sBits`` (mask_bits) one word load and one bit test per score instead of K slots."""
+        """The interval test on a transposed score tile: rows are kv, columns are q."""
         K = self.K
         n_rows = cute.size(tScS_mn, mode=[0])
-        if const_expr(sBits is not None):  # the thread's kv rows: word and bit, per tile
-            rWord = cute.make_rmem_tensor((n_rows,), Int32)
-            rBit = cute.make_rmem_tensor((n_rows,), Int32)
-            for r in cutlass.range_constexpr(n_rows):
-                rWord[r] = tScS_mn[r, 0][0] >> 5
-                rBit[r] = tScS_mn[r, 0][0] & 31
         for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
             col = tScS_mn[0, c][1]
             q_idx = m_start + col
             rInt = cute.make_rmem_tensor((2 * K,), Int32)
-            if const_expr(sBits is None):
-                for k in cutlass.range_constexpr(2 * K):
-                    rInt[k] = sInt[col, k]
+            for k in cutlass.range_constexpr(2 * K):
+                rInt[k] = sInt[col, k]
             if const_expr(self.cfg.has_fallback):
                 fb = sFb[col]
                 args = [rP[p] for p in range(self.cfg.num_params)]
                 args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
             for r in cutlass.range_constexpr(n_rows):
                 kv_idx = n_start + tScS_mn[r, 0][0]
-                if const_expr(sBits is not None):
-                    vis = ((sBits[col, rWord[r]] >> rBit[r]) & 1) != 0
-                else:
-                    vis = interval_visible(kv_idx, rInt, K)
+                vis = interval_visible(kv_idx, rInt, K)
                 if const_expr(self.cfg.has_fallback):
                     vis = fallback_visible(
                         vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
@@ -1734,13 +1653,10 @@ def flash_bwd(
     sm90 = cfg.arch >= 90
     cfg = replace(
         cfg, deterministic=deterministic,
-        mask_bits=sm90 and env_choice("COMPILEMASK_BWD_MASK", ("compare", "bits"),
-                                      "compare") == "bits",
         # measured on the H200 (bench/results/knobs_2026-11-29.md): at K = 6 the registers
         # held across the item cost 7% of the backward, at K <= 2 cp.async is a wash
         meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
                                        "async" if cfg.num_intervals > 2 else "regs") == "async",
-        split_loop=sm90 and env_choice("COMPILEMASK_BWD_LOOP", ("one", "split"), "one") == "split",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")

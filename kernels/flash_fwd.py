@@ -103,10 +103,6 @@ class FlashFwdConfig:
     # partial tiles: the interval test once per row, as a word of the thread's column bits, then
     # one bit test per element (flash_fwd's default on sm90; COMPILEMASK_FWD_MASK=compare|bits)
     mask_bits: bool = False
-    # sm90 overlapped loop: one straight-line body for partial tiles and one for full tiles
-    # instead of a mask branch inside the body (COMPILEMASK_FWD_LOOP=split; opt-in until
-    # measured on a GPU)
-    split_loop: bool = False
 
     @property
     def cutlass_dtype(self):
@@ -630,17 +626,13 @@ class FlashFwd:
     @cute.jit
     def _mask_tile(
         self, acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k, mRowParams,
-        batch_idx, masked: cutlass.Constexpr = None,
+        batch_idx,
     ):
         """(rows, cols) view of the score tile ``n_block``, masked where needed
-        (:meth:`_needs_mask`); ``masked`` True / False: the caller has decided (split loop)."""
+        (:meth:`_needs_mask`)."""
         rInt, rFb, rP, rRowP = row_data
         acc_S_mn = _acc_mn(acc_S)
-        if const_expr(masked is None):
-            need_mask = self._needs_mask(state, n_block, seqlen_k)
-        else:
-            need_mask = masked
-        if need_mask:
+        if self._needs_mask(state, n_block, seqlen_k):
             self._apply_mask(
                 acc_S_mn,
                 tScS_mn,
@@ -927,7 +919,6 @@ def flash_fwd(
         # every K on the wgmma forward (CLEAR, K = 6: -8%); the mma.sync path keeps the compares
         mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"),
                              "bits" if arch >= 90 else "compare") == "bits",
-        split_loop=env_choice("COMPILEMASK_FWD_LOOP", ("one", "split"), "one") == "split",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")

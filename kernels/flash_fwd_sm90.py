@@ -155,11 +155,9 @@ class FlashFwdSm90(FlashFwd):
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
-    def _overlap_step(self, c, masked, state, n_block, kv_state, v_state):
+    def _overlap_step(self, c, state, n_block, kv_state, v_state):
         """One kv tile of the overlapped loop: S(i) = Q K(i)^T and O += P(i-1) V(i-1) issued
-        back to back, the softmax of S(i) while P V runs, then the O rescale and P(i).
-        ``masked``: None tests the tile's state inside (the default build); True / False (the
-        split loop) mask unconditionally / never."""
+        back to back, the softmax of S(i) while P V runs, then the O rescale and P(i)."""
         pipe_k, pipe_v, kv, v = c.pipe_k, c.pipe_v, kv_state, v_state
         pipe_k.consumer_wait(kv)
         if const_expr(c.pingpong):  # wait for this warpgroup's turn
@@ -174,7 +172,7 @@ class FlashFwdSm90(FlashFwd):
         pipe_k.consumer_release(kv)
         acc_S_mn = self._mask_tile(
             acc_S, state, n_block, c.tScS_mn, c.row_data, c.m_start, c.seqlen_q, c.seqlen_k,
-            c.mRowParams, c.batch_idx, masked,
+            c.mRowParams, c.batch_idx,
         )
         self._softmax_rows(acc_S_mn, c.row_max, c.row_sum, c.row_scale, c.softmax_scale_log2)
         warpgroup.wait_group(0)  # O += P(i-1) V(i-1) done
@@ -385,33 +383,13 @@ class FlashFwdSm90(FlashFwd):
                         batch_idx=batch_idx, row_max=row_max, row_sum=row_sum,
                         row_scale=row_scale, softmax_scale_log2=softmax_scale_log2,
                     )
-                    if const_expr(self.cfg.split_loop):
-                        # one straight-line body per kind of tile (a branch inside the body made
-                        # ptxas wait for P V before any of the softmax); the bitmap is read one
-                        # tile ahead, so those loads are not on the path to the next wgmmas
+                    while n_block < n_blocks:
                         n_next, state_next = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
-                        while n_block < n_blocks:
-                            n_after, state_after = next_tile_state(mBitmapRow, n_next + 1,
-                                                                   n_blocks)
-                            if self._needs_mask(state, n_block, seqlen_k):
-                                self._overlap_step(ctx, True, state, n_block, kv_state, v_state)
-                            else:
-                                self._overlap_step(ctx, False, state, n_block, kv_state, v_state)
-                            v_state.advance()
-                            kv_state.advance()
-                            n_block = n_next
-                            n_next = n_after
-                            state = state_next
-                            state_next = state_after
-                    else:
-                        while n_block < n_blocks:
-                            n_next, state_next = next_tile_state(mBitmapRow, n_block + 1,
-                                                                 n_blocks)
-                            self._overlap_step(ctx, None, state, n_block, kv_state, v_state)
-                            v_state.advance()
-                            kv_state.advance()
-                            n_block = n_next
-                            state = state_next
+                        self._overlap_step(ctx, state, n_block, kv_state, v_state)
+                        v_state.advance()
+                        kv_state.advance()
+                        n_block = n_next
+                        state = state_next
                     pipe_v.consumer_wait(v_state)
                     wgmma(
                         tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False

@@ -235,28 +235,6 @@ def test_aux_kernels_vs_torch(dtype, hdim):
     assert torch.equal(dq, (rows * 0.37).to(dtype))
 
 
-def test_mask_bits_ptx(tmp_path):
-    """mask_bits (COMPILEMASK_BWD_MASK=bits, sm90 kernel; CPU): every consumer thread turns one
-    q row's intervals into one word of kv-row bits next to the row metadata (same stores, same
-    barriers: still one per q tile), and a partial tile tests one bit per score instead of
-    loading and comparing the row's K slots: the kernel's compares no longer grow with K."""
-    from dataclasses import replace
-
-    def setp(K, bits):
-        cfg = FlashBwdConfig("bf16", 128, 64, 128, K, arch=90, mask_bits=bits)
-        ptx = _ptx(cfg, tmp_path / f"k{K}{bits}")
-        assert len(re.findall(r"bar\.sync\s+3, 256;", ptx)) == 2
-        assert len(re.findall(r"bar\.sync\s+0;", ptx)) == 1
-        return ptx.count("setp.")
-
-    cmp2, cmp6, bits2, bits6 = setp(2, False), setp(6, False), setp(2, True), setp(6, True)
-    assert cmp6 - cmp2 > 200  # the per-score test: 2 compares per slot and score
-    assert abs(bits6 - bits2) <= 4 and bits6 < cmp2, (cmp2, cmp6, bits2, bits6)
-    cfg = FlashBwdConfig("bf16", 128, 64, 128, 6, arch=90, mask_bits=True)
-    assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic"))
-    assert FlashBwdSm90.can_implement(cfg)
-
-
 def test_meta_async_ptx(tmp_path):
     """meta_async (COMPILEMASK_BWD_META=async, sm90 kernel; CPU): the consumers copy the next
     q tile's row metadata global -> shared with 4-byte cp.async (LSE, dPsum, 2K slot words per
@@ -276,39 +254,20 @@ def test_meta_async_ptx(tmp_path):
         assert len(re.findall(r"bar\.sync\s+3, 256;", p)) == 2
     assert ptx.count("ld.global") < regs.count("ld.global")
     assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic", meta_async=True))
-    assert FlashBwdSm90.can_implement(replace(cfg, meta_async=True, mask_bits=True))
+    assert FlashBwdSm90.can_implement(replace(cfg, meta_async=True))
 
 
-def test_split_loop_ptx(tmp_path):
-    """split_loop (COMPILEMASK_BWD_LOOP=split, sm90 kernel; CPU): two straight-line item bodies,
-    one masking unconditionally and one never, chosen per q tile: twice the wgmma issue
-    pattern and the per-item barrier, and the interval test in one body only."""
-    from dataclasses import replace
-
-    cfg = FlashBwdConfig("bf16", 128, 64, 128, 2, arch=90)
-    one = _ptx(cfg, tmp_path / "one")
-    split = _ptx(replace(cfg, split_loop=True), tmp_path / "split")
-    assert len(re.findall(r"bar\.sync\s+3, 256;", one)) == 2
-    assert len(re.findall(r"bar\.sync\s+3, 256;", split)) == 3  # set-up + one per body
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", split)
-    assert waits == ["1", "0", "1", "1", "0"] * 2, waits
-    assert FlashBwdSm90.can_implement(replace(cfg, split_loop=True))
-    assert not FlashBwd.can_implement(replace(cfg, arch=80, dq_reduce="atomic", split_loop=True))
-
-
-@pytest.mark.parametrize("bits,meta_async", [(True, False), (False, True), (True, True)])
-def test_mask_bits_fallback_compiles(bits, meta_async, tmp_path):
-    """mask_bits / meta_async with a fallback predicate: the bits replace the interval test
-    only, the predicate is still evaluated per score (its generated function is in the PTX);
-    meta_async copies the rows' region and params too."""
+def test_meta_async_fallback_compiles(tmp_path):
+    """meta_async with a fallback predicate: the predicate is evaluated per score (its
+    generated function is in the PTX), and the cp.async copies carry the rows' region and
+    params too."""
 
     from compilemask.kernels.autograd import _fallback, register_mask
 
     mask = cm.compile_mask(masks.dilated_causal())
     register_mask(mask)
     fb = _fallback(str(mask.key))
-    cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, mask_bits=bits,
-                         meta_async=meta_async, split_loop=bits and meta_async,
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, mask.num_intervals, arch=90, meta_async=True,
                          has_fallback=True, fallback_hash=fb.hash,
                          fallback_regions=fb.regions, num_params=fb.num_params,
                          num_row_params=fb.num_row_params)
@@ -317,9 +276,9 @@ def test_mask_bits_fallback_compiles(bits, meta_async, tmp_path):
                       extra_options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = "".join(p.read_text() for p in tmp_path.rglob("*.ptx"))
     assert "rem.s32" in ptx or "rem.u32" in ptx or "div.s32" in ptx  # the dilation predicate
-    if meta_async:  # LSE, dPsum, 2K slots, the region and R row params per copy site
-        n = 2 + 2 * mask.num_intervals + 1 + fb.num_row_params
-        assert ptx.count("cp.async.ca.shared.global") == 2 * n
+    # per copy site: LSE, dPsum, 2K slots, the region and R row params
+    n = 2 + 2 * mask.num_intervals + 1 + fb.num_row_params
+    assert ptx.count("cp.async.ca.shared.global") == 2 * n
 
 
 def test_can_implement():
@@ -420,27 +379,14 @@ def test_bwd_other_masks(name, arch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
-                                    ("clear", 300), ("clear", 1000), ("shared_prompt_rm", 300),
-                                    ("packed_documents", 257), ("dilated_causal", 300)])
-def test_bwd_mask_bits_vs_reference(name, S, monkeypatch):
-    """COMPILEMASK_BWD_MASK=bits (opt-in): partial tiles by the kv-row bit words."""
-    monkeypatch.setenv("COMPILEMASK_BWD_MASK", "bits")
-    spec = getattr(masks, name)()
-    print(name, S, _check_case(spec, 2, S, 4, 2, 128, seed=S + 11, arch=90))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
                                     ("clear", 1000), ("shared_prompt_rm", 300),
                                     ("packed_documents", 257), ("dilated_causal", 300)])
-@pytest.mark.parametrize("bits", ["compare", "bits"])
-def test_bwd_meta_async_vs_reference(name, S, bits, monkeypatch):
-    """COMPILEMASK_BWD_META=async (opt-in): row metadata by per-thread cp.async, alone and
-    with the bit-word partial tiles."""
+def test_bwd_meta_async_vs_reference(name, S, monkeypatch):
+    """COMPILEMASK_BWD_META=async (the default for K > 2) for every mask, K <= 2 too: row
+    metadata by per-thread cp.async."""
     monkeypatch.setenv("COMPILEMASK_BWD_META", "async")
-    monkeypatch.setenv("COMPILEMASK_BWD_MASK", bits)
     spec = getattr(masks, name)()
-    print(name, S, bits, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
+    print(name, S, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
 
 
 @pytest.mark.gpu

@@ -193,42 +193,6 @@ def test_mask_bits_sass(sm90_env, tmp_path, monkeypatch):
     assert "HGMMA" in text
 
 
-def _overlap_windows(sass):
-    """(EX2, FP ops) issued between each S wait (wgmma wait_group 1) and the following P V wait
-    (wait_group 0): the softmax work that overlaps the P V wgmma."""
-    wins, cur = [], None
-    for line in sass.splitlines():
-        if "DEPBAR.LE gsb0, 0x1" in line:
-            cur = [0, 0]
-        elif "DEPBAR.LE gsb0, 0x0" in line and cur is not None:
-            wins.append(tuple(cur))
-            cur = None
-        elif cur is not None:
-            cur[0] += "MUFU.EX2" in line
-            cur[1] += any(op in line for op in ("FMNMX", "FFMA", "FADD"))
-    return wins
-
-
-def test_split_loop_overlaps_softmax_with_pv(sm90_env, tmp_path, monkeypatch):
-    """split_loop (COMPILEMASK_FWD_LOOP=split, CPU): with the mask branch inside the loop body,
-    ptxas waits for P V before any of the softmax (no EX2 between the S and the P V waits);
-    with one straight-line body per kind of tile, both bodies run most of their softmax while
-    P V is in flight. Also with a fallback predicate and with mask_bits."""
-    from dataclasses import replace
-
-    monkeypatch.setenv("PATH", os.path.dirname(_nvdisasm() or "x") + os.pathsep
-                       + os.environ.get("PATH", ""))
-    one = _overlap_windows(_sass(_cfg("bf16", 128, 2), tmp_path))
-    split = _overlap_windows(_sass(replace(_cfg("bf16", 128, 2), split_loop=True), tmp_path))
-    assert len(one) == 1 and one[0][0] == 0, one
-    assert len(split) == 2 and min(w[1] for w in split) >= 60, split  # both bodies overlap
-    assert max(w[0] for w in split) >= 8, split
-    fb = fallback_spec()
-    text = _sass(replace(_cfg("bf16", 128, 2, fallback=fb), split_loop=True, mask_bits=True),
-                 tmp_path, fb)
-    assert "HGMMA" in text and len(_overlap_windows(text)) == 2
-
-
 def test_mask_bits_knob(monkeypatch):
     """COMPILEMASK_FWD_MASK picks the partial-tile test; a wrong value is a clear error before
     any kernel is built."""
@@ -415,10 +379,8 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 @gpu
 @needs_cuda
 # variants: -bits / -compare: partial tiles by column bits or by the interval compares
-# (COMPILEMASK_FWD_MASK; the default is bits on sm90, compare on sm80); -split: one loop body
-# per kind of tile (COMPILEMASK_FWD_LOOP=split)
-@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-compare", "sm80-bits",
-                                     "sm90ws-split", "sm90ws-split-bits"])
+# (COMPILEMASK_FWD_MASK; the default is bits on sm90, compare on sm80)
+@pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-compare", "sm80-bits"])
 @pytest.mark.parametrize(
     "case",
     CASES,
@@ -430,8 +392,6 @@ def test_fwd_numerics(case, variant, monkeypatch):
     for mask_opt in ("bits", "compare"):
         if mask_opt in opts:
             monkeypatch.setenv("COMPILEMASK_FWD_MASK", mask_opt)
-    if "split" in opts:
-        monkeypatch.setenv("COMPILEMASK_FWD_LOOP", "split")
     arch = 80 if variant == "sm80" else 90
     major, _ = torch.cuda.get_device_capability()
     if arch == 90 and major != 9:
