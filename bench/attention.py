@@ -349,7 +349,8 @@ def main(argv=None):
     knobs = {"backward": f"sm{bwd_arch}"
              + (f" (row metadata: {bwd_meta})"
                 if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
-             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK", "bits"),
+             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK",
+                                                      "bits" if bwd_arch >= 90 else "compare"),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "

@@ -378,15 +378,17 @@ def test_bwd_other_masks(name, arch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("meta", ["async", "regs"])
 @pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
                                     ("clear", 1000), ("shared_prompt_rm", 300),
                                     ("packed_documents", 257), ("dilated_causal", 300)])
-def test_bwd_meta_async_vs_reference(name, S, monkeypatch):
-    """COMPILEMASK_BWD_META=async (the default for K > 2) for every mask, K <= 2 too: row
-    metadata by per-thread cp.async."""
-    monkeypatch.setenv("COMPILEMASK_BWD_META", "async")
+def test_bwd_meta_async_vs_reference(name, S, meta, monkeypatch):
+    """COMPILEMASK_BWD_META forced for every mask: async (the default only for K > 2) by
+    per-thread cp.async, and regs (the default only for K <= 2: CLEAR's K = 6 is the case the
+    default runs do not cover)."""
+    monkeypatch.setenv("COMPILEMASK_BWD_META", meta)
     spec = getattr(masks, name)()
-    print(name, S, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
+    print(name, S, meta, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
 
 
 @pytest.mark.gpu
