@@ -34,6 +34,8 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
+# --rep is triton's do_bench budget in ms: a 57 ms train step at --rep 100 is one or two
+# samples (medians moved 3-8% between calls); the compiles, not the timing, take the time
 case "${1:-}" in
   tests)  # every gpu-marked test (the non-default variants' too; knobs runs those alone)
     step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests
@@ -62,7 +64,7 @@ case "${1:-}" in
       k=$1; shift
       case " ${KNOBS:-a b c} " in *" $k "*) ;; *) continue ;; esac
       step "train_knobs_$k" 120 env -u COMPILEMASK_FWD_MASK -u COMPILEMASK_BWD_META "$@" \
-        python3 bench/attention.py --mode train --seqlens "${SEQLENS:-8192,32768}" --rep 50 \
+        python3 bench/attention.py --mode train --seqlens "${SEQLENS:-8192,32768}" --rep "${REP:-300}" \
         --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$k"
       echo "$k ${*:-defaults}"
       grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_${k}_*.md \
@@ -136,7 +138,7 @@ for r in rows:
     tail -4 "$OUT/memcheck.log"
     ;;
   fwd)
-    step fwd32k 560 python3 bench/attention.py --mode fwd --seqlens 32768 --rep 100 \
+    step fwd32k 560 python3 bench/attention.py --mode fwd --seqlens 32768 --rep "${REP:-500}" \
       --masks "${MASKS:-shared_prompt_rm,clear,hstu}" --methods cm,flex_triton,flex_flash,fa4 \
       --out "$OUT" --tag 32k
     ;;
@@ -152,7 +154,7 @@ for r in rows:
   train)  # SEQLENS=1024,4096 MASKS=hstu METHODS=... to choose (default: all masks at 32K)
     tag=${SEQLENS:+s${SEQLENS//,/-}}
     step "train_${tag:-32k}" 570 python3 bench/attention.py --mode train \
-      --seqlens "${SEQLENS:-32768}" --rep 100 \
+      --seqlens "${SEQLENS:-32768}" --rep "${REP:-500}" \
       --masks "${MASKS:-hstu,causal,shared_prompt_rm,clear}" \
       --methods "${METHODS:-cm,flex_flash,fa4,flex_triton}" --out "$OUT" --tag "${tag:-32k}"
     ;;
