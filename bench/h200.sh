@@ -107,8 +107,8 @@ for r in rows:
       | xz -T0 > "$OUT/ncu_src_${MASK:-causal}.csv.xz"
     ls -la "$OUT"; rm -f "$OUT/ncu_src.ncu-rep"
     ;;
-  ab)  # A/B timing: the older tree in .old/ (a git worktree with dsl/, codegen/, kernels/ copied
-    # under compilemask/, carried with the call) against this one, interleaved, cm only
+  ab)  # A/B timing: the older tree in .old/ (made by bench/ab_tree.sh COMMIT; carry ".old"
+    # with the call) against this one, interleaved, cm only
     for r in 1 2; do
       for side in old new; do
         root=.; [ $side = old ] && root=.old
