@@ -47,8 +47,7 @@ case "${1:-}" in
   knobs)  # the GPU tests of the non-default variants: the forward's interval compares on sm90
     # (the -compare variants, COMPILEMASK_FWD_MASK=compare) and the backward's row metadata
     # forced both ways at every K (meta_async, COMPILEMASK_BWD_META=async|regs); each test sets
-    # its knob
-    # (-x: stop at the first failure)
+    # its knob (-x: stop at the first failure)
     step fwd_bwd_variants 280 python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
       tests/test_kernel_fwd.py tests/test_kernel_bwd.py -k "compare or meta_async"
     ;;
