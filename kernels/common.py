@@ -65,6 +65,28 @@ def next_tile_state(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32):
 
 
 @cute.jit
+def next_tile_state_cached(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32,
+                           word: Int32, word_idx: Int32):
+    """``next_tile_state`` with the bitmap word of tiles [16 word_idx, 16 word_idx + 16) kept
+    by the caller: a global read only when the scan enters another word (once per 16 tiles on
+    a dense row). Returns (t, state, word, word_idx)."""
+    t = start
+    state = Int32(0)
+    searching = t < n_blocks
+    while searching:
+        if (t >> 4) != word_idx:
+            word_idx = t >> 4
+            word = mBitmapRow[word_idx]
+        state = (word >> ((t & 15) << 1)) & 3
+        if state != 0:
+            searching = False
+        else:
+            t = t + 1
+            searching = t < n_blocks
+    return t, state, word, word_idx
+
+
+@cute.jit
 def next_tile(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
     """First tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
     t, _ = next_tile_state(mBitmapRow, start, n_blocks)

@@ -40,6 +40,7 @@ from .common import (
     _transpose_view,
     next_tile,
     next_tile_state,
+    next_tile_state_cached,
     select_modes,
     tiled_copy_store_16B,
     tma_partition,
@@ -373,7 +374,11 @@ class FlashFwdSm90(FlashFwd):
                     self._softmax_rows(acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2)
                     rPt.store(acc_S.load().to(self.dtype))
                     kv_state.advance()
-                    n_block, state = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
+                    word_idx = Int32(-1)  # the bitmap word the scan holds (none yet)
+                    word = Int32(0)
+                    n_block, state, word, word_idx = next_tile_state_cached(
+                        mBitmapRow, n_block + 1, n_blocks, word, word_idx
+                    )
                     ctx = SimpleNamespace(
                         pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
                         tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
@@ -384,7 +389,9 @@ class FlashFwdSm90(FlashFwd):
                         row_scale=row_scale, softmax_scale_log2=softmax_scale_log2,
                     )
                     while n_block < n_blocks:
-                        n_next, state_next = next_tile_state(mBitmapRow, n_block + 1, n_blocks)
+                        n_next, state_next, word, word_idx = next_tile_state_cached(
+                            mBitmapRow, n_block + 1, n_blocks, word, word_idx
+                        )
                         self._overlap_step(ctx, state, n_block, kv_state, v_state)
                         v_state.advance()
                         kv_state.advance()
