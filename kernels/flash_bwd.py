@@ -108,6 +108,9 @@ log = logging.getLogger("compilemask")
 _BAR_MMA = 3
 _BAR_DQ_FULL = 4
 _BAR_DQ_EMPTY = 6
+# bitmap_smem: the shared-memory copy of a bitmap row, 16 q tiles per word (1 KB: q tiles up
+# to 4096, i.e. Sq <= 262144 at tile_m = 64)
+BITMAP_SMEM_WORDS = 256
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
@@ -144,6 +147,12 @@ class FlashBwdConfig:
     # (finished in place before the item's barrier) instead of through registers held across
     # the whole item (flash_bwd's default for K > 2; COMPILEMASK_BWD_META=regs|async)
     meta_async: bool = False
+    # arch 90: the CTA's bitmap row is copied to shared memory once (up to BITMAP_SMEM_WORDS
+    # words: q tiles <= 16 x that), so that the per-item scans of the consumers, the producer
+    # and the dQ writer read shared memory instead of rebuilding the row's global address from
+    # kernel parameters at every item (flash_bwd sets it False for longer rows;
+    # COMPILEMASK_BWD_BITMAP=global forces the global reads)
+    bitmap_smem: bool = True
 
     def __post_init__(self):
         if not self.dq_reduce:
@@ -958,8 +967,9 @@ class FlashBwdSm90(FlashBwd):
             return False
         dq_bytes = cfg.tile_m * cfg.head_dim * 4
         ds_bytes = cfg.tile_m * cfg.tile_n * 2  # the second dS buffer
+        bitmap_bytes = 4 * BITMAP_SMEM_WORDS if cfg.bitmap_smem else 0
         if (FlashBwd.smem_bytes(replace(cfg, dq_reduce="atomic")) + dq_bytes + ds_bytes
-                > 227 * 1024):
+                + bitmap_bytes > 227 * 1024):
             return False
         return True
 
@@ -998,6 +1008,7 @@ class FlashBwdSm90(FlashBwd):
         K = self.K
         R = max(self.cfg.num_row_params, 1)
         S = self.num_stages
+        n_bitmap_words = BITMAP_SMEM_WORDS if const_expr(self.cfg.bitmap_smem) else 1
 
         # ---- shared memory: wgmma-compatible swizzled layouts ------------------------------
         atom_d = warpgroup.make_smem_layout_atom(
@@ -1028,6 +1039,7 @@ class FlashBwdSm90(FlashBwd):
             # (full, empty) mbarriers of K/V (1 stage) and Q/dO (S stages)
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            sBitmap: cute.struct.Align[cute.struct.MemRange[Int32, n_bitmap_words], 128]
 
         Kmaj = cute.nvgpu.OperandMajorMode.K
         MNmaj = cute.nvgpu.OperandMajorMode.MN
@@ -1140,6 +1152,14 @@ class FlashBwdSm90(FlashBwd):
         # ---- shared memory, pipelines ---------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
+        if const_expr(self.cfg.bitmap_smem):
+            # the bitmap row -> shared memory, visible after pipeline_init_wait's CTA barrier:
+            # every scan below reads it there
+            sBitmapRow = storage.sBitmap.get_tensor(cute.make_layout((BITMAP_SMEM_WORDS,)))
+            for w in cutlass.range(tidx, (m_blocks + 15) >> 4, self.num_threads + 128,
+                                   unroll=1):
+                sBitmapRow[w] = mBitmapRow[w]
+            mBitmapRow = sBitmapRow
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads // 32)
         pipe_kv = tma_pipeline(storage.mbar_kv, 1, producer, consumers, self.tx_kv)
@@ -1573,6 +1593,12 @@ def _dq_fragment_order(tile_m: int, head_dim: int, device):
     return order.to(device)
 
 
+def bitmap_fits_smem(n_m: int) -> bool:
+    """Whether a backward bitmap row of ``n_m`` q tiles fits the sm90 kernel's shared-memory
+    copy (``FlashBwdConfig.bitmap_smem``)."""
+    return -(-n_m // 16) <= BITMAP_SMEM_WORDS
+
+
 def flash_bwd(
     dout,
     q,
@@ -1657,6 +1683,8 @@ def flash_bwd(
         # held across the item cost 7% of the backward, at K <= 2 cp.async is a wash
         meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
                                        "async" if cfg.num_intervals > 2 else "regs") == "async",
+        bitmap_smem=sm90 and bitmap_fits_smem(n_m)
+        and env_choice("COMPILEMASK_BWD_BITMAP", ("smem", "global"), "smem") == "smem",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")

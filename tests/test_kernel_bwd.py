@@ -257,6 +257,26 @@ def test_meta_async_ptx(tmp_path):
     assert FlashBwdSm90.can_implement(replace(cfg, meta_async=True))
 
 
+def test_bitmap_smem_ptx(tmp_path):
+    """bitmap_smem (the sm90 default; CPU): the CTA copies its bitmap row to shared memory
+    once, and every scan then reads it there: one global load of bitmap words (the copy)
+    where the global variant has one per scan site; rows longer than the copy keep global
+    reads."""
+    from dataclasses import replace
+
+    from compilemask.kernels.flash_bwd import BITMAP_SMEM_WORDS, bitmap_fits_smem
+
+    cfg = FlashBwdConfig("bf16", 128, 64, 128, 1, arch=90)
+    assert cfg.bitmap_smem
+    smem = _ptx(cfg, tmp_path / "smem")
+    glob = _ptx(replace(cfg, bitmap_smem=False), tmp_path / "global")
+    # first tile, producer, dQ writer, consumer next tile and tile state: 5 sites -> 1 copy
+    assert glob.count("ld.global") - smem.count("ld.global") == 4
+    assert smem.count("ld.shared") > glob.count("ld.shared")
+    assert bitmap_fits_smem(16 * BITMAP_SMEM_WORDS) and not bitmap_fits_smem(
+        16 * BITMAP_SMEM_WORDS + 1)
+
+
 def test_meta_async_fallback_compiles(tmp_path):
     """meta_async with a fallback predicate: the predicate is evaluated per score (its
     generated function is in the PTX), and the cp.async copies carry the rows' region and
@@ -389,6 +409,17 @@ def test_bwd_meta_async_vs_reference(name, S, meta, monkeypatch):
     monkeypatch.setenv("COMPILEMASK_BWD_META", meta)
     spec = getattr(masks, name)()
     print(name, S, meta, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bitmap", ["smem", "global"])
+@pytest.mark.parametrize("name,S", [("causal", 2100), ("hstu", 1100), ("clear", 1500)])
+def test_bwd_bitmap_smem_vs_reference(name, S, bitmap, monkeypatch):
+    """COMPILEMASK_BWD_BITMAP: the scans read the CTA's bitmap row from its shared-memory copy
+    (the default) or from global memory (rows longer than the copy), on rows of 2 to 3 words."""
+    monkeypatch.setenv("COMPILEMASK_BWD_BITMAP", bitmap)
+    spec = getattr(masks, name)()
+    print(name, S, bitmap, _check_case(spec, 2, S, 2, 1, 128, seed=S + 7, arch=90))
 
 
 @pytest.mark.gpu
