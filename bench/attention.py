@@ -347,7 +347,8 @@ def main(argv=None):
     # unset knobs: the sm90 kernels' defaults (the backward tests partial tiles by compares only)
     bwd_meta = os.environ.get("COMPILEMASK_BWD_META", "regs for K <= 2, cp.async for K > 2")
     knobs = {"backward": f"sm{bwd_arch}"
-             + (f" (row metadata: {bwd_meta})"
+             + (f" (row metadata: {bwd_meta}; bitmap row: "
+                f"{os.environ.get('COMPILEMASK_BWD_BITMAP', 'smem')})"
                 if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
              "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK",
                                                       "bits" if bwd_arch >= 90 else "compare"),
