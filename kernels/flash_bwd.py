@@ -487,7 +487,7 @@ class FlashBwd:
             m_start = m_block * tm
             m_next, g_next, has_next, need_mask = self._work_begin(
                 loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
-                batch_idx, head0, seqlen_q, tidx, False,
+                batch_idx, head0, seqlen_q, tidx,
             )
 
             # -- S = Q K^T, mask, P = exp(S - LSE) ----------------------------------------
@@ -709,11 +709,10 @@ class FlashBwd:
     @cute.jit
     def _work_begin(
         self, loads, mBitmapRow, m_block, g, first_m, m_blocks, group, stage, kv_ragged,
-        batch_idx, head0, seqlen_q, tidx, async_proxy: cutlass.Constexpr,
+        batch_idx, head0, seqlen_q, tidx,
     ):
         """Start work item (g, m_block): prefetch the next item into the other stage, wait for
-        this one's loads (``async_proxy``: the wgmma kernel reads them through the async proxy).
-        Returns (m_next, g_next, has_next, need_mask)."""
+        this one's loads. Returns (m_next, g_next, has_next, need_mask)."""
         m_next, g_next, has_next = self._next_work(
             mBitmapRow, m_block, g, first_m, m_blocks, group
         )
@@ -721,8 +720,6 @@ class FlashBwd:
             has_next, loads, None, batch_idx, head0, g_next, m_next, stage, seqlen_q, tidx, False
         )
         cute.arch.cp_async_wait_group(1)
-        if const_expr(async_proxy):
-            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
         cute.arch.barrier()
         state = tile_state(mBitmapRow, m_block)
         need_mask = ((state & 2) != 0) | kv_ragged
