@@ -11,6 +11,7 @@
 #   MASK=hstu bash bench/h200.sh study  # train 1K-16K for one mask (SEQLENS="1024 2048" to split
 #                                       # it over calls; merge the calls' JSON with --merge)
 #   bash bench/h200.sh ncu       # Nsight Compute: one train step, ours vs FA4 (MASK=, S=)
+#   AB="X=a X=b" bash bench/h200.sh envab  # two knob settings, interleaved (MODE=fwd|train)
 #   bash bench/h200.sh check     # the gpu tests of the preprocess, the backward and end to end
 #   bash bench/h200.sh pre       # preprocess table (+ threads sweep); memcheck of a small case
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
@@ -120,6 +121,22 @@ for r in rows:
       done
     done
     ;;
+  envab)  # A/B timing of two knob settings in one tree, interleaved, cm only:
+    # AB="COMPILEMASK_FWD_RESCALE=always COMPILEMASK_FWD_RESCALE=lazy" MODE=fwd|train (a
+    # setting of several knobs joins them with commas: A=1,B=2)
+    for r in $(seq "${ROUNDS:-2}"); do
+      for kv in ${AB:?AB=\"NAME=a NAME=b\"}; do
+        tag="ab_${kv//[^A-Za-z0-9]/_}_$r"
+        step "${MODE:-fwd}_$tag" 200 env ${kv//,/ } python3 bench/attention.py --mode "${MODE:-fwd}" \
+          --seqlens "${SEQLENS:-32768}" --rep "${REP:-300}" \
+          --masks "${MASKS:-hstu,causal,clear,shared_prompt_rm}" --methods cm --out "$OUT" \
+          --tag "$tag"
+        echo "$kv $r"
+        grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_${MODE:-fwd}_${tag}_*.md \
+          | cut -c1-160
+      done
+    done
+    ;;
   check)  # after a preprocess or backward change: the tests those paths touch
     step gpu_check 330 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider \
       tests/test_tilelang_preprocess.py tests/test_kernel_bwd.py tests/test_gpu_end_to_end.py \
@@ -169,5 +186,5 @@ for r in rows:
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|check|pre|fwd|train|det|study"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study"; exit 2 ;;
 esac
