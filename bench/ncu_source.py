@@ -4,7 +4,9 @@ section per kernel) and say where each kernel spends its executed instructions.
 Per kernel: static and executed instruction counts, the executed opcode mix, and the hottest
 straight-line runs (consecutive SASS lines with the same execution count, i.e. basic blocks),
 each with its length, executions per instruction and share of the kernel. With ``--pair A B``
-(kernel indices), the per-opcode difference of executed instructions, A minus B.
+(kernel indices), the per-opcode difference of executed instructions, A minus B. With
+``--stalls N``: the warp-state samples per kernel by stall reason, and the N SASS lines holding
+the most samples, each with its two main reasons (where the warps wait, not what they issue).
 
     python bench/ncu_source.py bench/results/ncu/ncu_causal_8k_source_2026-11-29.csv.xz \
         --names cm_fwd,cm_bwd,fa4_fwd,fa4_bwd --pair 0 2 --pair 1 3
@@ -19,7 +21,7 @@ import io
 import lzma
 import re
 
-__all__ = ["read_kernels", "opcode_mix", "hot_runs"]
+__all__ = ["read_kernels", "read_samples", "opcode_mix", "hot_runs", "stall_lines"]
 
 
 def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
@@ -37,6 +39,50 @@ def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
                for r in rows[1:] if len(r) == len(rows[0])]
         kernels.append((name, ins))
     return kernels
+
+
+def read_samples(path: str) -> list[tuple[str, list[tuple[str, dict]]]]:
+    """[(kernel name, [(SASS text, {stall reason: samples, "all": samples}), ...]), ...]: the
+    warp-state sampling columns of the source page (``stall_*``, all samples, not the
+    not-issued ones)."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        lines = f.read().split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
+    kernels = []
+    for a, b in zip(starts, starts[1:] + [len(lines)]):
+        name = next(csv.reader([lines[a]]))[1]
+        rows = list(csv.DictReader(io.StringIO("\n".join(lines[a + 1:b]))))
+        reasons = [h for h in (rows[0] if rows else {})
+                   if h.startswith("stall_") and "Not Issued" not in h]
+        out = []
+        for r in rows:
+            d = {h[6:]: int(r[h] or 0) for h in reasons}
+            d["all"] = int(r.get("Warp Stall Sampling (All Samples)") or 0)
+            out.append((r["Source"].strip(), d))
+        kernels.append((name, out))
+    return kernels
+
+
+def stall_lines(samples, top: int = 10):
+    """The kernel's samples by reason (descending) and its ``top`` lines by samples, in line
+    order: ([(reason, samples)], total, [(line, samples, sass, [(reason, samples)] * 2)])."""
+    total = sum(d["all"] for _, d in samples) or 1
+    by_reason = collections.Counter()
+    for _, d in samples:
+        for k, v in d.items():
+            if k != "all":
+                by_reason[k] += v
+    hot = sorted(range(len(samples)), key=lambda i: -samples[i][1]["all"])[:top]
+    lines = []
+    for i in sorted(hot):
+        sass, d = samples[i]
+        # samples no exported reason column holds (e.g. at HGMMA) are reported as "other"
+        other = d["all"] - sum(v for k, v in d.items() if k != "all")
+        main = sorted([(v, k) for k, v in d.items() if k != "all"] + [(other, "other")],
+                      reverse=True)[:2]
+        lines.append((i, d["all"], sass, [(k, v) for v, k in main]))
+    return by_reason.most_common(), total, lines
 
 
 def _opcode(sass: str) -> str:
@@ -77,6 +123,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--pair", nargs=2, type=int, action="append", default=[],
                     metavar=("A", "B"), help="opcode difference of kernel A minus kernel B")
+    ap.add_argument("--stalls", type=int, default=0, metavar="N",
+                    help="samples by stall reason and the N lines with the most samples")
     args = ap.parse_args(argv)
     kernels = read_kernels(args.csv)
     names = args.names.split(",") if args.names else [k[0][:40] for k in kernels]
@@ -93,6 +141,14 @@ def main(argv=None):
         print(f"== {names[a]} - {names[b]}: {(sum(ma.values()) - sum(mb.values())) / 1e6:+.1f}M")
         print("   more: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[:12]))
         print("   less: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[-6:]))
+    if args.stalls:
+        for name, (_, samples) in zip(names, read_samples(args.csv)):
+            reasons, total, lines = stall_lines(samples, args.stalls)
+            print(f"== {name}: {total:,} warp-state samples")
+            print("   by reason: " + ", ".join(f"{k} {v / total:.1%}" for k, v in reasons[:9]))
+            for i, n, sass, main in lines:
+                why = ", ".join(f"{k} {v}" for k, v in main)
+                print(f"   line {i:5d} {n:7d} ({n / total:5.1%})  {sass[:58]:58s} {why}")
 
 
 if __name__ == "__main__":
