@@ -24,35 +24,30 @@ import re
 __all__ = ["read_kernels", "read_samples", "opcode_mix", "hot_runs", "stall_lines"]
 
 
-def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
-    """[(kernel name, [(SASS text, executed warp instructions), ...]), ...] in file order."""
+def _sections(path: str):
+    """(kernel name, [{column: value}, ...]) per kernel section of the source-page CSV."""
     opener = lzma.open if path.endswith(".xz") else open
     with opener(path, "rt") as f:
         lines = f.read().split("\n")
     starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
-    kernels = []
     for a, b in zip(starts, starts[1:] + [len(lines)]):
         name = next(csv.reader([lines[a]]))[1]
-        rows = list(csv.reader(io.StringIO("\n".join(lines[a + 1:b]))))
-        col = {h: i for i, h in enumerate(rows[0])}
-        ins = [(r[col["Source"]].strip(), int(r[col["Instructions Executed"]] or 0))
-               for r in rows[1:] if len(r) == len(rows[0])]
-        kernels.append((name, ins))
-    return kernels
+        rows = csv.DictReader(io.StringIO("\n".join(lines[a + 1:b])))
+        yield name, [r for r in rows if None not in r.values()]
+
+
+def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
+    """[(kernel name, [(SASS text, executed warp instructions), ...]), ...] in file order."""
+    return [(name, [(r["Source"].strip(), int(r["Instructions Executed"] or 0)) for r in rows])
+            for name, rows in _sections(path)]
 
 
 def read_samples(path: str) -> list[tuple[str, list[tuple[str, dict]]]]:
     """[(kernel name, [(SASS text, {stall reason: samples, "all": samples}), ...]), ...]: the
     warp-state sampling columns of the source page (``stall_*``, all samples, not the
     not-issued ones)."""
-    opener = lzma.open if path.endswith(".xz") else open
-    with opener(path, "rt") as f:
-        lines = f.read().split("\n")
-    starts = [i for i, line in enumerate(lines) if line.startswith('"Kernel Name"')]
     kernels = []
-    for a, b in zip(starts, starts[1:] + [len(lines)]):
-        name = next(csv.reader([lines[a]]))[1]
-        rows = list(csv.DictReader(io.StringIO("\n".join(lines[a + 1:b]))))
+    for name, rows in _sections(path):
         reasons = [h for h in (rows[0] if rows else {})
                    if h.startswith("stall_") and "Not Issued" not in h]
         out = []
