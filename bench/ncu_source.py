@@ -36,18 +36,19 @@ def _sections(path: str):
         yield name, [r for r in rows if None not in r.values()]
 
 
-def read_kernels(path: str) -> list[tuple[str, list[tuple[str, int]]]]:
-    """[(kernel name, [(SASS text, executed warp instructions), ...]), ...] in file order."""
+def read_kernels(path: str, sections=None) -> list[tuple[str, list[tuple[str, int]]]]:
+    """[(kernel name, [(SASS text, executed warp instructions), ...]), ...] in file order
+    (``sections``: ``_sections(path)`` already read)."""
     return [(name, [(r["Source"].strip(), int(r["Instructions Executed"] or 0)) for r in rows])
-            for name, rows in _sections(path)]
+            for name, rows in (sections or _sections(path))]
 
 
-def read_samples(path: str) -> list[tuple[str, list[tuple[str, dict]]]]:
+def read_samples(path: str, sections=None) -> list[tuple[str, list[tuple[str, dict]]]]:
     """[(kernel name, [(SASS text, {stall reason: samples, "all": samples}), ...]), ...]: the
     warp-state sampling columns of the source page (``stall_*``, all samples, not the
     not-issued ones)."""
     kernels = []
-    for name, rows in _sections(path):
+    for name, rows in (sections or _sections(path)):
         reasons = [h for h in (rows[0] if rows else {})
                    if h.startswith("stall_") and "Not Issued" not in h]
         out = []
@@ -121,7 +122,8 @@ def main(argv=None):
     ap.add_argument("--stalls", type=int, default=0, metavar="N",
                     help="samples by stall reason and the N lines with the most samples")
     args = ap.parse_args(argv)
-    kernels = read_kernels(args.csv)
+    sections = list(_sections(args.csv))  # one read of the (compressed) file
+    kernels = read_kernels(args.csv, sections)
     names = args.names.split(",") if args.names else [k[0][:40] for k in kernels]
     for name, (_, ins) in zip(names, kernels):
         total = sum(n for _, n in ins)
@@ -137,10 +139,12 @@ def main(argv=None):
         print("   more: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[:12]))
         print("   less: " + ", ".join(f"{o} {d / 1e6:+.1f}M" for d, o in diff[-6:]))
     if args.stalls:
-        for name, (_, samples) in zip(names, read_samples(args.csv)):
+        for name, (_, samples) in zip(names, read_samples(args.csv, sections)):
             reasons, total, lines = stall_lines(samples, args.stalls)
+            other = total - sum(v for _, v in reasons)  # as on the lines below
             print(f"== {name}: {total:,} warp-state samples")
-            print("   by reason: " + ", ".join(f"{k} {v / total:.1%}" for k, v in reasons[:9]))
+            print("   by reason: " + ", ".join(f"{k} {v / total:.1%}" for k, v in reasons[:9])
+                  + f"; other {other / total:.1%}")
             for i, n, sass, main in lines:
                 why = ", ".join(f"{k} {v}" for k, v in main)
                 print(f"   line {i:5d} {n:7d} ({n / total:5.1%})  {sass[:58]:58s} {why}")

@@ -37,3 +37,4 @@ def test_stall_lines(tmp_path, capsys):
     main([str(csv), "--top", "1", "--stalls", "1"])
     out = capsys.readouterr().out
     assert "100 warp-state samples" in out and "barrier 42.0%" in out
+    assert "other 49.0%" in out  # the samples no reason column holds, as on the lines
