@@ -74,6 +74,7 @@ import sympy as sp
 import torch
 
 from compilemask.descriptor import TILES_PER_WORD, ExecutionDescriptor, TileConfig
+from compilemask.native import finish_descriptor
 
 from .tl_printer import TileLangPrinter
 
@@ -798,10 +799,10 @@ class Preprocessor:
             args.append(row_params)
         args.append(self.seqlen_k)
         self._launch_for(dtype)(*args)
-        return ExecutionDescriptor(
+        return finish_descriptor(ExecutionDescriptor(
             mask=self.mask, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, intervals=intervals,
             row_region=region, fwd_tiles=self.fwd_tiles, fwd_bitmap=fwd,
-            bwd_tiles=self.bwd_tiles, bwd_bitmap=bwd, params=params, row_params=row_params)
+            bwd_tiles=self.bwd_tiles, bwd_bitmap=bwd, params=params, row_params=row_params))
 
 
 def _raw_launch(kern):

@@ -7,9 +7,8 @@ import logging
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
-from compilemask.reference import attention_reference
 
-__all__ = ["attention"]
+__all__ = ["attention", "select_engine", "BACKENDS"]
 
 log = logging.getLogger("compilemask")
 _SAID: set[str] = set()
@@ -47,33 +46,83 @@ def _validate(q, k, v, desc):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+BACKENDS = ("auto", "fa4", "native", "cute", "reference")
+
+
+def _cute_reason(q, desc):
+    try:
+        from compilemask.kernels import kernel_available
+    except ImportError as e:
+        return f"the CuTe kernels are not importable ({e})"
+    return None if kernel_available(q, desc) else "no CuTe kernel for this device/dtype/head dim"
+
+
+def _engine_reason(q, desc, engine: str, deterministic: bool):
+    if engine == "cute":
+        return _cute_reason(q, desc)
+    if deterministic and engine == "fa4":
+        return "FA4's deterministic block-sparse backward needs dQ write orders (not built)"
+    from compilemask.kernels.fa4 import why_unavailable
+
+    return why_unavailable(q, desc, engine)
+
+
+def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -> str:
+    """The engine ``attention`` runs for these tensors (see ``docs/decisions/engine.md``).
+
+    ``auto`` on CUDA: ``native`` when the compiler proved the mask a native FA4 pattern for this
+    shape, else ``fa4`` (FA4's block-sparse kernels with the interval mask_mod); with
+    ``deterministic=True`` the ``cute`` kernels (FA4's block-sparse backward has no
+    deterministic mode here). On CPU: ``reference``. A CUDA call that no engine can run raises
+    ``NotImplementedError`` with each engine's reason, unless ``backend="reference"``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference"
+    if not q.is_cuda:
+        if backend != "auto":
+            raise NotImplementedError(f"backend={backend!r} needs CUDA tensors, got "
+                                      f"{q.device.type}; use backend='reference' or 'auto'")
+        _say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
+                  "GPU engines need CUDA)")
+        return "reference"
+    if backend != "auto":
+        why = _engine_reason(q, desc, backend, deterministic)
+        if why:
+            raise NotImplementedError(f"cm.attention: backend={backend!r} cannot run this call: "
+                                      f"{why}")
+        return backend
+    order = ("cute",) if deterministic else ("native", "fa4", "cute")
+    reasons = []
+    for engine in order:
+        why = _engine_reason(q, desc, engine, deterministic)
+        if why is None:
+            return engine
+        reasons.append(f"{engine}: {why}")
+    raise NotImplementedError("cm.attention: no GPU engine runs this call (" + "; ".join(reasons)
+                              + "); pass backend='reference' for the dense O(S^2) path")
+
+
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
-              return_lse: bool = False, deterministic: bool = False):
+              return_lse: bool = False, deterministic: bool = False, backend: str = "auto"):
     """Masked attention driven by an Execution Descriptor.
 
     Layouts follow FlashAttention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` with
     ``H % Hkv == 0`` (GQA/MQA); returns ``out [B, Sq, H, D]`` and, with ``return_lse``, the
     float32 log-sum-exp ``[B, H, Sq]`` (-inf for rows that see nothing; their output is 0).
-    Autograd-capable. CUDA tensors on sm_90 run the CuTe kernels; anything else runs the dense
-    reference (said once in the log). ``deterministic=True``: the backward adds the kv tiles'
-    dQ contributions in a fixed order, so that gradients are identical run to run (sm90 kernel;
-    the reference path is deterministic anyway)."""
+    Autograd-capable, through the ``compilemask::attention_fwd/bwd`` custom ops (so
+    ``torch.compile`` traces it without graph breaks).
+
+    ``backend``: ``"auto"`` (see :func:`select_engine`), ``"native"`` (FA4's causal / window /
+    varlen kernels, for masks the compiler proved to be one of those), ``"fa4"`` (FA4's
+    block-sparse kernels driven by the descriptor), ``"cute"`` (this package's CuTe kernels) or
+    ``"reference"`` (dense float32, any device). ``deterministic=True``: gradients identical run
+    to run."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     _validate(q, k, v, desc)
-    if q.is_cuda:
-        try:
-            from compilemask.kernels import attention_cuda, kernel_available
+    engine = select_engine(q, desc, backend, deterministic)
+    from compilemask.kernels.autograd import attention_op
 
-            if kernel_available(q, desc):
-                return attention_cuda(q, k, v, desc, softmax_scale=softmax_scale,
-                                      return_lse=return_lse, deterministic=deterministic)
-        except ImportError:
-            pass
-        _say_once("cm.attention: no CuTe kernel for this device/configuration; using the "
-                  "dense reference path (slow)")
-    else:
-        _say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
-                  "CuTe kernels need CUDA)")
-    dense = desc.to(q.device).dense_mask() if desc.device != q.device else desc.dense_mask()
-    return attention_reference(q, k, v, dense, softmax_scale=softmax_scale, return_lse=return_lse)
+    return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
+                        deterministic=deterministic, engine=engine)

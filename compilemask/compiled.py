@@ -23,6 +23,7 @@ from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
+from compilemask.native import finish_descriptor
 from compilemask.prover import Prover
 
 __all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "DEFAULT_FWD_TILES",
@@ -241,6 +242,13 @@ class CompiledMask:
                  for f in r.rule.atoms(sp.core.function.AppliedUndef) if f.has(j)}
         return tuple(a for a in self.array_params if a in names)
 
+    @functools.cached_property
+    def native_pattern(self):
+        """The FA4-native pattern z3 proves this mask equal to, or None (``compilemask.native``)."""
+        from compilemask.native import native_pattern
+
+        return native_pattern(self)
+
     @property
     def fallback_regions(self) -> list[CompiledRegion]:
         return [r for r in self.regions if r.fallback]
@@ -293,10 +301,12 @@ class CompiledMask:
         if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and _has_tilelang()):
             from compilemask.codegen.preprocess import tilelang_preprocess
 
-            return tilelang_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
+            desc = tilelang_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
                                        bwd_tiles, check=check, device=dev)
-        return self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles,
-                                      check, dev)
+        else:
+            desc = self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
+                                          bwd_tiles, check, dev)
+        return finish_descriptor(desc)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
                      device="cuda", fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,

@@ -28,6 +28,17 @@ Shapes and dtypes (``B`` batch, ``Sq``/``Sk`` query/key lengths, ``K`` interval 
     occurs. Rows past ``Sq`` and columns past ``Sk`` of edge tiles are ignored (neither visible
     nor masked). Tiles of fallback rows are never full.
 ``params``  int32 ``[B, P]``: per-sequence scalar metadata, in ``CompiledMask.scalar_params`` order.
+``segments``  ``(cu_seqlens int32 [n + 1], max_seqlen)`` or None
+    Only for masks proven causal within segments (``compilemask.native``): the segments of all
+    sequences of the batch, flattened to ``B * Sq`` rows, for FA4's varlen path; None when the
+    batch's segment starts are not a segmentation (then the block-sparse engine runs it).
+
+Block-sparse lists (``block_sparse(kind)``), derived from the bitmaps by a generated TileLang
+kernel on the GPU (the torch reference elsewhere), in flash-attn-4's format: per row of tiles the
+counts ``[B, 1, R]`` and ascending indices ``[B, 1, R, C]`` of its partial and of its full tiles.
+``"fwd"``: q tiles x kv tiles of the forward tiling; ``"bwd64"``: kv tiles x q tiles of the
+backward tiling (64x128, FA4's head-dim-128 backward); ``"bwd128"``: kv tiles x q tiles of the
+forward tiling (128x128, FA4's head-dim-64 backward).
 ``row_params``  int32 ``[B, Sq, R]``: per-row metadata arrays, in ``CompiledMask.array_params``
     order (``R`` may be 0). With ``params`` and ``row_region`` this is what a kernel needs to
     evaluate the fallback predicate of a region whose rule did not compile to intervals; for
@@ -50,6 +61,8 @@ __all__ = ["TileConfig", "ExecutionDescriptor", "TILE_VISIBLE", "TILE_MASKED", "
 TILE_VISIBLE = 1
 TILE_MASKED = 2
 TILES_PER_WORD = 16
+# block_sparse(kind) -> (backward, over the forward tiling)
+_LIST_KINDS = {"fwd": (False, False), "bwd64": (True, False), "bwd128": (True, True)}
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class ExecutionDescriptor:
     bwd_bitmap: torch.Tensor
     params: torch.Tensor
     row_params: torch.Tensor
+    segments: tuple | None = None
 
     @property
     def batch_size(self) -> int:
@@ -94,6 +108,27 @@ class ExecutionDescriptor:
     @property
     def device(self) -> torch.device:
         return self.intervals.device
+
+    @property
+    def native(self):
+        """The native pattern the compiler proved for the mask (``compilemask.native``)."""
+        return self.mask.native_pattern
+
+    def block_sparse(self, kind: str = "fwd"):
+        """flash-attn-4 tile lists (see the module docstring), computed once per descriptor."""
+        cache = self.__dict__.setdefault("_lists", {})
+        if kind not in cache:
+            from compilemask.blocksparse import descriptor_lists
+
+            if kind not in _LIST_KINDS:
+                raise ValueError(f"kind must be one of {sorted(_LIST_KINDS)}, got {kind!r}")
+            backward, forward_tiling = _LIST_KINDS[kind]
+            if kind == "bwd64" and (self.bwd_tiles.tile_m, self.bwd_tiles.tile_n) != (64, 128):
+                raise ValueError(f"bwd64 lists need 64x128 backward tiles, got {self.bwd_tiles}")
+            backend = "tilelang" if self.device.type == "cuda" else "torch"
+            cache[kind] = descriptor_lists(self, backward, forward_tiling=forward_tiling,
+                                           backend=backend)
+        return cache[kind]
 
     def tile_states(self, backward: bool = False) -> torch.Tensor:
         """Unpacked 2-bit states, uint8 ``[B, n_m, n_n]`` (forward) or ``[B, n_n, n_m]``."""
@@ -122,4 +157,6 @@ class ExecutionDescriptor:
         for k, v in fields.items():
             if isinstance(v, torch.Tensor):
                 fields[k] = v.to(device)
+        if self.segments is not None:
+            fields["segments"] = (self.segments[0].to(device), self.segments[1])
         return ExecutionDescriptor(**fields)

@@ -7,9 +7,24 @@ backward kernel), so ``torch.compile`` traces both without graph breaks.
 
 from __future__ import annotations
 
+import importlib
+
 from .autograd import attention_op
-from .flash_bwd import FlashBwd, FlashBwdConfig, FlashBwdSm90, compile_flash_bwd, flash_bwd
-from .flash_fwd import Fallback, FlashFwd, FlashFwdConfig, compile_flash_fwd, flash_fwd
+
+# the kernel modules import the CUTLASS DSL: loaded on first use, so that the custom ops and
+# their CPU reference import without it
+_LAZY = {
+    "Fallback": "flash_fwd", "FlashFwd": "flash_fwd", "FlashFwdConfig": "flash_fwd",
+    "compile_flash_fwd": "flash_fwd", "flash_fwd": "flash_fwd", "FlashBwd": "flash_bwd",
+    "FlashBwdConfig": "flash_bwd", "FlashBwdSm90": "flash_bwd",
+    "compile_flash_bwd": "flash_bwd", "flash_bwd": "flash_bwd",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Fallback",
@@ -43,6 +58,8 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < 8:
         return False
+    from .flash_fwd import FlashFwd, FlashFwdConfig
+
     tiles = desc.fwd_tiles
     arch = 90 if major == 9 else 80
     cfg = FlashFwdConfig(
@@ -59,4 +76,4 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
 def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False, deterministic=False):
     """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair)."""
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic)
+                        deterministic=deterministic, engine="cute")

@@ -50,14 +50,36 @@ def register_mask(mask) -> str:
 
 
 def _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap, bwd_bitmap,
-                params, row_params, fwd_tm, fwd_tn, bwd_tm, bwd_tn):
+                params, row_params, fwd_tm, fwd_tn, bwd_tm, bwd_tn, extra=(), max_seqlen=0):
     from compilemask.descriptor import ExecutionDescriptor, TileConfig
 
+    # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
+    segments = (extra[0], max_seqlen) if len(extra) == 1 else None
     return ExecutionDescriptor(
         mask=_MASKS[mask_key], seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=TileConfig(fwd_tm, fwd_tn), fwd_bitmap=fwd_bitmap,
         bwd_tiles=TileConfig(bwd_tm, bwd_tn), bwd_bitmap=bwd_bitmap, params=params,
-        row_params=row_params)
+        row_params=row_params, segments=segments)
+
+
+def _lists(extra, at):
+    """The BlockSparseLists at ``extra[at:at + 4]`` (fa4 engine), else None."""
+    if len(extra) < 8:
+        return None
+    from compilemask.blocksparse import BlockSparseLists
+
+    return BlockSparseLists(*extra[at:at + 4])
+
+
+def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
+    """The engine's per-batch tensors beyond the descriptor core, as op inputs: the forward
+    and backward block-sparse lists (fa4), or a segments pattern's cu_seqlens (native)."""
+    if engine == "fa4":
+        bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
+        return [*desc.block_sparse("fwd"), *bwd], 0
+    if engine == "native" and desc.segments is not None:
+        return [desc.segments[0]], int(desc.segments[1])
+    return [], 0
 
 
 def _fallback(mask_key):
@@ -175,11 +197,18 @@ def attention_fwd(
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
     bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
+    engine: str, extra: list[Tensor], max_seqlen: int,
 ) -> tuple[Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
-                       bwd_tile_n)
-    if q.is_cuda:
+                       bwd_tile_n, extra, max_seqlen)
+    if engine in ("fa4", "native"):
+        from . import fa4
+
+        lists = _lists(extra, 0)
+        out, lse = fa4.fwd(q, k, v, desc, softmax_scale, engine, lists=lists)
+        return out.contiguous(), lse.contiguous()
+    if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, mask_key, softmax_scale)
     return attention_fwd_reference(q, k, v, desc.dense_mask(), softmax_scale)
 
@@ -187,7 +216,7 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v, intervals, row_region, fwd_bitmap, bwd_bitmap, params, row_params, seqlen_q,
       seqlen_k, fwd_tile_m, fwd_tile_n, bwd_tile_m, bwd_tile_n, mask_key, softmax_scale,
-      deterministic):
+      deterministic, engine, extra, max_seqlen):
     B, Sq, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
@@ -202,11 +231,18 @@ def attention_bwd(
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
     bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
+    engine: str, extra: list[Tensor], max_seqlen: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
-                       bwd_tile_n)
-    if q.is_cuda:
+                       bwd_tile_n, extra, max_seqlen)
+    if engine in ("fa4", "native"):
+        from . import fa4
+
+        grads = fa4.bwd(dout, q, k, v, out, lse, desc, softmax_scale, engine, dlse=dlse,
+                        deterministic=deterministic, lists=_lists(extra, 4))
+        return tuple(g.contiguous() for g in grads)
+    if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, softmax_scale,
                          deterministic)
     return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(),
@@ -220,23 +256,28 @@ def _(dout, dlse, q, k, v, out, lse, *args):
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
-_N_DESC = 15  # descriptor inputs (6 tensors, 9 scalars with the deterministic flag) after q, k, v
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *inputs[3:9])
-    ctx.desc_scalars = tuple(inputs[9:])
+    extra = list(inputs[19])
+    ctx.n_extra = len(extra)
+    ctx.save_for_backward(q, k, v, out, lse, *inputs[3:9], *extra)
+    ctx.desc_scalars = tuple(inputs[9:19])
+    ctx.max_seqlen = inputs[20]
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, *desc_tensors = ctx.saved_tensors
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    desc_tensors, extra = saved[:6], saved[6:]
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.compilemask.attention_bwd(
-        dout.contiguous(), dlse, q, k, v, out, lse, *desc_tensors, *ctx.desc_scalars)
-    return (dq, dk, dv) + (None,) * _N_DESC
+        dout.contiguous(), dlse, q, k, v, out, lse, *desc_tensors, *ctx.desc_scalars,
+        list(extra), ctx.max_seqlen)
+    # one None per input; the extra tensors' slot is a list of them
+    return (dq, dk, dv) + (None,) * 16 + ([None] * ctx.n_extra, None)
 
 
 torch.library.register_autograd("compilemask::attention_fwd", _backward,
@@ -247,15 +288,18 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # Entry point
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 deterministic: bool = False):
-    """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``)."""
+                 deterministic: bool = False, engine: str = "cute"):
+    """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
+    ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
+    "reference" (the dense path on any device)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         desc = desc.to(q.device)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
+    extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
     out, lse = torch.ops.compilemask.attention_fwd(
         q, k, v, desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap, desc.params,
         desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k), desc.fwd_tiles.tile_m,
         desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n, key, scale,
-        bool(deterministic))
+        bool(deterministic), engine, extra, max_seqlen)
     return (out, lse) if return_lse else out

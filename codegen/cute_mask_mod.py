@@ -1,0 +1,103 @@
+"""The compiled mask as a flash-attn-4 ``mask_mod``: the interval test, generated per mask.
+
+FA4 evaluates a mask_mod only in the partial tiles of its block-sparse lists (full tiles run
+unmasked, empty tiles are never visited). The generated function reads the row's Interval Table
+entries from ``aux_tensors[0]`` (int32 ``[B, Sq, 2K]``, one row's ``(start, len)`` pairs
+contiguous) and tests ``OR over m of uint32(kv_idx - start[m]) < uint32(len[m])``, K unrolled at
+compile time. Masks with fallback regions also get ``row_region`` ``[B, Sq]``, ``params``
+``[B, P]`` and ``row_params`` ``[B, Sq, R]`` as ``aux_tensors[1:4]`` and AND the region's
+generated predicate (``codegen.cute_predicate``) onto the interval test. Rows that see nothing
+have only empty slots, so every score is masked (FA4 then writes output 0 and LSE -inf).
+
+FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
+clamped before any load (their results are discarded).
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["mask_mod_source", "mask_mod", "aux_tensors"]
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def _fallback_sources(mask):
+    from compilemask.codegen.cute_predicate import predicate_source
+
+    return [(r.index, predicate_source(r.rule, mask.scalar_params, mask.array_params,
+                                       name=f"predicate_{r.index}"))
+            for r in mask.fallback_regions]
+
+
+def mask_mod_source(mask) -> str:
+    """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles)."""
+    K = max(mask.num_intervals, 1)
+    fbs = _fallback_sources(mask)
+    out = [
+        f"# mask_mod for {mask.name!r} (key {mask.key}), K = {K}",
+        "import cutlass",
+        "import cutlass.cute as cute",
+        "from cutlass import Int32, Uint32",
+        "",
+    ]
+    for _, src in fbs:
+        out += [src.rstrip(), ""]
+    out += [
+        "",
+        "@cute.jit",
+        "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
+        "    intervals = aux_tensors[0]",
+        "    b = batch[0]",
+        "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
+        "    col = kv_idx[0]",
+    ]
+    for m in range(K):
+        hit = f"Uint32(col - intervals[b, row, {2 * m}]) < Uint32(intervals[b, row, {2 * m + 1}])"
+        out.append(f"    vis = {hit}" if m == 0 else f"    vis = vis | ({hit})")
+    if fbs:
+        P, R = len(mask.scalar_params), len(mask.array_params)
+        out += [
+            "    row_region = aux_tensors[1]",
+            "    params = aux_tensors[2]",
+            "    row_params = aux_tensors[3]",
+            "    region = row_region[b, row]",
+            "    max_row = seqlen_info.seqlen_q - 1",
+        ]
+        args = ([f"params[b, {p}]" for p in range(P)] + [f"row_params[b, row, {r}]"
+                                                         for r in range(R)])
+        for idx, _ in fbs:
+            call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
+            out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
+    out += [
+        "    frag = cute.make_rmem_tensor(1, Int32)",
+        "    frag[0] = Int32(0)",
+        "    if vis:",
+        "        frag[0] = Int32(1)",
+        "    return frag.load() != 0",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def mask_mod(mask):
+    """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key."""
+    with _LOCK:
+        fn = _CACHE.get(mask.key)
+        if fn is None:
+            from compilemask.codegen.cute_predicate import compile_predicate
+
+            # a real module file: the CuTe DSL reads a jit function's source to build its AST
+            fn = compile_predicate(mask_mod_source(mask), "mask_mod")
+            _CACHE[mask.key] = fn
+    return fn
+
+
+def aux_tensors(desc) -> list:
+    """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
+    B, Sq, K, _ = desc.intervals.shape
+    tensors = [desc.intervals.view(B, Sq, 2 * K)]
+    if desc.mask.has_fallback:
+        tensors += [desc.row_region, desc.params, desc.row_params]
+    return tensors

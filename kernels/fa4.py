@@ -1,0 +1,161 @@
+"""flash-attn-4 adapter: the Execution Descriptor on FA4's sm90 kernels.
+
+Two engines share this module:
+
+* ``fa4``: FA4's block-sparse path. The preprocess's tile lists (``ExecutionDescriptor
+  .block_sparse``) say which kv tiles each q tile runs fully and which partially; partial tiles
+  evaluate the compiled interval test as a ``mask_mod`` (``codegen.cute_mask_mod``) over the
+  Interval Table passed as an aux tensor.
+* ``native``: masks the compiler proved equal to full, causal, windowed or causal-within-segments
+  attention (``compilemask.native``) run FA4's own ``causal`` / ``window_size`` / varlen paths,
+  with no lists and no mask_mod.
+
+The forward goes through FA4's public ``flash_attn_func`` / ``flash_attn_varlen_func``. FA4 has no
+public backward entry point besides its autograd functions, and re-running the forward under
+autograd would cost a third of a train step, so the backward calls ``interface._flash_attn_bwd``;
+that private call is confined to :func:`_fa4_bwd` and tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["available", "why_unavailable", "fwd", "bwd", "BWD_TILE_M", "FWD_TILES"]
+
+FWD_TILES = (128, 128)  # FA4 sm90 forward tile for head dim 64 and 128 with 128-row sparse blocks
+BWD_TILE_M = {64: 128, 128: 64}  # FA4 sm90 backward q tile per head dim (kv tile 128)
+
+
+@functools.lru_cache(maxsize=None)
+def _fa4_importable() -> str | None:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # ImportError, or a CUDA/cutlass mismatch at import time
+        return f"flash-attn-4 is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def why_unavailable(q, desc, engine: str) -> str | None:
+    """None when ``engine`` can run this call, else the reason (for the error message)."""
+    if not q.is_cuda:
+        return "the tensors are not on a CUDA device"
+    err = _fa4_importable()
+    if err:
+        return err
+    major, _ = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"FA4's block-sparse sm90 path needs compute capability 9.x, got {major}.x"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"FA4 runs bf16/fp16, got {q.dtype}"
+    if q.shape[-1] not in BWD_TILE_M:
+        return f"head dim {q.shape[-1]} (FA4 here: 64 or 128)"
+    if engine == "native":
+        pat = desc.native
+        if pat is None:
+            return "the compiler did not prove this mask a native pattern"
+        if not pat.applies(desc.seqlen_q, desc.seqlen_k):
+            return f"the proof ({pat.describe()}) does not cover seqlen_q != seqlen_k"
+        if pat.kind == "segments" and desc.segments is None:
+            return (f"{pat.segment_param} is not a segmentation for this batch (each row's "
+                    f"start must be itself or its predecessor's start)")
+    elif engine == "fa4":
+        if desc.fwd_tiles.tile_m != 128 or desc.fwd_tiles.tile_n != 128:
+            return f"fwd_tiles must be 128x128 for FA4's lists, got {desc.fwd_tiles}"
+        if q.shape[-1] == 128 and (desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n) != (64, 128):
+            return f"bwd_tiles must be 64x128 for FA4's head-dim-128 backward, got {desc.bwd_tiles}"
+    else:
+        return f"unknown engine {engine!r}"
+    return None
+
+
+def available(q, desc, engine: str) -> bool:
+    return why_unavailable(q, desc, engine) is None
+
+
+def _bs_torch(lists, block_size):
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+    return BlockSparseTensorsTorch(
+        mask_block_cnt=lists.mask_cnt, mask_block_idx=lists.mask_idx,
+        full_block_cnt=lists.full_cnt, full_block_idx=lists.full_idx, block_size=block_size)
+
+
+def _window(pat):
+    return (pat.window_left, pat.window_right)
+
+
+def _native_kwargs(pat):
+    if pat.kind == "full":
+        return {}
+    if pat.causal:
+        return {"causal": True}
+    return {"window_size": _window(pat)}
+
+
+def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
+    """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    if engine == "native":
+        pat = desc.native
+        if pat.kind == "segments":
+            B, S, H, D = q.shape
+            cu, max_len = desc.segments
+            out, lse = flash_attn_varlen_func(
+                q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
+                v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
+                causal=pat.window_left is None, window_size=_window(pat), return_lse=True)
+            return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, return_lse=True,
+                               **_native_kwargs(pat))
+    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
+
+    lists = desc.block_sparse("fwd") if lists is None else lists
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod(desc.mask),
+                           aux_tensors=aux_tensors(desc),
+                           block_sparse_tensors=_bs_torch(lists, FWD_TILES), return_lse=True)
+
+
+def _fa4_bwd(*args, **kwargs):
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    return _flash_attn_bwd(*args, **kwargs)
+
+
+def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
+        deterministic: bool = False, lists=None):
+    """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
+    D = q.shape[-1]
+    if engine == "native":
+        pat = desc.native
+        if pat.kind == "segments":
+            B, S, H, _ = q.shape
+            cu, max_len = desc.segments
+            flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
+            lse_flat = lse.permute(1, 0, 2).reshape(H, B * S)
+            dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
+            dq, dk, dv = _fa4_bwd(
+                *flat[:3], flat[3], flat[4], lse_flat.contiguous(), softmax_scale,
+                causal=pat.window_left is None,
+                window_size_left=pat.window_left, window_size_right=pat.window_right,
+                cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+                deterministic=deterministic,
+                dlse=None if dlse_flat is None else dlse_flat.contiguous())
+            return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+        kw = _native_kwargs(pat)
+        causal = kw.get("causal", False)
+        wl, wr = kw.get("window_size", (None, None))
+        return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,
+                        window_size_left=wl, window_size_right=wr, deterministic=deterministic,
+                        dlse=dlse)
+    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
+
+    kind = "bwd64" if D == 128 else "bwd128"
+    lists = desc.block_sparse(kind) if lists is None else lists
+    return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, mask_mod=mask_mod(desc.mask),
+                    aux_tensors=aux_tensors(desc),
+                    block_sparse_tensors=_bs_torch(lists, (BWD_TILE_M[D], 128)),
+                    deterministic=deterministic, dlse=dlse)
