@@ -186,5 +186,18 @@ for r in rows:
     python3 bench/attention.py --mode train --out "$OUT" --tag "study_$MASK" \
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study"; exit 2 ;;
+  engines)  # the engine decision: every engine and peer per mask (SEQLENS=, MODES=, MASKS=,
+    # METHODS=); FA4's compiled kernels cached on the machine's disk between calls
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+    step "engines_${TAG:-run}" "${SECS:-560}" python3 bench/engines.py --seqlens "${SEQLENS:-32768}" \
+      --modes "${MODES:-fwd,train}" --rep "${REP:-300}" \
+      ${MASKS:+--masks "$MASKS"} ${METHODS:+--methods "$METHODS"} --out "$OUT" --tag "engines_${TAG:-run}"
+    grep -E "^\| " "$OUT/engines_${TAG:-run}.md" | cut -c1-400
+    ;;
+  fa4tests)  # the FA4 engines' GPU tests and the end-to-end product path
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+    step fa4_tests "${SECS:-400}" python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
+      tests/test_fa4_engine.py tests/test_gpu_end_to_end.py ${EXTRA_TESTS:-}
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests"; exit 2 ;;
 esac

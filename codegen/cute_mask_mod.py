@@ -4,8 +4,9 @@ FA4 evaluates a mask_mod only in the partial tiles of its block-sparse lists (fu
 unmasked, empty tiles are never visited). The generated function reads the row's Interval Table
 entries from ``aux_tensors[0]`` (int32 ``[B, Sq, 2K]``, one row's ``(start, len)`` pairs
 contiguous) and tests ``OR over m of uint32(kv_idx - start[m]) < uint32(len[m])``, K unrolled at
-compile time. Masks with fallback regions also get ``row_region`` ``[B, Sq]``, ``params``
-``[B, P]`` and ``row_params`` ``[B, Sq, R]`` as ``aux_tensors[1:4]`` and AND the region's
+compile time. Masks with fallback regions also get ``row_region`` ``[B, Sq]``, then ``params``
+``[B, P]`` if ``P > 0`` and ``row_params`` ``[B, Sq, R]`` if ``R > 0`` as aux tensors, and AND
+the region's
 generated predicate (``codegen.cute_predicate``) onto the interval test. Rows that see nothing
 have only empty slots, so every score is masked (FA4 then writes output 0 and LSE -inf).
 
@@ -58,13 +59,13 @@ def mask_mod_source(mask) -> str:
         out.append(f"    vis = {hit}" if m == 0 else f"    vis = vis | ({hit})")
     if fbs:
         P, R = len(mask.scalar_params), len(mask.array_params)
-        out += [
-            "    row_region = aux_tensors[1]",
-            "    params = aux_tensors[2]",
-            "    row_params = aux_tensors[3]",
-            "    region = row_region[b, row]",
-            "    max_row = seqlen_info.seqlen_q - 1",
-        ]
+        out += ["    row_region = aux_tensors[1]", "    region = row_region[b, row]",
+                "    max_row = seqlen_info.seqlen_q - 1"]
+        # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
+        if P:
+            out.append("    params = aux_tensors[2]")
+        out.append(f"    row_params = aux_tensors[{3 if P else 2}]" if R
+                   else "    row_params = intervals  # no per-row arrays: never read")
         args = ([f"params[b, {p}]" for p in range(P)] + [f"row_params[b, row, {r}]"
                                                          for r in range(R)])
         for idx, _ in fbs:
@@ -99,5 +100,6 @@ def aux_tensors(desc) -> list:
     B, Sq, K, _ = desc.intervals.shape
     tensors = [desc.intervals.view(B, Sq, 2 * K)]
     if desc.mask.has_fallback:
-        tensors += [desc.row_region, desc.params, desc.row_params]
+        tensors.append(desc.row_region)
+        tensors += [t for t in (desc.params, desc.row_params) if t.shape[-1]]
     return tensors

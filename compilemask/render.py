@@ -59,6 +59,13 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     out.append(f"  K = {mask.num_intervals} interval slot(s) per row (max over regions: {per})")
     if mask.has_fallback:
         out.append("  fallback regions: " + ", ".join(r.name for r in mask.fallback_regions))
+    pat = mask.native_pattern
+    if pat is not None:
+        out.append(f"  GPU path: native FA4 ({pat.describe()}); no tile lists, no mask_mod")
+        out.append(f"    proof: {pat.proof}")
+    else:
+        out.append("  GPU path: FA4 block-sparse lists + the interval mask_mod (not a native "
+                   "pattern: z3 proved no equality with full, causal, window or segments)")
     if meta is not None and row is not None:
         out.append("")
         out.append(row_intervals(mask, meta, row, seqlen_q=seqlen_q, seqlen_k=seqlen_k))

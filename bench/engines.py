@@ -1,0 +1,269 @@
+"""The engine decision's benchmark: every CompileMask engine and every peer, in one run.
+
+    python bench/engines.py --seqlens 32768 --modes fwd,train --out $OUT
+
+Per (mask, S, mode): our engines (``native`` where the compiler proved a native pattern,
+``fa4`` = FA4's block-sparse kernels + the interval mask_mod, ``cute`` = our kernels) with the
+descriptor prebuilt (kernel) and with the preprocess (``pre + kernel``); the peers Flex-FA4
+(``flex_attention(..., kernel_options={"BACKEND": "FLASH"})``) with a prebuilt BlockMask and with
+its ``create_block_mask``, Flex-Triton with a prebuilt BlockMask, and FA4 native (causal /
+``window_size`` / ``flash_attn_varlen_func`` on the same documents). 128K tokens per batch, H=8,
+D=128, bf16. Effective TFLOP/s count visible pairs only (4 * pairs * D * H forward, 3.5x that
+for a train step). Median of triton's do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import compilemask as cm  # noqa: E402
+from bench.workloads import flex_mask_mod, make_meta  # noqa: E402
+from compilemask import masks  # noqa: E402
+
+H, D, DTYPE = 8, 128, torch.bfloat16
+TOKENS = 128 * 1024
+WINDOW = 4096
+
+SPECS = {
+    "causal": masks.causal,
+    "sliding_window": lambda: masks.sliding_window(WINDOW),
+    "packed_documents": masks.packed_documents,
+    "hstu": masks.hstu,
+    "shared_prompt_rm": masks.shared_prompt_rm,
+    "clear": lambda: masks.clear(2, 64),
+    "dilated_causal": masks.dilated_causal,
+}
+
+
+def doc_meta(B, S, seed=0):
+    """Documents of random length in [512, 8192] packed into each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        pos = 0
+        while pos < S:
+            n = int(torch.randint(512, 8193, (1,), generator=g))
+            starts[b, pos:pos + n] = pos
+            pos += n
+    return {"doc_start": starts}
+
+
+def workload_meta(name, B, S, dev):
+    if name in ("causal", "sliding_window", "dilated_causal"):
+        return {}
+    if name == "packed_documents":
+        return {k: v.to(dev, torch.int32) for k, v in doc_meta(B, S).items()}
+    return make_meta(name, B, S, device=dev)
+
+
+def workload_mask_mod(name, meta, S):
+    if name == "sliding_window":
+        return lambda b, h, q, kv: (kv <= q) & (q - kv < WINDOW)
+    if name == "dilated_causal":
+        return lambda b, h, q, kv: (kv <= q) & ((q - kv) % 2 == 0)
+    if name == "packed_documents":
+        flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
+        return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
+    return flex_mask_mod(name, meta)
+
+
+def _bench(fn, rep):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=max(25, rep // 4), rep=rep, return_mode="median")
+
+
+@functools.lru_cache(maxsize=None)
+def _cbm():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _pairs(name, desc):
+    """Visible pairs, one sequence at a time (the dense mask of a whole batch is large)."""
+    if name == "dilated_causal":  # closed form: the predicate's dense grid would be int64
+        i = torch.arange(desc.seqlen_q, dtype=torch.int64)
+        return desc.batch_size * int((i // 2 + 1).sum())
+    from dataclasses import replace
+
+    total = 0
+    for b in range(desc.batch_size):
+        one = replace(desc, intervals=desc.intervals[b:b + 1], row_region=desc.row_region[b:b + 1],
+                      params=desc.params[b:b + 1], row_params=desc.row_params[b:b + 1])
+        total += int(one.dense_mask().sum())
+    return total
+
+
+def run_point(name, S, mode, methods, rep, rows):
+    B, dev = max(1, TOKENS // S), "cuda"
+    meta = workload_meta(name, B, S, dev)
+    mask = cm.compile_mask(SPECS[name]())
+    pre = mask.preprocessor(S, batch_size=B)
+    desc = pre(meta)
+    pairs = _pairs(name, desc)
+    flops = 4.0 * pairs * D * H * (3.5 if mode == "train" else 1.0)
+    gen = torch.Generator(device=dev).manual_seed(S)
+    q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=DTYPE, generator=gen) for _ in range(3))
+    do = torch.randn_like(q)
+    row = {"mask": name, "S": S, "B": B, "mode": mode, "pairs": pairs,
+           "native": mask.native_pattern.describe() if mask.native_pattern else None}
+
+    def rec(method, ms, note=""):
+        row[method] = {"ms": ms, "tflops": flops / ms / 1e9 if ms else None, "note": note}
+        print(f"  {name:17s} {S:6d} {mode:5s} {method:22s} "
+              + (f"{ms:9.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s" if ms else note), flush=True)
+
+    def train_or_fwd(f, qq, kk, vv, dout):
+        if mode == "fwd":
+            return f(qq, kk, vv)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (qq, kk, vv))
+        f(qq, kk, vv).backward(dout)
+
+    for method in methods:
+        try:
+            if method in ("native", "fa4", "cute"):
+                try:
+                    cm.api.select_engine(q, desc, method)
+                except NotImplementedError as e:
+                    rec(method, None, f"n/a ({str(e)[:60]})")
+                    continue
+
+                def ours(d, eng=method):
+                    return lambda a, b_, c: cm.attention(a, b_, c, d, backend=eng)
+
+                rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
+                rec(f"{method}+pre",
+                    _bench(lambda: train_or_fwd(ours(pre(meta)), q, k, v, do), rep))
+            elif method == "preprocess":
+                rec("preprocess", _bench(lambda: pre(meta), rep))
+            elif method in ("flex_flash", "flex_triton"):
+                mm = workload_mask_mod(name, meta, S)
+                opts = {"BACKEND": "FLASH"} if method == "flex_flash" else None
+                qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
+                bm = _cbm()(mm, B, None, S, S, device=dev)
+
+                def flex(bmask):
+                    return lambda a, b_, c: _flex()(a, b_, c, block_mask=bmask,
+                                                    kernel_options=opts)
+
+                rec(method, _bench(lambda: train_or_fwd(flex(bm), qt, kt, vt, dot), rep))
+                if method == "flex_flash":
+                    rec("block_mask", _bench(lambda: _cbm()(mm, B, None, S, S, device=dev), rep))
+                    rec("flex_flash+bm", _bench(lambda: train_or_fwd(
+                        flex(_cbm()(mm, B, None, S, S, device=dev)), qt, kt, vt, dot), rep))
+            elif method == "fa4_native":
+                from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+                if name == "causal":
+                    def f(a, b_, c):
+                        return flash_attn_func(a, b_, c, causal=True)[0]
+                elif name == "sliding_window":
+                    def f(a, b_, c):
+                        return flash_attn_func(a, b_, c, window_size=(WINDOW - 1, 0))[0]
+                elif name == "packed_documents":
+                    cu, mx = desc.segments
+
+                    def f(a, b_, c):
+                        o = flash_attn_varlen_func(
+                            a.reshape(B * S, H, D), b_.reshape(B * S, H, D),
+                            c.reshape(B * S, H, D), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                            max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+                        return (o[0] if isinstance(o, tuple) else o).view(B, S, H, D)
+                else:
+                    continue
+                rec("fa4_native", _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+        except torch.cuda.OutOfMemoryError:
+            rec(method, None, "OOM")
+            torch.cuda.empty_cache()
+        except Exception as e:  # a method that fails is reported, not fatal
+            rec(method, None, f"failed: {type(e).__name__}: {str(e)[:100]}")
+            traceback.print_exc()
+    rows.append(row)
+
+
+def _ratio(row, a, b):
+    x, y = row.get(a) or {}, row.get(b) or {}
+    if x.get("ms") and y.get("ms"):
+        return f"{y['ms'] / x['ms']:.2f}x"
+    return ""
+
+
+def to_markdown(rows, header):
+    cols = ["native", "fa4", "cute", "fa4_native", "flex_flash", "flex_triton", "native+pre",
+            "fa4+pre", "flex_flash+bm", "preprocess", "block_mask"]
+    out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
+           "", "| mask | S | mode | " + " | ".join(cols)
+           + " | default | default vs flex_flash kernel | vs FA4 native | pre+kernel vs "
+           "flex_flash+bm |", "|" + "---|" * (len(cols) + 7)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            x = r.get(c)
+            if not x:
+                cells.append("")
+            elif x["ms"] is None:
+                cells.append(x["note"][:40])
+            elif c in ("preprocess", "block_mask"):
+                cells.append(f"{x['ms']:.4f}")
+            else:
+                cells.append(f"{x['ms']:.3f} ({x['tflops']:.0f})")
+        dflt = "native" if (r.get("native") or {}).get("ms") else "fa4"
+        cells += [dflt, _ratio(r, dflt, "flex_flash"), _ratio(r, dflt, "fa4_native"),
+                  _ratio(r, dflt + "+pre", "flex_flash+bm")]
+        out.append(f"| {r['mask']} | {r['S']} | {r['mode']} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--masks", default=",".join(SPECS))
+    ap.add_argument("--seqlens", default="8192,32768")
+    ap.add_argument("--modes", default="fwd,train")
+    ap.add_argument("--methods",
+                    default="preprocess,native,fa4,cute,fa4_native,flex_flash,flex_triton")
+    ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--tag", default="engines")
+    args = ap.parse_args(argv)
+    commit = os.environ.get("CM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=ROOT).stdout.strip() or "unknown"
+    header = (f"# Engines: {datetime.date.today()} · {torch.cuda.get_device_name()} · commit "
+              f"{commit} · torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch"
+              f"\n\n`python bench/engines.py --masks {args.masks} --seqlens {args.seqlens} "
+              f"--modes {args.modes} --methods {args.methods} --rep {args.rep}`")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode in args.modes.split(","):
+        for S in map(int, args.seqlens.split(",")):
+            for name in args.masks.split(","):
+                run_point(name, S, mode, args.methods.split(","), args.rep, rows)
+                (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
+                (out / f"{args.tag}.md").write_text(to_markdown(rows, header))
+    print(to_markdown(rows, header))
+
+
+if __name__ == "__main__":
+    main()

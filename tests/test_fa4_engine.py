@@ -1,0 +1,290 @@
+"""The FA4 engines: native patterns (proofs and segments), the mask_mod, engine selection, and on
+the GPU every example mask through every engine against a float32 reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.native import native_pattern
+
+M, R = cm.MaskSpec, cm.Region
+
+# ---------------------------------------------------------------------------------------------
+# native patterns (CPU)
+# ---------------------------------------------------------------------------------------------
+NATIVE = {
+    "causal": ("window", None, 0, False),
+    "sliding_window": ("window", 6, 0, False),
+    "packed_documents": ("segments", None, 0, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(masks.EXAMPLES))
+def test_examples_native_or_not(name):
+    pat = native_pattern(cm.compile_mask(masks.EXAMPLES[name]()))
+    if name not in NATIVE:
+        assert pat is None, pat
+        return
+    kind, left, right, br = NATIVE[name]
+    assert (pat.kind, pat.window_left, pat.window_right, pat.bottom_right) == (kind, left, right,
+                                                                                br)
+    assert pat.proof.startswith("z3:")
+
+
+def _spec(name, params, when, visible):
+    return M(name, params, [R("all", when=when, visible=visible)])
+
+
+def test_more_native_patterns():
+    full = _spec("t_full", [], lambda i: True, lambda i, j: True)
+    br = _spec("t_br", [], lambda i: True, lambda i, j: j <= i + seqlen_k - seqlen_q)  # noqa: F821
+    win = _spec("t_win", [], lambda i: True, lambda i, j: i - 100 <= j <= i + 5)
+    docwin = _spec("t_dw", ["doc_start"], lambda i: True,
+                   lambda i, j: doc_start[i] <= j <= i and j > i - 64)  # noqa: F821
+    assert native_pattern(cm.compile_mask(full)).kind == "full"
+    p = native_pattern(cm.compile_mask(br))
+    assert p.causal and p.bottom_right and p.applies(100, 300)
+    p = native_pattern(cm.compile_mask(win))
+    assert (p.window_left, p.window_right, p.bottom_right) == (100, 5, False)
+    assert p.applies(64, 64) and not p.applies(64, 65)
+    p = native_pattern(cm.compile_mask(docwin))
+    assert (p.kind, p.window_left, p.segment_param) == ("segments", 63, "doc_start")
+
+
+def test_near_misses_are_not_native():
+    # a window whose guard excludes rows, two regions, an off-by-one against causal
+    guarded = _spec("t_g", ["n"], lambda i: i < n, lambda i, j: j <= i)  # noqa: F821
+    strict = _spec("t_s", [], lambda i: True, lambda i, j: j < i)
+    two = M("t_two", ["x"], [R("a", when=lambda i: i < x, visible=lambda i, j: j <= i),  # noqa: F821
+                            R("b", when=lambda i: True, visible=lambda i, j: j <= i + 1)])
+    for s in (guarded, two):
+        assert native_pattern(cm.compile_mask(s)) is None, s.name
+    p = native_pattern(cm.compile_mask(strict))  # j < i is the window (None, -1), not causal
+    assert p is None or (not p.causal and p.window_right == -1)
+
+
+def _doc_meta(B, S, gen, scattered=False):
+    starts = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        cuts = sorted(torch.randperm(S - 1, generator=gen)[:5].add(1).tolist())
+        for c in cuts:
+            starts[b, c:] = c
+    if scattered:
+        starts[0, S - 1] = 1  # not a segmentation: its predecessor starts elsewhere
+    return {"doc_start": starts}
+
+
+@pytest.mark.parametrize("S", [1, 130, 517])
+def test_segments_cu_seqlens_equal_the_mask(S):
+    mask = cm.compile_mask(masks.packed_documents())
+    gen = torch.Generator().manual_seed(S)
+    meta = _doc_meta(3, S, gen)
+    desc = mask.preprocess(meta, seqlen_q=S)
+    cu, longest = desc.segments
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == 3 * S
+    # block-diagonal causal over the flattened rows == the descriptor's mask
+    seg = torch.bucketize(torch.arange(3 * S), cu[1:].long(), right=True)
+    i = torch.arange(3 * S)
+    flat = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
+    dense = desc.dense_mask()
+    for b in range(3):
+        blk = flat[b * S:(b + 1) * S, b * S:(b + 1) * S]
+        assert torch.equal(blk, dense[b])
+        assert not flat[b * S:(b + 1) * S].logical_and(
+            (i < b * S) | (i >= (b + 1) * S)).any()
+    assert longest == int((cu[1:] - cu[:-1]).max())
+
+
+def test_segments_refused_when_not_a_segmentation():
+    mask = cm.compile_mask(masks.packed_documents())
+    meta = _doc_meta(2, 100, torch.Generator().manual_seed(1), scattered=True)
+    desc = mask.preprocess(meta, seqlen_q=100)
+    assert desc.segments is None
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, seqlen_q=100))
+
+
+def test_explain_names_the_native_path():
+    text = cm.compile_mask(masks.causal()).explain()
+    assert "native" in text and "z3" in text
+    assert "native" in cm.compile_mask(masks.hstu()).explain()  # says it is not native, too
+
+
+# ---------------------------------------------------------------------------------------------
+# engine selection (CPU)
+# ---------------------------------------------------------------------------------------------
+def test_cpu_runs_the_reference_and_refuses_gpu_backends():
+    mask = cm.compile_mask(masks.causal())
+    desc = mask.preprocess({}, seqlen_q=33, batch_size=1)
+    q = torch.randn(1, 33, 2, 16)
+    assert cm.api.select_engine(q, desc) == "reference"
+    for backend in ("fa4", "native", "cute"):
+        with pytest.raises(NotImplementedError, match=backend):
+            cm.attention(q, q, q, desc, backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        cm.attention(q, q, q, desc, backend="flex")
+    out = cm.attention(q, q, q, desc, backend="reference")
+    assert out.shape == q.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated mask_mod compiles inside FA4's kernels (CPU, fake tensors)
+# ---------------------------------------------------------------------------------------------
+def _fa4_fake_env():
+    pytest.importorskip("flash_attn.cute")
+    assert os.environ.get("CUTE_DSL_ARCH") == "sm_90a"  # set by conftest before cutlass loads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+@pytest.mark.parametrize("name,head_dim", [("hstu", 64), ("hstu", 128), ("clear", 128),
+                                           ("dilated_causal", 128)])
+def test_mask_mod_compiles_in_fa4_forward_and_backward(name, head_dim):
+    _fa4_fake_env()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.codegen.cute_mask_mod import mask_mod
+    from compilemask.kernels import fa4
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    B, S, H, D = 2, 300, 4, head_dim
+    gen = torch.Generator().manual_seed(0)
+    desc = mask.preprocess(masks.random_meta(mask.spec, B, S, gen), seqlen_q=S)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64" if D == 128 else "bwd128")}
+    mm = mask_mod(mask)
+    assert mm is mask_mod(mask)  # cached by the mask's key
+    with FakeTensorMode():
+        dev = torch.device("cuda")
+
+        def fake(t):  # contents do not matter for compilation
+            return torch.empty(t.shape, dtype=t.dtype, device=dev)
+
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=dev)
+        fdesc = type(desc)(**{f: (fake(getattr(desc, f))
+                                  if isinstance(getattr(desc, f), torch.Tensor)
+                                  else getattr(desc, f)) for f in desc.__dataclass_fields__})
+        flists = {k: type(v)(*(fake(t) for t in v)) for k, v in lists.items()}
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"])
+        assert out.shape == q.shape and lse.shape == (B, H, S)
+        bwd_lists = flists["bwd64" if D == 128 else "bwd128"]
+        dq, dk, dv = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=bwd_lists)
+        assert dq.shape == q.shape and dk.shape == q.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: every example mask through every engine that runs it
+# ---------------------------------------------------------------------------------------------
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _check_against_reference(desc, q, k, v, engine, dense):
+    from compilemask.reference import attention_reference
+
+    B, Sq, H, D = q.shape
+    G = H // k.shape[2]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    out = cm.attention(q, k, v, desc, backend=engine)
+    out.backward(do)
+    got = (out, q.grad, k.grad, v.grad)
+
+    def ref(dtype):
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        o = attention_reference(qq, kk, vv, dense)
+        o.backward(do.to(dtype))
+        return o, qq.grad, kk.grad, vv.grad
+
+    def torch_bf16():
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (kk, vv))
+        s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
+        m = dense.unsqueeze(1)
+        empty_row = ~m.any(-1, keepdim=True)
+        s = torch.where(m, s, float("-inf"))
+        s = torch.where(empty_row, torch.zeros_like(s), s)
+        p = torch.softmax(s, dim=-1) * (~empty_row)
+        o = torch.matmul(p, vr).transpose(1, 2)
+        o.backward(do)
+        return o, qq.grad, kk.grad, vv.grad
+
+    exact, bf16 = ref(torch.float32), torch_bf16()
+    for what, o, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
+        assert torch.isfinite(o).all(), (engine, what)
+        assert _rel(o, e) <= 2 * _rel(t, e) + 1e-4, (engine, what, _rel(o, e), _rel(t, e))
+    empty = ~dense.any(-1)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
+
+
+def _gpu_case(name, B, S, H, Hkv, D, seed, Sk=None):
+    spec = masks.EXAMPLES[name]()
+    mask = cm.compile_mask(spec)
+    gen = torch.Generator().manual_seed(seed)
+    meta = {k: v.cuda() for k, v in masks.random_meta(spec, B, S, gen).items()}
+    desc = mask.preprocess(meta, seqlen_q=S, seqlen_k=Sk, batch_size=B)
+    Sk = S if Sk is None else Sk
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return mask, desc, q, k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(masks.EXAMPLES))
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_engines_vs_float32_reference(name, D):
+    mask, desc, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=7)
+    dense = desc.dense_mask()
+    engines = ["fa4"] + (["native"] if desc.native is not None else [])
+    assert cm.api.select_engine(q, desc) == ("native" if "native" in engines else "fa4")
+    for engine in engines:
+        _check_against_reference(desc, q, k, v, engine, dense)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hstu", "clear", "causal"])
+def test_gpu_fa4_rectangular_and_mha(name):
+    # Sq != Sk (top-left causal is then not native), no GQA, seqlen not a multiple of 128
+    mask, desc, q, k, v = _gpu_case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
+    _check_against_reference(desc, q, k, v, "fa4", desc.dense_mask())
+    assert cm.api.select_engine(q, desc) == "fa4"
+
+
+@pytest.mark.gpu
+def test_gpu_lists_tilelang_equal_torch():
+    from compilemask.blocksparse import descriptor_lists
+
+    for name in ("hstu", "clear", "dilated_causal"):
+        _, desc, *_ = _gpu_case(name, 3, 3000, 1, 1, 64, seed=5)
+        for backward, ft in ((False, False), (True, False), (True, True)):
+            a = descriptor_lists(desc, backward, forward_tiling=ft, backend="torch")
+            b = descriptor_lists(desc, backward, forward_tiling=ft, backend="tilelang")
+            for cnt_a, idx_a, cnt_b, idx_b in ((a[0], a[1], b[0], b[1]), (a[2], a[3], b[2], b[3])):
+                assert torch.equal(cnt_a, cnt_b)
+                live = torch.arange(idx_a.shape[-1], device=idx_a.device) < cnt_a[..., None]
+                assert torch.equal(idx_a[live], idx_b[live])
+
+
+@pytest.mark.gpu
+def test_gpu_native_and_fa4_under_torch_compile_and_graphs():
+    mask, desc, q, k, v = _gpu_case("hstu", 2, 1024, 4, 4, 128, seed=2)
+    f = torch.compile(lambda q, k, v: cm.attention(q, k, v, desc), fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, desc), atol=0, rtol=0)
+    # CUDA graph: preprocess + attention captured once, replayed on new metadata
+    spec = masks.hstu()
+    pre = mask.preprocessor(1024, batch_size=2)
+    gen = torch.Generator().manual_seed(9)
+    meta = {k_: t.cuda().contiguous() for k_, t in masks.random_meta(spec, 2, 1024, gen).items()}
+    for _ in range(2):
+        out = cm.attention(q, k, v, pre(meta))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cm.attention(q, k, v, pre(meta))
+    new = {k_: t.cuda() for k_, t in masks.random_meta(spec, 2, 1024, gen).items()}
+    for k_ in meta:
+        meta[k_].copy_(new[k_])
+    g.replay()
+    want = cm.attention(q, k, v, mask.preprocess(new, seqlen_q=1024, batch_size=2))
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
