@@ -48,7 +48,7 @@ forward tiling (128x128, FA4's head-dim-64 backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,6 +92,9 @@ class ExecutionDescriptor:
     params: torch.Tensor
     row_params: torch.Tensor
     segments: tuple | None = None
+    # kind -> BlockSparseLists; filled by the producer on CUDA (a compiled model then reads it
+    # without running a kernel), else on first use
+    block_lists: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -116,7 +119,7 @@ class ExecutionDescriptor:
 
     def block_sparse(self, kind: str = "fwd"):
         """flash-attn-4 tile lists (see the module docstring), computed once per descriptor."""
-        cache = self.__dict__.setdefault("_lists", {})
+        cache = self.block_lists
         if kind not in cache:
             from compilemask.blocksparse import descriptor_lists
 
@@ -159,4 +162,6 @@ class ExecutionDescriptor:
                 fields[k] = v.to(device)
         if self.segments is not None:
             fields["segments"] = (self.segments[0].to(device), self.segments[1])
+        fields["block_lists"] = {k: type(v)(*(t.to(device) for t in v))
+                                 for k, v in self.block_lists.items()}
         return ExecutionDescriptor(**fields)

@@ -200,6 +200,6 @@ def finish_descriptor(desc):
     if pat is not None and pat.kind == "segments":
         desc = dataclasses.replace(desc, segments=segments(mask, desc))
     elif pat is None and desc.device.type == "cuda" and _fa4_tiling(desc):
-        desc.block_sparse("fwd")
-        desc.block_sparse("bwd64")
+        for kind in ("fwd", "bwd64", "bwd128"):  # bwd128: FA4's head-dim-64 backward
+            desc.block_sparse(kind)
     return desc

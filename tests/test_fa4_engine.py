@@ -224,7 +224,7 @@ def _gpu_case(name, B, S, H, Hkv, D, seed, Sk=None):
     mask = cm.compile_mask(spec)
     gen = torch.Generator().manual_seed(seed)
     meta = {k: v.cuda() for k, v in masks.random_meta(spec, B, S, gen).items()}
-    desc = mask.preprocess(meta, seqlen_q=S, seqlen_k=Sk, batch_size=B)
+    desc = mask.preprocess(meta, seqlen_q=S, seqlen_k=Sk, batch_size=B, device="cuda")
     Sk = S if Sk is None else Sk
     q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
