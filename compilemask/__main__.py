@@ -1,4 +1,4 @@
-"""Command line: ``python -m compilemask demo | explain FILE.py:NAME | show FILE.py:NAME ...``."""
+"""Command line: ``python -m compilemask demo [--train] | explain FILE.py:NAME | show ...``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,24 @@ import sys
 __all__ = ["main"]
 
 
+DEMO_USAGE = "usage: python -m compilemask demo [--train]"
+
+
 def demo(argv=None) -> int:
-    """The HSTU mask end to end on the CPU: compile, explain, preprocess, attend, check."""
+    """The HSTU mask end to end on the CPU: compile, explain, preprocess, attend, check.
+    ``--train``: a few training steps of a tiny transformers model on the mask instead."""
+    argv = list(argv or [])
+    if any(a in ("-h", "--help") for a in argv):
+        print(DEMO_USAGE + "\n  --train  train a tiny transformers model with CompileMask "
+              "attention (needs the [hf] extra)")
+        return 0
+    unknown = [a for a in argv if a != "--train"]
+    if unknown:
+        print(f"compilemask demo: error: unknown argument(s) {' '.join(unknown)} ({DEMO_USAGE})",
+              file=sys.stderr)
+        return 2
+    if "--train" in argv:
+        return _demo_train()
     import torch
 
     import compilemask as cm
@@ -39,10 +55,23 @@ def demo(argv=None) -> int:
     return 0 if exact and err < 2e-2 else 1
 
 
+def _demo_train() -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("compilemask demo --train: error: needs transformers; install the [hf] extra: "
+              "pip install -e \".[hf]\"", file=sys.stderr)
+        return 2
+    from compilemask.integrations.demo import train
+
+    return train()
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m compilemask {demo|explain FILE.py:NAME|show FILE.py:NAME ...}")
+        print("usage: python -m compilemask {demo [--train]|explain FILE.py:NAME|"
+              "show FILE.py:NAME ...}")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":

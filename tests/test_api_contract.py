@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import compilemask as cm
@@ -60,3 +61,11 @@ def test_array_params_are_part_of_the_cache_key():
     a, b = cm.compile_mask(plain), cm.compile_mask(arr_spec)
     assert a.array_params == () and b.array_params == ("arr",)
     assert a.key != b.key
+
+
+def test_transformers_integration_imports_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    from compilemask.integrations.transformers import register
+
+    with pytest.raises(ImportError, match=r"\[hf\]"):
+        register()

@@ -250,3 +250,41 @@ def test_bad_values_and_options(capsys, specs, tmp_path):
 def test_parse_meta():
     assert parse_meta("a=1, b=0x10,c=-2") == {"a": 1, "b": 16, "c": -2}
     assert parse_meta(None) == {} and parse_meta("") == {}
+
+
+# ---- demo --train ------------------------------------------------------------------------------
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.skipif(not _has_transformers(), reason="needs transformers (the [hf] extra)")
+def test_demo_train_subprocess(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "compilemask", "demo", "--train"],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "attn_implementation='compilemask'" in lines[0] and "mask 'hstu'" in lines[0]
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    losses = [float(ln.split()[-1]) for ln in steps]
+    assert [ln.split()[1] for ln in steps] == ["1", "2", "3", "4", "5"]
+    assert losses[-1] < losses[0]
+    assert lines[-1].endswith("decreasing") and "NOT" not in lines[-1]
+
+
+def test_demo_train_without_transformers(capsys, monkeypatch):
+    from compilemask.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    assert main(["demo", "--train"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compilemask demo --train: error: needs transformers")
+    assert 'pip install -e ".[hf]"' in err
+
+
+def test_demo_unknown_argument(capsys):
+    from compilemask.__main__ import main
+
+    assert main(["demo", "--bogus"]) == 2
+    assert "unknown argument(s) --bogus" in capsys.readouterr().err
