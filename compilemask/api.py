@@ -15,6 +15,8 @@ _SAID: set[str] = set()
 
 
 def _say_once(msg: str):
+    if torch.compiler.is_compiling():  # dynamo does not trace logging; eager calls say it
+        return
     if msg not in _SAID:
         _SAID.add(msg)
         log.warning(msg)

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import importlib
 
-from .autograd import attention_op
+if __name__ == "compilemask.kernels":
+    from .autograd import attention_op
+# else: this folder imported as a top-level ``kernels`` (the repository root on sys.path, where
+# transformers probes for the Hugging Face package of that name): registering the custom ops a
+# second time, with an empty mask registry, would break ``compilemask.kernels``'s
 
 # the kernel modules import the CUTLASS DSL: loaded on first use, so that the custom ops and
 # their CPU reference import without it

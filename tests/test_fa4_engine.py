@@ -131,6 +131,30 @@ def test_cpu_runs_the_reference_and_refuses_gpu_backends():
     assert out.shape == q.shape
 
 
+def test_top_level_kernels_import_is_inert(monkeypatch):
+    # the repository root on sys.path makes kernels/ importable as "kernels", which transformers
+    # probes for: that import must not register the custom ops a second time
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    sys.modules.pop("kernels", None)
+    mod = importlib.import_module("kernels")
+    try:
+        assert not hasattr(mod, "attention_op") and getattr(mod, "__version__", None) is None
+        mask = cm.compile_mask(masks.hstu())
+        meta = masks.random_meta(mask.spec, 2, 40, torch.Generator().manual_seed(0))
+        desc = mask.preprocess(meta, seqlen_q=40)
+        q = torch.randn(2, 40, 2, 8, dtype=torch.float64)
+        out = cm.attention(q, q, q, desc)
+        from compilemask.reference import attention_reference
+
+        torch.testing.assert_close(out, attention_reference(q, q, q, desc.dense_mask()))
+    finally:
+        sys.modules.pop("kernels", None)
+
+
 # ---------------------------------------------------------------------------------------------
 # the generated mask_mod compiles inside FA4's kernels (CPU, fake tensors)
 # ---------------------------------------------------------------------------------------------

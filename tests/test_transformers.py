@@ -219,8 +219,6 @@ def test_torch_compile_fullgraph(name):
                                    mod(ids, compilemask_desc=desc).logits, **TOL)
 
 
-@pytest.mark.xfail(reason="cm.attention's once-per-process log.warning is traced on a cold "
-                          "first call and dynamo refuses logging calls under fullgraph")
 def test_torch_compile_fullgraph_cold(name, monkeypatch):
     from compilemask import api
 
