@@ -174,6 +174,7 @@ def test_reference_handmade_states():
 
 tilelang = pytest.importorskip("tilelang")
 
+from compilemask import codegen  # noqa: E402
 from compilemask.codegen import blocksparse as tlb  # noqa: E402
 
 
@@ -227,6 +228,7 @@ def test_c_target_entry_point_and_cache():
     words = random_bitmap(2, 17, 17, seed=9)  # the list shape of TL_SHAPES[0]'s forward
     ref = lists_from_bitmap(words, 17)
     assert_lists_equal(ref, tlb.block_sparse_lists(words, 17), "entry point")
+    assert_lists_equal(ref, codegen.block_sparse_lists(words, 17), "package export")
     before = tlb.compile_count()
     again = tlb.block_sparse_lists(words.flip(0).contiguous(), 17)
     assert tlb.compile_count() == before  # same shape, new values: no compile
