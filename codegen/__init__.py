@@ -7,4 +7,11 @@ def tilelang_source(mask, target: str = "cuda") -> str:
     return _src(mask, target=target)
 
 
-__all__ = ["tilelang_source"]
+def block_sparse_lists(bitmap, packed_tiles: int, transpose: bool = False, **kw):
+    """flash-attn-4 block-sparse lists from a Tile-State Bitmap (see codegen.blocksparse)."""
+    from compilemask.codegen.blocksparse import block_sparse_lists as _lists
+
+    return _lists(bitmap, packed_tiles, transpose, **kw)
+
+
+__all__ = ["tilelang_source", "block_sparse_lists"]

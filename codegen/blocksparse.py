@@ -129,6 +129,8 @@ def plan(rows: int, cols: int, transpose: bool = False, fill: bool = False, *,
     tpr = min(max_tpr or _MAX_TPR, _pow2_at_least(-(-row_words // wpt)))
     rpb = max(1, min(16, (threads or _THREADS) // tpr, _pow2_at_least(rows)))
     pl = BlockSparsePlan(rows, cols, transpose, tpr, wpt, rpb, fill)
+    if pl.chunk >= 1 << 15:
+        raise ValueError(f"chunk of {pl.chunk} tiles: a chunk's counts must fit in 15 bits")
     while pl.smem_bytes > _SMEM_BUDGET and pl.rpb > 1:
         pl = BlockSparsePlan(rows, cols, transpose, tpr, wpt, pl.rpb // 2, fill)
     if pl.smem_bytes > _SMEM_BUDGET:

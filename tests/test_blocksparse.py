@@ -36,8 +36,9 @@ TILES_128 = TileConfig(128, 128)
 # backward: 258 q tiles of 64 rows)
 SHAPES = [(1, 1, 1), (3, 200, 200), (2, 300, 517), (2, 517, 130), (1, 2100, 2100),
           (1, 64, 40000), (1, 16500, 300)]
-# the shapes the C target runs for every mask (each distinct list shape is one compile)
-TL_SHAPES = [(2, 300, 517), (1, 2100, 2100), (1, 64, 40000)]
+# the shapes the C target runs for every mask (each list shape is one compile; the kernel's
+# thread layouts are exercised on random bitmaps below)
+TL_SHAPES = [(2, 2100, 2100), (2, 300, 517)]
 # (backward, forward_tiling) of descriptor_lists
 PASSES = [(False, False), (True, False), (True, True)]
 
@@ -137,7 +138,7 @@ def test_reference_lists_match_bitmaps_and_dense_mask(masks, name):
             else:
                 assert bool(((want == 0) | (got != 0)).all()), what
                 assert bool(((got != TILE_FULL) | (want == TILE_FULL)).all()), what
-    if name not in ("causal", "sliding_window", "dilated_causal", "prefix_lm"):
+    if name not in ("causal", "sliding_window", "dilated_causal", "prefix_lm", "packed_documents"):
         assert empty_row, f"{name}: no row without visible tiles was drawn"
 
 
@@ -173,6 +174,7 @@ def test_reference_handmade_states():
 
 tilelang = pytest.importorskip("tilelang")
 
+from compilemask import codegen  # noqa: E402
 from compilemask.codegen import blocksparse as tlb  # noqa: E402
 
 
@@ -202,34 +204,36 @@ def random_bitmap(B, N, T, seed, dirty=True):
 
 
 def test_c_target_thread_layouts():
-    """Several chunks per row (a small plan), one thread per row, rows not a multiple of the
-    block's, the transposed read, zeros past the counts with ``fill``."""
-    cases = [(2, 7, 100, False, dict(max_tpr=2, wpt=1)),  # 4 chunks of 32 tiles
-             (2, 100, 7, True, dict(max_tpr=2, wpt=1)),
-             (1, 37, 5, False, {}), (3, 5, 37, True, {}),  # TPR = 1; 37 rows over blocks of 16
-             (2, 9, 70, True, dict(max_tpr=1, wpt=1))]  # chunks of 16 tiles, 70 rows
-    for n, (B, N, T, transpose, kw) in enumerate(cases):
+    """Several chunks per row (small plans; the default one past 1024 tiles), one thread per row,
+    rows not a multiple of the block's, the transposed read, zeros past the counts with
+    ``fill``."""
+    cases = [(2, 7, 100, False, True, dict(max_tpr=2, wpt=1)),  # 4 chunks of 32 tiles
+             (2, 100, 7, True, False, dict(max_tpr=2, wpt=1)),
+             (3, 5, 37, True, True, {}),  # TPR = 1; 37 rows over blocks of 16
+             (1, 3, 1100, False, False, {})]  # 2 chunks of 1024 tiles
+    for n, (B, N, T, transpose, fill, kw) in enumerate(cases):
         words = random_bitmap(B, N, T, seed=n)
         ref = lists_from_bitmap(words, T, transpose=transpose)
         rows, cols = (T, N) if transpose else (N, T)
-        for fill in (False, True):
-            pl = tlb.plan(rows, cols, transpose, fill, **kw)
-            out = tlb._launch(words, pl)
-            assert_lists_equal(ref, out, f"{pl}")
-            if fill:
-                assert all(torch.equal(a, b) for a, b in zip(ref, out)), f"fill {pl}"
+        pl = tlb.plan(rows, cols, transpose, fill, **kw)
+        out = tlb._launch(words, pl)
+        assert_lists_equal(ref, out, f"{pl}")
+        if fill:
+            assert all(torch.equal(a, b) for a, b in zip(ref, out)), f"fill {pl}"
     assert tlb.plan(7, 100, max_tpr=2, wpt=1).chunks == 4
+    assert tlb.plan(3, 1100).chunks == 2 and tlb.plan(37, 5, True).tpr == 1
 
 
 def test_c_target_entry_point_and_cache():
-    words = random_bitmap(2, 20, 300, seed=9)
-    ref = lists_from_bitmap(words, 300)
-    out = tlb.block_sparse_lists(words, 300, fill=True)
-    assert all(torch.equal(a, b) for a, b in zip(ref, out))
+    words = random_bitmap(2, 17, 17, seed=9)  # the list shape of TL_SHAPES[0]'s forward
+    ref = lists_from_bitmap(words, 17)
+    assert_lists_equal(ref, tlb.block_sparse_lists(words, 17), "entry point")
+    assert_lists_equal(ref, codegen.block_sparse_lists(words, 17), "package export")
     before = tlb.compile_count()
-    again = tlb.block_sparse_lists(words.flip(0).contiguous(), 300, fill=True)
-    assert tlb.compile_count() == before  # same shape, new values, new batch order: no compile
-    assert all(torch.equal(a, b.flip(0)) for a, b in zip(again, ref))
+    again = tlb.block_sparse_lists(words.flip(0).contiguous(), 17)
+    assert tlb.compile_count() == before  # same shape, new values: no compile
+    assert_lists_equal(lists_from_bitmap(words.flip(0), 17), again, "again")
+    words = random_bitmap(2, 20, 300, seed=9)
     with pytest.raises(ValueError, match="packed_tiles=300 needs 19 words"):
         tlb.block_sparse_lists(words[..., :18].contiguous(), 300)
     with pytest.raises(ValueError, match="must be int32"):
