@@ -72,11 +72,10 @@ def mask_mod_source(mask) -> str:
             call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
             out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
     out += [
-        "    frag = cute.make_rmem_tensor(1, Int32)",
-        "    frag[0] = Int32(0)",
-        "    if vis:",
-        "        frag[0] = Int32(1)",
-        "    return frag.load() != 0",
+        # a select, not a branch: the mask_mod runs once per score of every partial tile
+        "    frag = cute.make_rmem_tensor(1, cutlass.Boolean)",
+        "    frag[0] = vis",
+        "    return frag.load()",
         "",
     ]
     return "\n".join(out)

@@ -76,6 +76,9 @@ class _IR:
 
 
 _IR_CACHE: dict[str, _IR] = {}
+# key -> the first CompiledMask compiled with it (equal keys compile to equal code); registered
+# when compiled, so that a traced model's custom ops find it without a side effect at trace time
+_BY_KEY: dict = {}
 _LOCK = threading.Lock()
 
 
@@ -108,7 +111,17 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
         if ir is None:
             ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
             _IR_CACHE[key] = ir
-    return CompiledMask(spec, ir)
+    mask = CompiledMask(spec, ir)
+    _BY_KEY.setdefault(key, mask)
+    return mask
+
+
+def mask_for_key(key: str) -> CompiledMask:
+    """The compiled mask of a semantic key (how the custom ops, which take the key, find it)."""
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"no compiled mask with key {key!r} in this process") from None
 
 
 def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:

@@ -49,6 +49,14 @@ def register_mask(mask) -> str:
     return key
 
 
+def _mask(key):
+    if key in _MASKS:
+        return _MASKS[key]
+    from compilemask.compiled import mask_for_key
+
+    return mask_for_key(key)
+
+
 def _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap, bwd_bitmap,
                 params, row_params, fwd_tm, fwd_tn, bwd_tm, bwd_tn, extra=(), max_seqlen=0):
     from compilemask.descriptor import ExecutionDescriptor, TileConfig
@@ -56,7 +64,7 @@ def _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
     # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
     segments = (extra[0], max_seqlen) if len(extra) == 1 else None
     return ExecutionDescriptor(
-        mask=_MASKS[mask_key], seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
+        mask=_mask(mask_key), seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=TileConfig(fwd_tm, fwd_tn), fwd_bitmap=fwd_bitmap,
         bwd_tiles=TileConfig(bwd_tm, bwd_tn), bwd_bitmap=bwd_bitmap, params=params,
         row_params=row_params, segments=segments)
@@ -84,7 +92,7 @@ def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
 
 def _fallback(mask_key):
     if mask_key not in _FALLBACKS:
-        mask = _MASKS[mask_key]
+        mask = _mask(mask_key)
         fb = None
         if mask.has_fallback:
             from .flash_fwd import Fallback
