@@ -34,8 +34,8 @@ CUDA each stage runs once per thread, ``T.sync_threads()`` between stages; on Ti
 target (CPU, for CI) each stage is a serial loop over the threads, every value passed between
 stages lives in shared memory, so both texts run the same stage bodies.
 
-The shape (R, C, transpose) is static: the bitmap shapes change only with the sequence
-lengths, and static bounds let the compiler unroll the word loops. The batch size is dynamic.
+The shape (R, C, transpose) is static (the bitmap shapes change only with the sequence lengths;
+a new shape compiles once per process, a few seconds); the batch size is dynamic.
 """
 
 from __future__ import annotations
@@ -126,9 +126,9 @@ def _pow2_at_least(n: int) -> int:
 def plan(rows: int, cols: int, transpose: bool = False, fill: bool = False, *,
          threads: int | None = None, max_tpr: int | None = None,
          wpt: int | None = None) -> BlockSparsePlan:
-    """The kernel for ``rows`` list rows of ``cols`` column tiles: ``TPR`` threads per row, up to
-    a warp (fewer for short rows), ``WPT`` words each per chunk, rows per block to fill
-    ``threads``, shrunk to fit the shared-memory budget."""
+    """The kernel for ``rows`` list rows of ``cols`` column tiles: ``TPR`` threads per row (up to
+    64, 32 when transposed; fewer for short rows), ``WPT`` words each per chunk, rows per block
+    to fill ``threads``, shrunk to fit the shared-memory budget."""
     if rows < 1 or cols < 1:
         raise ValueError(f"need at least one row and one column tile, got {rows} x {cols}")
     row_words = -(-cols // TILES_PER_WORD)
