@@ -32,8 +32,7 @@ from compilemask.tiles import pack_bitmap
 
 SHAPES = [(131072, 1), (32768, 4)]
 # (threads, max_tpr, wpt) of the sweep; the first is the default
-LAYOUTS = [(128, 32, 2), (128, 32, 1), (128, 32, 4), (256, 32, 2), (64, 32, 2), (128, 16, 2),
-           (128, 16, 4), (256, 32, 1)]
+LAYOUTS = [(256, 64, 1), (128, 64, 1), (256, 32, 1), (128, 32, 2), (512, 64, 1), (256, 128, 1)]
 
 
 def passes(d):

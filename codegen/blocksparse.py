@@ -15,12 +15,13 @@ column tiles are visited in chunks of ``CHUNK = 16 * TPR * WPT`` tiles, each thr
 
 1. words: each thread reads its words (the bitmap row as it is; transposed, it assembles each
    16-tile word from 16 bitmap words of the block's column, staged in shared memory first) and
-   counts its partial and full tiles with two popcounts;
+   counts its partial and full tiles (sums of bit fields: the C target has no popcount);
 2. scan: a prefix sum of the per-thread counts over the row's threads (Hillis-Steele, both
    counts in one int32: ``partial + (full << 16)``, a chunk has < 2^15 tiles) gives every thread
    where its tiles go;
 3. scatter: each thread writes its tiles' column indices at those places of the row's two
-   compacted chunk lists in shared memory;
+   compacted chunk lists in shared memory (skewed by one slot per 32 entries: a row of full
+   tiles would otherwise put every thread of a warp on the same bank);
 4. copy: the row's threads copy the chunk lists to global memory, consecutive threads to
    consecutive entries (coalesced; the scattered writes of step 3 would not be), after the
    entries of the earlier chunks.
@@ -33,8 +34,8 @@ CUDA each stage runs once per thread, ``T.sync_threads()`` between stages; on Ti
 target (CPU, for CI) each stage is a serial loop over the threads, every value passed between
 stages lives in shared memory, so both texts run the same stage bodies.
 
-The shape (R, C, transpose) is static: the bitmap shapes change only with the sequence
-lengths, and static bounds let the compiler unroll the word loops. The batch size is dynamic.
+The shape (R, C, transpose) is static (the bitmap shapes change only with the sequence lengths;
+a new shape compiles once per process, a few seconds); the batch size is dynamic.
 """
 
 from __future__ import annotations
@@ -55,9 +56,15 @@ __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
            "block_sparse_lists", "compile_count"]
 
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-_THREADS = 128  # per block: RPB rows of TPR threads
-_MAX_TPR = 32  # threads per list row (a row of 512 tiles or more gets a full warp)
-_WPT = 2  # words per thread per chunk: a chunk of 1024 tiles with 32 threads per row
+# Thread layout, from a sweep on the H200 at 128K tokens (1024 x 1024 and 1024 x 2048 tiles,
+# bench/blocksparse.py): one word per thread and up to 64 threads per row (chunks of 1024 tiles)
+# beat 32 threads of 2 words (fwd 6.4 -> 5.1 us, bwd 9.0 -> 6.9 us on random states); the
+# transposed read prefers 8 rows per block of 32 threads (8.8 -> 6.9 us): fewer blocks load each
+# bitmap column.
+_THREADS = 256  # per block: RPB rows of TPR threads
+_MAX_TPR = 64  # threads per list row
+_MAX_TPR_TRANSPOSED = 32
+_WPT = 1  # words per thread per chunk
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory per block (under the 48 KiB default)
 
 
@@ -108,8 +115,8 @@ class BlockSparsePlan:
     @property
     def smem_bytes(self) -> int:
         col = self.chunk + self.chunk // TILES_PER_WORD if self.transpose else 0
-        return 4 * (2 * self.rpb * self.chunk + self.rpb * self.chunk_words + 2 * self.threads
-                    + 2 * self.rpb + col)
+        lists = 2 * self.rpb * (self.chunk + self.chunk // 32)
+        return 4 * (lists + self.rpb * self.chunk_words + 2 * self.threads + 2 * self.rpb + col)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -119,14 +126,15 @@ def _pow2_at_least(n: int) -> int:
 def plan(rows: int, cols: int, transpose: bool = False, fill: bool = False, *,
          threads: int | None = None, max_tpr: int | None = None,
          wpt: int | None = None) -> BlockSparsePlan:
-    """The kernel for ``rows`` list rows of ``cols`` column tiles: ``TPR`` threads per row, up to
-    a warp (fewer for short rows), ``WPT`` words each per chunk, rows per block to fill
-    ``threads``, shrunk to fit the shared-memory budget."""
+    """The kernel for ``rows`` list rows of ``cols`` column tiles: ``TPR`` threads per row (up to
+    64, 32 when transposed; fewer for short rows), ``WPT`` words each per chunk, rows per block
+    to fill ``threads``, shrunk to fit the shared-memory budget."""
     if rows < 1 or cols < 1:
         raise ValueError(f"need at least one row and one column tile, got {rows} x {cols}")
     row_words = -(-cols // TILES_PER_WORD)
     wpt = wpt or _WPT
-    tpr = min(max_tpr or _MAX_TPR, _pow2_at_least(-(-row_words // wpt)))
+    max_tpr = max_tpr or (_MAX_TPR_TRANSPOSED if transpose else _MAX_TPR)
+    tpr = min(max_tpr, _pow2_at_least(-(-row_words // wpt)))
     rpb = max(1, min(16, (threads or _THREADS) // tpr, _pow2_at_least(rows)))
     pl = BlockSparsePlan(rows, cols, transpose, tpr, wpt, rpb, fill)
     if pl.chunk >= 1 << 15:
@@ -232,8 +240,10 @@ class _Emitter:
         shared = [("words", "(RPB, CHUNK_WORDS)", "uint32", "the chunk's words of each row"),
                   ("scan", "(2, THREADS)", "int32", "per thread partial + (full << 16) tiles, "
                    "then prefix sums (ping-pong)"),
-                  ("part", "(RPB, CHUNK)", "int32", "the chunk's partial columns of each row"),
-                  ("full", "(RPB, CHUNK)", "int32", "the chunk's full columns of each row"),
+                  ("part", "(RPB, CHUNK + CHUNK // 32)", "int32", "the chunk's partial "
+                   "columns of each row (entry j at j + j // 32: see stage 3)"),
+                  ("full", "(RPB, CHUNK + CHUNK // 32)", "int32", "the chunk's full columns of "
+                   "each row"),
                   ("base", "(2, RPB)", "int32", "entries of the earlier chunks, per row")]
         if pl.transpose:
             shared.append(("col", "(CHUNK + CHUNK // 16,)", "uint32", "the block's bitmap "
@@ -344,7 +354,9 @@ class _Emitter:
         self.row_of_thread(ind)
         w(ind, "if row < R:")
         d = ind + 1
-        w(d, "# the counts of the row's threads before this one")
+        w(d, "# the counts of the row's threads before this one; entry j of a chunk list is kept")
+        w(d, "# at j + j // 32, so that the threads of a row of full tiles, which write entries")
+        w(d, "# 16 * WPT apart, hit different banks")
         w(d, f"acc = T.if_then_else(lane > 0, scan[{self._final}, T.max(tx - 1, 0)], 0)")
         w(d, "op = T.bitwise_and(acc, 65535)")
         w(d, "of = T.shift_right(acc, 16)")
@@ -354,11 +366,11 @@ class _Emitter:
         e = d + 2
         w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
              "T.uint32(3):")
-        w(e + 1, "part[lr, op] = ch * CHUNK + (lane * WPT + k) * 16 + t")
+        w(e + 1, "part[lr, op + op // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
         w(e + 1, "op = op + 1")
         w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
              "T.uint32(1):")
-        w(e + 1, "full[lr, of] = ch * CHUNK + (lane * WPT + k) * 16 + t")
+        w(e + 1, "full[lr, of + of // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
         w(e + 1, "of = of + 1")
 
     def _stage_copy(self, ind):
@@ -369,9 +381,11 @@ class _Emitter:
         w(d, f"acc = scan[{self._final}, lr * TPR + TPR - 1]  # the row's chunk totals")
         w(d, "for q in T.serial(CHUNK // TPR):")
         w(d + 1, "if q * TPR + lane < T.bitwise_and(acc, 65535):")
-        w(d + 2, "mask_idx[b, 0, row, base[0, lr] + q * TPR + lane] = part[lr, q * TPR + lane]")
+        w(d + 2, "mask_idx[b, 0, row, base[0, lr] + q * TPR + lane] = part[lr, q * TPR + lane "
+                 "+ (q * TPR + lane) // 32]")
         w(d + 1, "if q * TPR + lane < T.shift_right(acc, 16):")
-        w(d + 2, "full_idx[b, 0, row, base[1, lr] + q * TPR + lane] = full[lr, q * TPR + lane]")
+        w(d + 2, "full_idx[b, 0, row, base[1, lr] + q * TPR + lane] = full[lr, q * TPR + lane "
+                 "+ (q * TPR + lane) // 32]")
 
     def _stage_advance(self, ind):
         w = self.w
