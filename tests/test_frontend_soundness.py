@@ -117,3 +117,58 @@ def test_helper_on_a_shared_line_is_read_from_its_own_code():
     mask = _compile(ns["sees"])
     assert [str(iv) for iv in mask.regions[0].intervals] == ["[i - 20, i + 1)"]
     _assert_exact(mask)
+
+
+# ---- interval endpoints never contain j ------------------------------------------------------
+
+
+def test_quotient_plus_j_is_solved_exactly():
+    mask = _compile(lambda i, j: j // 7 + j <= i)
+    (iv,) = mask.regions[0].intervals
+    j = frontend.rule_symbols(())["j"]
+    assert iv.exact and not iv.lower.has(j) and not iv.upper.has(j)
+    _assert_exact(mask, sq=90, sk=90)
+    for rule in (lambda i, j: j // 7 + j > i, lambda i, j: 2 * j - (j + 3) // 4 == i,
+                 lambda i, j: i - 3 * j - j // 5 < 2):
+        mask = _compile(rule)
+        assert not mask.has_fallback
+        _assert_exact(mask, sq=90, sk=90)
+
+
+def test_non_monotone_quotient_mix_keeps_the_predicate():
+    mask = _compile(lambda i, j: j - 2 * (j // 3) <= i)  # j - 2*(j // 3) steps back
+    assert mask.has_fallback
+    _assert_exact(mask, sq=60, sk=60)
+
+
+_divs = st.sampled_from(["2", "3", "5", "7", "d"])
+_shift = st.sampled_from(["", " + 1", " - 2", " + a", " - i"])
+_term = st.one_of(
+    st.just("j"),
+    st.tuples(_shift, _divs).map(lambda t: f"((j{t[0]}) // {t[1]})"),
+    st.tuples(_shift, _divs).map(lambda t: f"((j{t[0]}) % {t[1]})"),
+)
+_lin = st.lists(st.tuples(st.integers(-3, 3), _term), min_size=1, max_size=3).map(
+    lambda ts: " + ".join(f"({k} * {t})" for k, t in ts))
+_rhs = st.sampled_from(["i", "i + a", "2 * i - 5", "a", "i // 2", "3"])
+_cmp = st.sampled_from(["<", "<=", ">", ">=", "==", "!="])
+_atom = st.tuples(_lin, _cmp, _rhs).map(lambda t: f"{t[0]} {t[1]} {t[2]}")
+_rule = st.recursive(_atom, lambda b: st.tuples(b, st.sampled_from(["and", "or"]), b).map(
+    lambda t: f"({t[0]} {t[1]} {t[2]})"), max_leaves=3)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=_rule, sq=st.integers(1, 40), sk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_random_quotient_remainder_rules_match_brute_force(rule, sq, sk, seed):
+    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
+    mask = _compile(ns["visible"], params=["a", "d"])
+    j = frontend.rule_symbols(())["j"]
+    for r in mask.regions:
+        for iv in r.intervals:
+            assert not iv.lower.has(j) and not iv.upper.has(j), (rule, str(iv))
+    gen = torch.Generator().manual_seed(seed)
+    meta = {"a": torch.randint(0, 30, (2,), generator=gen),
+            "d": torch.randint(1, 6, (2,), generator=gen)}
+    desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(4, 16))
+    ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask(), ref), (rule, meta)
