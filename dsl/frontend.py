@@ -29,6 +29,8 @@ __all__ = [
 ]
 
 _MAX_INLINE_DEPTH = 16
+_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", sp.Xor)}
+_BOOL_OPS = tuple(_BOOL_OPS_SYM)
 
 
 def rule_symbols(params) -> dict[str, sp.Symbol]:
@@ -341,11 +343,19 @@ class _Translator:
             v = self.expr(node.operand, env)
             if isinstance(node.op, ast.Not):
                 return sp.Not(self.boolean(v, node))
+            if isinstance(node.op, ast.Invert):
+                # logical not on booleans, as on torch bool tensors; on an int it is bitwise
+                if _is_bool(v):
+                    return sp.Not(v)
+                raise self.unsupported(node, "'~' on an integer (bitwise not): '~' negates "
+                                             "booleans only, e.g. ~(j < i)")
             if isinstance(node.op, ast.USub):
                 return -self.integer(v, node)
             if isinstance(node.op, ast.UAdd):
                 return self.integer(v, node)
             raise self.unsupported(node, f"operator '{type(node.op).__name__}'")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, _BOOL_OPS):
+            return self.bool_binop(node, env)
         if isinstance(node, ast.BinOp):
             a = self.integer(self.expr(node.left, env), node.left)
             b = self.integer(self.expr(node.right, env), node.right)
@@ -366,6 +376,15 @@ class _Translator:
         if isinstance(node, ast.Subscript):
             return self.subscript(node, env)
         raise self.unsupported(node, f"syntax '{type(node).__name__}'")
+
+    def bool_binop(self, node, env):
+        """``&``, ``|``, ``^`` of booleans are and, or, xor (as on torch bool tensors)."""
+        a, b = self.expr(node.left, env), self.expr(node.right, env)
+        sym, combine = _BOOL_OPS_SYM[type(node.op)]
+        if _is_bool(a) and _is_bool(b):
+            return combine(a, b)
+        raise self.unsupported(node, f"'{sym}' on integers (bitwise): '{sym}' combines booleans "
+                                     f"only; parenthesize comparisons, e.g. (j < i) {sym} (j > 2)")
 
     def binop(self, op, a, b, node):
         if isinstance(op, ast.Add):

@@ -172,3 +172,61 @@ def test_random_quotient_remainder_rules_match_brute_force(rule, sq, sk, seed):
     desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(4, 16))
     ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
     assert torch.equal(desc.dense_mask(), ref), (rule, meta)
+
+
+# ---- &, |, ~ on booleans -----------------------------------------------------------------------
+
+
+def _grid(fn, sq, sk, **env):
+    """The rule evaluated on broadcast torch grids: & | ~ are logical on bool tensors."""
+    i = torch.arange(sq).view(sq, 1)
+    j = torch.arange(sk).view(1, sk)
+    return torch.broadcast_to(torch.as_tensor(fn(i, j)), (sq, sk))
+
+
+def test_bitwise_operators_on_booleans_are_logical():
+    mask = _compile(lambda i, j: (j <= i) & ~(j < i - 3) | (j == 5))
+    assert not mask.has_fallback and mask.num_intervals == 2
+    desc = mask.preprocess({}, seqlen_q=30, seqlen_k=30)
+    want = _grid(lambda i, j: (j <= i) & ~(j < i - 3) | (j == 5), 30, 30)
+    assert torch.equal(desc.dense_mask()[0], want)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask({}, seqlen_q=30))
+    spec = cm.MaskSpec("g", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: ~(i >= a), visible=lambda i, j: (j <= i) ^ (j < 2)),  # noqa: F821
+        cm.Region("hi", when=lambda i: (i >= a) | (i < 0), visible=lambda i, j: j >= a)])  # noqa: F821
+    mask = cm.compile_mask(spec)
+    for a in (0, 4, 30):
+        _assert_exact(mask, {"a": a}, sq=20)
+
+
+def test_bitwise_operators_on_integers_are_errors():
+    with pytest.raises(NotImplementedError, match=r"test_frontend_soundness.py:\d+\): "
+                       r"unsupported '&' on integers \(bitwise\)"):
+        _compile(lambda i, j: j < (i & 3))
+    with pytest.raises(NotImplementedError, match=r"unsupported '\|' on integers"):
+        _compile(lambda i, j: (j | 1) < i)
+    with pytest.raises(NotImplementedError, match=r"unsupported '~' on an integer \(bitwise not\)"):
+        _compile(lambda i, j: j < ~i)
+    # precedence: & binds tighter than <=, so this is j <= (i & j) > 2
+    with pytest.raises(NotImplementedError, match="parenthesize comparisons"):
+        _compile(lambda i, j: j <= i & j > 2)
+    with pytest.raises(NotImplementedError, match=r"unsupported '&' on integers"):
+        _compile(lambda i, j: (j < i) & 1)
+
+
+_cmp_atom = st.tuples(st.sampled_from(["j", "j + 2", "2 * j", "j // 3"]), _cmp, _rhs).map(
+    lambda t: f"({t[0]} {t[1]} {t[2]})")
+_bit_rule = st.recursive(_cmp_atom, lambda b: st.one_of(
+    st.tuples(b, st.sampled_from(["&", "|", "^"]), b).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+    b.map(lambda x: f"(~{x})")), max_leaves=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=_bit_rule, sq=st.integers(1, 30), sk=st.integers(1, 30), a=st.integers(0, 30))
+def test_random_bitwise_rules_match_torch_semantics(rule, sq, sk, a):
+    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
+    mask = _compile(ns["visible"], params=["a"])
+    desc = mask.preprocess({"a": a}, seqlen_q=sq, seqlen_k=sk)
+    want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
+    assert torch.equal(desc.dense_mask()[0], want), rule
+    assert torch.equal(mask.reference_mask({"a": a}, seqlen_q=sq, seqlen_k=sk)[0], want), rule
