@@ -17,6 +17,7 @@ from compilemask.compiler import (
     canonicalize,
     extract_intervals,
     normalize,
+    run_arrays,
     to_dnf_terms,
 )
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
@@ -24,6 +25,7 @@ from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
 from compilemask.prover import Prover
+from compilemask.segments import derive_run_arrays, run_facts
 
 __all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "DEFAULT_FWD_TILES",
            "DEFAULT_BWD_TILES"]
@@ -72,6 +74,7 @@ class _IR:
     num_intervals: int
     torch_source: str
     torch_fns: dict
+    derived: tuple = ()  # (run start, run end, ids) arrays computed from the metadata
 
 
 _IR_CACHE: dict[str, _IR] = {}
@@ -116,10 +119,13 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     regions = []
     earlier_guards = []
     unconditional = Prover([], syms, divisors)  # for guard exclusivity, proved once per pair
+    derived = {}
     for idx, (r, g, v) in enumerate(translated):
-        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
-        prover = Prover(assumptions, syms, divisors)
         dnf = to_dnf_terms(normalize(v.expr, j))
+        runs = run_arrays(dnf)
+        derived.update({d[0]: d for d in runs})
+        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
+        prover = Prover(assumptions + run_facts(runs, i, syms["seqlen_q"]), syms, divisors)
         terms = extract_intervals(dnf, i, j)
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
@@ -134,10 +140,17 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         earlier_guards.append(g.expr)
     K = max(1, max(r.num_intervals for r in regions))
     scalar = tuple(p for p in spec.params if p not in ctx.array_params)
-    arrays = tuple(p for p in spec.params if p in ctx.array_params)
+    derived = tuple(derived[k] for k in sorted(derived))
+    clash = [n for d in derived for n in d[:2] if n in spec.params]
+    if clash:
+        raise ValueError(f"MaskSpec {spec.name!r}: param(s) {clash} clash with the run bounds "
+                         "derived for an ids[i] == ids[j] comparison; rename them")
+    # run bounds are per-row arrays the preprocess derives from the metadata
+    arrays = tuple(p for p in spec.params if p in ctx.array_params) + tuple(
+        n for d in derived for n in d[:2])
     source = _torch_source(spec.name, key, regions, scalar, arrays, K)
     fns = _exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
-    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns)
+    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived)
 
 
 def _exec_source(source: str, filename: str) -> dict:
@@ -287,6 +300,8 @@ class CompiledMask:
         bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
         B, scal, arrs, dev = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
                                                  check_values=None if not check else True)
+        if self._ir.derived:
+            arrs = {**arrs, **derive_run_arrays(self._ir.derived, arrs, check or dev.type == "cpu")}
         if backend not in ("auto", "torch", "tilelang"):
             raise ValueError(f"preprocess: backend must be auto, torch or tilelang, "
                              f"got {backend!r}")

@@ -3,7 +3,8 @@
 Each pass is a pure function:
 
 * ``normalize`` + ``to_dnf_terms`` (pass 2): push ``abs/min/max`` that contain ``j`` out of
-  comparisons, split ``!=``, and return the rule as a list of conjunctions of atoms.
+  comparisons, split ``!=``, turn ``ids[i] == ids[j]`` into the run of equal ids around i, and
+  return the rule as a list of conjunctions of atoms.
 * ``extract_intervals`` (pass 3): per conjunction, atoms in ``i`` only become a row condition,
   atoms linear in ``j`` become bounds, ``j // c`` atoms are solved through the quotient, a ``j % c``
   with a bounded quotient is split into one conjunction per quotient value; anything else in ``j``
@@ -20,8 +21,10 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from compilemask.dsl.frontend import array_function
 from compilemask.exprprint import ExprPrinter
 from compilemask.prover import Prover
+from compilemask.segments import RUN_START, run_names
 
 __all__ = [
     "Interval",
@@ -32,6 +35,7 @@ __all__ = [
     "canonicalize",
     "MAX_QUOTIENT_SPLIT",
     "python_str",
+    "run_arrays",
 ]
 
 # A `j % c` atom is split into one interval per quotient value only up to this many values.
@@ -110,11 +114,52 @@ def normalize(expr, j):
 def _normalize(expr, j):
     if not isinstance(expr, _REL) and isinstance(expr, sp.logic.boolalg.BooleanAtom):
         return expr
+    run = _run_atom(expr, j)
+    if run is not None:
+        return run
     if isinstance(expr, _REL):
         return _split_rel(expr, j) if (_has(expr, j) or isinstance(expr, sp.Ne)) else expr
     if isinstance(expr, (sp.And, sp.Or, sp.Not)):
         return type(expr)(*[_normalize(a, j) for a in expr.args])
     return expr
+
+
+def _run_atom(rel, j):
+    """``ids[i] == ids[j]`` (or ``!=``) -> bounds on j by the run of equal ids around i (see
+    compilemask.segments); None for any other atom."""
+    if not isinstance(rel, (sp.Eq, sp.Ne)):
+        return None
+    a, b = rel.lhs, rel.rhs
+    undef = sp.core.function.AppliedUndef
+    if not (isinstance(a, undef) and isinstance(b, undef) and len(a.args) == len(b.args) == 1
+            and type(a).__name__ == type(b).__name__):
+        return None
+    if a.args[0] == j:
+        a, b = b, a
+    i = a.args[0]
+    if b.args[0] != j or not (i.is_Symbol and i.name == "i"):
+        return None
+    start, end = run_names(type(a).__name__)
+    lo, hi = array_function(start)(i), array_function(end)(i)
+    if isinstance(rel, sp.Eq):
+        return sp.And(sp.Ge(j, lo), sp.Lt(j, hi))
+    return sp.Or(sp.Lt(j, lo), sp.Ge(j, hi))
+
+
+def run_arrays(terms) -> list[tuple[str, str, str]]:
+    """(start, end, ids) of the run-bound arrays that DNF terms read, in a stable order."""
+    names = set()
+    for t in terms:
+        for atom in t:
+            names |= {type(f).__name__ for f in atom.atoms(sp.core.function.AppliedUndef)}
+    out = []
+    for n in sorted(names):
+        if n.endswith(RUN_START):
+            ids = n[: -len(RUN_START)]
+            start, end = run_names(ids)
+            if end in names or start in names:
+                out.append((start, end, ids))
+    return out
 
 
 def to_dnf_terms(expr) -> list[list]:
