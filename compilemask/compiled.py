@@ -6,6 +6,7 @@ import functools
 import linecache
 import logging
 import threading
+import types
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -24,6 +25,7 @@ from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
+from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.prover import Prover
 from compilemask.segments import derive_run_arrays, run_facts
 
@@ -78,13 +80,44 @@ class _IR:
 
 
 _IR_CACHE: dict[str, _IR] = {}
+_SPEC_CACHE: dict = {}  # what the rule functions read -> _IR (skips reading the source)
 _LOCK = threading.Lock()
 
 
+def _spec_key(spec: MaskSpec):
+    """The spec's name, params and, per region, everything its functions can read (code,
+    closure cells, globals, helpers: compilemask.fingerprint); None if not keyable."""
+    walk = Walk()
+    try:
+        regions = []
+        for r in spec.regions:
+            if type(r.when) is not types.FunctionType or type(r.visible) is not types.FunctionType:
+                return None
+            regions.append((r.name, walk.function(r.when)[0], walk.function(r.visible)[0]))
+    except Uncacheable:
+        return None
+    return spec.name, spec.params, tuple(regions)
+
+
 def compile_mask(spec: MaskSpec) -> CompiledMask:
-    """Compile a MaskSpec (offline; cached by the canonical form of its rules)."""
+    """Compile a MaskSpec (offline; cached by the canonical form of its rules, and in front of
+    that by what its rule functions read, so a spec rebuilt from the same code and constants
+    costs microseconds)."""
     if not isinstance(spec, MaskSpec):
         raise TypeError(f"compile_mask expects a MaskSpec, got {type(spec).__name__}")
+    fkey = _spec_key(spec)
+    ir = _SPEC_CACHE.get(fkey) if fkey is not None else None
+    if ir is None:
+        ir = _compile_spec(spec)
+        if fkey is not None:
+            with _LOCK:
+                if len(_SPEC_CACHE) > 4096:
+                    _SPEC_CACHE.clear()
+                _SPEC_CACHE[fkey] = ir
+    return CompiledMask(spec, ir)
+
+
+def _compile_spec(spec: MaskSpec) -> _IR:
     syms = rule_symbols(spec.params)
     ctx_all = RuleContext("", "", spec.params, syms)
     translated = []
@@ -110,7 +143,7 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
         if ir is None:
             ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
             _IR_CACHE[key] = ir
-    return CompiledMask(spec, ir)
+    return ir
 
 
 def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
@@ -314,15 +347,21 @@ class CompiledMask:
                                       check, dev)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
-                     device="cuda", fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
+                     device=None, fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
                      check_values: bool | None = None):
         """``preprocess`` bound to one shape, for the per-step loop: ``pre = mask.preprocessor(S,
         batch_size=B)`` once, then ``desc = pre(meta)`` per batch. Validation, kernel lookup and
         output shapes happen once; a call launches the TileLang kernel directly when the
         metadata are int64 contiguous tensors on the device, and otherwise takes the general
-        path (see ``compilemask.codegen.preprocess.Preprocessor``). Needs TileLang."""
+        path (see ``compilemask.codegen.preprocess.Preprocessor``). ``device``: CUDA where
+        available, else the CPU (TileLang's C target). Needs TileLang."""
         from compilemask.codegen.preprocess import Preprocessor
 
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"preprocessor: device {str(device)!r} but CUDA is not available "
+                             "here; pass device='cpu' (TileLang's C target) or use preprocess()")
         if seqlen_q is None:
             raise ValueError("preprocessor: seqlen_q is required")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
