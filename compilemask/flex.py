@@ -16,7 +16,9 @@ Python ints (captured or global) are compile-time constants. The operations read
 ``& | ^ ~``, comparisons, ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``,
 ``torch.minimum/maximum`` and the ``torch.logical_*`` functions. The head index ``h``, data-
 dependent Python control flow and anything else are a NotImplementedError naming the construct
-and the source line. The translated rule is generated Python source (``mask.explain()`` shows it).
+and the source line. The translated rule is generated Python source (``mask.explain()`` shows it),
+split into one region per case of its row conditions (``torch.where(q_idx < n, ...)``): fewer
+interval slots than one region holding every case.
 
 The conversion is cached by the code objects and captured constants of the mask_mod, so calling
 it again for a rebuilt mask_mod (same code, new tensors) only collects the new tensors.
@@ -668,8 +670,11 @@ def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
     if not _is_bool(expr):
         raise TypeError(f"mask_mod {fname!r} must return a boolean, got the integer expression "
                         f"{expr}")
-    used_arrays = {type(f).__name__ for f in expr.atoms(sp.core.function.AppliedUndef)}
-    used_scalars = {s.name for s in expr.free_symbols} - {"i", "j"}
+    cases = _row_cases(expr)
+    # the params are what the regions read (a case split can drop a row condition's array)
+    used = [e for case in cases for e in case]
+    used_arrays = {type(f).__name__ for e in used for f in e.atoms(sp.core.function.AppliedUndef)}
+    used_scalars = {s.name for e in used for s in e.free_symbols} - {"i", "j"}
     order = {leaf: n for n, leaf in enumerate(tr.stand_ins)}
     scalars = tuple(sorted(((p, leaf) for p, leaf in tr.scalar_leaf.items()
                             if p in used_scalars), key=lambda t: order[t[1]]))
@@ -684,15 +689,63 @@ def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
         elif p in used_arrays:
             arrays.append((p, leaf, tr.array_ndim[p]))
     params = [p for p, _ in scalars] + [p for p, _, _ in arrays] + [p for p, *_ in derived]
-    source = f"def visible(i, j):\n    return {ExprPrinter()(expr)}\n"
+    label = name or f"flex_{fname.strip('<>')}"
+    regions = []
+    for k, (guard, rule) in enumerate(cases):
+        when = _every_row if guard is sp.true else _generated("when", "i", guard, fname)
+        visible = _generated("visible", "i, j", rule, fname)
+        regions.append(Region("all" if guard is sp.true else f"rows_{k}", when, visible))
+    if not regions:  # the mask_mod sees nothing anywhere
+        regions = [Region("all", _every_row, _generated("visible", "i, j", sp.false, fname))]
+    spec = MaskSpec(label, params=params, regions=regions)
+    return _Entry(spec, scalars, tuple(arrays), tuple(derived), tuple(index_arrays)), walk.leaves
+
+
+_MAX_ROW_ATOMS = 3  # up to 8 row cases
+
+
+def _row_cases(expr):
+    """(guard, rule) per assignment of the rule's row conditions (atoms free of j), rules that
+    are False dropped: a mask_mod is one expression, but ``torch.where(q_idx < n, a, b)`` is two
+    kinds of rows, and separate regions need fewer interval slots than one region holding every
+    case's intervals."""
+    expr = expr.replace(lambda e: isinstance(e, sp.core.relational.Relational), _one_of_pair)
+    atoms = sorted({a for a in expr.atoms(sp.core.relational.Relational) if not a.has(_J)},
+                   key=sp.default_sort_key)
+    if not atoms or len(atoms) > _MAX_ROW_ATOMS:
+        return [(sp.true, expr)]
+    cases: dict = {}
+    for bits in itertools.product((True, False), repeat=len(atoms)):
+        rule = expr.xreplace({a: sp.true if v else sp.false for a, v in zip(atoms, bits)})
+        if rule is sp.false:
+            continue
+        conj = sp.And(*[a if v else sp.Not(a) for a, v in zip(atoms, bits)])
+        cases.setdefault(rule, []).append(conj)
+    out = []
+    for rule, conjs in cases.items():
+        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf")
+        if guard is not sp.false:
+            out.append((guard, rule))
+    return out
+
+
+def _one_of_pair(rel):
+    """A relation and its complement (i < a, i >= a) as one atom: the canonical one of the pair,
+    negated where needed, so that a case split never assumes both."""
+    a, b = rel.canonical, sp.Not(rel).canonical
+    if not isinstance(b, sp.core.relational.Relational):
+        return a
+    return a if sp.default_sort_key(a) <= sp.default_sort_key(b) else sp.Not(b)
+
+
+def _generated(role, args, e, fname):
+    """A rule function from generated source (registered for the front end's reader)."""
+    source = f"def {role}({args}):\n    return {ExprPrinter()(e)}\n"
     filename = f"<compilemask-from_mask_mod-{fname}-{next(_COUNTER)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     ns: dict = {}
     exec(compile(source, filename, "exec"), ns)
-    label = name or f"flex_{fname.strip('<>')}"
-    spec = MaskSpec(label, params=params, regions=[
-        Region("all", when=_every_row, visible=ns["visible"])])
-    return _Entry(spec, scalars, tuple(arrays), tuple(derived), tuple(index_arrays)), walk.leaves
+    return ns[role]
 
 
 def _traceback_where(e) -> str:

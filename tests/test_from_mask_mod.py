@@ -1,11 +1,15 @@
 """cm.from_mask_mod: FlexAttention mask_mods as written (the attention-gym catalogue) compile to
 descriptors that equal FlexAttention's own dense mask of the same mask_mod, element by element."""
 
+import itertools
+import linecache
 import statistics
 import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import and_masks, create_mask, or_masks
 
 import compilemask as cm
@@ -187,6 +191,8 @@ def test_attention_gym_catalogue_equals_create_mask(S):
             assert not mask.has_fallback, name  # pure intervals
         if name == "natten":
             assert mask.num_intervals == 3  # one interval per kernel row
+        if name == "hstu":  # split on the row conditions: history rows, target rows
+            assert mask.num_intervals == 2 and len(mask.regions) == 2
 
 
 def test_translated_rules_read_like_the_mask_mod():
@@ -309,3 +315,38 @@ def test_unsupported_constructs_name_the_construct_and_line():
         cm.from_mask_mod(made_inside)
     with pytest.raises(TypeError, match=r"must take \(b, h, q_idx, kv_idx\)"):
         cm.from_mask_mod(lambda q, kv: q >= kv)
+
+
+# ---- random mask_mods in torch syntax ----------------------------------------------------------
+
+_ints = st.sampled_from([
+    "q_idx", "kv_idx", "n[b]", "3", "(q_idx // 4)", "(kv_idx % 5)", "(kv_idx // 3)",
+    "torch.minimum(q_idx, n[b])", "torch.maximum(kv_idx - 2, q_idx // 2)", "(q_idx - kv_idx).abs()",
+    "tok[q_idx]", "(q_idx + 2 * kv_idx)", "q_idx.clamp(2, 20)", "torch.where(q_idx < n[b], 1, 7)",
+])
+# (3 < 3 would be a Python bool, which torch.where and ~ do not take as a tensor)
+_atoms = st.tuples(_ints, st.sampled_from(["<", "<=", ">", ">=", "==", "!="]), _ints).filter(
+    lambda t: "3" not in (t[0], t[2])).map(lambda t: f"({t[0]} {t[1]} {t[2]})")
+_mods = st.recursive(_atoms, lambda r: st.one_of(
+    st.tuples(r, st.sampled_from(["&", "|", "^"]), r).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+    r.map(lambda x: f"(~{x})"),
+    st.tuples(_atoms, r, r).map(lambda t: f"torch.where({t[0]}, {t[1]}, {t[2]})")),
+    max_leaves=4)
+_counter = itertools.count()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=_mods, seed=st.integers(0, 2**31 - 1))
+def test_random_mask_mods_equal_create_mask(body, seed):
+    name = f"<random-mask-mod-{next(_counter)}>"
+    source = ("import torch\n\n\ndef make(n, tok):\n"
+              f"    def mask_mod(b, h, q_idx, kv_idx):\n        return {body}\n\n"
+              "    return mask_mod\n")
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns = {}
+    exec(compile(source, name, "exec"), ns)
+    gen = torch.Generator().manual_seed(seed)
+    S = 24
+    mm = ns["make"](torch.randint(0, S, (2,), generator=gen),
+                    torch.randint(0, 6, (S,), generator=gen))
+    _compare(mm, 2, S, batch_size=2)
