@@ -30,10 +30,10 @@ Shapes and dtypes (``B`` batch, ``Sq``/``Sk`` query/key lengths, ``K`` interval 
 ``params``  int32 ``[B, P]``: per-sequence scalar metadata, in ``CompiledMask.scalar_params`` order.
 ``row_params``  int32 ``[B, Sq, R]``: per-row metadata arrays, in ``CompiledMask.array_params``
     order (``R`` may be 0; the declared arrays, then the run bounds derived for ``ids[i] ==
-    ids[j]`` comparisons, see ``compilemask.segments``). With ``params`` and ``row_region`` this is what a kernel needs to
-    evaluate the fallback predicate of a region whose rule did not compile to intervals; for
-    such rows the interval slots are a sound over-approximation, and an element is visible iff
-    it is inside an interval AND the region's predicate holds.
+    ids[j]`` comparisons, see ``compilemask.segments``). With ``params`` and ``row_region``
+    this is what a kernel needs to evaluate the fallback predicate of a region whose rule did
+    not compile to intervals; for such rows the interval slots are a sound over-approximation,
+    and an element is visible iff it is inside an interval AND the region's predicate holds.
 """
 
 from __future__ import annotations

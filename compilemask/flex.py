@@ -115,10 +115,6 @@ class _Ops:
 
     __slots__ = ()
 
-    # what a stand-in is as a rule expression (a captured tensor only when it is 0-d)
-    def _e(self):
-        raise NotImplementedError
-
     def __bool__(self):
         raise self.tr.fail("data-dependent Python control flow (bool() of a traced value: "
                            "'if', 'and', 'or', 'not', min/max builtins); use torch.where, &, |, ~")
