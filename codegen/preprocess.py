@@ -75,6 +75,7 @@ import torch
 
 from compilemask.descriptor import TILES_PER_WORD, ExecutionDescriptor, TileConfig
 from compilemask.native import finish_descriptor
+from compilemask.segments import derive_run_arrays
 
 from .tl_printer import TileLangPrinter
 
@@ -754,9 +755,11 @@ class Preprocessor:
         self._out_shapes = [(B, seqlen_q, K, 2), (B, seqlen_q), (B, nm_f, -(-nn_f // 16)),
                             (B, nn_b, -(-nm_b // 16)), (B, P), (B, seqlen_q, R)]
         self._with_params, self._with_rows = bool(P), bool(R)
-        self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
-            (a, (B, seqlen_q)) for a in mask.array_params]
         self._keys = set(mask.spec.params)
+        self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
+            (a, (B, seqlen_q)) for a in mask.array_params if a in self._keys]
+        # run bounds of compared ids: derived from the metadata in torch, read as arrays
+        self._derived = getattr(mask._ir, "derived", ())
 
     def _launch_for(self, dtype):
         launch = self._launches.get(dtype)
@@ -792,7 +795,11 @@ class Preprocessor:
         i32, dev = torch.int32, self.device
         intervals, region, fwd, bwd, params, row_params = (
             torch.empty(s, dtype=i32, device=dev) for s in self._out_shapes)
-        args = [meta[p] for p, _ in self._inputs] + [intervals, region, fwd, bwd]
+        args = [meta[p] for p, _ in self._inputs]
+        if self._derived:
+            runs = derive_run_arrays(self._derived, meta, check=False)
+            args += [runs[n] for d in self._derived for n in d[:2]]
+        args += [intervals, region, fwd, bwd]
         if self._with_params:
             args.append(params)
         if self._with_rows:

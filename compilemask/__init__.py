@@ -9,11 +9,13 @@ from compilemask.api import attention
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl import MaskSpec, Region
+from compilemask.flex import from_mask_mod
 
 __all__ = [
     "MaskSpec",
     "Region",
     "compile_mask",
+    "from_mask_mod",
     "CompiledMask",
     "ExecutionDescriptor",
     "TileConfig",

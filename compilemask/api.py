@@ -31,6 +31,8 @@ def _validate(q, k, v, desc):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B, S, H, D], got shape {list(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     B, Sq, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and "
@@ -41,9 +43,13 @@ def _validate(q, k, v, desc):
     if H % Hkv:
         raise ValueError(f"num heads of q ({H}) must be a multiple of those of k/v ({Hkv})")
     if (desc.batch_size, desc.seqlen_q, desc.seqlen_k) != (B, Sq, Sk):
+        # metadata without tensors (or no params at all) carries no batch size: preprocess
+        # makes one sequence unless told otherwise
+        hint = (f"; metadata without tensors gives batch 1: preprocess(..., batch_size={B})"
+                if desc.batch_size == 1 and B != 1 else "")
         raise ValueError(
             f"desc was made for batch {desc.batch_size}, seqlen_q {desc.seqlen_q}, seqlen_k "
-            f"{desc.seqlen_k}; q/k give batch {B}, seqlen_q {Sq}, seqlen_k {Sk}")
+            f"{desc.seqlen_k}; q/k give batch {B}, seqlen_q {Sq}, seqlen_k {Sk}{hint}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 

@@ -6,6 +6,7 @@ import functools
 import linecache
 import logging
 import threading
+import types
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -17,14 +18,17 @@ from compilemask.compiler import (
     canonicalize,
     extract_intervals,
     normalize,
+    run_arrays,
     to_dnf_terms,
 )
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
+from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.native import finish_descriptor
 from compilemask.prover import Prover
+from compilemask.segments import derive_run_arrays, run_facts
 
 __all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "DEFAULT_FWD_TILES",
            "DEFAULT_BWD_TILES"]
@@ -73,19 +77,53 @@ class _IR:
     num_intervals: int
     torch_source: str
     torch_fns: dict
+    derived: tuple = ()  # (run start, run end, ids) arrays computed from the metadata
 
 
 _IR_CACHE: dict[str, _IR] = {}
+_SPEC_CACHE: dict = {}  # what the rule functions read -> _IR (skips reading the source)
 # key -> the first CompiledMask compiled with it (equal keys compile to equal code); registered
 # when compiled, so that a traced model's custom ops find it without a side effect at trace time
 _BY_KEY: dict = {}
 _LOCK = threading.Lock()
 
 
+def _spec_key(spec: MaskSpec):
+    """The spec's name, params and, per region, everything its functions can read (code,
+    closure cells, globals, helpers: compilemask.fingerprint); None if not keyable."""
+    walk = Walk()
+    try:
+        regions = []
+        for r in spec.regions:
+            if type(r.when) is not types.FunctionType or type(r.visible) is not types.FunctionType:
+                return None
+            regions.append((r.name, walk.function(r.when)[0], walk.function(r.visible)[0]))
+    except Uncacheable:
+        return None
+    return spec.name, spec.params, tuple(regions)
+
+
 def compile_mask(spec: MaskSpec) -> CompiledMask:
-    """Compile a MaskSpec (offline; cached by the canonical form of its rules)."""
+    """Compile a MaskSpec (offline; cached by the canonical form of its rules, and in front of
+    that by what its rule functions read, so a spec rebuilt from the same code and constants
+    costs microseconds)."""
     if not isinstance(spec, MaskSpec):
         raise TypeError(f"compile_mask expects a MaskSpec, got {type(spec).__name__}")
+    fkey = _spec_key(spec)
+    ir = _SPEC_CACHE.get(fkey) if fkey is not None else None
+    if ir is None:
+        ir = _compile_spec(spec)
+        if fkey is not None:
+            with _LOCK:
+                if len(_SPEC_CACHE) > 4096:
+                    _SPEC_CACHE.clear()
+                _SPEC_CACHE[fkey] = ir
+    mask = CompiledMask(spec, ir)
+    _BY_KEY.setdefault(ir.key, mask)
+    return mask
+
+
+def _compile_spec(spec: MaskSpec) -> _IR:
     syms = rule_symbols(spec.params)
     ctx_all = RuleContext("", "", spec.params, syms)
     translated = []
@@ -111,9 +149,7 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
         if ir is None:
             ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
             _IR_CACHE[key] = ir
-    mask = CompiledMask(spec, ir)
-    _BY_KEY.setdefault(key, mask)
-    return mask
+    return ir
 
 
 def mask_for_key(key: str) -> CompiledMask:
@@ -130,10 +166,13 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     regions = []
     earlier_guards = []
     unconditional = Prover([], syms, divisors)  # for guard exclusivity, proved once per pair
+    derived = {}
     for idx, (r, g, v) in enumerate(translated):
-        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
-        prover = Prover(assumptions, syms, divisors)
         dnf = to_dnf_terms(normalize(v.expr, j))
+        runs = run_arrays(dnf)
+        derived.update({d[0]: d for d in runs})
+        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
+        prover = Prover(assumptions + run_facts(runs, i, syms["seqlen_q"]), syms, divisors)
         terms = extract_intervals(dnf, i, j)
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
@@ -148,10 +187,17 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         earlier_guards.append(g.expr)
     K = max(1, max(r.num_intervals for r in regions))
     scalar = tuple(p for p in spec.params if p not in ctx.array_params)
-    arrays = tuple(p for p in spec.params if p in ctx.array_params)
+    derived = tuple(derived[k] for k in sorted(derived))
+    clash = [n for d in derived for n in d[:2] if n in spec.params]
+    if clash:
+        raise ValueError(f"MaskSpec {spec.name!r}: param(s) {clash} clash with the run bounds "
+                         "derived for an ids[i] == ids[j] comparison; rename them")
+    # run bounds are per-row arrays the preprocess derives from the metadata
+    arrays = tuple(p for p in spec.params if p in ctx.array_params) + tuple(
+        n for d in derived for n in d[:2])
     source = _torch_source(spec.name, key, regions, scalar, arrays, K)
     fns = _exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
-    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns)
+    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived)
 
 
 def _exec_source(source: str, filename: str) -> dict:
@@ -255,12 +301,15 @@ class CompiledMask:
                  for f in r.rule.atoms(sp.core.function.AppliedUndef) if f.has(j)}
         return tuple(a for a in self.array_params if a in names)
 
-    @functools.cached_property
+    @property
     def native_pattern(self):
-        """The FA4-native pattern z3 proves this mask equal to, or None (``compilemask.native``)."""
-        from compilemask.native import native_pattern
+        """The FA4-native pattern z3 proves this mask equal to, or None (``compilemask.native``);
+        proved once per compiled form."""
+        if not hasattr(self._ir, "native"):
+            from compilemask.native import native_pattern
 
-        return native_pattern(self)
+            self._ir.native = native_pattern(self)
+        return self._ir.native
 
     @property
     def fallback_regions(self) -> list[CompiledRegion]:
@@ -308,6 +357,8 @@ class CompiledMask:
         bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
         B, scal, arrs, dev = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
                                                  check_values=None if not check else True)
+        if self._ir.derived:
+            arrs = {**arrs, **derive_run_arrays(self._ir.derived, arrs, check or dev.type == "cpu")}
         if backend not in ("auto", "torch", "tilelang"):
             raise ValueError(f"preprocess: backend must be auto, torch or tilelang, "
                              f"got {backend!r}")
@@ -322,15 +373,21 @@ class CompiledMask:
         return finish_descriptor(desc)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
-                     device="cuda", fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
+                     device=None, fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
                      check_values: bool | None = None):
         """``preprocess`` bound to one shape, for the per-step loop: ``pre = mask.preprocessor(S,
         batch_size=B)`` once, then ``desc = pre(meta)`` per batch. Validation, kernel lookup and
         output shapes happen once; a call launches the TileLang kernel directly when the
         metadata are int64 contiguous tensors on the device, and otherwise takes the general
-        path (see ``compilemask.codegen.preprocess.Preprocessor``). Needs TileLang."""
+        path (see ``compilemask.codegen.preprocess.Preprocessor``). ``device``: CUDA where
+        available, else the CPU (TileLang's C target). Needs TileLang."""
         from compilemask.codegen.preprocess import Preprocessor
 
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"preprocessor: device {str(device)!r} but CUDA is not available "
+                             "here; pass device='cpu' (TileLang's C target) or use preprocess()")
         if seqlen_q is None:
             raise ValueError("preprocessor: seqlen_q is required")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:

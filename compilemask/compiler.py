@@ -3,7 +3,8 @@
 Each pass is a pure function:
 
 * ``normalize`` + ``to_dnf_terms`` (pass 2): push ``abs/min/max`` that contain ``j`` out of
-  comparisons, split ``!=``, and return the rule as a list of conjunctions of atoms.
+  comparisons, split ``!=``, turn ``ids[i] == ids[j]`` into the run of equal ids around i, and
+  return the rule as a list of conjunctions of atoms.
 * ``extract_intervals`` (pass 3): per conjunction, atoms in ``i`` only become a row condition,
   atoms linear in ``j`` become bounds, ``j // c`` atoms are solved through the quotient, a ``j % c``
   with a bounded quotient is split into one conjunction per quotient value; anything else in ``j``
@@ -20,8 +21,10 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from compilemask.dsl.frontend import array_function
 from compilemask.exprprint import ExprPrinter
 from compilemask.prover import Prover
+from compilemask.segments import RUN_START, run_names
 
 __all__ = [
     "Interval",
@@ -32,6 +35,7 @@ __all__ = [
     "canonicalize",
     "MAX_QUOTIENT_SPLIT",
     "python_str",
+    "run_arrays",
 ]
 
 # A `j % c` atom is split into one interval per quotient value only up to this many values.
@@ -110,11 +114,52 @@ def normalize(expr, j):
 def _normalize(expr, j):
     if not isinstance(expr, _REL) and isinstance(expr, sp.logic.boolalg.BooleanAtom):
         return expr
+    run = _run_atom(expr, j)
+    if run is not None:
+        return run
     if isinstance(expr, _REL):
         return _split_rel(expr, j) if (_has(expr, j) or isinstance(expr, sp.Ne)) else expr
     if isinstance(expr, (sp.And, sp.Or, sp.Not)):
         return type(expr)(*[_normalize(a, j) for a in expr.args])
     return expr
+
+
+def _run_atom(rel, j):
+    """``ids[i] == ids[j]`` (or ``!=``) -> bounds on j by the run of equal ids around i (see
+    compilemask.segments); None for any other atom."""
+    if not isinstance(rel, (sp.Eq, sp.Ne)):
+        return None
+    a, b = rel.lhs, rel.rhs
+    undef = sp.core.function.AppliedUndef
+    if not (isinstance(a, undef) and isinstance(b, undef) and len(a.args) == len(b.args) == 1
+            and type(a).__name__ == type(b).__name__):
+        return None
+    if a.args[0] == j:
+        a, b = b, a
+    i = a.args[0]
+    if b.args[0] != j or not (i.is_Symbol and i.name == "i"):
+        return None
+    start, end = run_names(type(a).__name__)
+    lo, hi = array_function(start)(i), array_function(end)(i)
+    if isinstance(rel, sp.Eq):
+        return sp.And(sp.Ge(j, lo), sp.Lt(j, hi))
+    return sp.Or(sp.Lt(j, lo), sp.Ge(j, hi))
+
+
+def run_arrays(terms) -> list[tuple[str, str, str]]:
+    """(start, end, ids) of the run-bound arrays that DNF terms read, in a stable order."""
+    names = set()
+    for t in terms:
+        for atom in t:
+            names |= {type(f).__name__ for f in atom.atoms(sp.core.function.AppliedUndef)}
+    out = []
+    for n in sorted(names):
+        if n.endswith(RUN_START):
+            ids = n[: -len(RUN_START)]
+            start, end = run_names(ids)
+            if end in names or start in names:
+                out.append((start, end, ids))
+    return out
 
 
 def to_dnf_terms(expr) -> list[list]:
@@ -227,6 +272,8 @@ def extract_intervals(terms, i, j) -> list[Term]:
                 t.cond.append(atom)
                 continue
             bound = _bound_of(atom, j) if isinstance(atom, _REL) else None
+            if bound is not None and any(e is not None and e.has(j) for e in bound):
+                bound = None  # not solved for j after all: keep the atom as a predicate
             if bound is None:
                 t.residual.append(atom)
                 t.reasons.append(_why_fallback(atom, j))
@@ -236,6 +283,8 @@ def extract_intervals(terms, i, j) -> list[Term]:
                 t.lowers.append(lo)
             if hi is not None:
                 t.uppers.append(hi)
+        # the invariant the generated preprocess relies on: endpoints are functions of the row
+        assert not any(e.has(j) for e in t.lowers + t.uppers), (atoms, t.lowers, t.uppers)
         out.append(t)
     return out
 
@@ -257,13 +306,68 @@ def _bound_of(atom, j):
     if r is None:
         return None
     q = sp.Dummy("q", integer=True)
-    qb = _linear_bound(atom.func(atom.lhs.subs(node, q), atom.rhs.subs(node, q)), q)
+    sub = atom.func(atom.lhs.subs(node, q), atom.rhs.subs(node, q))
+    if sub is sp.false:  # decided by sympy once the quotient is a plain integer (parity)
+        return sp.Integer(0), sp.Integer(0)
+    if sub is sp.true:
+        return None, None
+    if sub.has(j):  # j outside the quotient too: a*j + b*(j + r)//c
+        return _monotone_bound(atom, node, x, c, r, j)
+    qb = _linear_bound(sub, q)
     if qb is None:
         return None
     # q >= e  <=>  X >= c*e ;  q < e  <=>  X < c*e ;  X = j + r.
     lo = None if qb[0] is None else sp.expand(c * qb[0] - r)
     hi = None if qb[1] is None else sp.expand(c * qb[1] - r)
     return lo, hi
+
+
+def _monotone_bound(atom, node, x, c, r, j):
+    """Bounds on j from ``a*j + b*floor(x/c) + rest OP 0`` with x = j + r, when the left side
+    is monotone in j (a >= 0 and a + b >= 0, or both <= 0), solved exactly; else None.
+
+    With x = c*q + s (0 <= s < c) the left side is g(x) = A*q + a*s with A = a*c + b, non-
+    decreasing when a >= 0 and a + b >= 0 (the step from s = c - 1 to the next q is a + b). The
+    largest x with g(x) <= T is c*q* + min(c - 1, (T - A*q*) // a) with q* = T // A."""
+    if not (c.is_Integer and int(c) > 1):
+        return None
+    cls = type(atom)
+    if cls not in (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq):
+        return None
+    q = sp.Dummy("q", integer=True)
+    d = sp.expand((atom.lhs - atom.rhs).subs(node, q))
+    a, b = d.coeff(j, 1), d.coeff(q, 1)
+    rest = sp.expand(d - a * j - b * q)
+    if not (a.is_Integer and b.is_Integer) or rest.has(j) or rest.has(q):
+        return None
+    a, b, c = int(a), int(b), int(c)
+    flip = {sp.Lt: sp.Gt, sp.Le: sp.Ge, sp.Gt: sp.Lt, sp.Ge: sp.Le, sp.Eq: sp.Eq}
+    if a <= 0 and a + b <= 0 and (a, b) != (0, 0):  # non-increasing: negate both sides
+        a, b, rest, cls = -a, -b, -rest, flip[cls]
+    if a < 0 or a + b < 0 or (a, b) == (0, 0):
+        return None  # not monotone in j (j % c in disguise): a predicate
+    A = a * c + b  # > 0: a >= 0, a + b >= 0, c >= 2 and not both zero
+    # a*j + b*q + rest = g(x) - a*r + rest with g(x) = A*q + a*s: g(x) OP T
+    T = sp.expand(a * r - rest)
+
+    def last(t):  # the largest x with g(x) <= t
+        qs = sp.floor(t / A)
+        if a == 0:
+            return c * qs + c - 1
+        return c * qs + sp.Min(c - 1, sp.floor((t - A * qs) / a))
+
+    def upper(t):  # j < upper(t)  <=>  g(x) <= t
+        return sp.expand(last(t) - r + 1)
+
+    if cls is sp.Le:
+        return None, upper(T)
+    if cls is sp.Lt:
+        return None, upper(T - 1)
+    if cls is sp.Ge:
+        return upper(T - 1), None
+    if cls is sp.Gt:
+        return upper(T), None
+    return upper(T - 1), upper(T)  # Eq
 
 
 def _split_quotient(atoms, j):
@@ -285,7 +389,7 @@ def _split_quotient(atoms, j):
             if m2 or list(f2) != [(x, c)]:
                 continue
             sub = other.func(other.lhs.subs(f2[(x, c)], q), other.rhs.subs(f2[(x, c)], q))
-            if sub.has(j):
+            if not isinstance(sub, _REL) or sub.has(j):
                 continue
             b = _linear_bound(sub, q)
             if b is None:

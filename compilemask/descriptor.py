@@ -40,10 +40,11 @@ counts ``[B, 1, R]`` and ascending indices ``[B, 1, R, C]`` of its partial and o
 backward tiling (64x128, FA4's head-dim-128 backward); ``"bwd128"``: kv tiles x q tiles of the
 forward tiling (128x128, FA4's head-dim-64 backward).
 ``row_params``  int32 ``[B, Sq, R]``: per-row metadata arrays, in ``CompiledMask.array_params``
-    order (``R`` may be 0). With ``params`` and ``row_region`` this is what a kernel needs to
-    evaluate the fallback predicate of a region whose rule did not compile to intervals; for
-    such rows the interval slots are a sound over-approximation, and an element is visible iff
-    it is inside an interval AND the region's predicate holds.
+    order (``R`` may be 0; the declared arrays, then the run bounds derived for ``ids[i] ==
+    ids[j]`` comparisons, see ``compilemask.segments``). With ``params`` and ``row_region``
+    this is what a kernel needs to evaluate the fallback predicate of a region whose rule did
+    not compile to intervals; for such rows the interval slots are a sound over-approximation,
+    and an element is visible iff it is inside an interval AND the region's predicate holds.
 """
 
 from __future__ import annotations

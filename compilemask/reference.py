@@ -3,6 +3,7 @@ user's Python rules, and dense masked attention (the CPU path of ``cm.attention`
 
 from __future__ import annotations
 
+import dis
 import types
 
 import torch
@@ -86,23 +87,55 @@ def _rebind(fn, env: dict, memo: dict):
     return copy
 
 
+_INVERT = dis.opmap["UNARY_INVERT"]
+
+
+def _uses_invert(fn, seen: set) -> bool:
+    """Whether ``fn`` or a function it can reach applies ``~`` (a scan of the bytecode)."""
+    if not isinstance(fn, types.FunctionType) or fn in seen:
+        return False
+    seen.add(fn)
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        if any(ins.opcode == _INVERT for ins in dis.get_instructions(code)):
+            return True
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            pass
+    reach = [fn.__globals__.get(n) for n in fn.__code__.co_names] + cells
+    return any(_uses_invert(g, seen) for g in reach)
+
+
 def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
     """Call the user's rules on every (i, j): a row belongs to the first region whose guard
-    holds, and sees the keys its rule accepts. Slow by design; it is the oracle."""
+    holds, and sees the keys its rule accepts. Slow by design; it is the oracle.
+
+    A rule may negate a comparison with ``~`` (logical not, as on torch bool tensors); on a
+    Python bool ``~`` is bitwise (``~True == -2``), so such rules are called on 0-d int64
+    tensors instead of ints, where ``~`` of a comparison is the logical not."""
     spec = mask.spec
+    seen: set = set()
+    tensors = any(_uses_invert(f, seen) for r in spec.regions for f in (r.when, r.visible))
+    num = (lambda v: torch.tensor(v, dtype=torch.int64)) if tensors else int
     out = torch.zeros(B, seqlen_q, seqlen_k, dtype=torch.bool)
     for b in range(B):
-        env = {p: int(scal[p][b, 0]) for p in scal}
-        env.update({a: arrs[a][b].tolist() for a in arrs})
-        env["seqlen_q"], env["seqlen_k"] = seqlen_q, seqlen_k
+        env = {p: num(int(scal[p][b, 0])) for p in scal}
+        env.update({a: (arrs[a][b].clone() if tensors else arrs[a][b].tolist()) for a in arrs})
+        env["seqlen_q"], env["seqlen_k"] = num(seqlen_q), num(seqlen_k)
         memo: dict = {}
         regions = [(_rebind(r.when, env, memo), _rebind(r.visible, env, memo))
                    for r in spec.regions]
         rows = out[b]
         for i in range(seqlen_q):
             for when, visible in regions:
-                if when(i):
-                    rows[i] = torch.tensor([bool(visible(i, j)) for j in range(seqlen_k)])
+                if when(num(i)):
+                    rows[i] = torch.tensor([bool(visible(num(i), num(j)))
+                                            for j in range(seqlen_k)])
                     break
     return out
 

@@ -19,6 +19,9 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     terms, K; then the generated code. With ``meta`` and ``row``: that row's concrete intervals."""
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
+    for start, end, ids in getattr(mask._ir, "derived", ()):
+        out.append(f"  {start}, {end}: the run of equal {ids} around each row, derived from "
+                   f"the metadata (each id's tokens must be contiguous)")
     for r in mask.regions:
         out.append("")
         out.append(f"  region {r.index} {r.name!r}")

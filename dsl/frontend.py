@@ -19,9 +19,18 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-__all__ = ["RuleContext", "TranslatedRule", "translate_rule", "rule_symbols", "array_function"]
+__all__ = [
+    "RuleContext",
+    "TranslatedRule",
+    "SourceMatchError",
+    "translate_rule",
+    "rule_symbols",
+    "array_function",
+]
 
 _MAX_INLINE_DEPTH = 16
+_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", sp.Xor)}
+_BOOL_OPS = tuple(_BOOL_OPS_SYM)
 
 
 def rule_symbols(params) -> dict[str, sp.Symbol]:
@@ -68,59 +77,154 @@ def _is_bool(e) -> bool:
                           sp.logic.boolalg.BooleanAtom))
 
 
-def _func_source_node(fn) -> tuple[ast.AST, str, str]:
-    """Find the ast node (FunctionDef or Lambda) of ``fn`` in its file, and its source text."""
+class SourceMatchError(ValueError):
+    """A rule function whose source cannot be matched to its code object unambiguously."""
+
+
+_TREES: dict = {}  # (filename, source text) -> parsed module: one parse per file version
+
+
+def _parsed(filename, text):
+    key = (filename, text)
+    tree = _TREES.get(key)
+    if tree is None:
+        tree = ast.parse(text)
+        if len(_TREES) > 256:
+            _TREES.clear()
+        _TREES[key] = tree
+    return tree
+
+
+def _file_tree(fn):
+    """(module ast, source text, filename) for ``fn``; positions match its code object."""
     code = fn.__code__
     filename = code.co_filename
     lines = linecache.getlines(filename, fn.__globals__)
     if not lines:
-        raise ValueError(
+        raise SourceMatchError(
             f"cannot read the source of {fn.__name__} ({filename}): rules must be defined in a "
             "file (or registered in linecache), not typed at an interactive prompt"
         )
     text = "".join(lines)
     try:
-        tree = ast.parse(text)
+        return _parsed(filename, text), text, filename
     except SyntaxError:
-        # A fragment (e.g. a notebook cell registered partially): fall back to the function's own
-        # lines, dedented.
-        text = textwrap.dedent(inspect.getsource(fn))
-        tree = ast.parse(text)
-        offset = code.co_firstlineno - 1
-        for node in ast.walk(tree):
-            if hasattr(node, "lineno"):
-                node.lineno += offset
-        lines = text.splitlines(keepends=True)
-        lines = [""] * offset + lines
+        pass
+    # A fragment (e.g. a notebook cell registered partially): parse the function's own lines,
+    # dedented, then shift the nodes back to where the code object says they are.
+    raw = inspect.getsource(fn)
+    dedented = textwrap.dedent(raw)
+    first = next((ln for ln in raw.splitlines() if ln.strip()), "")
+    indent = len(first) - len(first.lstrip())
+    tree = ast.parse(dedented)
+    offset = code.co_firstlineno - 1
+    for node in ast.walk(tree):
+        if hasattr(node, "lineno"):
+            node.lineno += offset
+            node.end_lineno = (node.end_lineno or node.lineno - offset) + offset
+            node.col_offset += indent
+            if node.end_col_offset is not None:
+                node.end_col_offset += indent
+    return tree, "\n" * offset + raw, filename
+
+
+def _code_positions(code) -> set:
+    """Source spans (line, end_line, col, end_col) of the code's instructions; the zero-width
+    ones (RESUME) and those without columns (-X no_debug_ranges) carry no location."""
+    return {p for p in code.co_positions()
+            if None not in p and not (p[2] == 0 and p[3] == 0)}
+
+
+def _inside(pos, node) -> bool:
+    line, end_line, col, end_col = pos
+    return ((node.lineno, node.col_offset) <= (line, col)
+            and (end_line, end_col) <= (node.end_lineno, node.end_col_offset))
+
+
+def _code_shape(code):
+    """What a code object computes apart from where names resolve: compiled alone, a closure
+    variable becomes a global, so free and global names are compared as one set."""
+    consts = tuple(_code_shape(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+                   for c in code.co_consts)
+    return (code.co_argcount, code.co_varnames, consts,
+            frozenset(code.co_names) | frozenset(code.co_freevars))
+
+
+def _node_shape(node):
+    """``_code_shape`` of an ast Lambda/FunctionDef compiled on its own; None if it cannot be
+    compiled out of its context."""
+    try:
+        if isinstance(node, ast.Lambda):
+            mod = ast.Expression(body=node)
+            co = compile(mod, "<cm>", "eval")
+        else:
+            mod = ast.Module(body=[node], type_ignores=[])
+            co = compile(mod, "<cm>", "exec")
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    inner = next((c for c in co.co_consts if isinstance(c, types.CodeType)), None)
+    return None if inner is None else _code_shape(inner)
+
+
+def _func_source_node(fn, where: str | None = None) -> tuple[ast.AST, str, str]:
+    """The ast node (FunctionDef or Lambda) of ``fn`` and its source text.
+
+    The node is identified from the code object itself: its first line, the column spans of its
+    instructions (``co_positions``) and, where several nodes remain, its constants and names.
+    Several lambdas on one line are told apart this way; a function whose source cannot be
+    matched unambiguously (e.g. the file changed since it was imported) is an error, never a
+    guess."""
+    code = fn.__code__
+    who = where or f"function {fn.__name__!r}"
+    try:
+        tree, text, filename = _file_tree(fn)
+    except SourceMatchError as e:
+        raise SourceMatchError(f"{who}: {e}") from None
     first = code.co_firstlineno
     candidates = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Lambda) and fn.__name__ == "<lambda>":
-            if node.lineno == first and len(node.args.args) == code.co_argcount:
+        if isinstance(node, ast.Lambda):
+            if (code.co_name == "<lambda>" and node.lineno == first
+                    and len(node.args.args) == code.co_argcount):
                 candidates.append(node)
-        elif isinstance(node, (ast.FunctionDef,)) and node.name == fn.__name__:
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            if start == first or node.lineno == first:
+            if node.name == code.co_name and first in (start, node.lineno):
                 candidates.append(node)
+    positions = _code_positions(code)
+    if positions:
+        candidates = [c for c in candidates if all(_inside(p, c) for p in positions)]
+        # A lambda returns its body: the body's exact span is one of the code's positions
+        # (this separates a lambda from a lambda nested in its body).
+        bodies = [c for c in candidates if isinstance(c, ast.Lambda) and (
+            c.body.lineno, c.body.end_lineno, c.body.col_offset, c.body.end_col_offset
+        ) in positions]
+        if bodies:
+            candidates = bodies
     if len(candidates) > 1:
-        candidates = [c for c in candidates if _same_code(c, fn)] or candidates
+        want = _code_shape(code)
+        candidates = [c for c in candidates if _node_shape(c) in (want, None)]
+    if len(candidates) > 1:
+        # identical text in one place reads the same free names: any of them is the rule
+        dumps = {ast.dump(c) for c in candidates}
+        if len(dumps) > 1:
+            raise SourceMatchError(
+                f"{who} ({filename}:{first}): {len(candidates)} functions on this line match "
+                "its code object; define the rule on a line of its own"
+            )
     if not candidates:
-        raise ValueError(f"cannot locate the source of {fn.__name__} in {filename}:{first}")
+        raise SourceMatchError(
+            f"{who} ({filename}:{first}): cannot locate its source; the file may have changed "
+            "since it was imported"
+        )
     node = candidates[0]
+    if len(candidates) == 1 and _node_shape(node) not in (_code_shape(code), None):
+        raise SourceMatchError(
+            f"{who} ({filename}:{first}): the source at this line does not match the function's "
+            "code; the file may have changed since it was imported"
+        )
     src = ast.get_source_segment(text, node) if text else None
     return node, src or ast.unparse(node), filename
-
-
-def _same_code(node, fn) -> bool:
-    """Disambiguate several lambdas on one line by comparing their compiled bytecode."""
-    try:
-        expr = ast.Expression(body=node)
-        ast.fix_missing_locations(expr)
-        co = compile(expr, "<cm>", "eval")
-        inner = next(c for c in co.co_consts if isinstance(c, types.CodeType))
-        return inner.co_code == fn.__code__.co_code and inner.co_names == fn.__code__.co_names
-    except Exception:
-        return False
 
 
 def _closure_vars(fn) -> dict:
@@ -239,11 +343,19 @@ class _Translator:
             v = self.expr(node.operand, env)
             if isinstance(node.op, ast.Not):
                 return sp.Not(self.boolean(v, node))
+            if isinstance(node.op, ast.Invert):
+                # logical not on booleans, as on torch bool tensors; on an int it is bitwise
+                if _is_bool(v):
+                    return sp.Not(v)
+                raise self.unsupported(node, "'~' on an integer (bitwise not): '~' negates "
+                                             "booleans only, e.g. ~(j < i)")
             if isinstance(node.op, ast.USub):
                 return -self.integer(v, node)
             if isinstance(node.op, ast.UAdd):
                 return self.integer(v, node)
             raise self.unsupported(node, f"operator '{type(node.op).__name__}'")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, _BOOL_OPS):
+            return self.bool_binop(node, env)
         if isinstance(node, ast.BinOp):
             a = self.integer(self.expr(node.left, env), node.left)
             b = self.integer(self.expr(node.right, env), node.right)
@@ -264,6 +376,15 @@ class _Translator:
         if isinstance(node, ast.Subscript):
             return self.subscript(node, env)
         raise self.unsupported(node, f"syntax '{type(node).__name__}'")
+
+    def bool_binop(self, node, env):
+        """``&``, ``|``, ``^`` of booleans are and, or, xor (as on torch bool tensors)."""
+        a, b = self.expr(node.left, env), self.expr(node.right, env)
+        sym, combine = _BOOL_OPS_SYM[type(node.op)]
+        if _is_bool(a) and _is_bool(b):
+            return combine(a, b)
+        raise self.unsupported(node, f"'{sym}' on integers (bitwise): '{sym}' combines booleans "
+                                     f"only; parenthesize comparisons, e.g. (j < i) {sym} (j > 2)")
 
     def binop(self, op, a, b, node):
         if isinstance(op, ast.Add):
@@ -379,8 +500,14 @@ class _Translator:
         )
 
 
-def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, caller=None):
-    node, _, filename = _func_source_node(fn)
+def _who(ctx: RuleContext, fn, depth: int) -> str:
+    base = f"Region {ctx.region!r}, {ctx.role} function"
+    return f"{base} {fn.__name__!r}" if depth == 0 else f"{base} helper {fn.__name__!r}"
+
+
+def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, caller=None,
+                    found=None):
+    node, _, filename = found or _func_source_node(fn, _who(ctx, fn, depth))
     tr = _Translator(ctx, fn, filename, depth)
     a = node.args
     if a.vararg or a.kwarg or a.kwonlyargs or a.defaults or a.posonlyargs:
@@ -396,9 +523,10 @@ def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, call
 
 def translate_rule(fn, ctx: RuleContext) -> TranslatedRule:
     """Pass 1: translate ``when(i)`` or ``visible(i, j)`` into a sympy Boolean."""
-    node, src, _ = _func_source_node(fn)
+    found = _func_source_node(fn, _who(ctx, fn, 0))
+    src = found[1]
     args = [ctx.symbols["i"]] if ctx.role == "when" else [ctx.symbols["i"], ctx.symbols["j"]]
-    expr = inline_function(fn, args, ctx, 0)
+    expr = inline_function(fn, args, ctx, 0, found=found)
     if not _is_bool(expr):
         raise TypeError(
             f"Region {ctx.region!r}, {ctx.role} function {fn.__name__!r}: must return a boolean "

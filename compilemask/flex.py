@@ -1,0 +1,755 @@
+"""``from_mask_mod``: a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` -> ``(MaskSpec, meta)``.
+
+The mask_mod runs once on symbolic stand-ins: ``q_idx`` and ``kv_idx`` become the rule's ``i`` and
+``j``, and every tensor it captures (closure cells, globals, tuples/lists/dicts of them, through
+nested mask_mods such as ``and_masks``/``or_masks``) is replaced by a stand-in that records how it
+is indexed:
+
+* ``t[b]`` (``t`` of shape ``[B]``) or a 0-d ``t``: a per-sequence scalar param;
+* ``t[b, q_idx]`` / ``t[q_idx]`` (``[B, S]`` or ``[S]``): a per-row array read at ``i``;
+* ``t[b, kv_idx]`` / ``t[kv_idx]``: the same array read at ``j`` (exact, through the fallback
+  predicate or, for ``t[i] == t[j]``, a run interval);
+* ``s[t[q_idx]]`` / ``s[b, t[b, q_idx]]``: a gathered per-row array ``s_at_t`` (computed in torch
+  with the metadata).
+
+Python ints (captured or global) are compile-time constants. The operations read are
+``& | ^ ~``, comparisons, ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``,
+``torch.minimum/maximum`` and the ``torch.logical_*`` functions. The head index ``h``, data-
+dependent Python control flow and anything else are a NotImplementedError naming the construct
+and the source line. The translated rule is generated Python source (``mask.explain()`` shows it),
+split into one region per case of its row conditions (``torch.where(q_idx < n, ...)``): fewer
+interval slots than one region holding every case.
+
+The conversion is cached by the code objects and captured constants of the mask_mod, so calling
+it again for a rebuilt mask_mod (same code, new tensors) only collects the new tensors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import linecache
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+from compilemask.dsl.frontend import array_function
+from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
+from compilemask.exprprint import ExprPrinter
+from compilemask.fingerprint import Uncacheable as _Uncacheable
+from compilemask.fingerprint import Walk as _Walk
+
+__all__ = ["from_mask_mod"]
+
+_I = sp.Symbol("i", integer=True, nonnegative=True)
+_J = sp.Symbol("j", integer=True, nonnegative=True)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_HERE = os.path.abspath(__file__)
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+
+
+def _every_row(i):
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# symbolic stand-ins
+# --------------------------------------------------------------------------------------------
+
+
+def _is_bool(e) -> bool:
+    return isinstance(e, (sp.logic.boolalg.Boolean, sp.core.relational.Relational)) and not (
+        isinstance(e, sp.Symbol))
+
+
+def _where() -> str:
+    """file:line of the innermost frame of user code (not this module, not torch)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if fn != _HERE and not fn.startswith(_TORCH_DIR):
+            return f"{f.f_code.co_filename}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+class _Trace:
+    def __init__(self, fname: str):
+        self.fname = fname
+        self.stand_ins: dict[int, _Captured] = {}
+        self.used_names: set[str] = set()
+        self.derived: dict[str, tuple] = {}  # gathered array -> (source leaf, index array name)
+        self.array_leaf: dict[str, int] = {}  # array param -> leaf
+        self.scalar_leaf: dict[str, int] = {}  # scalar param -> leaf
+        self.array_ndim: dict[str, int] = {}
+
+    def fail(self, what: str):
+        return NotImplementedError(f"mask_mod {self.fname!r} ({_where()}): {what}")
+
+    def fresh(self, name: str) -> str:
+        base = name if name.isidentifier() else "t"
+        out = base
+        while (out in self.used_names or out in RESERVED_NAMES or hasattr(builtins, out)
+               or out in ("b", "h")):
+            out += "_"
+        self.used_names.add(out)
+        return out
+
+    def new_stand_in(self, leaf, name, tensor):
+        c = _Captured(self, leaf, self.fresh(name), tensor)
+        self.stand_ins[leaf] = c
+        return c
+
+    def stand_in(self, leaf):
+        return self.stand_ins[leaf]
+
+
+class _Ops:
+    """Operators shared by traced values and captured tensors (Python and torch spellings)."""
+
+    __slots__ = ()
+
+    def __bool__(self):
+        raise self.tr.fail("data-dependent Python control flow (bool() of a traced value: "
+                           "'if', 'and', 'or', 'not', min/max builtins); use torch.where, &, |, ~")
+
+    def __index__(self):
+        raise self.tr.fail("a traced value used as a Python int")
+
+    __int__ = __index__
+
+    def __hash__(self):
+        return id(self)
+
+    def __iter__(self):
+        raise self.tr.fail("iteration over a traced value")
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = _find_trace([*args, *kwargs.values()])
+        fn = _TORCH_FUNCS.get(func)
+        if fn is None:
+            name = getattr(func, "__name__", repr(func))
+            if any(isinstance(a, torch.Tensor) for a in args):
+                raise tr.fail(f"a tensor that is not captured by the mask_mod as a closure "
+                              f"variable or global (an attribute, or one made inside it) "
+                              f"in '{name}'")
+            raise tr.fail(f"torch function '{name}'")
+        return fn(tr, *args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name in ("tr", "e", "tag", "leaf", "name", "ndim", "is_bool"):
+            raise AttributeError(name)
+        raise self.tr.fail(f"tensor method or attribute '.{name}'")
+
+
+def _find_trace(args):
+    for a in args:
+        if isinstance(a, _Ops):
+            return a.tr
+        if isinstance(a, (tuple, list)):
+            tr = _find_trace(a)
+            if tr is not None:
+                return tr
+    return None
+
+
+def _val(tr, x):
+    """An operand as a sympy expression."""
+    if isinstance(x, _Captured):
+        return x.scalar()
+    if isinstance(x, _Sym):
+        if x.tag == "h":
+            raise tr.fail("the head index h (per-head masks have no rule form here: build one "
+                          "mask per head group)")
+        if x.tag == "b":
+            raise tr.fail("the batch index b outside indexing a captured tensor (write t[b])")
+        return x.e
+    if isinstance(x, bool):
+        return sp.true if x else sp.false
+    if isinstance(x, int):
+        return sp.Integer(x)
+    if isinstance(x, torch.Tensor):
+        raise tr.fail("a tensor that is not captured by the mask_mod as a closure variable or "
+                      "global (an attribute, or one made inside it)")
+    if isinstance(x, float):
+        raise tr.fail(f"float constant {x!r} (only ints)")
+    raise tr.fail(f"value of type {type(x).__name__}")
+
+
+def _int(tr, e, what):
+    if _is_bool(e):
+        raise tr.fail(f"a boolean used in arithmetic ('{what}'); convert with .to(torch.int64)")
+    return e
+
+
+def _bool(tr, e, what):
+    if not _is_bool(e):
+        raise tr.fail(f"an integer used as a boolean ('{what}'); compare it explicitly")
+    return e
+
+
+def _divisor(tr, e, what):
+    if e.is_Integer and int(e) > 0:
+        return e
+    if e.is_Symbol and e not in (_I, _J):
+        return e
+    raise tr.fail(f"divisor {e} of '{what}' (a positive int or a per-sequence scalar t[b])")
+
+
+def _arith(tr, op, a, b):
+    a, b = _int(tr, _val(tr, a), op), _int(tr, _val(tr, b), op)
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if op == "//":
+        return sp.floor(a / _divisor(tr, b, op))
+    if op == "%":
+        return sp.Mod(a, _divisor(tr, b, op))
+    raise AssertionError(op)
+
+
+_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
+
+
+def _compare(tr, op, a, b):
+    a, b = _val(tr, a), _val(tr, b)
+    if _is_bool(a) or _is_bool(b):
+        if op in ("==", "!=") and _is_bool(a) and _is_bool(b):
+            same = sp.Or(sp.And(a, b), sp.And(sp.Not(a), sp.Not(b)))
+            return same if op == "==" else sp.Not(same)
+        raise tr.fail(f"a boolean compared with '{op}'")
+    return _REL[op](a, b)
+
+
+def _logic(tr, op, a, b):
+    a, b = _val(tr, a), _val(tr, b)
+    if not (_is_bool(a) and _is_bool(b)):
+        raise tr.fail(f"'{op}' on integers (bitwise); '{op}' combines booleans only")
+    if op == "&":
+        return sp.And(a, b)
+    if op == "|":
+        return sp.Or(a, b)
+    return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))  # ^
+
+
+def _select(tr, c, a, b):
+    c = _bool(tr, _val(tr, c), "where")
+    a, b = _val(tr, a), _val(tr, b)
+    if _is_bool(a) and _is_bool(b):
+        return sp.Or(sp.And(c, a), sp.And(sp.Not(c), b))
+    if _is_bool(a) or _is_bool(b):
+        raise tr.fail("torch.where mixing booleans and integers")
+    return sp.Piecewise((a, c), (b, True))
+
+
+def _clamp(tr, x, lo=None, hi=None):
+    e = _int(tr, _val(tr, x), "clamp")
+    if lo is not None:
+        e = sp.Max(e, _int(tr, _val(tr, lo), "clamp"))
+    if hi is not None:
+        e = sp.Min(e, _int(tr, _val(tr, hi), "clamp"))
+    return e
+
+
+def _to_int(tr, x):
+    e = _val(tr, x)
+    return sp.Piecewise((1, e), (0, True)) if _is_bool(e) else e
+
+
+def _to_bool(tr, x):
+    e = _val(tr, x)
+    return e if _is_bool(e) else sp.Ne(e, 0)
+
+
+def _convert(tr, x, dtype):
+    if dtype is torch.bool:
+        return _to_bool(tr, x)
+    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex:
+        return _to_int(tr, x)
+    raise tr.fail(f"conversion to {dtype}")
+
+
+def _const_like(tr, value, dtype=None):
+    if dtype is torch.bool or (dtype is None and isinstance(value, bool)):
+        return sp.true if value else sp.false
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise tr.fail(f"constant {value!r} of dtype {dtype}")
+    return sp.Integer(value)
+
+
+def _method_min_max(tr, kind, a, b=None):
+    if b is None:
+        raise tr.fail(f"torch.{kind} reduction (only the two-argument form)")
+    a, b = _int(tr, _val(tr, a), kind), _int(tr, _val(tr, b), kind)
+    return sp.Min(a, b) if kind in ("min", "minimum") else sp.Max(a, b)
+
+
+def _div(tr, a, b, rounding_mode=None):
+    if rounding_mode != "floor":
+        raise tr.fail("torch.div without rounding_mode='floor' (use //)")
+    return _arith(tr, "//", a, b)
+
+
+def _s(fn):
+    """Wrap a builder of sympy expressions into one that returns a traced value."""
+    def wrapped(tr, *args, **kwargs):
+        return _Sym(tr, fn(tr, *args, **kwargs))
+    return wrapped
+
+
+_TORCH_FUNCS = {
+    torch.where: _s(lambda tr, c, a, b: _select(tr, c, a, b)),
+    torch.minimum: _s(lambda tr, a, b: _method_min_max(tr, "minimum", a, b)),
+    torch.maximum: _s(lambda tr, a, b: _method_min_max(tr, "maximum", a, b)),
+    torch.min: _s(lambda tr, a, b=None: _method_min_max(tr, "min", a, b)),
+    torch.max: _s(lambda tr, a, b=None: _method_min_max(tr, "max", a, b)),
+    torch.abs: _s(lambda tr, a: sp.Abs(_int(tr, _val(tr, a), "abs"))),
+    torch.clamp: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max)),
+    torch.clip: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max)),
+    torch.logical_and: _s(lambda tr, a, b: _logic(tr, "&", _to_bool(tr, a), _to_bool(tr, b))),
+    torch.logical_or: _s(lambda tr, a, b: _logic(tr, "|", _to_bool(tr, a), _to_bool(tr, b))),
+    torch.logical_xor: _s(lambda tr, a, b: _logic(tr, "^", _to_bool(tr, a), _to_bool(tr, b))),
+    torch.logical_not: _s(lambda tr, a: sp.Not(_to_bool(tr, a))),
+    torch.remainder: _s(lambda tr, a, b: _arith(tr, "%", a, b)),
+    torch.floor_divide: _s(lambda tr, a, b: _arith(tr, "//", a, b)),
+    torch.div: _s(lambda tr, a, b, rounding_mode=None: _div(tr, a, b, rounding_mode)),
+    torch.add: _s(lambda tr, a, b: _arith(tr, "+", a, b)),
+    torch.sub: _s(lambda tr, a, b: _arith(tr, "-", a, b)),
+    torch.mul: _s(lambda tr, a, b: _arith(tr, "*", a, b)),
+    torch.eq: _s(lambda tr, a, b: _compare(tr, "==", a, b)),
+    torch.ne: _s(lambda tr, a, b: _compare(tr, "!=", a, b)),
+    torch.lt: _s(lambda tr, a, b: _compare(tr, "<", a, b)),
+    torch.le: _s(lambda tr, a, b: _compare(tr, "<=", a, b)),
+    torch.gt: _s(lambda tr, a, b: _compare(tr, ">", a, b)),
+    torch.ge: _s(lambda tr, a, b: _compare(tr, ">=", a, b)),
+    torch.ones_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, True if dtype is
+                                                                   torch.bool else 1, dtype)),
+    torch.zeros_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, False if dtype is
+                                                                    torch.bool else 0, dtype)),
+}
+
+
+def _binop(op, kind):
+    def forward(self, other):
+        return _Sym(self.tr, kind(self.tr, op, self, other))
+
+    def reflected(self, other):
+        return _Sym(self.tr, kind(self.tr, op, other, self))
+
+    return forward, reflected
+
+
+class _Sym(_Ops):
+    """A traced value: a sympy expression in i, j and params; ``tag`` marks the b and h indices
+    (usable only as indices)."""
+
+    __slots__ = ("tr", "e", "tag")
+
+    def __init__(self, tr, e, tag=None):
+        self.tr, self.e, self.tag = tr, e, tag
+
+    __add__, __radd__ = _binop("+", _arith)
+    __sub__, __rsub__ = _binop("-", _arith)
+    __mul__, __rmul__ = _binop("*", _arith)
+    __floordiv__, __rfloordiv__ = _binop("//", _arith)
+    __mod__, __rmod__ = _binop("%", _arith)
+    __and__, __rand__ = _binop("&", _logic)
+    __or__, __ror__ = _binop("|", _logic)
+    __xor__, __rxor__ = _binop("^", _logic)
+    __lt__, __gt__ = _binop("<", _compare)[0], _binop(">", _compare)[0]
+    __le__, __ge__ = _binop("<=", _compare)[0], _binop(">=", _compare)[0]
+    __eq__, __ne__ = _binop("==", _compare)[0], _binop("!=", _compare)[0]
+    __hash__ = _Ops.__hash__
+
+    def __truediv__(self, other):
+        raise self.tr.fail("true division '/' (use //)")
+
+    __rtruediv__ = __truediv__
+
+    def __neg__(self):
+        return _Sym(self.tr, -_int(self.tr, _val(self.tr, self), "-"))
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        return _Sym(self.tr, sp.Abs(_int(self.tr, _val(self.tr, self), "abs")))
+
+    def __invert__(self):
+        e = _val(self.tr, self)
+        if not _is_bool(e):
+            raise self.tr.fail("'~' on an integer (bitwise not); '~' negates booleans only")
+        return _Sym(self.tr, sp.Not(e))
+
+    def abs(self):
+        return abs(self)
+
+    def clamp(self, min=None, max=None):  # noqa: A002 - torch's keyword names
+        return _Sym(self.tr, _clamp(self.tr, self, min, max))
+
+    clip = clamp
+
+    def clamp_min(self, lo):
+        return self.clamp(min=lo)
+
+    def clamp_max(self, hi):
+        return self.clamp(max=hi)
+
+    def minimum(self, other):
+        return _Sym(self.tr, _method_min_max(self.tr, "minimum", self, other))
+
+    def maximum(self, other):
+        return _Sym(self.tr, _method_min_max(self.tr, "maximum", self, other))
+
+    def where(self, cond, other):
+        return _Sym(self.tr, _select(self.tr, cond, self, other))
+
+    def logical_and(self, other):
+        return _Sym(self.tr, _logic(self.tr, "&", _to_bool(self.tr, self),
+                                    _to_bool(self.tr, other)))
+
+    def logical_or(self, other):
+        return _Sym(self.tr, _logic(self.tr, "|", _to_bool(self.tr, self),
+                                    _to_bool(self.tr, other)))
+
+    def logical_not(self):
+        return _Sym(self.tr, sp.Not(_to_bool(self.tr, self)))
+
+    def to(self, *args, dtype=None, **kwargs):
+        dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
+        return self if dtype is None else _Sym(self.tr, _convert(self.tr, self, dtype))
+
+    def bool(self):
+        return _Sym(self.tr, _to_bool(self.tr, self))
+
+    def long(self):
+        return _Sym(self.tr, _to_int(self.tr, self))
+
+    int = long
+
+    def new_ones(self, *size, dtype=None, **kwargs):
+        return _Sym(self.tr, _const_like(self.tr, True if dtype is torch.bool else 1, dtype))
+
+    def new_zeros(self, *size, dtype=None, **kwargs):
+        return _Sym(self.tr, _const_like(self.tr, False if dtype is torch.bool else 0, dtype))
+
+    def new_full(self, size, fill_value, dtype=None, **kwargs):
+        return _Sym(self.tr, _const_like(self.tr, fill_value, dtype))
+
+    def new_tensor(self, value, dtype=None, **kwargs):
+        return _Sym(self.tr, _const_like(self.tr, value, dtype))
+
+    def eq(self, other):
+        return self == other
+
+    def ne(self, other):
+        return self != other
+
+    def lt(self, other):
+        return self < other
+
+    def le(self, other):
+        return self <= other
+
+    def gt(self, other):
+        return self > other
+
+    def ge(self, other):
+        return self >= other
+
+    def remainder(self, other):
+        return self % other
+
+    def floor_divide(self, other):
+        return self // other
+
+
+class _Captured(_Sym):
+    """A captured tensor: indexing it by ``b``, ``q_idx``, ``kv_idx`` (or by another captured
+    array) makes a metadata param."""
+
+    __slots__ = ("leaf", "name", "ndim", "is_bool")
+
+    def __init__(self, tr, leaf, name, tensor):
+        super().__init__(tr, None)
+        self.leaf, self.name, self.ndim = leaf, name, tensor.dim()
+        self.is_bool = tensor.dtype is torch.bool
+
+    def _wrap(self, e):
+        return sp.Ne(e, 0) if self.is_bool else e
+
+    def scalar(self):
+        if self.ndim != 0:
+            raise self.tr.fail(f"captured tensor {self.name!r} ({self.ndim}-d) used without an "
+                               "index")
+        return self._wrap(self._scalar_symbol())
+
+    def _scalar_symbol(self):
+        tr = self.tr
+        if self.name in tr.array_leaf:
+            raise tr.fail(f"captured tensor {self.name!r} used both per sequence and per token")
+        tr.scalar_leaf[self.name] = self.leaf
+        return sp.Symbol(self.name, integer=True, nonnegative=True)
+
+    def _array_at(self, name, ndim, idx):
+        tr = self.tr
+        if name in tr.scalar_leaf:
+            raise tr.fail(f"captured tensor {name!r} used both per sequence and per token")
+        x = _val(tr, idx)
+        if x == _I or x == _J:
+            return array_function(name)(x)
+        src = x.func.__name__ if isinstance(x, sp.core.function.AppliedUndef) else None
+        if src is not None and x.args[0] in (_I, _J) and src not in tr.derived:
+            # s[t[q_idx]]: the gathered array s_at_t, read where t is read
+            dname = f"{name}_at_{src}"
+            if dname not in tr.array_leaf:
+                dname = tr.fresh(dname)
+                tr.derived[dname] = (self.leaf, src, ndim)
+                tr.array_leaf[dname] = self.leaf
+            return array_function(dname)(x.args[0])
+        raise tr.fail(f"index {name}[{x}]: a captured tensor is indexed by b, q_idx, kv_idx or "
+                      "another captured array at q_idx/kv_idx")
+
+    def __getitem__(self, idx):
+        tr = self.tr
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        is_b = [isinstance(x, _Sym) and x.tag == "b" for x in idx]
+        if any(isinstance(x, _Sym) and x.tag == "h" for x in idx):
+            _val(tr, next(x for x in idx if isinstance(x, _Sym) and x.tag == "h"))
+        if self.ndim == 1 and idx and is_b[0] and len(idx) == 1:
+            return _Sym(tr, self._wrap(self._scalar_symbol()))
+        if self.ndim == 2 and len(idx) == 1 and is_b[0]:
+            return _Row(self)
+        if self.ndim == 2 and len(idx) == 2 and is_b[0]:
+            return self._read(idx[1], 2)
+        if self.ndim == 1 and len(idx) == 1:
+            return self._read(idx[0], 1)
+        shown = ", ".join("b" if f else ("h" if getattr(x, "tag", None) == "h" else "...")
+                          for x, f in zip(idx, is_b))
+        raise tr.fail(f"index {self.name}[{shown}] of a {self.ndim}-d captured tensor (only "
+                      "t[b], t[b, idx], t[idx])")
+
+    def _read(self, idx, ndim):
+        tr = self.tr
+        prev = tr.array_ndim.setdefault(self.name, ndim)
+        if prev != ndim:
+            raise tr.fail(f"captured tensor {self.name!r} indexed with and without b")
+        e = self._array_at(self.name, ndim, idx)
+        if type(e).__name__ == self.name:
+            tr.array_leaf[self.name] = self.leaf
+        return _Sym(tr, self._wrap(e))
+
+
+class _Row:
+    """``t[b]`` of a 2-D captured tensor: one sequence's row, indexed next by a token."""
+
+    def __init__(self, cap: _Captured):
+        self.cap = cap
+
+    def __getitem__(self, idx):
+        return self.cap._read(idx, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# conversion and cache
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    spec: MaskSpec
+    scalars: tuple  # (param, leaf)
+    arrays: tuple  # (param, leaf, ndim)
+    derived: tuple  # (param, source leaf, index array, source ndim)
+    index_arrays: tuple  # (array, leaf, ndim): read only as the index of a gather
+
+
+_CACHE: dict = {}
+
+
+def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None):
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` as ``(MaskSpec, meta)``.
+
+    ``meta`` maps each param to the captured tensor it reads, as it is now: ``[B]`` for
+    ``t[b]``, ``[B, S]`` for ``t[b, idx]``; a 1-D ``t[idx]`` (or a 0-d ``t``) is the same for every
+    sequence and is expanded (a view, no copy) to the batch: ``batch_size``, else the batch of
+    the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. Per-token tensors must
+    have ``seqlen_q`` entries, and those read at ``kv_idx`` need ``seqlen_k <= seqlen_q``.
+
+    ``mask = cm.compile_mask(spec); desc = mask.preprocess(meta, seqlen_q=S)``. Calls with the
+    same code and constants return the same spec; only the tensors are collected again."""
+    if not isinstance(mask_mod, types.FunctionType):
+        raise TypeError(f"from_mask_mod expects a Python function mask_mod(b, h, q_idx, kv_idx), "
+                        f"got {type(mask_mod).__name__}")
+    if mask_mod.__code__.co_argcount != 4:
+        raise TypeError(f"mask_mod {mask_mod.__name__!r} must take (b, h, q_idx, kv_idx), takes "
+                        f"{mask_mod.__code__.co_argcount} arguments")
+    walk = _Walk()
+    try:
+        key = (walk.function(mask_mod)[0], name)
+        entry = _CACHE.get(key)
+    except _Uncacheable:
+        key, entry = None, None
+    leaves = walk.leaves
+    if entry is None:
+        entry, leaves = _convert_mask_mod(mask_mod, name)
+        if key is not None:
+            with _LOCK:
+                if len(_CACHE) > 1024:
+                    _CACHE.clear()
+                _CACHE[key] = entry
+    return entry.spec, _meta(entry, leaves, batch_size)
+
+
+def _meta(entry: _Entry, leaves, batch_size):
+    B = batch_size
+    if B is None:
+        B = 1
+        for _, leaf in entry.scalars:
+            if leaves[leaf].dim() == 1:
+                B = max(B, leaves[leaf].shape[0])
+        for _, leaf, ndim in entry.arrays:
+            if ndim == 2:
+                B = max(B, leaves[leaf].shape[0])
+    meta = {}
+    for p, leaf in entry.scalars:
+        t = _as_int(leaves[leaf])
+        meta[p] = t.reshape(1).expand(B) if t.dim() == 0 else t
+    for p, leaf, ndim in entry.arrays:
+        t = _as_int(leaves[leaf])
+        meta[p] = t.unsqueeze(0).expand(B, -1) if ndim == 1 else t
+    for p, leaf, index, ndim in entry.derived:
+        src, idx = _as_int(leaves[leaf]), meta.get(index)
+        if idx is None:  # the index array is read only through the gather
+            idx = _as_int(leaves[_index_leaf(entry, index)])
+            idx = idx.unsqueeze(0).expand(B, -1) if idx.dim() == 1 else idx
+        idx = idx.long()
+        meta[p] = src[idx] if ndim == 1 else torch.gather(src, 1, idx)
+    return meta
+
+
+def _index_leaf(entry, name):
+    return next(leaf for p, leaf, _ in entry.index_arrays if p == name)
+
+
+def _as_int(t):
+    return t.view(torch.uint8) if t.dtype is torch.bool else t
+
+
+def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
+    fname = mask_mod.__name__
+    tr = _Trace(fname)
+    walk = _Walk(tr)
+    _, copy = walk.function(mask_mod)
+    b, h = _Sym(tr, None, "b"), _Sym(tr, None, "h")
+    try:
+        out = copy(b, h, _Sym(tr, _I), _Sym(tr, _J))
+    except (TypeError, AttributeError) as e:
+        raise NotImplementedError(f"mask_mod {fname!r} ({_traceback_where(e)}): {e}") from e
+    if isinstance(out, bool):
+        out = _Sym(tr, sp.true if out else sp.false)
+    if not isinstance(out, _Sym):
+        raise TypeError(f"mask_mod {fname!r} must return a boolean tensor expression, got "
+                        f"{type(out).__name__}")
+    expr = _val(tr, out)
+    if not _is_bool(expr):
+        raise TypeError(f"mask_mod {fname!r} must return a boolean, got the integer expression "
+                        f"{expr}")
+    cases = _row_cases(expr)
+    # the params are what the regions read (a case split can drop a row condition's array)
+    used = [e for case in cases for e in case]
+    used_arrays = {type(f).__name__ for e in used for f in e.atoms(sp.core.function.AppliedUndef)}
+    used_scalars = {s.name for e in used for s in e.free_symbols} - {"i", "j"}
+    order = {leaf: n for n, leaf in enumerate(tr.stand_ins)}
+    scalars = tuple(sorted(((p, leaf) for p, leaf in tr.scalar_leaf.items()
+                            if p in used_scalars), key=lambda t: order[t[1]]))
+    arrays, derived, index_arrays = [], [], []
+    for p, leaf in tr.array_leaf.items():
+        if p in tr.derived:
+            if p in used_arrays:
+                src_leaf, index, ndim = tr.derived[p]
+                derived.append((p, src_leaf, index, ndim))
+                if index not in used_arrays:
+                    index_arrays.append((index, tr.array_leaf[index], tr.array_ndim[index]))
+        elif p in used_arrays:
+            arrays.append((p, leaf, tr.array_ndim[p]))
+    params = [p for p, _ in scalars] + [p for p, _, _ in arrays] + [p for p, *_ in derived]
+    label = name or f"flex_{fname.strip('<>')}"
+    regions = []
+    for k, (guard, rule) in enumerate(cases):
+        when = _every_row if guard is sp.true else _generated("when", "i", guard, fname)
+        visible = _generated("visible", "i, j", rule, fname)
+        regions.append(Region("all" if guard is sp.true else f"rows_{k}", when, visible))
+    if not regions:  # the mask_mod sees nothing anywhere
+        regions = [Region("all", _every_row, _generated("visible", "i, j", sp.false, fname))]
+    spec = MaskSpec(label, params=params, regions=regions)
+    return _Entry(spec, scalars, tuple(arrays), tuple(derived), tuple(index_arrays)), walk.leaves
+
+
+_MAX_ROW_ATOMS = 3  # up to 8 row cases
+
+
+def _row_cases(expr):
+    """(guard, rule) per assignment of the rule's row conditions (atoms free of j), rules that
+    are False dropped: a mask_mod is one expression, but ``torch.where(q_idx < n, a, b)`` is two
+    kinds of rows, and separate regions need fewer interval slots than one region holding every
+    case's intervals."""
+    expr = expr.replace(lambda e: isinstance(e, sp.core.relational.Relational), _one_of_pair)
+    atoms = sorted({a for a in expr.atoms(sp.core.relational.Relational) if not a.has(_J)},
+                   key=sp.default_sort_key)
+    if not atoms or len(atoms) > _MAX_ROW_ATOMS:
+        return [(sp.true, expr)]
+    cases: dict = {}
+    for bits in itertools.product((True, False), repeat=len(atoms)):
+        rule = expr.xreplace({a: sp.true if v else sp.false for a, v in zip(atoms, bits)})
+        if rule is sp.false:
+            continue
+        conj = sp.And(*[a if v else sp.Not(a) for a, v in zip(atoms, bits)])
+        cases.setdefault(rule, []).append(conj)
+    out = []
+    for rule, conjs in cases.items():
+        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf")
+        if guard is not sp.false:
+            out.append((guard, rule))
+    return out
+
+
+def _one_of_pair(rel):
+    """A relation and its complement (i < a, i >= a) as one atom: the canonical one of the pair,
+    negated where needed, so that a case split never assumes both."""
+    a, b = rel.canonical, sp.Not(rel).canonical
+    if not isinstance(b, sp.core.relational.Relational):
+        return a
+    return a if sp.default_sort_key(a) <= sp.default_sort_key(b) else sp.Not(b)
+
+
+def _generated(role, args, e, fname):
+    """A rule function from generated source (registered for the front end's reader)."""
+    source = f"def {role}({args}):\n    return {ExprPrinter()(e)}\n"
+    filename = f"<compilemask-from_mask_mod-{fname}-{next(_COUNTER)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    ns: dict = {}
+    exec(compile(source, filename, "exec"), ns)
+    return ns[role]
+
+
+def _traceback_where(e) -> str:
+    tb = e.__traceback__
+    where = "?"
+    while tb is not None:
+        fn = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if fn != _HERE and not fn.startswith(_TORCH_DIR):
+            where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where

@@ -1,0 +1,232 @@
+"""The front end reads the rule Python runs: a function's identity comes from its code object
+(first line, instruction columns, constants, names), never from the first match on a line."""
+
+import itertools
+import linecache
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compilemask as cm
+from compilemask.dsl import frontend
+
+_counter = itertools.count()
+LONG = True
+
+
+def _compile(visible, params=()):
+    return cm.compile_mask(cm.MaskSpec("m", params=list(params), regions=[
+        cm.Region("all", when=lambda i: True, visible=visible)]))
+
+
+def _exec(source):
+    """exec ``source`` under a linecache entry (as a file would be), return its namespace."""
+    name = f"<soundness-{next(_counter)}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns = {}
+    exec(compile(source, name, "exec"), ns)
+    return ns, name
+
+
+def _assert_exact(mask, meta=None, sq=70, sk=None):
+    desc = mask.preprocess(meta or {}, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta or {}, seqlen_q=sq,
+                                                              seqlen_k=sk))
+
+
+def test_conditional_expression_picks_the_lambda_python_runs():
+    sees = (lambda i, j: i - 8 < j <= i) if not LONG else (lambda i, j: i - 64 < j <= i)
+    mask = _compile(sees)
+    assert [str(iv) for iv in mask.regions[0].intervals] == ["[i - 63, i + 1)"]
+    _assert_exact(mask)
+    other = (lambda i, j: i - 8 < j <= i) if LONG else (lambda i, j: i - 64 < j <= i)
+    assert [str(iv) for iv in _compile(other).regions[0].intervals] == ["[i - 7, i + 1)"]
+
+
+def test_same_constants_other_operators_on_one_line():
+    a, b = (lambda i, j: j < i), (lambda i, j: j > i)
+    assert str(_compile(a).regions[0].intervals[0]) == "[0, i)"
+    assert str(_compile(b).regions[0].intervals[0]) == "[i + 1, seqlen_k)"
+
+
+def test_lambda_returned_by_a_lambda_on_one_line():
+    make = lambda w: (lambda i, j: i - w < j <= i)  # noqa: E731
+    mask = _compile(make(5))
+    assert [str(iv) for iv in mask.regions[0].intervals] == ["[i - 4, i + 1)"]
+    _assert_exact(mask)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(consts=st.lists(st.integers(0, 40), min_size=2, max_size=5),
+       ops=st.lists(st.sampled_from(["<", "<=", ">", ">="]), min_size=5, max_size=5),
+       form=st.sampled_from(["tuple", "ifexp", "dict"]))
+def test_several_lambdas_on_one_line(consts, ops, form):
+    lams = [f"lambda i, j: i - {c} {op} j" for c, op in zip(consts, ops)]
+    if form == "tuple":
+        line = "FNS = (" + ", ".join(lams) + ")"
+    elif form == "dict":
+        line = "FNS = tuple({" + ", ".join(f"{k}: {x}" for k, x in enumerate(lams)) + "}.values())"
+    else:  # nested conditional expressions: FNS holds every branch, one at a time
+        line = "FNS = tuple(" + " ".join(
+            f"({x}) if K == {k} else" for k, x in enumerate(lams[:-1])) + f" ({lams[-1]})"
+        line += f" for K in range({len(lams)}))"
+    ns, _ = _exec(line + "\n")
+    assert len(ns["FNS"]) == len(lams)
+    for fn, c, op in zip(ns["FNS"], consts, ops):
+        # (a compiled region's rule_source is that of the first spec of its canonical form)
+        _, src, _ = frontend._func_source_node(fn)
+        assert src == f"lambda i, j: i - {c} {op} j", (src, c)
+        _assert_exact(_compile(fn), sq=50, sk=50)
+
+
+def test_changed_source_is_an_error_naming_region_and_line():
+    ns, name = _exec("def sees(i, j):\n    return j <= i\n")
+    fn = ns["sees"]
+    text = "def sees(i, j):\n    return j >= i + 3\n"
+    linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+    with pytest.raises(ValueError, match=rf"Region 'all', visible function 'sees' "
+                       rf"\({name}:1\): .*file may have changed"):
+        _compile(fn)
+    linecache.cache[name] = (1, None, ["x = 1\n"], name)
+    with pytest.raises(ValueError, match=r"Region 'all', visible function 'sees'.*cannot locate"):
+        _compile(fn)
+
+
+def test_without_columns_ambiguous_lambdas_are_an_error(monkeypatch):
+    # -X no_debug_ranges strips instruction columns: two lambdas of one line with the same
+    # constants and names cannot be told apart, so the reader refuses rather than guesses
+    monkeypatch.setattr(frontend, "_code_positions", lambda code: set())
+    _a, b = (lambda i, j: j < i), (lambda i, j: j > i)
+    with pytest.raises(ValueError, match=r"Region 'all', visible function '<lambda>' "
+                       r"\(.*:\d+\): 2 functions on this line match"):
+        _compile(b)
+    # different constants still tell them apart without columns
+    _c, d = (lambda i, j: i - 8 < j <= i), (lambda i, j: i - 64 < j <= i)
+    assert [str(iv) for iv in _compile(d).regions[0].intervals] == ["[i - 63, i + 1)"]
+    # identical text is the same rule: either node reads the same
+    _e, f = (lambda i, j: j <= i), (lambda i, j: j <= i)
+    assert str(_compile(f).regions[0].intervals[0]) == "[0, i + 1)"
+
+
+def test_helper_on_a_shared_line_is_read_from_its_own_code():
+    # helpers inlined by the rule are identified the same way
+    ns, _ = _exec("W = 3\nnear, far = (lambda i, j: i - 2 <= j), (lambda i, j: i - 20 <= j)\n"
+                  "def sees(i, j):\n    return far(i, j) and j <= i\n")
+    mask = _compile(ns["sees"])
+    assert [str(iv) for iv in mask.regions[0].intervals] == ["[i - 20, i + 1)"]
+    _assert_exact(mask)
+
+
+# ---- interval endpoints never contain j ------------------------------------------------------
+
+
+def test_quotient_plus_j_is_solved_exactly():
+    mask = _compile(lambda i, j: j // 7 + j <= i)
+    (iv,) = mask.regions[0].intervals
+    j = frontend.rule_symbols(())["j"]
+    assert iv.exact and not iv.lower.has(j) and not iv.upper.has(j)
+    _assert_exact(mask, sq=90, sk=90)
+    for rule in (lambda i, j: j // 7 + j > i, lambda i, j: 2 * j - (j + 3) // 4 == i,
+                 lambda i, j: i - 3 * j - j // 5 < 2):
+        mask = _compile(rule)
+        assert not mask.has_fallback
+        _assert_exact(mask, sq=90, sk=90)
+
+
+def test_non_monotone_quotient_mix_keeps_the_predicate():
+    mask = _compile(lambda i, j: j - 2 * (j // 3) <= i)  # j - 2*(j // 3) steps back
+    assert mask.has_fallback
+    _assert_exact(mask, sq=60, sk=60)
+
+
+_divs = st.sampled_from(["2", "3", "5", "7", "d"])
+_shift = st.sampled_from(["", " + 1", " - 2", " + a", " - i"])
+_term = st.one_of(
+    st.just("j"),
+    st.tuples(_shift, _divs).map(lambda t: f"((j{t[0]}) // {t[1]})"),
+    st.tuples(_shift, _divs).map(lambda t: f"((j{t[0]}) % {t[1]})"),
+)
+_lin = st.lists(st.tuples(st.integers(-3, 3), _term), min_size=1, max_size=3).map(
+    lambda ts: " + ".join(f"({k} * {t})" for k, t in ts))
+_rhs = st.sampled_from(["i", "i + a", "2 * i - 5", "a", "i // 2", "3"])
+_cmp = st.sampled_from(["<", "<=", ">", ">=", "==", "!="])
+_atom = st.tuples(_lin, _cmp, _rhs).map(lambda t: f"{t[0]} {t[1]} {t[2]}")
+_rule = st.recursive(_atom, lambda b: st.tuples(b, st.sampled_from(["and", "or"]), b).map(
+    lambda t: f"({t[0]} {t[1]} {t[2]})"), max_leaves=3)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=_rule, sq=st.integers(1, 40), sk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_random_quotient_remainder_rules_match_brute_force(rule, sq, sk, seed):
+    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
+    mask = _compile(ns["visible"], params=["a", "d"])
+    j = frontend.rule_symbols(())["j"]
+    for r in mask.regions:
+        for iv in r.intervals:
+            assert not iv.lower.has(j) and not iv.upper.has(j), (rule, str(iv))
+    gen = torch.Generator().manual_seed(seed)
+    meta = {"a": torch.randint(0, 30, (2,), generator=gen),
+            "d": torch.randint(1, 6, (2,), generator=gen)}
+    desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(4, 16))
+    ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask(), ref), (rule, meta)
+
+
+# ---- &, |, ~ on booleans -----------------------------------------------------------------------
+
+
+def _grid(fn, sq, sk, **env):
+    """The rule evaluated on broadcast torch grids: & | ~ are logical on bool tensors."""
+    i = torch.arange(sq).view(sq, 1)
+    j = torch.arange(sk).view(1, sk)
+    return torch.broadcast_to(torch.as_tensor(fn(i, j)), (sq, sk))
+
+
+def test_bitwise_operators_on_booleans_are_logical():
+    mask = _compile(lambda i, j: (j <= i) & ~(j < i - 3) | (j == 5))
+    assert not mask.has_fallback and mask.num_intervals == 2
+    desc = mask.preprocess({}, seqlen_q=30, seqlen_k=30)
+    want = _grid(lambda i, j: (j <= i) & ~(j < i - 3) | (j == 5), 30, 30)
+    assert torch.equal(desc.dense_mask()[0], want)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask({}, seqlen_q=30))
+    spec = cm.MaskSpec("g", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: ~(i >= a), visible=lambda i, j: (j <= i) ^ (j < 2)),  # noqa: F821
+        cm.Region("hi", when=lambda i: (i >= a) | (i < 0), visible=lambda i, j: j >= a)])  # noqa: F821
+    mask = cm.compile_mask(spec)
+    for a in (0, 4, 30):
+        _assert_exact(mask, {"a": a}, sq=20)
+
+
+def test_bitwise_operators_on_integers_are_errors():
+    with pytest.raises(NotImplementedError, match=r"test_frontend_soundness.py:\d+\): "
+                       r"unsupported '&' on integers \(bitwise\)"):
+        _compile(lambda i, j: j < (i & 3))
+    with pytest.raises(NotImplementedError, match=r"unsupported '\|' on integers"):
+        _compile(lambda i, j: (j | 1) < i)
+    with pytest.raises(NotImplementedError, match=r"unsupported '~' on an integer \(bitwise not\)"):
+        _compile(lambda i, j: j < ~i)
+    # precedence: & binds tighter than <=, so this is j <= (i & j) > 2
+    with pytest.raises(NotImplementedError, match="parenthesize comparisons"):
+        _compile(lambda i, j: j <= i & j > 2)
+    with pytest.raises(NotImplementedError, match=r"unsupported '&' on integers"):
+        _compile(lambda i, j: (j < i) & 1)
+
+
+_cmp_atom = st.tuples(st.sampled_from(["j", "j + 2", "2 * j", "j // 3"]), _cmp, _rhs).map(
+    lambda t: f"({t[0]} {t[1]} {t[2]})")
+_bit_rule = st.recursive(_cmp_atom, lambda b: st.one_of(
+    st.tuples(b, st.sampled_from(["&", "|", "^"]), b).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+    b.map(lambda x: f"(~{x})")), max_leaves=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=_bit_rule, sq=st.integers(1, 30), sk=st.integers(1, 30), a=st.integers(0, 30))
+def test_random_bitwise_rules_match_torch_semantics(rule, sq, sk, a):
+    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
+    mask = _compile(ns["visible"], params=["a"])
+    desc = mask.preprocess({"a": a}, seqlen_q=sq, seqlen_k=sk)
+    want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
+    assert torch.equal(desc.dense_mask()[0], want), rule
+    assert torch.equal(mask.reference_mask({"a": a}, seqlen_q=sq, seqlen_k=sk)[0], want), rule

@@ -1,0 +1,111 @@
+"""Small API edges: clear errors where a call would fail later, and compile_mask's cache."""
+
+import statistics
+import time
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+
+WIDTH = 3
+SHIFT = 1
+
+
+def test_batch_of_a_param_free_descriptor_is_named():
+    mask = cm.compile_mask(masks.causal())
+    q = torch.randn(3, 16, 2, 8)
+    desc = mask.preprocess({}, seqlen_q=16)
+    with pytest.raises(ValueError, match=r"desc was made for batch 1.*q/k give batch 3.*"
+                       r"preprocess\(\.\.\., batch_size=3\)"):
+        cm.attention(q, q, q, desc)
+    out = cm.attention(q, q, q, mask.preprocess({}, seqlen_q=16, batch_size=3))
+    assert out.shape == q.shape
+
+
+def test_integer_qkv_is_a_type_error():
+    mask = cm.compile_mask(masks.causal())
+    desc = mask.preprocess({}, seqlen_q=8)
+    q = torch.randint(0, 5, (1, 8, 2, 8))
+    with pytest.raises(TypeError, match="q must be a floating-point tensor, got torch.int64"):
+        cm.attention(q, q, q, desc)
+    f = torch.randn(1, 8, 2, 8)
+    with pytest.raises(TypeError, match="v must be a floating-point tensor, got torch.int32"):
+        cm.attention(f, f, q.to(torch.int32), desc)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU default")
+def test_preprocessor_on_a_cpu_machine():
+    mask = cm.compile_mask(masks.hstu())
+    with pytest.raises(ValueError, match="preprocessor: device 'cuda' but CUDA is not available"):
+        mask.preprocessor(64, batch_size=2, device="cuda")
+    pytest.importorskip("tilelang")
+    pre = mask.preprocessor(64, batch_size=2)  # the CPU: TileLang's C target
+    meta = masks.random_meta(mask.spec, 2, 64, torch.Generator().manual_seed(0))
+    ref = mask.preprocess(meta, seqlen_q=64, backend="torch")
+    assert torch.equal(pre(meta).intervals, ref.intervals)
+
+
+def _window(w):
+    return cm.MaskSpec("win", params=[], regions=[
+        cm.Region("all", when=lambda i: True, visible=lambda i, j: i - w < j <= i)])
+
+
+def _global_width():
+    return cm.MaskSpec("gw", params=[], regions=[
+        cm.Region("all", when=lambda i: True, visible=lambda i, j: i - WIDTH < j <= i)])
+
+
+def _slot(mask):
+    return [str(iv) for iv in mask.regions[0].intervals]
+
+
+def test_compile_cache_never_shares_across_constants():
+    assert _slot(cm.compile_mask(_window(4))) == ["[i - 3, i + 1)"]
+    assert _slot(cm.compile_mask(_window(9))) == ["[i - 8, i + 1)"]
+    assert _slot(cm.compile_mask(_window(4))) == ["[i - 3, i + 1)"]
+    global WIDTH
+    try:
+        assert _slot(cm.compile_mask(_global_width())) == ["[i - 2, i + 1)"]
+        WIDTH = 6
+        assert _slot(cm.compile_mask(_global_width())) == ["[i - 5, i + 1)"]
+    finally:
+        WIDTH = 3
+
+    def helper_spec(k):
+        def near(i, j):
+            return i - k <= j
+
+        return cm.MaskSpec("h", params=[], regions=[
+            cm.Region("all", when=lambda i: True, visible=lambda i, j: near(i, j) and j <= i)])
+
+    assert _slot(cm.compile_mask(helper_spec(2))) == ["[i - 2, i + 1)"]
+    assert _slot(cm.compile_mask(helper_spec(5))) == ["[i - 5, i + 1)"]
+    # True and 1 read differently (a boolean, an int): they are different keys
+    global SHIFT
+    spec = cm.MaskSpec("b", params=[], regions=[cm.Region(
+        "all", when=lambda i: True, visible=lambda i, j: j <= i + SHIFT)])
+    try:
+        SHIFT = 1
+        assert _slot(cm.compile_mask(spec)) == ["[0, i + 2)"]
+        SHIFT = True
+        with pytest.raises(NotImplementedError, match="boolean used in arithmetic"):
+            cm.compile_mask(spec)
+    finally:
+        SHIFT = 1
+
+
+def test_compile_cache_is_fast_for_a_rebuilt_spec():
+    for factory in (masks.hstu, masks.shared_prompt_rm, lambda: masks.clear(1, 8)):
+        first = cm.compile_mask(factory())
+        times = []
+        for _ in range(200):
+            spec = factory()  # new Region objects and lambdas, same code and constants
+            t0 = time.perf_counter()
+            mask = cm.compile_mask(spec)
+            times.append(time.perf_counter() - t0)
+        assert mask.spec is spec and mask.key == first.key
+        med = statistics.median(times) * 1e6
+        print(f"compile_mask({first.name}) repeat median {med:.1f} us")
+        assert med < 500, med  # ~5-15 us here; generous for CI
