@@ -142,6 +142,23 @@ def _pattern_expr(kind, left, right, app, syms, bottom_right):
     return sp.And(*conds)
 
 
+def _run_axioms(mask, syms) -> list:
+    """For each compared per-token array ``ids`` (``ids[i] == ids[j]``): the preprocess checks
+    that equal ids form one run and derives its bounds, so ``ids[j] == ids[i]`` iff ``j`` is in
+    ``[run_start[i], run_end[i])``."""
+    from compilemask.dsl.frontend import array_function
+
+    i, j = syms["i"], syms["j"]
+    facts = []
+    for start, end, ids in getattr(mask._ir, "derived", ()):
+        a, s0, e0 = array_function(ids), array_function(start)(i), array_function(end)(i)
+        inside = sp.And(sp.Le(s0, j), sp.Lt(j, e0))
+        same = sp.Eq(a(j), a(i))
+        facts.append(sp.Or(sp.And(same, inside), sp.And(sp.Not(same), sp.Not(inside))))
+        facts += [sp.Le(s0, i), sp.Lt(i, e0)]
+    return facts
+
+
 def native_pattern(mask) -> NativePattern | None:
     """The native pattern z3 proves the mask equal to, or None (see the module docstring)."""
     syms = rule_symbols(mask.spec.params)
@@ -150,7 +167,7 @@ def native_pattern(mask) -> NativePattern | None:
     except (TypeError, ValueError):
         return None
     divisors = getattr(mask._ir, "divisor_params", ())
-    prover = Prover([], syms, divisors)
+    prover = Prover(_run_axioms(mask, syms), syms, divisors)
     for kind, left, right, app in _candidates(mask, syms):
         for bottom_right in (True, False):
             pat = _pattern_expr(kind, left, right, app, syms, bottom_right)

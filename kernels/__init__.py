@@ -7,28 +7,19 @@ backward kernel), so ``torch.compile`` traces both without graph breaks.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 
 if __name__ == "compilemask.kernels":
     from .autograd import attention_op
+
+    # the kernel modules need the CUTLASS DSL; without it the custom ops and their CPU
+    # reference still import
+    if importlib.util.find_spec("cutlass") is not None:
+        from .flash_bwd import FlashBwd, FlashBwdConfig, FlashBwdSm90, compile_flash_bwd, flash_bwd
+        from .flash_fwd import Fallback, FlashFwd, FlashFwdConfig, compile_flash_fwd, flash_fwd
 # else: this folder imported as a top-level ``kernels`` (the repository root on sys.path, where
 # transformers probes for the Hugging Face package of that name): registering the custom ops a
 # second time, with an empty mask registry, would break ``compilemask.kernels``'s
-
-# the kernel modules import the CUTLASS DSL: loaded on first use, so that the custom ops and
-# their CPU reference import without it
-_LAZY = {
-    "Fallback": "flash_fwd", "FlashFwd": "flash_fwd", "FlashFwdConfig": "flash_fwd",
-    "compile_flash_fwd": "flash_fwd", "flash_fwd": "flash_fwd", "FlashBwd": "flash_bwd",
-    "FlashBwdConfig": "flash_bwd", "FlashBwdSm90": "flash_bwd",
-    "compile_flash_bwd": "flash_bwd", "flash_bwd": "flash_bwd",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Fallback",

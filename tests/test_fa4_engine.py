@@ -312,3 +312,26 @@ def test_gpu_native_and_fa4_under_torch_compile_and_graphs():
     g.replay()
     want = cm.attention(q, k, v, mask.preprocess(new, seqlen_q=1024, batch_size=2))
     torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_flex_document_mask_runs_natively():
+    # FlexAttention's standard document mask (per-token ids) is proven causal within segments
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.sort(torch.randint(0, 7, (2, 100), generator=gen)).values
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    spec, meta = cm.from_mask_mod(document_causal)
+    mask = cm.compile_mask(spec)
+    assert mask.native_pattern is not None and mask.native_pattern.kind == "segments"
+    desc = mask.preprocess(meta, seqlen_q=100)
+    cu, longest = desc.segments
+    flat = ids.reshape(-1)
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), flat[1:] != flat[:-1]])
+                           | (torch.arange(200) % 100 == 0)).reshape(-1)
+    assert cu[:-1].tolist() == starts.tolist() and int(cu[-1]) == 200
+    from torch.nn.attention.flex_attention import create_mask
+
+    assert torch.equal(desc.dense_mask(), create_mask(document_causal, 2, 1, 100, 100,
+                                                      device="cpu")[:, 0])
