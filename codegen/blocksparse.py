@@ -40,6 +40,7 @@ a new shape compiles once per process, a few seconds); the batch size is dynamic
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -482,7 +483,12 @@ def block_sparse_lists(bitmap: torch.Tensor, packed_tiles: int, transpose: bool 
         raise ValueError(f"packed_tiles={packed_tiles} needs {-(-packed_tiles // 16)} words per "
                          f"row, the bitmap has {W}")
     rows, cols = (packed_tiles, N) if transpose else (N, packed_tiles)
-    return _launch(bitmap, plan(rows, cols, transpose, fill))
+    return _launch(bitmap, _default_plan(rows, cols, transpose, fill))
+
+
+@functools.lru_cache(maxsize=256)
+def _default_plan(rows: int, cols: int, transpose: bool, fill: bool) -> BlockSparsePlan:
+    return plan(rows, cols, transpose, fill)  # once per shape: this runs in every preprocess
 
 
 def _launch(bitmap: torch.Tensor, pl: BlockSparsePlan) -> BlockSparseLists:
