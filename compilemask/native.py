@@ -190,18 +190,19 @@ def segments(mask, desc):
         return None
     B, S = desc.row_region.shape
     col = mask.array_params.index(pat.segment_param)
-    start = desc.row_params[:, :, col].to(torch.int64)
-    i = torch.arange(S, device=start.device)
-    first = start == i
+    start = desc.row_params[:, :, col]
+    first = start == torch.arange(S, device=start.device, dtype=start.dtype)
     # a segmentation: row 0 starts a segment, every later row starts one or continues its
     # predecessor's (then by induction every row's start is the first row of its run)
-    ok = first[:, 0].all() & ((first[:, 1:] | (start[:, 1:] == start[:, :-1])).all())
-    begins = torch.nonzero(first.reshape(-1)).reshape(-1)
-    cu = torch.cat([begins, begins.new_full((1,), B * S)])
-    valid, longest = torch.stack([ok.to(torch.int64), (cu[1:] - cu[:-1]).max()]).tolist()
-    if not valid:
+    ok = first[:, 0].all() & (first[:, 1:] | (start[:, 1:] == start[:, :-1])).all()
+    # one transfer: the segment starts, and index B * S when the check failed
+    flags = torch.cat([first.reshape(-1), (~ok).reshape(1)])
+    begins = torch.nonzero(flags).reshape(-1).cpu()
+    if len(begins) and int(begins[-1]) == B * S:
         return None
-    return cu.to(torch.int32), int(longest)
+    cu = torch.cat([begins, begins.new_full((1,), B * S)])
+    longest = int((cu[1:] - cu[:-1]).max())
+    return cu.to(device=start.device, dtype=torch.int32), longest
 
 
 def _fa4_tiling(desc) -> bool:
