@@ -169,6 +169,8 @@ def native_pattern(mask) -> NativePattern | None:
     divisors = getattr(mask._ir, "divisor_params", ())
     prover = Prover(_run_axioms(mask, syms), syms, divisors)
     for kind, left, right, app in _candidates(mask, syms):
+        if (left is not None and left < 0) or (right is not None and right < 0):
+            continue  # FA4 reads a negative window size as unbounded: never hand it one
         for bottom_right in (True, False):
             pat = _pattern_expr(kind, left, right, app, syms, bottom_right)
             if prover.proves(sp.And(sp.Or(sp.Not(vis), pat), sp.Or(sp.Not(pat), vis))):

@@ -302,6 +302,10 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     "reference" (the dense path on any device)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
+        if not torch.compiler.is_compiling():
+            _say_once(f"cm.attention: the descriptor is on {desc.device} and q on {q.device}: it "
+                      f"is copied (and its tile lists rebuilt) on every call; preprocess on "
+                      f"{q.device} (device= or metadata there)")
         desc = desc.to(q.device)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
