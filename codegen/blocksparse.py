@@ -41,10 +41,6 @@ a new shape compiles once per process, a few seconds); the batch size is dynamic
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
-import os
-import sys
 import threading
 from dataclasses import dataclass
 
@@ -427,22 +423,9 @@ def compile_count() -> int:
 
 
 def _load_prim_func(source: str, tag: str):
-    """exec the generated module from a real file (TileLang's parser reads the source back)."""
-    from compilemask.codegen.preprocess import _source_dir
+    from compilemask.codegen.preprocess import _load_prim_func as load
 
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(_source_dir(), f"blocksparse_{tag}_{digest}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    modname = f"_compilemask_tl_blocksparse_{tag}_{digest}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
-    return mod.block_sparse
+    return load(source, f"blocksparse_{tag}", "block_sparse")
 
 
 def block_sparse_kernel(pl: BlockSparsePlan, target: str):

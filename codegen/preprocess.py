@@ -606,8 +606,9 @@ def _source_dir() -> str:
     return d
 
 
-def _load_prim_func(source: str, tag: str):
-    """exec the generated module from a real file (TileLang's parser reads the source back)."""
+def _load_prim_func(source: str, tag: str, attr: str = "preprocess"):
+    """exec the generated module from a real file (TileLang's parser reads the source back);
+    returns its ``attr``."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     path = os.path.join(_source_dir(), f"{tag}_{digest}.py")
     if not os.path.exists(path):
@@ -620,7 +621,7 @@ def _load_prim_func(source: str, tag: str):
     mod = importlib.util.module_from_spec(spec)
     sys.modules[modname] = mod
     spec.loader.exec_module(mod)
-    return mod.preprocess
+    return getattr(mod, attr)
 
 
 def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,

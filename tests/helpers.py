@@ -1,4 +1,5 @@
-"""Shared test helpers: tile states from a brute-force dense mask."""
+"""Shared test helpers: tile states from a brute-force dense mask; attention against the float32
+reference within PyTorch's own bf16 error."""
 
 import torch
 
@@ -16,3 +17,48 @@ def dense_tile_states(dense: torch.Tensor, tile_m: int, tile_n: int) -> torch.Te
     v = vis.view(B, n_m, tile_m, n_n, tile_n).any(4).any(2)
     m = (valid & ~vis).view(B, n_m, tile_m, n_n, tile_n).any(4).any(2) & v
     return v.to(torch.uint8) * TILE_VISIBLE + m.to(torch.uint8) * TILE_MASKED
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_attention_vs_reference(desc, q, k, v, engine, dense):
+    """cm.attention's output and gradients against a float32 reference, within twice PyTorch's
+    own bf16 error; rows that see nothing give exact zeros."""
+    import compilemask as cm
+    from compilemask.reference import attention_reference
+
+    B, Sq, H, D = q.shape
+    G = H // k.shape[2]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    out = cm.attention(q, k, v, desc, backend=engine)
+    out.backward(do)
+    got = (out, q.grad, k.grad, v.grad)
+
+    def ref(dtype):
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        o = attention_reference(qq, kk, vv, dense)
+        o.backward(do.to(dtype))
+        return o, qq.grad, kk.grad, vv.grad
+
+    def torch_bf16():
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (kk, vv))
+        s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
+        m = dense.unsqueeze(1)
+        empty_row = ~m.any(-1, keepdim=True)
+        s = torch.where(m, s, float("-inf"))
+        s = torch.where(empty_row, torch.zeros_like(s), s)
+        p = torch.softmax(s, dim=-1) * (~empty_row)
+        o = torch.matmul(p, vr).transpose(1, 2)
+        o.backward(do)
+        return o, qq.grad, kk.grad, vv.grad
+
+    exact, bf16 = ref(torch.float32), torch_bf16()
+    for what, o, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
+        assert torch.isfinite(o).all(), (engine, what)
+        assert _rel(o, e) <= 2 * _rel(t, e) + 1e-4, (engine, what, _rel(o, e), _rel(t, e))
+    empty = ~dense.any(-1)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine

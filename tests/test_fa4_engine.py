@@ -12,6 +12,8 @@ import compilemask as cm
 from compilemask import masks
 from compilemask.native import native_pattern
 
+from helpers import check_attention_vs_reference
+
 M, R = cm.MaskSpec, cm.Region
 
 # ---------------------------------------------------------------------------------------------
@@ -201,48 +203,6 @@ def test_mask_mod_compiles_in_fa4_forward_and_backward(name, head_dim):
 # ---------------------------------------------------------------------------------------------
 # GPU: every example mask through every engine that runs it
 # ---------------------------------------------------------------------------------------------
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _check_against_reference(desc, q, k, v, engine, dense):
-    from compilemask.reference import attention_reference
-
-    B, Sq, H, D = q.shape
-    G = H // k.shape[2]
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    do = torch.randn_like(q)
-    out = cm.attention(q, k, v, desc, backend=engine)
-    out.backward(do)
-    got = (out, q.grad, k.grad, v.grad)
-
-    def ref(dtype):
-        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        o = attention_reference(qq, kk, vv, dense)
-        o.backward(do.to(dtype))
-        return o, qq.grad, kk.grad, vv.grad
-
-    def torch_bf16():
-        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (kk, vv))
-        s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
-        m = dense.unsqueeze(1)
-        empty_row = ~m.any(-1, keepdim=True)
-        s = torch.where(m, s, float("-inf"))
-        s = torch.where(empty_row, torch.zeros_like(s), s)
-        p = torch.softmax(s, dim=-1) * (~empty_row)
-        o = torch.matmul(p, vr).transpose(1, 2)
-        o.backward(do)
-        return o, qq.grad, kk.grad, vv.grad
-
-    exact, bf16 = ref(torch.float32), torch_bf16()
-    for what, o, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
-        assert torch.isfinite(o).all(), (engine, what)
-        assert _rel(o, e) <= 2 * _rel(t, e) + 1e-4, (engine, what, _rel(o, e), _rel(t, e))
-    empty = ~dense.any(-1)
-    assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
-
-
 def _gpu_case(name, B, S, H, Hkv, D, seed, Sk=None):
     spec = masks.EXAMPLES[name]()
     mask = cm.compile_mask(spec)
@@ -264,7 +224,7 @@ def test_gpu_engines_vs_float32_reference(name, D):
     engines = ["fa4"] + (["native"] if desc.native is not None else [])
     assert cm.api.select_engine(q, desc) == ("native" if "native" in engines else "fa4")
     for engine in engines:
-        _check_against_reference(desc, q, k, v, engine, dense)
+        check_attention_vs_reference(desc, q, k, v, engine, dense)
 
 
 @pytest.mark.gpu
@@ -272,7 +232,7 @@ def test_gpu_engines_vs_float32_reference(name, D):
 def test_gpu_fa4_rectangular_and_mha(name):
     # Sq != Sk (top-left causal is then not native), no GQA, seqlen not a multiple of 128
     mask, desc, q, k, v = _gpu_case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
-    _check_against_reference(desc, q, k, v, "fa4", desc.dense_mask())
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask())
     assert cm.api.select_engine(q, desc) == "fa4"
 
 
