@@ -68,7 +68,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append(f"    proof: {pat.proof}")
     else:
         out.append("  GPU path: FA4 block-sparse lists + the interval mask_mod (not a native "
-                   "pattern: z3 proved it equal to none of full, causal, window, segments)")
+                   "pattern: no equality with full, causal, a window or segments was proven)")
     if meta is not None and row is not None:
         out.append("")
         out.append(row_intervals(mask, meta, row, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
