@@ -57,7 +57,8 @@ def _compiled_flex(backend):
     return torch.compile(flex_attention, dynamic=False)
 
 
-def run_one(name, S, mode, methods, rep_ms, results, deterministic=False, breakdown=False):
+def run_one(name, S, mode, methods, rep_ms, results, deterministic=False, breakdown=False,
+            options=None):
     B = batch_for(S)
     dev = "cuda"
     meta = make_meta(name, B, S, device=dev)
@@ -82,9 +83,10 @@ def run_one(name, S, mode, methods, rep_ms, results, deterministic=False, breakd
         d = pre(meta) if with_pre else desc
         if mode == "train" and not fwd_only:
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-            cm.attention(qq, kk, vv, d, deterministic=deterministic).backward(do)
+            cm.attention(qq, kk, vv, d, deterministic=deterministic,
+                         options=options).backward(do)
         else:
-            cm.attention(q, k, v, d)
+            cm.attention(q, k, v, d, options=options)
 
     for method in methods:
         try:
@@ -326,6 +328,9 @@ def main(argv=None):
     ap.add_argument("--tag", default="", help="added to the output file names")
     ap.add_argument("--deterministic", action="store_true",
                     help="cm: cm.attention(..., deterministic=True) (fixed dQ summation order)")
+    ap.add_argument("--options", default="", type=cm.KernelOptions.from_str,
+                    help="cm: the cute kernels' variants, e.g. bwd_meta=async,fwd_mask=compare "
+                         "(compilemask.KernelOptions; default: default_options)")
     ap.add_argument("--breakdown", action="store_true",
                     help="train: also time the peers' forward alone (Table 1's fwd / bwd split; "
                          "one more torch.compile per Flex point)")
@@ -340,18 +345,10 @@ def main(argv=None):
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
-    # the knobs that pick kernel variants, so that a table says which ones it measured
-    from compilemask.kernels.flash_bwd import default_arch
+    # the kernel variants, so that a table says which ones it measured
+    from compilemask.options import device_arch
 
-    bwd_arch = default_arch(torch.device("cuda"))
-    # unset knobs: the sm90 kernels' defaults (the backward tests partial tiles by compares only)
-    bwd_meta = os.environ.get("COMPILEMASK_BWD_META", "regs for K <= 2, cp.async for K > 2")
-    knobs = {"backward": f"sm{bwd_arch}"
-             + (f" (row metadata: {bwd_meta}; bitmap row: "
-                f"{os.environ.get('COMPILEMASK_BWD_BITMAP', 'smem')})"
-                if bwd_arch >= 90 else f" (dQ {os.environ.get('COMPILEMASK_BWD_DQ', 'red2')})"),
-             "partial tiles": "fwd " + os.environ.get("COMPILEMASK_FWD_MASK",
-                                                      "bits" if bwd_arch >= 90 else "compare"),
+    knobs = {"kernel options": args.options.describe(device_arch(torch.device("cuda"))),
              "deterministic": str(args.deterministic)}
     meta_line = (f"{datetime.date.today()} · {torch.cuda.get_device_name()} · commit {commit} · "
                  f"torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch · "
@@ -362,7 +359,8 @@ def main(argv=None):
     for name in args.masks.split(","):
         for S in map(int, args.seqlens.split(",")):
             run_one(name, S, args.mode, args.methods.split(","), args.rep, results,
-                    deterministic=args.deterministic, breakdown=args.breakdown)
+                    deterministic=args.deterministic, breakdown=args.breakdown,
+                    options=args.options)
             # written after every point: a run cut short keeps what it measured
             md = to_markdown(results, args.mode, meta_line)
             (out / f"{stem}.md").write_text(md)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import compilemask as cm  # noqa: E402
 from bench.workloads import flex_mask_mod, make_meta  # noqa: E402
 from compilemask import masks  # noqa: E402
+from compilemask.options import device_arch  # noqa: E402
 
 H, D, DTYPE = 8, 128, torch.bfloat16
 TOKENS = 128 * 1024
@@ -115,7 +116,7 @@ def _pairs(name, desc):
     return total
 
 
-def run_point(name, S, mode, methods, rep, rows):
+def run_point(name, S, mode, methods, rep, rows, options=None):
     B, dev = max(1, TOKENS // S), "cuda"
     meta = workload_meta(name, B, S, dev)
     mask = cm.compile_mask(SPECS[name]())
@@ -150,7 +151,8 @@ def run_point(name, S, mode, methods, rep, rows):
                     continue
 
                 def ours(d, eng=method):
-                    return lambda a, b_, c: cm.attention(a, b_, c, d, backend=eng)
+                    return lambda a, b_, c: cm.attention(a, b_, c, d, backend=eng,
+                                                         options=options)
 
                 rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
                 rec(f"{method}+pre",
@@ -245,21 +247,26 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--tag", default="engines")
+    ap.add_argument("--options", default="", type=cm.KernelOptions.from_str,
+                    help="the cute engine's kernel variants, e.g. bwd_meta=async "
+                         "(compilemask.KernelOptions; default: default_options)")
     args = ap.parse_args(argv)
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
     header = (f"# Engines: {datetime.date.today()} · {torch.cuda.get_device_name()} · commit "
               f"{commit} · torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch"
+              f" · cute kernel options {args.options.describe(device_arch(torch.device('cuda')))}"
               f"\n\n`python bench/engines.py --masks {args.masks} --seqlens {args.seqlens} "
-              f"--modes {args.modes} --methods {args.methods} --rep {args.rep}`")
+              f"--modes {args.modes} --methods {args.methods} --rep {args.rep}"
+              + (f" --options {args.options.to_str()}" if args.options.to_str() else "") + "`")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in args.modes.split(","):
         for S in map(int, args.seqlens.split(",")):
             for name in args.masks.split(","):
-                run_point(name, S, mode, args.methods.split(","), args.rep, rows)
+                run_point(name, S, mode, args.methods.split(","), args.rep, rows, args.options)
                 (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
                 (out / f"{args.tag}.md").write_text(to_markdown(rows, header))
     print(to_markdown(rows, header))

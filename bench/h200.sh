@@ -41,14 +41,15 @@ case "${1:-}" in
   tests)  # every gpu-marked test (the non-default variants' too; knobs runs those alone)
     step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests
     ;;
-  variants)  # the backward's GPU tests with the mma.sync kernel (the portable path)
-    step bwd_sm80 170 env COMPILEMASK_BWD_ARCH=80 python3 -m pytest -q $PAR -m gpu \
+  variants)  # the backward's GPU tests with the mma.sync kernel (the portable path: the
+    # arch=80 parametrizations, KernelOptions(bwd_arch=80))
+    step bwd_sm80 170 python3 -m pytest -q $PAR -m gpu -k 80 \
       -p no:cacheprovider tests/test_kernel_bwd.py
     ;;
   knobs)  # the GPU tests of the non-default variants: the forward's interval compares on sm90
-    # (the -compare variants, COMPILEMASK_FWD_MASK=compare) and the backward's row metadata
-    # forced both ways at every K (meta_async, COMPILEMASK_BWD_META=async|regs); each test sets
-    # its knob (-x: stop at the first failure)
+    # (the -compare variants, KernelOptions(fwd_mask="compare")) and the backward's row
+    # metadata forced both ways at every K (KernelOptions(bwd_meta="async"|"regs")); each test
+    # passes its options (-x: stop at the first failure)
     step fwd_bwd_variants 280 python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
       tests/test_kernel_fwd.py tests/test_kernel_bwd.py -k "compare or meta_async"
     ;;
@@ -58,15 +59,13 @@ case "${1:-}" in
     # Forward and backward knobs act on different kernels: fwd compare is b vs a; bwd registers
     # at K > 2 (clear) b vs a, bwd cp.async at K <= 2 (hstu, shared_prompt_rm, causal) c vs a
     # (KNOBS="a c" to run some; SEQLENS=32768 to shorten)
-    for v in a b:COMPILEMASK_FWD_MASK=compare:COMPILEMASK_BWD_META=regs \
-        c:COMPILEMASK_BWD_META=async; do
-      set -- ${v//:/ }
-      k=$1; shift
+    for v in a: b:fwd_mask=compare,bwd_meta=regs c:bwd_meta=async; do
+      k=${v%%:*}; opts=${v#*:}
       case " ${KNOBS:-a b c} " in *" $k "*) ;; *) continue ;; esac
-      step "train_knobs_$k" 120 env -u COMPILEMASK_FWD_MASK -u COMPILEMASK_BWD_META "$@" \
-        python3 bench/attention.py --mode train --seqlens "${SEQLENS:-8192,32768}" --rep "${REP:-300}" \
+      step "train_knobs_$k" 120 python3 bench/attention.py --mode train --options "$opts" \
+        --seqlens "${SEQLENS:-8192,32768}" --rep "${REP:-300}" \
         --masks clear,hstu,shared_prompt_rm,causal --methods cm --out "$OUT" --tag "knobs_$k"
-      echo "$k ${*:-defaults}"
+      echo "$k ${opts:-defaults}"
       grep -E "^\| (clear|hstu|shared|causal)" "$OUT"/attention_train_knobs_${k}_*.md \
         | cut -d'|' -f2,3,5,12,13
     done
@@ -121,13 +120,13 @@ for r in rows:
       done
     done
     ;;
-  envab)  # A/B timing of two knob settings in one tree, interleaved, cm only:
-    # AB="COMPILEMASK_FWD_RESCALE=always COMPILEMASK_FWD_RESCALE=lazy" MODE=fwd|train (a
-    # setting of several knobs joins them with commas: A=1,B=2)
+  envab)  # A/B timing of two kernel-option settings in one tree, interleaved, cm only:
+    # AB="fwd_mask=bits fwd_mask=compare" MODE=fwd|train (compilemask.KernelOptions fields;
+    # a setting of several joins them with commas: bwd_meta=async,fwd_mask=compare)
     for r in $(seq "${ROUNDS:-2}"); do
-      for kv in ${AB:?AB=\"NAME=a NAME=b\"}; do
+      for kv in ${AB:?AB=\"field=a field=b\"}; do
         tag="ab_${kv//[^A-Za-z0-9]/_}_$r"
-        step "${MODE:-fwd}_$tag" 200 env ${kv//,/ } python3 bench/attention.py --mode "${MODE:-fwd}" \
+        step "${MODE:-fwd}_$tag" 200 python3 bench/attention.py --mode "${MODE:-fwd}" --options "$kv" \
           --seqlens "${SEQLENS:-32768}" --rep "${REP:-300}" \
           --masks "${MASKS:-hstu,causal,clear,shared_prompt_rm}" --methods cm --out "$OUT" \
           --tag "$tag"

@@ -1,7 +1,7 @@
 """One train step per method inside an NVTX range, for Nsight Compute (bench/h200.sh ncu):
 ours (preprocess, forward, backward with its pre/postprocess) and FA4 native on causal, at one
 sequence length of the benchmark's shapes (8 heads x 128, bf16, 128K tokens per batch). The
-kernel-variant knobs (COMPILEMASK_*) apply as usual, so a profile can compare builds."""
+kernel variants are `--options` (compilemask.KernelOptions), so a profile can compare builds."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ def main(argv=None):
     ap.add_argument("--mask", default="causal", choices=sorted(WORKLOADS))
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--methods", default="cm,fa4")
+    ap.add_argument("--options", default="", type=cm.KernelOptions.from_str,
+                    help="cm: the cute kernels' variants, e.g. bwd_meta=async")
     args = ap.parse_args(argv)
     S, B = args.seqlen, batch_for(args.seqlen)
     meta = make_meta(args.mask, B, S, device="cuda")
@@ -35,7 +37,7 @@ def main(argv=None):
     def step(method):
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         if method == "cm":
-            out = cm.attention(qq, kk, vv, pre(meta))
+            out = cm.attention(qq, kk, vv, pre(meta), options=args.options)
         else:
             from flash_attn.cute import flash_attn_func
 

@@ -41,12 +41,12 @@ a new shape compiles once per process, a few seconds); the batch size is dynamic
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from compilemask.blocksparse import BlockSparseLists
+from compilemask.cache import CompileCache
 from compilemask.descriptor import TILES_PER_WORD
 
 __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
@@ -412,14 +412,13 @@ class _Emitter:
 # compile (cached)
 # --------------------------------------------------------------------------------------------
 
-_KERNELS: dict = {}  # (plan, target) -> compiled kernel
-_LOCK = threading.Lock()
-_COMPILES = 0
+# (plan, target) -> compiled kernel; TileLang compiles run one at a time (see preprocess.py)
+_KERNELS = CompileCache("block_sparse", serial=True)
 
 
 def compile_count() -> int:
     """How many block-sparse kernels this process has compiled (tests: no recompile)."""
-    return _COMPILES
+    return _KERNELS.builds
 
 
 def _load_prim_func(source: str, tag: str):
@@ -430,21 +429,15 @@ def _load_prim_func(source: str, tag: str):
 
 def block_sparse_kernel(pl: BlockSparsePlan, target: str):
     """The compiled kernel for (plan, target); compiled once per process."""
-    global _COMPILES
     key = (pl, _check_target(target))
-    kern = _KERNELS.get(key)
-    if kern is not None:
-        return kern
-    with _LOCK:
-        kern = _KERNELS.get(key)
-        if kern is None:
-            import tilelang
 
-            func = _load_prim_func(tilelang_source(pl, target), target)
-            kern = tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
-            _COMPILES += 1
-            _KERNELS[key] = kern
-    return kern
+    def build():
+        import tilelang
+
+        func = _load_prim_func(tilelang_source(pl, target), target)
+        return tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
+
+    return _KERNELS.get(key, build)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,12 +16,11 @@ clamped before any load (their results are discarded).
 
 from __future__ import annotations
 
-import threading
+from compilemask.cache import CompileCache
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors"]
 
-_CACHE: dict = {}
-_LOCK = threading.Lock()
+_CACHE = CompileCache("mask_mod")
 
 
 def _fallback_sources(mask):
@@ -83,15 +82,10 @@ def mask_mod_source(mask) -> str:
 
 def mask_mod(mask):
     """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key."""
-    with _LOCK:
-        fn = _CACHE.get(mask.key)
-        if fn is None:
-            from compilemask.codegen.cute_predicate import compile_predicate
+    from compilemask.codegen.cute_predicate import compile_predicate
 
-            # a real module file: the CuTe DSL reads a jit function's source to build its AST
-            fn = compile_predicate(mask_mod_source(mask), "mask_mod")
-            _CACHE[mask.key] = fn
-    return fn
+    # a real module file: the CuTe DSL reads a jit function's source to build its AST
+    return _CACHE.get(mask.key, lambda: compile_predicate(mask_mod_source(mask), "mask_mod"))
 
 
 def aux_tensors(desc) -> list:

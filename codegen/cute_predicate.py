@@ -265,12 +265,10 @@ def compile_predicate(src: str, name: str = "fallback_predicate"):
     """
     import importlib.util
     import os
-    import tempfile
 
-    d = os.environ.get("COMPILEMASK_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"compilemask-{os.getuid()}", "predicates"
-    )
-    os.makedirs(d, exist_ok=True)
+    from compilemask.env import cache_dir
+
+    d = cache_dir("predicates")
     mod_name = f"cm_pred_{source_hash(src)}"
     path = os.path.join(d, mod_name + ".py")
     if not os.path.exists(path) or open(path).read() != src:

@@ -66,14 +66,14 @@ import hashlib
 import importlib.util
 import os
 import sys
-import tempfile
-import threading
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
 
+from compilemask.cache import CompileCache
 from compilemask.descriptor import TILES_PER_WORD, ExecutionDescriptor, TileConfig
+from compilemask.env import cache_dir
 from compilemask.native import finish_descriptor
 from compilemask.segments import derive_run_arrays
 
@@ -586,24 +586,17 @@ class _Emitter:
 # compile (cached)
 # --------------------------------------------------------------------------------------------
 
-_KERNELS: dict = {}
-_LOCK = threading.Lock()
-_COMPILES = 0
+# TileLang compiles run one at a time (its compiler is not known to be thread-safe)
+_KERNELS = CompileCache("tilelang_preprocess", serial=True)
 
 
 def compile_count() -> int:
     """How many TileLang compiles this process has run (tests: no recompile across batches)."""
-    return _COMPILES
+    return _KERNELS.builds
 
 
 def _source_dir() -> str:
-    d = os.environ.get("COMPILEMASK_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "compilemask", "tilelang")
-    try:
-        os.makedirs(d, exist_ok=True)
-    except OSError:
-        d = tempfile.mkdtemp(prefix="compilemask-tl-")
-    return d
+    return cache_dir("tilelang")
 
 
 def _load_prim_func(source: str, tag: str, attr: str = "preprocess"):
@@ -628,26 +621,18 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
                     meta_dtype: str = "int64"):
     """The compiled kernel for (spec key, tiles, target, K, metadata dtype); compiled once per
     process."""
-    global _COMPILES
     _check_target(target)
     key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles), target,
            _check_meta_dtype(meta_dtype))
-    kern = _KERNELS.get(key)
-    if kern is not None:
-        return kern
-    with _LOCK:
-        kern = _KERNELS.get(key)
-        if kern is None:
-            import tilelang
 
-            src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads, meta_dtype)
-            tag = f"{target}_{mask.key}"
-            func = _load_prim_func(src, tag)
-            tgt = _CUDA_TARGET if target == "cuda" else "c"
-            kern = tilelang.compile(func, target=tgt)
-            _COMPILES += 1
-            _KERNELS[key] = kern
-    return kern
+    def build():
+        import tilelang
+
+        src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads, meta_dtype)
+        func = _load_prim_func(src, f"{target}_{mask.key}")
+        return tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
+
+    return _KERNELS.get(key, build)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl import MaskSpec, Region
 from compilemask.flex import from_mask_mod
+from compilemask.options import KernelOptions, default_options
 
 __all__ = [
     "MaskSpec",
@@ -20,6 +21,8 @@ __all__ = [
     "ExecutionDescriptor",
     "TileConfig",
     "attention",
+    "KernelOptions",
+    "default_options",
     "packing",
     "visualize",
 ]

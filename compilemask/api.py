@@ -7,6 +7,7 @@ import logging
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.options import KernelOptions
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
@@ -112,7 +113,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
 
 
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
-              return_lse: bool = False, deterministic: bool = False, backend: str = "auto"):
+              return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
+              options: KernelOptions | None = None):
     """Masked attention driven by an Execution Descriptor.
 
     Layouts follow FlashAttention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` with
@@ -125,12 +127,16 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     varlen kernels, for masks the compiler proved to be one of those), ``"fa4"`` (FA4's
     block-sparse kernels driven by the descriptor), ``"cute"`` (this package's CuTe kernels) or
     ``"reference"`` (dense float32, any device). ``deterministic=True``: gradients identical run
-    to run."""
+    to run. ``options``: variants of the ``cute`` kernels (:class:`compilemask.KernelOptions`;
+    None: ``default_options`` for the call); the other engines ignore them."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if options is not None and not isinstance(options, KernelOptions):
+        raise TypeError(f"options must be a compilemask.KernelOptions or None, got "
+                        f"{type(options).__name__}")
     _validate(q, k, v, desc)
     engine = select_engine(q, desc, backend, deterministic)
     from compilemask.kernels.autograd import attention_op
 
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic, engine=engine)
+                        deterministic=deterministic, engine=engine, options=options)

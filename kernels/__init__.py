@@ -68,7 +68,9 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     return FlashFwd.can_implement(cfg)
 
 
-def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False, deterministic=False):
-    """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair)."""
+def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False, deterministic=False,
+                   options=None):
+    """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair);
+    ``options``: ``KernelOptions`` of the CuTe kernels."""
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic, engine="cute")
+                        deterministic=deterministic, engine="cute", options=options)

@@ -10,7 +10,8 @@ op, so activation checkpointing just re-runs the forward op.
 The descriptor enters as non-differentiable tensors (intervals, row_region, bitmaps, params,
 row_params) plus ints (seqlens, tiles) and the compiled mask's semantic key (a string: the
 ``CompiledMask`` object itself is kept in a registry here, needed for fallback predicates and the
-dense reference).
+dense reference); the ``KernelOptions`` of the cute kernels enter as their string
+(``KernelOptions.to_str``).
 
 Implementations
 * CUDA: the CuTe forward (``flash_fwd``) and backward (``flash_bwd``); a configuration either
@@ -156,7 +157,13 @@ def _kernel_dtype_ok(q) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
 
 
-def _cuda_fwd(q, k, v, desc, mask_key, scale):
+def _kernel_options(options: str):
+    from compilemask.options import KernelOptions
+
+    return KernelOptions.from_str(options) if options else None
+
+
+def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
     if _kernel_dtype_ok(q):
         try:
             from .flash_fwd import flash_fwd
@@ -164,7 +171,8 @@ def _cuda_fwd(q, k, v, desc, mask_key, scale):
             out, lse = flash_fwd(q, k, v, desc.intervals, desc.fwd_bitmap, desc.row_region,
                                  desc.params, desc.row_params, tile_m=desc.fwd_tiles.tile_m,
                                  tile_n=desc.fwd_tiles.tile_n, softmax_scale=scale,
-                                 fallback=_fallback(mask_key))
+                                 fallback=_fallback(mask_key),
+                                 options=_kernel_options(options))
             return out.contiguous(), lse.contiguous()  # the strides the fake kernel promises
         except (NotImplementedError, ImportError) as e:
             _say_once(f"compilemask::attention_fwd: CuTe forward unavailable ({e}); using the "
@@ -175,7 +183,8 @@ def _cuda_fwd(q, k, v, desc, mask_key, scale):
     return attention_fwd_reference(q, k, v, desc.dense_mask(), scale)
 
 
-def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministic=False):
+def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministic=False,
+              options=""):
     if _kernel_dtype_ok(q):
         try:
             from .flash_bwd import flash_bwd
@@ -184,7 +193,8 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
                               desc.row_region, desc.params, desc.row_params,
                               tile_m=desc.bwd_tiles.tile_m, tile_n=desc.bwd_tiles.tile_n,
                               softmax_scale=scale, fallback=_fallback(mask_key), dlse=dlse,
-                              deterministic=deterministic)
+                              deterministic=deterministic,
+                              options=_kernel_options(options))
             return tuple(g.contiguous() for g in grads)
         except (NotImplementedError, ImportError) as e:
             _say_once(f"compilemask::attention_bwd: CuTe backward unavailable ({e}); using the "
@@ -205,7 +215,7 @@ def attention_fwd(
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
     bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
-    engine: str, extra: list[Tensor], max_seqlen: int,
+    engine: str, extra: list[Tensor], max_seqlen: int, options: str,
 ) -> tuple[Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
@@ -217,14 +227,14 @@ def attention_fwd(
         out, lse = fa4.fwd(q, k, v, desc, softmax_scale, engine, lists=lists)
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
-        return _cuda_fwd(q, k, v, desc, mask_key, softmax_scale)
+        return _cuda_fwd(q, k, v, desc, mask_key, softmax_scale, options)
     return attention_fwd_reference(q, k, v, desc.dense_mask(), softmax_scale)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, intervals, row_region, fwd_bitmap, bwd_bitmap, params, row_params, seqlen_q,
       seqlen_k, fwd_tile_m, fwd_tile_n, bwd_tile_m, bwd_tile_n, mask_key, softmax_scale,
-      deterministic, engine, extra, max_seqlen):
+      deterministic, engine, extra, max_seqlen, options):
     B, Sq, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
@@ -239,7 +249,7 @@ def attention_bwd(
     params: Tensor, row_params: Tensor,
     seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
     bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
-    engine: str, extra: list[Tensor], max_seqlen: int,
+    engine: str, extra: list[Tensor], max_seqlen: int, options: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
                        bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
@@ -252,7 +262,7 @@ def attention_bwd(
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, softmax_scale,
-                         deterministic)
+                         deterministic, options)
     return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(),
                                    softmax_scale)
 
@@ -274,6 +284,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, *inputs[3:9], *extra)
     ctx.desc_scalars = tuple(inputs[9:19])
     ctx.max_seqlen = inputs[20]
+    ctx.options = inputs[21]
 
 
 def _backward(ctx, dout, dlse):
@@ -283,9 +294,9 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.compilemask.attention_bwd(
         dout.contiguous(), dlse, q, k, v, out, lse, *desc_tensors, *ctx.desc_scalars,
-        list(extra), ctx.max_seqlen)
+        list(extra), ctx.max_seqlen, ctx.options)
     # one None per input; the extra tensors' slot is a list of them
-    return (dq, dk, dv) + (None,) * 16 + ([None] * ctx.n_extra, None)
+    return (dq, dk, dv) + (None,) * 16 + ([None] * ctx.n_extra, None, None)
 
 
 torch.library.register_autograd("compilemask::attention_fwd", _backward,
@@ -296,10 +307,11 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # Entry point
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 deterministic: bool = False, engine: str = "cute"):
+                 deterministic: bool = False, engine: str = "cute", options=None):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
-    "reference" (the dense path on any device)."""
+    "reference" (the dense path on any device); ``options``: the cute kernels'
+    ``KernelOptions`` (None: the defaults)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         if not torch.compiler.is_compiling():
@@ -313,5 +325,6 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
         q, k, v, desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap, desc.params,
         desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k), desc.fwd_tiles.tile_m,
         desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n, key, scale,
-        bool(deterministic), engine, extra, max_seqlen)
+        bool(deterministic), engine, extra, max_seqlen,
+        options.to_str() if options is not None else "")
     return (out, lse) if return_lse else out

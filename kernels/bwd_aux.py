@@ -20,6 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from compilemask.cache import CompileCache
+
 from .common import compile_cache_key, compile_kernel, fake_tensor
 
 __all__ = ["AuxConfig", "BwdPreprocess", "DqPostprocess", "compile_aux"]
@@ -144,7 +146,7 @@ class DqPostprocess:
             cute.autovec_copy(rdQ, cute.local_tile(mdQ[b, s, h, None], (8,), (grp,)))
 
 
-_COMPILE_CACHE: dict = {}
+_COMPILE_CACHE = CompileCache("bwd_aux")
 
 
 def _fake_args(cfg: AuxConfig):
@@ -163,15 +165,13 @@ def _fake_args(cfg: AuxConfig):
 def compile_aux(cfg: AuxConfig, gpu_arch=None, use_cache: bool = True, extra_options: str = ""):
     """Compile (or fetch from the cache) the pre- or postprocess kernel of ``cfg``; shapes stay
     symbolic. ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU."""
-    key = compile_cache_key(cfg, gpu_arch)
-    fn = _COMPILE_CACHE.get(key) if use_cache else None
-    if fn is not None:
-        return fn
     if cfg.kind not in ("dpsum", "dq"):
         raise ValueError(f"AuxConfig.kind must be 'dpsum' or 'dq', got {cfg.kind!r}")
-    kernel = (BwdPreprocess if cfg.kind == "dpsum" else DqPostprocess)(cfg)
-    fn = compile_kernel(kernel, _fake_args(cfg), gpu_arch, extra_options,
-                        with_scale=cfg.kind == "dq")
-    _COMPILE_CACHE[key] = fn
-    return fn
+
+    def build():
+        kernel = (BwdPreprocess if cfg.kind == "dpsum" else DqPostprocess)(cfg)
+        return compile_kernel(kernel, _fake_args(cfg), gpu_arch, extra_options,
+                              with_scale=cfg.kind == "dq")
+
+    return _COMPILE_CACHE.get(compile_cache_key(cfg, gpu_arch), build, use_cache)
 

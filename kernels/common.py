@@ -21,7 +21,6 @@ compare the PTX of every compile configuration before and after (``--keep-ptx --
 from __future__ import annotations
 
 import logging
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -29,6 +28,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
+
+from compilemask.env import cute_dsl_arch
+from compilemask.options import KernelOptions
 
 log = logging.getLogger("compilemask")
 
@@ -289,14 +291,6 @@ def tma_partition(tma_atom, s, g):
     )
 
 
-def env_choice(name: str, choices: tuple, default: str) -> str:
-    """The value of the kernel-variant knob ``name`` (an environment variable), checked."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
-
-
 def tiled_copy_16B(atom, dtype, num_threads: int):
     """``num_threads`` threads copying 16-byte vectors, 64 elements per row (8 threads a row for
     16-bit types)."""
@@ -456,9 +450,12 @@ def compile_kernel(kernel, args, gpu_arch=None, extra_options: str = "", with_sc
     return cute.compile(kernel, *args, *scale, stream, options=options)
 
 
-def compile_cache_key(cfg, gpu_arch=None):
-    """Compile-cache key: the config and the target (``gpu_arch``, else ``CUTE_DSL_ARCH``)."""
-    return (cfg, gpu_arch or os.environ.get("CUTE_DSL_ARCH", ""))
+def compile_cache_key(cfg, gpu_arch=None, options=None):
+    """Compile-cache key: the config, the target (``gpu_arch``, else ``CUTE_DSL_ARCH``) and the
+    kernel options as the caller gave them (None: the defaults). The config already holds what
+    the options select; keying on the options too means that two option sets never share a
+    kernel, even for a variant the config were to miss."""
+    return (cfg, gpu_arch or cute_dsl_arch(), options or KernelOptions())
 
 
 def fallback_predicates(cfg, fallback, kernel_name: str, with_arch: bool = False) -> tuple:

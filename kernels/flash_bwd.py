@@ -27,7 +27,7 @@ Three steps (``flash_bwd`` runs them in order):
    tile to shared memory in accumulator-fragment order and a writer warp adds it with one
    ``cp.reduce.async.bulk ... add.f32`` (the TMA unit, asynchronous; dq_accum is
    [B, H, q tiles, tile_m * D] in that order), as FlashAttention 3/4 do. The mma.sync kernel
-   (``COMPILEMASK_BWD_DQ``) uses ``red2``, one ``red.global.add.v2.f32`` per pair of adjacent
+   (``KernelOptions.bwd_dq``) uses ``red2``, one ``red.global.add.v2.f32`` per pair of adjacent
    columns (sm_90), or ``atomic``, one ``atom.global.add.f32`` per element (before sm_90).
 3. postprocess: ``dq = (dq_accum * softmax_scale).to(dtype)`` (``bwd_aux.DqPostprocess``
    gathers the ``bulk`` fragment order back into rows in the same pass; a torch expression for
@@ -39,8 +39,8 @@ Two MMA paths share the schedule, the loads, the mask and the epilogue:
   by ``ldmatrix``, 8 warps; S = Q K^T, P and dS go through shared memory for the three GEMMs
   that need them transposed. Runs on sm80..sm90a; validated on the H200 (dQ/dK/dV vs the
   float32 reference).
-* ``arch=90`` (:class:`FlashBwdSm90`, the default on sm_90; ``COMPILEMASK_BWD_ARCH=80`` picks
-  the other): all five GEMMs on wgmma (SASS ``HGMMA``), warp-specialized. A producer warpgroup
+* ``arch=90`` (:class:`FlashBwdSm90`, the default on sm_90; ``KernelOptions(bwd_arch=80)``
+  picks the other): all five GEMMs on wgmma (SASS ``HGMMA``), warp-specialized. A producer warpgroup
   loads K and V once and Q, dO per q tile with TMA into a 2-stage mbarrier pipeline, and its
   second warp issues the dQ reduce-adds; two wgmma warpgroups compute, with one barrier between
   them per q tile. The score tile is computed transposed (S^T = K Q^T) so P^T and dS^T feed
@@ -60,7 +60,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Optional
@@ -73,6 +72,15 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
+from compilemask.cache import CompileCache
+from compilemask.options import (  # noqa: F401  (BITMAP_SMEM_WORDS, bitmap_fits_smem: re-exported)
+    BITMAP_SMEM_WORDS,
+    KernelOptions,
+    bitmap_fits_smem,
+    default_options,
+    device_arch,
+)
+
 from .bwd_aux import AuxConfig, compile_aux
 from .common import (
     SeqlenInfo,
@@ -83,7 +91,6 @@ from .common import (
     compile_cache_key,
     compile_kernel,
     cp_async_4B,
-    env_choice,
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
@@ -108,9 +115,6 @@ log = logging.getLogger("compilemask")
 _BAR_MMA = 3
 _BAR_DQ_FULL = 4
 _BAR_DQ_EMPTY = 6
-# bitmap_smem: the shared-memory copy of a bitmap row, 16 q tiles per word (1 KB: q tiles up
-# to 4096, i.e. Sq <= 262144 at tile_m = 64)
-BITMAP_SMEM_WORDS = 256
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
@@ -145,13 +149,13 @@ class FlashBwdConfig:
     deterministic: bool = False
     # arch 90: the next q tile's row metadata goes global -> shared by per-thread cp.async
     # (finished in place before the item's barrier) instead of through registers held across
-    # the whole item (flash_bwd's default for K > 2; COMPILEMASK_BWD_META=regs|async)
+    # the whole item (KernelOptions.bwd_meta: "async", the default for K > 2, or "regs")
     meta_async: bool = False
     # arch 90: the CTA's bitmap row is copied to shared memory once (up to BITMAP_SMEM_WORDS
     # words: q tiles <= 16 x that), so that the per-item scans of the consumers, the producer
     # and the dQ writer read shared memory instead of rebuilding the row's global address from
     # kernel parameters at every item (flash_bwd sets it False for longer rows;
-    # COMPILEMASK_BWD_BITMAP=global forces the global reads)
+    # KernelOptions(bwd_bitmap="global") forces the global reads)
     bitmap_smem: bool = True
 
     def __post_init__(self):
@@ -1500,7 +1504,7 @@ class FlashBwdSm90(FlashBwd):
 # ----------------------------------------------------------------------------------------------
 # Compile cache + launch
 # ----------------------------------------------------------------------------------------------
-_COMPILE_CACHE: dict = {}
+_COMPILE_CACHE = CompileCache("flash_bwd")
 
 
 def make_fake_args(cfg: FlashBwdConfig):
@@ -1539,34 +1543,19 @@ def compile_flash_bwd(
     gpu_arch: Optional[str] = None,
     use_cache: bool = True,
     extra_options: str = "",
+    options: Optional[KernelOptions] = None,
 ):
     """Compile (or fetch from the cache) the backward kernel for ``cfg``; shapes stay symbolic.
 
-    ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU."""
-    key = compile_cache_key(cfg, gpu_arch)
-    fn = _COMPILE_CACHE.get(key) if use_cache else None
-    if fn is not None:
-        return fn
-    preds = fallback_predicates(cfg, fallback, "flash_bwd")
-    kernel = (FlashBwdSm90 if cfg.arch >= 90 else FlashBwd)(cfg, preds)
-    fn = compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
-    _COMPILE_CACHE[key] = fn
-    return fn
+    ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU. ``options``: the
+    caller's ``KernelOptions`` that ``cfg`` was made from (part of the cache key)."""
 
+    def build():
+        preds = fallback_predicates(cfg, fallback, "flash_bwd")
+        kernel = (FlashBwdSm90 if cfg.arch >= 90 else FlashBwd)(cfg, preds)
+        return compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
 
-def default_arch(device=None) -> int:
-    """90 (the wgmma kernel) on sm_90, else 80 (the mma.sync kernel); ``COMPILEMASK_BWD_ARCH``
-    overrides. Both pass the GPU tests on the H200; the wgmma one is 1.17x faster there (HSTU and
-    causal, 32K: 83 vs 97 ms for the backward)."""
-    env = os.environ.get("COMPILEMASK_BWD_ARCH", "")
-    if env:
-        return int(env)
-    import torch
-
-    if device is not None and device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return 90 if major == 9 else 80
-    return 80
+    return _COMPILE_CACHE.get(compile_cache_key(cfg, gpu_arch, options), build, use_cache)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1590,12 +1579,6 @@ def _dq_fragment_order(tile_m: int, head_dim: int, device):
     return order.to(device)
 
 
-def bitmap_fits_smem(n_m: int) -> bool:
-    """Whether a backward bitmap row of ``n_m`` q tiles fits the sm90 kernel's shared-memory
-    copy (``FlashBwdConfig.bitmap_smem``)."""
-    return -(-n_m // 16) <= BITMAP_SMEM_WORDS
-
-
 def flash_bwd(
     dout,
     q,
@@ -1614,8 +1597,8 @@ def flash_bwd(
     softmax_scale: Optional[float] = None,
     fallback: Optional[Fallback] = None,
     dlse=None,
-    arch: Optional[int] = None,
     deterministic: bool = False,
+    options: Optional[KernelOptions] = None,
 ):
     """Masked attention backward. Returns ``(dq, dk, dv)`` shaped like ``q, k, v``.
 
@@ -1624,7 +1607,8 @@ def flash_bwd(
     for this (tile_m, tile_n) (``desc.bwd_tiles``); ``dlse`` (optional, [B, H, Sq]) is the
     gradient flowing into the LSE output. ``deterministic``: run-to-run identical dQ (the kv
     tiles add to each dQ tile in increasing order; sm90 kernel only, NotImplementedError
-    elsewhere)."""
+    elsewhere). ``options``: the kernel variants (``bwd_arch``, ``bwd_dq``, ``bwd_meta``,
+    ``bwd_bitmap``; None: ``default_options`` for this device, K and length)."""
     import torch
 
     from compilemask.tiles import unpack_bitmap
@@ -1656,19 +1640,15 @@ def flash_bwd(
         num_row_params=fallback.num_row_params if fallback is not None else 0,
         arch=80,
     )
-    if arch is None:
-        arch = default_arch(q.device)
-    if arch >= 90:
+    opts = (options or KernelOptions()).resolve(device_arch(q.device), Kslots, n_m)
+    if opts.bwd_arch >= 90:
         if FlashBwdSm90.can_implement(replace(cfg, arch=90, dq_reduce="bulk")):
             cfg = replace(cfg, arch=90, dq_reduce="bulk")
         else:  # say so: the mma.sync kernel is slower
             log.warning("compilemask: the sm90 backward kernel cannot implement %s; using the "
                         "mma.sync kernel", cfg)
     if cfg.arch < 90:
-        # the mma.sync kernel's dQ adds: red.global.add.v2.f32 on sm_90, atomics before
-        sm90_device = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
-        cfg = replace(cfg, dq_reduce=env_choice("COMPILEMASK_BWD_DQ", ("atomic", "red2"),
-                                                "red2" if sm90_device else "atomic"))
+        cfg = replace(cfg, dq_reduce=opts.bwd_dq)
         if deterministic:
             raise NotImplementedError(
                 f"flash_bwd(deterministic=True) needs the sm90 backward kernel (this "
@@ -1676,16 +1656,13 @@ def flash_bwd(
     sm90 = cfg.arch >= 90
     cfg = replace(
         cfg, deterministic=deterministic,
-        # measured on the H200 (bench/results/knobs_2026-11-29.md): at K = 6 the registers
-        # held across the item cost 7% of the backward, at K <= 2 cp.async is a wash
-        meta_async=sm90 and env_choice("COMPILEMASK_BWD_META", ("regs", "async"),
-                                       "async" if cfg.num_intervals > 2 else "regs") == "async",
-        bitmap_smem=sm90 and bitmap_fits_smem(n_m)
-        and env_choice("COMPILEMASK_BWD_BITMAP", ("smem", "global"), "smem") == "smem",
+        meta_async=sm90 and opts.bwd_meta == "async",
+        # a row longer than the shared-memory copy is read from global memory whatever asked
+        bitmap_smem=sm90 and bitmap_fits_smem(n_m) and opts.bwd_bitmap == "smem",
     )
     if cfg.arch < 90 and not FlashBwd.can_implement(cfg):
         raise NotImplementedError(f"flash_bwd: unsupported configuration {cfg}")
-    fn = compile_flash_bwd(cfg, fallback)
+    fn = compile_flash_bwd(cfg, fallback, options=options)
     dev = q.device
     q, k, v, dout = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, dout))
     # preprocess: dPsum = rowsum(dO * O) in float32, [B, H, Sq] (one pass over O and dO)
@@ -1787,7 +1764,7 @@ def _bench(argv=None):
             return flash_bwd(do, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
                              desc.row_region, desc.params, desc.row_params,
                              tile_m=desc.bwd_tiles.tile_m, tile_n=desc.bwd_tiles.tile_n,
-                             fallback=fb, arch=arch)
+                             fallback=fb, options=KernelOptions(bwd_arch=arch))
 
         t_fwd = timeit(lambda: flash_fwd(*fwd_args, tile_m=desc.fwd_tiles.tile_m,
                                          tile_n=desc.fwd_tiles.tile_n, fallback=fb))

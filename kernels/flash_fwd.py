@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -47,6 +46,10 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
+
+from compilemask.cache import CompileCache
+from compilemask.env import cute_dsl_arch
+from compilemask.options import KernelOptions, default_options
 
 from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-exported)
     SeqlenInfo,
@@ -59,7 +62,6 @@ from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-expo
     column_pattern,
     compile_cache_key,
     compile_kernel,
-    env_choice,
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
@@ -101,7 +103,7 @@ class FlashFwdConfig:
     intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
     pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
     # partial tiles: the interval test once per row, as a word of the thread's column bits, then
-    # one bit test per element (flash_fwd's default on sm90; COMPILEMASK_FWD_MASK=compare|bits)
+    # one bit test per element (KernelOptions.fwd_mask: "bits", the default on sm90, or "compare")
     mask_bits: bool = False
 
     @property
@@ -718,7 +720,7 @@ class FlashFwd:
 # ----------------------------------------------------------------------------------------------
 # Compile cache + launch
 # ----------------------------------------------------------------------------------------------
-_COMPILE_CACHE: dict = {}
+_COMPILE_CACHE = CompileCache("flash_fwd")
 
 
 @dataclass
@@ -786,7 +788,7 @@ def _codegen():
 
 
 def _arch_from_env_or_device() -> int:
-    env = os.environ.get("CUTE_DSL_ARCH", "")
+    env = cute_dsl_arch()
     if env.startswith("sm_"):
         return int(env[3:5])
     try:
@@ -821,26 +823,26 @@ def compile_flash_fwd(
     gpu_arch: Optional[str] = None,
     use_cache: bool = True,
     extra_options: str = "",
+    options: Optional[KernelOptions] = None,
 ):
     """Compile (or fetch from the cache) the kernel for ``cfg``; shapes stay symbolic.
 
     ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU; by default the DSL's
-    ``CUTE_DSL_ARCH`` or the detected device is used.
+    ``CUTE_DSL_ARCH`` or the detected device is used. ``options``: the caller's
+    ``KernelOptions`` that ``cfg`` was made from (part of the cache key).
     """
-    key = compile_cache_key(cfg, gpu_arch)
-    fn = _COMPILE_CACHE.get(key) if use_cache else None
-    if fn is not None:
-        return fn
-    preds = fallback_predicates(cfg, fallback, "flash_fwd", with_arch=True)
-    if cfg.arch >= 90 and cfg.warp_specialized:
-        from .flash_fwd_sm90 import FlashFwdSm90
 
-        kernel = FlashFwdSm90(cfg, preds)
-    else:
-        kernel = FlashFwd(cfg, preds)
-    fn = compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
-    _COMPILE_CACHE[key] = fn
-    return fn
+    def build():
+        preds = fallback_predicates(cfg, fallback, "flash_fwd", with_arch=True)
+        if cfg.arch >= 90 and cfg.warp_specialized:
+            from .flash_fwd_sm90 import FlashFwdSm90
+
+            kernel = FlashFwdSm90(cfg, preds)
+        else:
+            kernel = FlashFwd(cfg, preds)
+        return compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
+
+    return _COMPILE_CACHE.get(compile_cache_key(cfg, gpu_arch, options), build, use_cache)
 
 
 def _aligned(x):
@@ -874,12 +876,14 @@ def flash_fwd(
     pingpong: bool = True,
     out=None,
     lse=None,
+    options: Optional[KernelOptions] = None,
 ):
     """Masked attention forward. Returns ``(out [B,Sq,H,D], lse float32 [B,H,Sq])``.
 
     ``intervals`` int32 [B, Sq, K, 2]; ``fwd_bitmap`` int32 [B, ceil(Sq/tile_m), ceil(n_n/16)]
     computed for this (tile_m, tile_n); ``row_region`` int32 [B, Sq], ``params`` int32 [B, P],
-    ``row_params`` int32 [B, Sq, R] are needed only with a ``fallback``.
+    ``row_params`` int32 [B, Sq, R] are needed only with a ``fallback``. ``options``: the
+    kernel variants (``fwd_mask``; None: ``default_options`` for the kernel's arch).
     """
     import torch
 
@@ -900,6 +904,7 @@ def flash_fwd(
     assert fwd_bitmap.shape == (B, n_m, -(-n_n // 16)), (fwd_bitmap.shape, (B, n_m, n_n))
     if arch is None:
         arch = 90 if _arch_from_env_or_device() >= 90 else 80
+    fwd_mask = (options or KernelOptions()).fwd_mask or default_options(arch, Kslots).fwd_mask
     cfg = FlashFwdConfig(
         dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
         head_dim=D,
@@ -915,14 +920,11 @@ def flash_fwd(
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
         pingpong=pingpong and intra_wg_overlap,
-        # measured on the H200 (bench/results/knobs_2026-11-29.md): the bits are faster at
-        # every K on the wgmma forward (CLEAR, K = 6: -8%); the mma.sync path keeps the compares
-        mask_bits=env_choice("COMPILEMASK_FWD_MASK", ("compare", "bits"),
-                             "bits" if arch >= 90 else "compare") == "bits",
+        mask_bits=fwd_mask == "bits",
     )
     if not FlashFwd.can_implement(cfg):
         raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")
-    fn = compile_flash_fwd(cfg, fallback)
+    fn = compile_flash_fwd(cfg, fallback, options=options)
     dev = q.device
     q, k, v = (_aligned(x) for x in (q, k, v))
     if out is None:

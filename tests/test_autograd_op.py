@@ -163,6 +163,6 @@ def test_fake_shapes_and_opcheck():
     args = (q.detach(), k.detach(), v.detach(), desc.intervals, desc.row_region, desc.fwd_bitmap,
             desc.bwd_bitmap, desc.params, desc.row_params, 21, 21, desc.fwd_tiles.tile_m,
             desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n,
-            register_mask(desc.mask), 0.25, False, "reference", [], 0)
+            register_mask(desc.mask), 0.25, False, "reference", [], 0, "")
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -38,20 +38,23 @@ def _ptx(cfg, dump_dir):
 # CPU: the backward kernel compiles for sm_90a (no GPU, no launch)
 # ---------------------------------------------------------------------------------------------
 def test_default_arch(monkeypatch):
-    """wgmma (90) on sm_90 devices, mma.sync (80) otherwise; COMPILEMASK_BWD_ARCH overrides."""
-    from compilemask.kernels.flash_bwd import default_arch
+    """wgmma (90) on sm_90 devices, mma.sync (80) otherwise; KernelOptions.bwd_arch
+    overrides."""
+    from compilemask.options import KernelOptions, device_arch
 
-    monkeypatch.delenv("COMPILEMASK_BWD_ARCH", raising=False)
+    def default_arch(device=None, options=None):
+        return (options or KernelOptions()).resolve(device_arch(device), 1).bwd_arch
+
     assert default_arch() == 80 and default_arch(torch.device("cpu")) == 80
     for cap, want in (((9, 0), 90), ((8, 9), 80), ((10, 0), 80)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
         assert default_arch(torch.device("cuda", 0)) == want
-    monkeypatch.setenv("COMPILEMASK_BWD_ARCH", "80")
-    assert default_arch(torch.device("cuda", 0)) == 80
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (9, 0))
+    assert default_arch(torch.device("cuda", 0), KernelOptions(bwd_arch=80)) == 80
 
 
 def test_dq_reduce_variants_emit_their_instructions(tmp_path):
-    """The mma.sync kernel's dQ accumulation (COMPILEMASK_BWD_DQ): ``atomic`` one float32
+    """The mma.sync kernel's dQ accumulation (KernelOptions.bwd_dq): ``atomic`` one float32
     atomic per element, ``red2`` (its default on sm_90) one red.global.add.v2.f32 per column
     pair; the sm90 kernel adds bulk only (``test_sm90_kernel_structure``); anything else is
     refused."""
@@ -236,7 +239,7 @@ def test_aux_kernels_vs_torch(dtype, hdim):
 
 
 def test_meta_async_ptx(tmp_path):
-    """meta_async (COMPILEMASK_BWD_META=async, sm90 kernel; CPU): the consumers copy the next
+    """meta_async (KernelOptions(bwd_meta="async"), sm90 kernel; CPU): the consumers copy the next
     q tile's row metadata global -> shared with 4-byte cp.async (LSE, dPsum, 2K slot words per
     row thread, at the prologue and in the loop) and wait for their own copies before the
     item's barrier; no new barrier, fewer global loads than the register path."""
@@ -330,9 +333,10 @@ def _attn_lowp(q, k, v, dense, scale):
 
 
 def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None,
-                deterministic=False):
+                deterministic=False, **options):
     from compilemask.kernels.autograd import _fallback, register_mask
     from compilemask.kernels.flash_bwd import flash_bwd
+    from compilemask.options import KernelOptions
 
     mask = cm.compile_mask(spec)
     meta = masks.random_meta(spec, B, S, gen=torch.Generator().manual_seed(seed))
@@ -361,7 +365,8 @@ def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None,
     got = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap, desc.row_region,
                     desc.params, desc.row_params, tile_m=desc.bwd_tiles.tile_m,
                     tile_n=desc.bwd_tiles.tile_n, softmax_scale=scale, fallback=fb,
-                    arch=arch, deterministic=deterministic)
+                    deterministic=deterministic,
+                    options=KernelOptions(bwd_arch=arch, **options))
     torch.cuda.synchronize()
     report = []
     for name, a, r, p in zip(("dq", "dk", "dv"), got, ref, pt):
@@ -402,24 +407,24 @@ def test_bwd_other_masks(name, arch):
 @pytest.mark.parametrize("name,S", [("causal", 1), ("causal", 1000), ("hstu", 129),
                                     ("clear", 1000), ("shared_prompt_rm", 300),
                                     ("packed_documents", 257), ("dilated_causal", 300)])
-def test_bwd_meta_async_vs_reference(name, S, meta, monkeypatch):
-    """COMPILEMASK_BWD_META forced for every mask: async (the default only for K > 2) by
+def test_bwd_meta_async_vs_reference(name, S, meta):
+    """KernelOptions.bwd_meta forced for every mask: async (the default only for K > 2) by
     per-thread cp.async, and regs (the default only for K <= 2: CLEAR's K = 6 is the case the
     default runs do not cover)."""
-    monkeypatch.setenv("COMPILEMASK_BWD_META", meta)
     spec = getattr(masks, name)()
-    print(name, S, meta, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90))
+    print(name, S, meta, _check_case(spec, 2, S, 4, 2, 128, seed=S + 13, arch=90,
+                                     bwd_meta=meta))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bitmap", ["smem", "global"])
 @pytest.mark.parametrize("name,S", [("causal", 2100), ("hstu", 1100), ("clear", 1500)])
-def test_bwd_bitmap_smem_vs_reference(name, S, bitmap, monkeypatch):
-    """COMPILEMASK_BWD_BITMAP: the scans read the CTA's bitmap row from its shared-memory copy
+def test_bwd_bitmap_smem_vs_reference(name, S, bitmap):
+    """KernelOptions.bwd_bitmap: the scans read the CTA's bitmap row from its shared-memory copy
     (the default) or from global memory (rows longer than the copy), on rows of 2 to 3 words."""
-    monkeypatch.setenv("COMPILEMASK_BWD_BITMAP", bitmap)
     spec = getattr(masks, name)()
-    print(name, S, bitmap, _check_case(spec, 2, S, 2, 1, 128, seed=S + 7, arch=90))
+    print(name, S, bitmap, _check_case(spec, 2, S, 2, 1, 128, seed=S + 7, arch=90,
+                                       bwd_bitmap=bitmap))
 
 
 @pytest.mark.gpu

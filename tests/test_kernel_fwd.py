@@ -172,11 +172,11 @@ def _sass(cfg, tmp_path, fallback=None):
 
 
 def test_mask_bits_sass(sm90_env, tmp_path, monkeypatch):
-    """mask_bits (COMPILEMASK_FWD_MASK=bits, CPU): partial tiles test the row's K intervals once
-    per row (a word of the thread's column bits) and one bit per element. At K = 6 the
-    per-element test spills to local memory and costs over a thousand integer compares per
-    thread; with bits there are no spills and a tenth of the compares. With a fallback
-    predicate it compiles too (the predicate stays per element)."""
+    """mask_bits (KernelOptions(fwd_mask="bits"), CPU): partial tiles test the row's K
+    intervals once per row (a word of the thread's column bits) and one bit per element. At
+    K = 6 the per-element test spills to local memory and costs over a thousand integer
+    compares per thread; with bits there are no spills and a tenth of the compares. With a
+    fallback predicate it compiles too (the predicate stays per element)."""
     from dataclasses import replace
 
     monkeypatch.setenv("PATH", os.path.dirname(_nvdisasm() or "x") + os.pathsep
@@ -193,15 +193,17 @@ def test_mask_bits_sass(sm90_env, tmp_path, monkeypatch):
     assert "HGMMA" in text
 
 
-def test_mask_bits_knob(monkeypatch):
-    """COMPILEMASK_FWD_MASK picks the partial-tile test; a wrong value is a clear error before
+def test_mask_bits_knob():
+    """KernelOptions.fwd_mask picks the partial-tile test; a wrong value is a clear error before
     any kernel is built."""
+    from compilemask.options import KernelOptions
+
     q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
     iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
     bm = torch.zeros(1, 1, 1, dtype=torch.int32)
-    monkeypatch.setenv("COMPILEMASK_FWD_MASK", "bitz")
-    with pytest.raises(ValueError, match="COMPILEMASK_FWD_MASK"):
-        flash_fwd(q, q, q, iv, bm, tile_m=128, tile_n=128, arch=90)
+    with pytest.raises(ValueError, match="fwd_mask"):
+        flash_fwd(q, q, q, iv, bm, tile_m=128, tile_n=128, arch=90,
+                  options=KernelOptions(fwd_mask="bitz"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,19 +381,19 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
 @gpu
 @needs_cuda
 # variants: -bits / -compare: partial tiles by column bits or by the interval compares
-# (COMPILEMASK_FWD_MASK; the default is bits on sm90, compare on sm80)
+# (KernelOptions.fwd_mask; the default is bits on sm90, compare on sm80)
 @pytest.mark.parametrize("variant", ["sm90ws", "sm90", "sm80", "sm90ws-compare", "sm80-bits"])
 @pytest.mark.parametrize(
     "case",
     CASES,
     ids=lambda c: f"{c[0]}-B{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{str(c[7])[6:]}",
 )
-def test_fwd_numerics(case, variant, monkeypatch):
+def test_fwd_numerics(case, variant):
+    from compilemask.options import KernelOptions
+
     mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
     variant, *opts = variant.split("-")
-    for mask_opt in ("bits", "compare"):
-        if mask_opt in opts:
-            monkeypatch.setenv("COMPILEMASK_FWD_MASK", mask_opt)
+    options = KernelOptions(fwd_mask=next((o for o in opts if o in ("bits", "compare")), None))
     arch = 80 if variant == "sm80" else 90
     major, _ = torch.cuda.get_device_capability()
     if arch == 90 and major != 9:
@@ -430,6 +432,7 @@ def test_fwd_numerics(case, variant, monkeypatch):
         warp_specialized=variant == "sm90ws",
         out=out,
         lse=lse,
+        options=options,
     )
     torch.cuda.synchronize()
     dmask = dense.to(dev)
@@ -454,7 +457,7 @@ def test_fwd_numerics(case, variant, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: partial tiles by bits (COMPILEMASK_FWD_MASK=bits), the very functions on Python ints
+# CPU: partial tiles by bits (KernelOptions(fwd_mask="bits")), the very functions on Python ints
 # ---------------------------------------------------------------------------------------------
 WGMMA_COLS = [8 * (c // 2) + c % 2 for c in range(32)]  # a thread's columns in a 128-wide tile
 

@@ -1,0 +1,64 @@
+"""One in-process cache for compiled kernels (CuTe, TileLang) and generated functions."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Hashable
+
+__all__ = ["CompileCache"]
+
+
+class CompileCache:
+    """Built objects by semantic key (a config, the compile target, the kernel options...),
+    each built at most once per process, thread-safe.
+
+    Builds of different keys run in parallel (one at a time with ``serial``, for a compiler
+    that is not thread-safe); a second caller of a key being built waits for that build
+    instead of compiling it again. A build that raises stores nothing (the next caller
+    retries)."""
+
+    def __init__(self, name: str, serial: bool = False):
+        self.name = name
+        self._serial = threading.Lock() if serial else None
+        self.builds = 0  # how many times a build ran (tests: no recompile)
+        self._items: dict = {}
+        self._building: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, build: Callable[[], object], use_cache: bool = True):
+        """The object cached for ``key``, else ``build()`` (stored); ``use_cache=False``
+        builds anew and stores nothing (e.g. to dump the compiler's intermediate files)."""
+        if not use_cache:
+            return self._build(build)
+        with self._lock:
+            if key in self._items:
+                return self._items[key]
+            key_lock = self._serial or self._building.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                if key in self._items:
+                    return self._items[key]
+            value = self._build(build)
+            with self._lock:
+                self._items[key] = value
+                self._building.pop(key, None)
+        return value
+
+    def _build(self, build):
+        value = build()
+        with self._lock:
+            self.builds += 1
+        return value
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self):
+        with self._lock:
+            self._items.clear()
+
+    def __repr__(self) -> str:
+        return f"CompileCache({self.name!r}, {len(self)} entries, {self.builds} builds)"
