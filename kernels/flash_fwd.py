@@ -49,7 +49,7 @@ from cutlass.utils import LayoutEnum
 
 from compilemask.cache import CompileCache
 from compilemask.env import cute_dsl_arch
-from compilemask.options import KernelOptions, default_options
+from compilemask.options import KernelOptions
 
 from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-exported)
     SeqlenInfo,
@@ -904,7 +904,7 @@ def flash_fwd(
     assert fwd_bitmap.shape == (B, n_m, -(-n_n // 16)), (fwd_bitmap.shape, (B, n_m, n_n))
     if arch is None:
         arch = 90 if _arch_from_env_or_device() >= 90 else 80
-    fwd_mask = (options or KernelOptions()).fwd_mask or default_options(arch, Kslots).fwd_mask
+    fwd_mask = (options or KernelOptions()).resolve(arch, Kslots).fwd_mask
     cfg = FlashFwdConfig(
         dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
         head_dim=D,
