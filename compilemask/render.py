@@ -28,10 +28,13 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append("    guard, as written:")
         out.append(_indent(r.guard_source))
         out.append(f"    guard: {r.guard}")
-        excl = [f"{k}: {'proved exclusive' if v else 'NOT proved exclusive (checked at run time)'}"
+        excl = [f"{k}: {'proved exclusive' if v else 'NOT proved exclusive'}"
                 for k, v in r.exclusive_with.items()]
         if excl:
             out.append("    vs earlier guards: " + "; ".join(excl))
+        if not all(r.exclusive_with.values()):
+            out.append("      rows belong to the first region whose guard holds: rows where an "
+                       "earlier guard holds too are not in this region")
         out.append("    rule, as written:")
         out.append(_indent(r.rule_source))
         out.append(f"    DNF ({len(r.dnf)} term{'s' if len(r.dnf) != 1 else ''}):")

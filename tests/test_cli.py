@@ -288,3 +288,26 @@ def test_demo_unknown_argument(capsys):
 
     assert main(["demo", "--bogus"]) == 2
     assert "unknown argument(s) --bogus" in capsys.readouterr().err
+
+
+# ---- overlapping guards: a row belongs to the first region whose guard holds -------------------
+OVERLAP = textwrap.dedent("""
+    import compilemask as cm
+
+    SPEC = cm.MaskSpec("overlap", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a + 2, visible=lambda i, j: j <= i),
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),
+    ])
+""")
+
+
+@needs_mpl
+def test_show_accepts_overlapping_guards(capsys, tmp_path):
+    p = tmp_path / "overlap.py"
+    p.write_text(OVERLAP)
+    png = tmp_path / "o.png"
+    rc = run("show", [str(p), "--seqlen", "256", "--meta", "a=100", "--tiles", "64x64",
+                      "--out", str(png)])
+    out, err = capsys.readouterr()
+    assert rc == 0 and err == "" and png.stat().st_size > 1000
+    assert out.splitlines()[1:5] == ["~...", "~~~~", "..~#", "...~"]

@@ -109,3 +109,67 @@ def test_compile_cache_is_fast_for_a_rebuilt_spec():
         med = statistics.median(times) * 1e6
         print(f"compile_mask({first.name}) repeat median {med:.1f} us")
         assert med < 500, med  # ~5-15 us here; generous for CI
+
+
+# ---- overlapping guards: a row belongs to the first region whose guard holds -------------------
+def _overlap_spec():
+    return cm.MaskSpec("overlap", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a + 2, visible=lambda i, j: j <= i),  # noqa: F821
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),  # noqa: F821
+    ])
+
+
+def test_check_mode_accepts_overlapping_guards():
+    mask = cm.compile_mask(_overlap_spec())
+    meta = {"a": torch.tensor([3, 0])}
+    plain = mask.preprocess(meta, seqlen_q=8)
+    checked = mask.preprocess(meta, seqlen_q=8, check=True)
+    assert torch.equal(checked.intervals, plain.intervals)
+    assert torch.equal(checked.fwd_bitmap, plain.fwd_bitmap)
+    # rows 3 and 4 of sequence 0 are under both guards: the first region, 'lo', takes them
+    assert checked.row_region[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert torch.equal(checked.dense_mask(), mask.reference_mask(meta, seqlen_q=8))
+    with pytest.raises(ValueError, match="param 'a' must be non-negative"):  # still validated
+        mask.preprocess({"a": torch.tensor([-1, 0])}, seqlen_q=8, check=True)
+
+
+def test_check_mode_accepts_overlapping_guards_tilelang():
+    pytest.importorskip("tilelang")
+    mask = cm.compile_mask(_overlap_spec())
+    meta = {"a": torch.tensor([3, 0])}
+    desc = mask.preprocess(meta, seqlen_q=8, check=True, backend="tilelang")
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, seqlen_q=8))
+
+
+def test_explain_states_the_first_region_rule_where_guards_may_overlap():
+    rule = "rows belong to the first region whose guard holds"
+    assert rule in cm.compile_mask(_overlap_spec()).explain()
+    exclusive = cm.MaskSpec("split", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a, visible=lambda i, j: j <= i),  # noqa: F821
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),  # noqa: F821
+    ])
+    mask = cm.compile_mask(exclusive)
+    assert mask.regions[1].exclusive_with == {"lo": True}
+    assert rule not in mask.explain()
+    assert rule not in cm.compile_mask(masks.causal()).explain()
+
+
+def test_demo_accepts_overlapping_guards(monkeypatch, capsys):
+    """The demo's HSTU with the history guard written ``i < hist_end``: it overlaps the context
+    guard, and the first region wins, so the mask is HSTU's."""
+    from compilemask.__main__ import demo
+
+    stock = masks.hstu
+
+    def overlapping_hstu():
+        spec = stock()
+        history = cm.Region("history", when=lambda i: i < hist_end,  # noqa: F821
+                            visible=spec.regions[1].visible)
+        return cm.MaskSpec("hstu", params=list(spec.params),
+                           regions=[spec.regions[0], history, spec.regions[2]])
+
+    monkeypatch.setattr(masks, "hstu", overlapping_hstu)
+    assert demo([]) == 0
+    out = capsys.readouterr().out
+    assert "rows belong to the first region whose guard holds" in out
+    assert "descriptor mask == brute-force mask of the Python rules: True" in out
