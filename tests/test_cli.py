@@ -311,3 +311,22 @@ def test_show_accepts_overlapping_guards(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc == 0 and err == "" and png.stat().st_size > 1000
     assert out.splitlines()[1:5] == ["~...", "~~~~", "..~#", "...~"]
+
+
+# ---- a per-row array read at anything but i or j -----------------------------------------------
+def test_explain_rejected_array_subscript_is_one_line(capsys, tmp_path):
+    p = tmp_path / "ahead.py"
+    p.write_text(textwrap.dedent("""
+        import compilemask as cm
+
+        def ahead(i, j):
+            return j < nxt[i + 1]
+
+        S = cm.MaskSpec("ahead", params=["nxt"], regions=[
+            cm.Region("r", when=lambda i: True, visible=ahead)])
+    """))
+    line = _err(capsys, "explain", [f"{p}:S"])
+    assert "cannot compile 'ahead'" in line
+    assert f"Region 'r', visible function 'ahead' ({p}:5): unsupported subscript 'nxt[i + 1]'" \
+        in line
+

@@ -173,3 +173,28 @@ def test_demo_accepts_overlapping_guards(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "rows belong to the first region whose guard holds" in out
     assert "descriptor mask == brute-force mask of the Python rules: True" in out
+
+
+# ---- per-row arrays read at anything but i or j: the error names region, rule and line ---------
+def test_array_subscript_other_than_i_or_j_names_region_rule_and_line():
+    import inspect
+
+    def ahead(i, j):
+        return j < nxt[i + 1]  # noqa: F821
+
+    line = inspect.getsourcelines(ahead)[1] + 1
+    spec = cm.MaskSpec("ahead", params=["nxt"], regions=[
+        cm.Region("r", when=lambda i: True, visible=ahead)])
+    with pytest.raises(NotImplementedError, match=(
+            rf"Region 'r', visible function 'ahead' \(.*test_papercuts.py:{line}\): "
+            r"unsupported subscript 'nxt\[i \+ 1\]': a per-row array is read at i or j only")):
+        cm.compile_mask(spec)
+    guard = cm.MaskSpec("g", params=["nxt"], regions=[
+        cm.Region("r", when=lambda i: nxt[i // 2] > 0, visible=lambda i, j: j <= i)])  # noqa: F821
+    with pytest.raises(NotImplementedError, match=r"Region 'r', when function '<lambda>' "
+                       r"\(.*test_papercuts.py:\d+\): unsupported subscript 'nxt\[i // 2\]'"):
+        cm.compile_mask(guard)
+    for bad in (lambda i, j: nxt[3] < j, lambda i, j: j < nxt[nxt[i]]):  # noqa: F821
+        with pytest.raises(NotImplementedError, match="Region 'r', visible function"):
+            cm.compile_mask(cm.MaskSpec("b", params=["nxt"], regions=[
+                cm.Region("r", when=lambda i: True, visible=bad)]))
