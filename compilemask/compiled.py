@@ -466,6 +466,9 @@ def _tiles_arg(t, name) -> TileConfig:
     return tc
 
 
+_META_KINDS = "metadata are non-negative ints (Python ints or integer tensors)"
+
+
 def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_values):
     spec = mask.spec
     for nm, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
@@ -495,7 +498,8 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         v = meta[p]
         if isinstance(v, torch.Tensor):
             if v.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
-                raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}")
+                raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}; "
+                                 f"{_META_KINDS}")
             want = 2 if p in mask.array_params else 1
             if v.dim() != want:
                 shape = "[B, Sq]" if want == 2 else "[B]"
@@ -511,6 +515,9 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         elif isinstance(v, int) and not isinstance(v, bool):
             if p in mask.array_params:
                 raise ValueError(f"param {p!r} is a per-row array: pass a [B, Sq] tensor")
+        elif isinstance(v, (float, bool)):
+            # a value of the wrong kind, as in a float or bool tensor: the same ValueError
+            raise ValueError(f"param {p!r}: got the {type(v).__name__} {v!r}; {_META_KINDS}")
         else:
             raise TypeError(f"param {p!r}: expected an int or an integer tensor, got "
                             f"{type(v).__name__}")

@@ -198,3 +198,12 @@ def test_array_subscript_other_than_i_or_j_names_region_rule_and_line():
         with pytest.raises(NotImplementedError, match="Region 'r', visible function"):
             cm.compile_mask(cm.MaskSpec("b", params=["nxt"], regions=[
                 cm.Region("r", when=lambda i: True, visible=bad)]))
+
+
+# ---- a float (or bool) param: one ValueError, tensor or Python value ---------------------------
+@pytest.mark.parametrize("value", [2.0, torch.tensor([2.0]), True, torch.tensor([True])],
+                         ids=["float", "float-tensor", "bool", "bool-tensor"])
+def test_float_param_is_one_value_error(value):
+    mask = cm.compile_mask(masks.prefix_lm())
+    with pytest.raises(ValueError, match=r"param 'prefix_len': .*metadata are non-negative ints"):
+        mask.preprocess({"prefix_len": value}, seqlen_q=8)
