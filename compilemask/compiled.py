@@ -323,10 +323,13 @@ class CompiledMask:
 
         return tilelang_source(self, target=target)
 
-    def explain(self, meta=None, row: int | None = None, **kw) -> str:
+    def explain(self, meta=None, row: int | None = None, *, show_code: bool = False,
+                **kw) -> str:
+        """How the mask compiled (``compilemask.render.explain``); ``show_code=True`` appends
+        the generated code."""
         from compilemask.render import explain
 
-        return explain(self, meta=meta, row=row, **kw)
+        return explain(self, meta=meta, row=row, show_code=show_code, **kw)
 
     def __repr__(self):
         return (f"CompiledMask({self.name!r}, K={self.num_intervals}, "

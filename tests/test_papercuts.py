@@ -207,3 +207,23 @@ def test_float_param_is_one_value_error(value):
     mask = cm.compile_mask(masks.prefix_lm())
     with pytest.raises(ValueError, match=r"param 'prefix_len': .*metadata are non-negative ints"):
         mask.preprocess({"prefix_len": value}, seqlen_q=8)
+
+
+# ---- explain: generated code on request; to_string: the legend once ----------------------------
+def test_explain_shows_generated_code_only_on_request():
+    mask = cm.compile_mask(masks.hstu())
+    short, full = mask.explain(), mask.explain(show_code=True)
+    assert "generated" not in short and "K = 2" in short
+    assert "generated TileLang preprocess" in full and "generated torch reference" in full
+    assert full.startswith(short)
+    assert len(short.splitlines()) < 100
+
+
+def test_to_string_prints_the_legend_once():
+    desc = cm.compile_mask(masks.causal()).preprocess({}, seqlen_q=256, fwd_tiles=(64, 64))
+    text = desc.to_string()
+    assert text.count("'#' full, '~' partial, '.' empty") == 1
+    assert text.splitlines()[0].endswith("  ['#' full, '~' partial, '.' empty]")
+    blocks = desc.to_string(max_size=2)
+    assert blocks.count("'#' all full, '~' mixed, '.' all empty") == 1
+    assert "'#' full," not in desc.to_string(legend=False)
