@@ -641,9 +641,8 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
 
 
 def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, *,
-                        check=False, device=None):
-    """Run the generated kernel: CUDA for CUDA metadata, the C target on CPU. No host sync
-    (unless ``check``: then guard exclusivity is validated, which synchronizes)."""
+                        device=None):
+    """Run the generated kernel: CUDA for CUDA metadata, the C target on CPU. No host sync."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     target = "cuda" if dev.type == "cuda" else "c"
     if target == "c" and dev.type != "cpu":
@@ -671,8 +670,6 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
         args.append(row_params)
     args.append(int(seqlen_k))
     kern(*args)
-    if check:
-        _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals, row_region=region,
         fwd_tiles=fwd_tiles, fwd_bitmap=fwd, bwd_tiles=bwd_tiles, bwd_bitmap=bwd,
@@ -682,17 +679,6 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
 def _as_i64(t, dev):
     t = t.to(device=dev, dtype=torch.int64)
     return t if t.is_contiguous() else t.contiguous()
-
-
-def _check(mask, B, scal, arrs, seqlen_q, seqlen_k, dev):
-    """check mode: guard exclusivity, from the reference guard evaluation (synchronizes)."""
-    from compilemask.compiled import _check_exclusive
-
-    i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
-    a = [i, seqlen_q, seqlen_k] + [scal[p] for p in mask.scalar_params] + [
-        arrs[x] for x in mask.array_params]
-    _, _, region, hits = mask._ir.torch_fns["interval_table"](*a, batch_size=B)
-    _check_exclusive(mask, hits, region)
 
 
 # --------------------------------------------------------------------------------------------

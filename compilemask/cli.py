@@ -1,6 +1,6 @@
 """``python -m compilemask explain|show FILE.py[:NAME] ...``: inspect a MaskSpec from a file.
 
-    python -m compilemask explain masks.py:hstu [--meta k=v,...] [--row I] [--seqlen S]
+    python -m compilemask explain masks.py:hstu [--meta k=v,...] [--row I] [--seqlen S] [--code]
     python -m compilemask show masks.py:hstu --seqlen 4096 [--seqlen-k N] \\
         --meta ctx_end=1024,hist_end=3000,seq_end=4000,group_size=256 --out mask.png
 
@@ -10,8 +10,8 @@ values on the command line are Python ints (one sequence, batch size 1); per-row
 cannot be given on the command line.
 
 Errors in what was asked (a missing file or name, a name that is not a MaskSpec, unknown or
-missing metadata, bad ``--meta`` syntax, a rule the compiler rejects) print one line on stderr
-and return 2.
+missing metadata, bad ``--meta`` syntax, a rule the compiler rejects, an ``--out`` image format
+matplotlib does not write) print one line on stderr and return 2.
 """
 
 from __future__ import annotations
@@ -158,17 +158,28 @@ def _tiles(text: str):
     return tm, tn
 
 
+_SHOW_HELP = ("Print the tile grid of sequence 0, one character per tile ('#' full, '~' partial, "
+              "'.' empty; grids wider than --max-chars: one per block of tiles, '#' all full, "
+              "'.' all empty, '~' mixed), then draw the mask to --out.")
+
+
 def _parser(cmd: str) -> _Parser:
-    p = _Parser(prog=f"python -m compilemask {cmd}", add_help=True)
+    p = _Parser(prog=f"python -m compilemask {cmd}", add_help=True,
+                description=_SHOW_HELP if cmd == "show" else None)
     p.add_argument("target", metavar="FILE.py:NAME")
     p.add_argument("--meta", default=None, help="scalar metadata: name=int,name=int,...")
     p.add_argument("--seqlen", type=int, default=None, help="query length (and key length)")
     p.add_argument("--seqlen-k", type=int, default=None, help="key length (default: --seqlen)")
     if cmd == "explain":
         p.add_argument("--row", type=int, default=None, help="print this row's intervals")
-        p.add_argument("--no-code", action="store_true", help="omit the generated code")
+        p.add_argument("--code", dest="code", action="store_true", default=False,
+                       help="append the generated TileLang, CuTe and torch code")
+        p.add_argument("--no-code", dest="code", action="store_false",
+                       help="omit the generated code (the default)")
     else:
-        p.add_argument("--out", default="mask.png", help="PNG to write (default mask.png)")
+        p.add_argument("--out", default="mask.png",
+                       help="image to write, its format by the extension: .png (default "
+                            "mask.png) or any other matplotlib writes (.svg, .pdf, .jpg, ...)")
         p.add_argument("--tiles", default=None, help="forward tiles MxN (default 128x128)")
         p.add_argument("--backward", action="store_true", help="draw the backward tiling")
         p.add_argument("--max-chars", type=int, default=128,
@@ -201,7 +212,7 @@ def _explain(args) -> int:
         kw = dict(seqlen_q=args.seqlen, seqlen_k=args.seqlen_k or args.seqlen)
     try:
         text = mask.explain(meta=meta if want_row else None, row=args.row,
-                            show_code=not args.no_code, **kw)
+                            show_code=args.code, **kw)
     except ValueError as e:
         raise CliError(str(e)) from e
     print(text)
@@ -222,6 +233,14 @@ def _show(args) -> int:
     for nm, v in (("--seqlen", sq), ("--seqlen-k", sk)):
         if v < 1:
             raise CliError(f"{nm} must be positive, got {v}")
+    try:  # a bad extension is reported before any work, not after the text grid
+        from compilemask.viz import image_format
+
+        image_format(args.out)
+    except ImportError:
+        pass  # no matplotlib: the text grid still prints, then visualize says what is missing
+    except ValueError as e:
+        raise CliError(str(e)) from e
     kw = {}
     if args.tiles:
         kw["fwd_tiles"] = _tiles(args.tiles)
@@ -231,13 +250,15 @@ def _show(args) -> int:
         raise CliError(f"preprocess: {e}") from e
     from compilemask.render import descriptor_to_string
 
+    # no legend here: the header line stays fixed for scripts that read it (--help has it)
     print(descriptor_to_string(desc, batch=0, backward=args.backward,
-                               max_size=args.max_chars if args.max_chars > 0 else None))
+                               max_size=args.max_chars if args.max_chars > 0 else None,
+                               legend=False))
     try:
         path = cm.visualize(desc, batch=0, path=args.out, backward=args.backward)
     except ImportError as e:
         raise CliError(str(e)) from e
-    except OSError as e:
+    except (OSError, ValueError, RuntimeError) as e:  # e.g. .pgf needs a LaTeX installation
         raise CliError(f"cannot write {args.out}: {e}") from e
     print(f"wrote {path}")
     return 0

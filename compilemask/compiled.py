@@ -216,19 +216,17 @@ def _torch_source(name, key, regions, scalar, arrays, K) -> str:
            f"NUM_INTERVALS = {K}", "", "",
            f"def interval_table({', '.join(args)}, *, batch_size):",
            '    """Rows: i int64 [1, Sq]; scalar params int64 [B, 1]; arrays int64 [B, Sq].',
-           '    Returns starts, lens (int64 [B, Sq, K], clipped to [0, seqlen_k)), the row\'s',
-           '    region (int64 [B, Sq], -1: none) and the number of guards that hold per row."""',
+           '    Returns starts, lens (int64 [B, Sq, K], clipped to [0, seqlen_k)) and the row\'s',
+           '    region (int64 [B, Sq], -1: none): the first region whose guard holds."""',
            "    shape = (batch_size, i.shape[-1])",
            "    dev = i.device",
            f"    lo = torch.zeros(shape + ({K},), dtype=torch.int64, device=dev)",
            "    hi = torch.zeros_like(lo)",
-           "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)",
-           "    hits = torch.zeros(shape, dtype=torch.int32, device=dev)"]
+           "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)"]
     for r in regions:
         out.append("")
         out.append(f"    # region {r.index} {r.name!r}: rows where {r.guard}")
         out.append(f"    guard = torch.broadcast_to(_t({pr(r.guard)}).to(dev), shape)")
-        out.append("    hits += guard")
         out.append("    take = guard & (region < 0)")
         out.append(f"    region = torch.where(take, {r.index}, region)")
         for k, iv in enumerate(r.intervals):
@@ -244,7 +242,7 @@ def _torch_source(name, key, regions, scalar, arrays, K) -> str:
             "    starts = torch.clamp(lo, 0, seqlen_k)",
             "    lens = torch.clamp(torch.clamp(hi, 0, seqlen_k) - starts, min=0)",
             "    starts = torch.where(lens > 0, starts, 0)",
-            "    return starts, lens, region, hits", ""]
+            "    return starts, lens, region", ""]
     # Element predicates of fallback regions (the residual check), on [B, Sq, Sk] grids.
     fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + list(scalar) + [
         f"{a}_{x}" for a in arrays for x in "ij"]
@@ -325,10 +323,13 @@ class CompiledMask:
 
         return tilelang_source(self, target=target)
 
-    def explain(self, meta=None, row: int | None = None, **kw) -> str:
+    def explain(self, meta=None, row: int | None = None, *, show_code: bool = False,
+                **kw) -> str:
+        """How the mask compiled (``compilemask.render.explain``); ``show_code=True`` appends
+        the generated code."""
         from compilemask.render import explain
 
-        return explain(self, meta=meta, row=row, **kw)
+        return explain(self, meta=meta, row=row, show_code=show_code, **kw)
 
     def __repr__(self):
         return (f"CompiledMask({self.name!r}, K={self.num_intervals}, "
@@ -348,8 +349,10 @@ class CompiledMask:
 
         ``backend``: "torch" (the generated reference), "tilelang" (the generated TileLang
         kernel: CUDA on GPU metadata, the C target on CPU) or "auto" (TileLang on CUDA when
-        available, the torch reference on CPU). ``check=True`` validates values and that the
-        guards are exclusive for this metadata (this synchronizes with the device)."""
+        available, the torch reference on CPU). ``check=True`` validates the metadata values
+        (non-negative, divisors positive, runs of equal ids contiguous) on any device, which
+        synchronizes with it. Guards may overlap: a row belongs to the first region whose guard
+        holds."""
         if seqlen_q is None:
             raise ValueError("preprocess: seqlen_q is required")
         seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
@@ -366,10 +369,10 @@ class CompiledMask:
             from compilemask.codegen.preprocess import tilelang_preprocess
 
             desc = tilelang_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
-                                       bwd_tiles, check=check, device=dev)
+                                       bwd_tiles, device=dev)
         else:
             desc = self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
-                                          bwd_tiles, check, dev)
+                                          bwd_tiles, dev)
         return finish_descriptor(desc)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
@@ -398,16 +401,14 @@ class CompiledMask:
                             _tiles_arg(fwd_tiles, "fwd_tiles"), _tiles_arg(bwd_tiles, "bwd_tiles"),
                             check_values=check_values)
 
-    def _torch_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, check,
+    def _torch_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles,
                           dev) -> ExecutionDescriptor:
         from compilemask.tiles import bitmaps
 
         i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
         args = [i, seqlen_q, seqlen_k] + [scal[p] for p in self.scalar_params] + [
             arrs[a] for a in self.array_params]
-        starts, lens, region, hits = self._ir.torch_fns["interval_table"](*args, batch_size=B)
-        if check:
-            _check_exclusive(self, hits, region)
+        starts, lens, region = self._ir.torch_fns["interval_table"](*args, batch_size=B)
         always = self._fallback_rows(region)
         fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k)
         return self._descriptor(B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region,
@@ -468,14 +469,7 @@ def _tiles_arg(t, name) -> TileConfig:
     return tc
 
 
-def _check_exclusive(mask, hits, region):
-    bad = hits > 1
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"mask {mask.name!r}: row {i} of sequence {b} is covered by more than one region "
-            f"guard (first: {mask.regions[int(region[b, i])].name!r}); guards must be exclusive"
-        )
+_META_KINDS = "metadata are non-negative ints (Python ints or integer tensors)"
 
 
 def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_values):
@@ -507,7 +501,8 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         v = meta[p]
         if isinstance(v, torch.Tensor):
             if v.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
-                raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}")
+                raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}; "
+                                 f"{_META_KINDS}")
             want = 2 if p in mask.array_params else 1
             if v.dim() != want:
                 shape = "[B, Sq]" if want == 2 else "[B]"
@@ -523,6 +518,9 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         elif isinstance(v, int) and not isinstance(v, bool):
             if p in mask.array_params:
                 raise ValueError(f"param {p!r} is a per-row array: pass a [B, Sq] tensor")
+        elif isinstance(v, (float, bool)):
+            # a value of the wrong kind, as in a float or bool tensor: the same ValueError
+            raise ValueError(f"param {p!r}: got the {type(v).__name__} {v!r}; {_META_KINDS}")
         else:
             raise TypeError(f"param {p!r}: expected an int or an integer tensor, got "
                             f"{type(v).__name__}")

@@ -151,7 +151,8 @@ class ExecutionDescriptor:
         return descriptor_dense_mask(self)
 
     def to_string(self, batch: int = 0, backward: bool = False, **kw) -> str:
-        """One character per tile ('#' full, '~' partial, '.' empty), counts, FLOPs skipped."""
+        """One character per tile ('#' full, '~' partial, '.' empty), counts, FLOPs skipped;
+        the header line ends with that legend (``legend=False``: without it)."""
         from compilemask.render import descriptor_to_string
 
         return descriptor_to_string(self, batch=batch, backward=backward, **kw)

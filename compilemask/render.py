@@ -14,9 +14,10 @@ def _indent(text: str, pad: str = "      ") -> str:
 
 
 def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=None,
-            show_code: bool = True) -> str:
+            show_code: bool = False) -> str:
     """Per region: guard and rule as written, DNF, extracted intervals, proven merges, fallback
-    terms, K; then the generated code. With ``meta`` and ``row``: that row's concrete intervals."""
+    terms, K and the GPU path. With ``meta`` and ``row``: that row's concrete intervals. With
+    ``show_code``: the generated TileLang, CuTe and torch code too (some hundred lines)."""
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
     for start, end, ids in getattr(mask._ir, "derived", ()):
@@ -28,10 +29,13 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append("    guard, as written:")
         out.append(_indent(r.guard_source))
         out.append(f"    guard: {r.guard}")
-        excl = [f"{k}: {'proved exclusive' if v else 'NOT proved exclusive (checked at run time)'}"
+        excl = [f"{k}: {'proved exclusive' if v else 'NOT proved exclusive'}"
                 for k, v in r.exclusive_with.items()]
         if excl:
             out.append("    vs earlier guards: " + "; ".join(excl))
+        if not all(r.exclusive_with.values()):
+            out.append("      rows belong to the first region whose guard holds: rows where an "
+                       "earlier guard holds too are not in this region")
         out.append("    rule, as written:")
         out.append(_indent(r.rule_source))
         out.append(f"    DNF ({len(r.dnf)} term{'s' if len(r.dnf) != 1 else ''}):")
@@ -156,12 +160,13 @@ _CHARS = {0: ".", TILE_VISIBLE: "#", TILE_VISIBLE | TILE_MASKED: "~", TILE_MASKE
 
 
 def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
-                         max_size: int | None = None) -> str:
+                         max_size: int | None = None, legend: bool = True) -> str:
     """One character per tile ('#' full, '~' partial, '.' empty), counts, and FLOPs skipped.
 
     ``max_size``: at most this many characters per line and lines; larger grids print one
     character per block of tiles ('#' all full, '.' all empty, '~' otherwise). The counts and
-    the FLOPs figure are always over every tile."""
+    the FLOPs figure are always over every tile. ``legend``: end the header line with what the
+    characters mean."""
     B = desc.batch_size
     if not -B <= batch < B:
         raise IndexError(f"batch {batch} is out of range for a descriptor of batch size {B}")
@@ -170,9 +175,11 @@ def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
         st = st.transpose(0, 1)  # print as q-tiles down, kv-tiles across either way
     tiles = desc.bwd_tiles if backward else desc.fwd_tiles
     grid, note = st, ""
+    key = "'#' full, '~' partial, '.' empty"
     if max_size is not None and max(st.shape) > max_size:
         grid, (a, b) = _block_states(st, max(1, int(max_size)))
         note = f" (each character: {a}x{b} tiles)"
+        key = "'#' all full, '~' mixed, '.' all empty"
     lines = ["".join(_CHARS[int(x)] for x in rowv) for rowv in grid.tolist()]
     full = int((st == TILE_VISIBLE).sum())
     partial = int((st == (TILE_VISIBLE | TILE_MASKED)).sum())
@@ -188,7 +195,8 @@ def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
     skipped = float((area * ((st & TILE_VISIBLE) == 0)).sum() / area.sum())
     head = (f"{desc.mask.name}: seqlen_q={desc.seqlen_q} seqlen_k={desc.seqlen_k} "
             f"K={desc.num_intervals} {'bwd' if backward else 'fwd'} tiles "
-            f"{tiles.tile_m}x{tiles.tile_n} (sequence {batch}){note}")
+            f"{tiles.tile_m}x{tiles.tile_n} (sequence {batch}){note}"
+            + (f"  [{key}]" if legend else ""))
     foot = (f"full {full}  partial {partial}  empty {empty}  of {total} tiles; "
             f"{100 * skipped:.1f}% of FLOPs skipped")
     return "\n".join([head] + lines + [foot])

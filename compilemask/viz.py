@@ -32,8 +32,8 @@ import torch
 
 from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
 
-__all__ = ["visualize", "figure", "tile_visible_counts", "dense_rows", "PALETTE",
-           "DENSE_LIMIT", "CHUNK_ELEMS"]
+__all__ = ["visualize", "figure", "image_format", "tile_visible_counts", "dense_rows",
+           "PALETTE", "DENSE_LIMIT", "CHUNK_ELEMS"]
 
 DENSE_LIMIT = 4 * 1024 * 1024  # above this many elements, draw at tile resolution
 CHUNK_ELEMS = 4 * 1024 * 1024  # the largest [rows, Sk] block built in tile mode
@@ -361,16 +361,35 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     return fig, info
 
 
+def image_format(path) -> str:
+    """The image format ``visualize`` writes to ``path``: its extension (any format matplotlib
+    writes: png, svg, pdf, jpg, ...), png without one; else a ValueError listing them."""
+    _, canvas = _require_matplotlib()
+    ext = os.path.splitext(os.fspath(path))[1].lstrip(".").lower()
+    if not ext:
+        return "png"
+    formats = canvas.get_supported_filetypes()
+    if ext not in formats:
+        raise ValueError(f"cannot write {os.fspath(path)!r}: unsupported image format '.{ext}' "
+                         f"(supported: {', '.join(sorted(formats))})")
+    return ext
+
+
 def visualize(desc, batch: int = 0, path: str = "mask.png", **kw) -> str:
-    """Draw sequence ``batch`` of ``desc`` (an ExecutionDescriptor) to the PNG ``path``.
+    """Draw sequence ``batch`` of ``desc`` (an ExecutionDescriptor) to the image ``path``:
+    PNG, or any format matplotlib writes, by the extension (``image_format``).
 
     Keyword options: ``backward`` (draw the backward tiling), ``dense_limit`` (elements above
     which the tile-resolution mode is used), ``width_px``, ``dpi``, ``title``, ``grid``.
+    A PNG carries the drawing's numbers as text metadata (key ``compilemask``, JSON).
     Returns ``path``."""
-    fig, info = figure(desc, batch, **kw)
     path = os.fspath(path)
+    fmt = image_format(path)  # before drawing: a bad extension fails fast
+    fig, info = figure(desc, batch, **kw)
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, exist_ok=True)
-    fig.savefig(path, dpi=info["dpi"], metadata={"compilemask": json.dumps(info)})
+    # only PNG takes free-form metadata keys; JPEG refuses any, PDF and SVG warn on unknown ones
+    extra = {"metadata": {"compilemask": json.dumps(info)}} if fmt == "png" else {}
+    fig.savefig(path, dpi=info["dpi"], format=fmt, **extra)
     return path

@@ -454,8 +454,16 @@ class _Translator:
         if name in self.ctx.scalar_params:
             raise ValueError(f"{self.where(node)}: param {name!r} is used both as a scalar and "
                              "as a per-row array")
-        self.ctx.array_params.add(name)
         idx = self.integer(self.expr(node.slice, env), node.slice)
+        # every pass reads a per-row array at the row or the key only; refuse anything else
+        # here, where the rule and its line are known
+        if idx not in (self.ctx.symbols["i"], self.ctx.symbols["j"]):
+            written = ast.unparse(node.slice)
+            shown = "" if str(idx) == written else f" (the index reads {idx})"
+            raise self.unsupported(
+                node, f"subscript '{ast.unparse(node)}'{shown}: a per-row array is read at i or "
+                      f"j only ({name}[i], {name}[j])")
+        self.ctx.array_params.add(name)
         return array_function(name)(idx)
 
     def name(self, node, env):

@@ -70,7 +70,8 @@ def test_explain_example(capsys):
 
 
 def test_explain_default_name_and_row(capsys):
-    assert run("explain", [HSTU, "--row", "3100", "--seqlen", "4096", "--meta", HSTU_META]) == 0
+    assert run("explain", [HSTU, "--row", "3100", "--seqlen", "4096", "--meta", HSTU_META,
+                           "--code"]) == 0
     out = capsys.readouterr().out
     assert "generated TileLang preprocess" in out
     assert "row 3100 of sequence 0: region target; visible keys [0, 3000), [3000, 3101)" in out
@@ -288,3 +289,81 @@ def test_demo_unknown_argument(capsys):
 
     assert main(["demo", "--bogus"]) == 2
     assert "unknown argument(s) --bogus" in capsys.readouterr().err
+
+
+# ---- overlapping guards: a row belongs to the first region whose guard holds -------------------
+OVERLAP = textwrap.dedent("""
+    import compilemask as cm
+
+    SPEC = cm.MaskSpec("overlap", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a + 2, visible=lambda i, j: j <= i),
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),
+    ])
+""")
+
+
+@needs_mpl
+def test_show_accepts_overlapping_guards(capsys, tmp_path):
+    p = tmp_path / "overlap.py"
+    p.write_text(OVERLAP)
+    png = tmp_path / "o.png"
+    rc = run("show", [str(p), "--seqlen", "256", "--meta", "a=100", "--tiles", "64x64",
+                      "--out", str(png)])
+    out, err = capsys.readouterr()
+    assert rc == 0 and err == "" and png.stat().st_size > 1000
+    assert out.splitlines()[1:5] == ["~...", "~~~~", "..~#", "...~"]
+
+
+# ---- --out: any image format matplotlib writes -------------------------------------------------
+@needs_mpl
+@pytest.mark.parametrize("ext,magic", [("jpg", b"\xff\xd8"), ("svg", b"<?xml"),
+                                       ("pdf", b"%PDF")])
+def test_show_writes_what_matplotlib_writes(capsys, specs, tmp_path, ext, magic):
+    out = tmp_path / f"mask.{ext}"
+    rc = run("show", [f"{specs}:PREFIX", "--seqlen", "64", "--meta", "prefix_len=3", "--out",
+                      str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert out.read_bytes().startswith(magic)
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {out}"
+
+
+@needs_mpl
+def test_show_unsupported_extension_is_one_line(tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "compilemask", "show", f"{HSTU}:SPEC", "--seqlen", "256",
+         "--meta", HSTU_META, "--out", str(tmp_path / "mask.foo")],
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.startswith("compilemask show: error: cannot write ")
+    assert "unsupported image format '.foo' (supported: " in res.stderr and "png" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "mask.foo").exists()
+
+
+# ---- explain: the generated code on request ----------------------------------------------------
+def test_explain_code_is_opt_in(capsys):
+    assert run("explain", [f"{HSTU}:SPEC"]) == 0
+    short = capsys.readouterr().out
+    assert "K = 2" in short and "generated" not in short
+    assert run("explain", [f"{HSTU}:SPEC", "--code"]) == 0
+    assert "generated TileLang preprocess" in capsys.readouterr().out
+    assert run("explain", [f"{HSTU}:SPEC", "--code", "--no-code"]) == 0  # the last one wins
+    assert "generated" not in capsys.readouterr().out
+
+
+# ---- a per-row array read at anything but i or j -----------------------------------------------
+def test_explain_rejected_array_subscript_is_one_line(capsys, tmp_path):
+    p = tmp_path / "ahead.py"
+    p.write_text(textwrap.dedent("""
+        import compilemask as cm
+
+        def ahead(i, j):
+            return j < nxt[i + 1]
+
+        S = cm.MaskSpec("ahead", params=["nxt"], regions=[
+            cm.Region("r", when=lambda i: True, visible=ahead)])
+    """))
+    line = _err(capsys, "explain", [f"{p}:S"])
+    assert "cannot compile 'ahead'" in line
+    assert f"Region 'r', visible function 'ahead' ({p}:5): unsupported subscript 'nxt[i + 1]'" \
+        in line

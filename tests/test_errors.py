@@ -96,16 +96,15 @@ def test_per_row_array_errors():
         mask.preprocess({"doc_start": torch.zeros(1, 7, dtype=torch.int64)}, seqlen_q=8)
 
 
-def test_guard_overlap_is_caught_in_check_mode():
+def test_guard_overlap_is_no_error_in_check_mode():
     spec = cm.MaskSpec("overlap", params=["a"], regions=[
         cm.Region("lo", when=lambda i: i < a + 2, visible=lambda i, j: j <= i),  # noqa: F821
         cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),  # noqa: F821
     ])
     mask = cm.compile_mask(spec)
     assert not mask.regions[1].exclusive_with["lo"]
-    with pytest.raises(ValueError, match="covered by more than one region guard"):
-        mask.preprocess({"a": 3}, seqlen_q=8, check=True)
-    mask.preprocess({"a": 3}, seqlen_q=8)  # off by default: first region wins
+    checked = mask.preprocess({"a": 3}, seqlen_q=8, check=True)  # first region wins, as ever
+    assert torch.equal(checked.intervals, mask.preprocess({"a": 3}, seqlen_q=8).intervals)
 
 
 def test_attention_argument_errors():

@@ -109,3 +109,121 @@ def test_compile_cache_is_fast_for_a_rebuilt_spec():
         med = statistics.median(times) * 1e6
         print(f"compile_mask({first.name}) repeat median {med:.1f} us")
         assert med < 500, med  # ~5-15 us here; generous for CI
+
+
+# ---- overlapping guards: a row belongs to the first region whose guard holds -------------------
+def _overlap_spec():
+    return cm.MaskSpec("overlap", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a + 2, visible=lambda i, j: j <= i),  # noqa: F821
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),  # noqa: F821
+    ])
+
+
+def test_check_mode_accepts_overlapping_guards():
+    mask = cm.compile_mask(_overlap_spec())
+    meta = {"a": torch.tensor([3, 0])}
+    plain = mask.preprocess(meta, seqlen_q=8)
+    checked = mask.preprocess(meta, seqlen_q=8, check=True)
+    assert torch.equal(checked.intervals, plain.intervals)
+    assert torch.equal(checked.fwd_bitmap, plain.fwd_bitmap)
+    # rows 3 and 4 of sequence 0 are under both guards: the first region, 'lo', takes them
+    assert checked.row_region[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert torch.equal(checked.dense_mask(), mask.reference_mask(meta, seqlen_q=8))
+    with pytest.raises(ValueError, match="param 'a' must be non-negative"):  # still validated
+        mask.preprocess({"a": torch.tensor([-1, 0])}, seqlen_q=8, check=True)
+
+
+def test_check_mode_accepts_overlapping_guards_tilelang():
+    pytest.importorskip("tilelang")
+    mask = cm.compile_mask(_overlap_spec())
+    meta = {"a": torch.tensor([3, 0])}
+    desc = mask.preprocess(meta, seqlen_q=8, check=True, backend="tilelang")
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, seqlen_q=8))
+
+
+def test_explain_states_the_first_region_rule_where_guards_may_overlap():
+    rule = "rows belong to the first region whose guard holds"
+    assert rule in cm.compile_mask(_overlap_spec()).explain()
+    exclusive = cm.MaskSpec("split", params=["a"], regions=[
+        cm.Region("lo", when=lambda i: i < a, visible=lambda i, j: j <= i),  # noqa: F821
+        cm.Region("hi", when=lambda i: i >= a, visible=lambda i, j: j >= i),  # noqa: F821
+    ])
+    mask = cm.compile_mask(exclusive)
+    assert mask.regions[1].exclusive_with == {"lo": True}
+    assert rule not in mask.explain()
+    assert rule not in cm.compile_mask(masks.causal()).explain()
+
+
+def test_demo_accepts_overlapping_guards(monkeypatch, capsys):
+    """The demo's HSTU with the history guard written ``i < hist_end``: it overlaps the context
+    guard, and the first region wins, so the mask is HSTU's."""
+    from compilemask.__main__ import demo
+
+    stock = masks.hstu
+
+    def overlapping_hstu():
+        spec = stock()
+        history = cm.Region("history", when=lambda i: i < hist_end,  # noqa: F821
+                            visible=spec.regions[1].visible)
+        return cm.MaskSpec("hstu", params=list(spec.params),
+                           regions=[spec.regions[0], history, spec.regions[2]])
+
+    monkeypatch.setattr(masks, "hstu", overlapping_hstu)
+    assert demo([]) == 0
+    out = capsys.readouterr().out
+    assert "rows belong to the first region whose guard holds" in out
+    assert "descriptor mask == brute-force mask of the Python rules: True" in out
+
+
+# ---- per-row arrays read at anything but i or j: the error names region, rule and line ---------
+def test_array_subscript_other_than_i_or_j_names_region_rule_and_line():
+    import inspect
+
+    def ahead(i, j):
+        return j < nxt[i + 1]  # noqa: F821
+
+    line = inspect.getsourcelines(ahead)[1] + 1
+    spec = cm.MaskSpec("ahead", params=["nxt"], regions=[
+        cm.Region("r", when=lambda i: True, visible=ahead)])
+    with pytest.raises(NotImplementedError, match=(
+            rf"Region 'r', visible function 'ahead' \(.*test_papercuts.py:{line}\): "
+            r"unsupported subscript 'nxt\[i \+ 1\]': a per-row array is read at i or j only")):
+        cm.compile_mask(spec)
+    guard = cm.MaskSpec("g", params=["nxt"], regions=[
+        cm.Region("r", when=lambda i: nxt[i // 2] > 0, visible=lambda i, j: j <= i)])  # noqa: F821
+    with pytest.raises(NotImplementedError, match=r"Region 'r', when function '<lambda>' "
+                       r"\(.*test_papercuts.py:\d+\): unsupported subscript 'nxt\[i // 2\]'"):
+        cm.compile_mask(guard)
+    for bad in (lambda i, j: nxt[3] < j, lambda i, j: j < nxt[nxt[i]]):  # noqa: F821
+        with pytest.raises(NotImplementedError, match="Region 'r', visible function"):
+            cm.compile_mask(cm.MaskSpec("b", params=["nxt"], regions=[
+                cm.Region("r", when=lambda i: True, visible=bad)]))
+
+
+# ---- a float (or bool) param: one ValueError, tensor or Python value ---------------------------
+@pytest.mark.parametrize("value", [2.0, torch.tensor([2.0]), True, torch.tensor([True])],
+                         ids=["float", "float-tensor", "bool", "bool-tensor"])
+def test_float_param_is_one_value_error(value):
+    mask = cm.compile_mask(masks.prefix_lm())
+    with pytest.raises(ValueError, match=r"param 'prefix_len': .*metadata are non-negative ints"):
+        mask.preprocess({"prefix_len": value}, seqlen_q=8)
+
+
+# ---- explain: generated code on request; to_string: the legend once ----------------------------
+def test_explain_shows_generated_code_only_on_request():
+    mask = cm.compile_mask(masks.hstu())
+    short, full = mask.explain(), mask.explain(show_code=True)
+    assert "generated" not in short and "K = 2" in short
+    assert "generated TileLang preprocess" in full and "generated torch reference" in full
+    assert full.startswith(short)
+    assert len(short.splitlines()) < 100
+
+
+def test_to_string_prints_the_legend_once():
+    desc = cm.compile_mask(masks.causal()).preprocess({}, seqlen_q=256, fwd_tiles=(64, 64))
+    text = desc.to_string()
+    assert text.count("'#' full, '~' partial, '.' empty") == 1
+    assert text.splitlines()[0].endswith("  ['#' full, '~' partial, '.' empty]")
+    blocks = desc.to_string(max_size=2)
+    assert blocks.count("'#' all full, '~' mixed, '.' all empty") == 1
+    assert "'#' full," not in desc.to_string(legend=False)
