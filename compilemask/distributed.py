@@ -30,9 +30,9 @@ Usage (one process per rank, ``torch.distributed`` initialised)::
 
 The plan and the descriptor are built with tensor ops on the metadata's device; nothing here
 synchronizes with the device except ``CPPlan.balance()`` (it returns a Python float) and the
-value checks that ``check=True`` (or CPU metadata) asks for. The collectives are
-``torch.distributed.nn.functional.all_gather`` (reduce-scatter in its backward on NCCL, an
-all-to-all on gloo), so the same code runs on gloo and NCCL.
+value checks that ``check=True`` (or CPU metadata) asks for. K/V travel through the functional
+collectives (``torch.distributed._functional_collectives``: an all-gather, a reduce-scatter in
+its backward, traceable by ``torch.compile``), so the same code runs on gloo and NCCL.
 """
 
 from __future__ import annotations
@@ -231,11 +231,16 @@ def unshard(parts, plan: CPPlan) -> torch.Tensor:
 # ---- attention ---------------------------------------------------------------------------------
 
 def _gather_global(x, plan, group):
-    """All-gather a rank-local ``[B, n, ...]`` tensor to the global ``[B, S, ...]`` (autograd:
-    the backward sums the gradients of each rank's rows on their owner)."""
-    from torch.distributed.nn.functional import all_gather
+    """All-gather a rank-local ``[B, n, ...]`` tensor to the global ``[B, S, ...]``. Autograd:
+    the backward reduce-scatters, so each rank receives the summed gradient of its own rows."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
 
-    return unshard(all_gather(x.contiguous(), group=group), plan)
+    # all_gather_single has autograd from torch 2.13; all_gather_tensor_autograd before that
+    gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    # rows first: the gather concatenates along dim 0, i.e. the ranks' rows in rank order
+    rows = gather(x.transpose(0, 1).contiguous(), 0, group or dist.group.WORLD)
+    return rows.index_select(0, plan.inverse.to(x.device)).transpose(0, 1)
 
 
 def cp_attention(q_local, k_local, v_local, desc_local: ExecutionDescriptor, plan: CPPlan,
