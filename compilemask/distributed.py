@@ -240,7 +240,7 @@ def _gather_global(x, plan, group):
     # all_gather_single has autograd from torch 2.13; all_gather_tensor_autograd before that
     gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
     # rows first: the gather concatenates along dim 0, i.e. the ranks' rows in rank order
-    rows = gather(x.transpose(0, 1).contiguous(), 0, group or dist.group.WORLD)
+    rows = gather(x.transpose(0, 1).contiguous(), 0, dist.group.WORLD if group is None else group)
     return rows.index_select(0, plan.inverse.to(x.device)).transpose(0, 1)
 
 
