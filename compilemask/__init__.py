@@ -4,7 +4,7 @@ Declare a ``MaskSpec`` once, ``compile_mask`` it (offline), ``preprocess`` each 
 into an ``ExecutionDescriptor`` (online), and call ``attention`` per layer.
 """
 
-from compilemask import packing
+from compilemask import distributed, packing
 from compilemask.api import attention
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
@@ -24,6 +24,7 @@ __all__ = [
     "KernelOptions",
     "default_options",
     "packing",
+    "distributed",
     "visualize",
 ]
 

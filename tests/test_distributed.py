@@ -1,0 +1,164 @@
+"""Context parallelism on the CPU: plans, row-sharded descriptors, and cp_attention over gloo
+against single-process cm.attention (outputs and gradients)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import distributed as cp
+from compilemask import masks
+
+from helpers import dense_tile_states
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.workloads import WORKLOADS, batch_for, make_meta  # noqa: E402
+
+CP_MASKS = ("hstu", "packed_documents", "clear", "causal")
+# (seqlen, tile): 100 rows are 7 tiles of 16, a partial last one, padded to 8 on every W here
+CP_CASES = ((100, 16), (64, 16))
+
+
+def _spec(name):
+    return masks.EXAMPLES[name]()
+
+
+def test_plan_is_a_permutation_with_equal_tiles_per_rank():
+    mask = cm.compile_mask(_spec("hstu"))
+    meta = masks.random_meta(mask.spec, 2, 150)
+    for W in (2, 3, 4):
+        for kind in cp.PLAN_KINDS:
+            plan = cp.make_plan(mask, meta, 150, W, kind, tile=16)
+            n_pad = plan.rows.numel()
+            assert n_pad % (16 * W) == 0 and n_pad >= 150
+            assert torch.equal(plan.rows.flatten().sort().values, torch.arange(n_pad))
+            assert torch.equal(plan.rows.flatten()[plan.inverse], torch.arange(150))
+            assert int(plan.work.sum()) == int(plan.tile_work.sum())
+            assert (plan.tiles.diff(dim=1) > 0).all()  # local rows ascend
+    x = torch.randn(2, 150, 3, 4)
+    plan = cp.make_plan(mask, meta, 150, 4, tile=16)
+    parts = [cp.shard(x, plan, r) for r in range(4)]
+    assert all(p.shape == (2, plan.local_len, 3, 4) for p in parts)
+    assert torch.equal(cp.unshard(parts, plan), x)
+    pad = plan.rows >= 150
+    assert all(not parts[r][:, pad[r]].any() for r in range(4))
+
+
+@pytest.mark.parametrize("name", ["hstu", "packed_documents", "clear", "shared_prompt_rm",
+                                  "prefix_lm"])
+def test_shard_descriptor_is_the_global_mask_at_the_rows(name):
+    mask = cm.compile_mask(_spec(name))
+    S, B, W = 137, 3, 4
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(5))
+    full = mask.preprocess(meta, seqlen_q=S, batch_size=B).dense_mask()
+    for kind in cp.PLAN_KINDS:
+        plan = cp.make_plan(mask, meta, S, W, kind, tile=16, batch_size=B)
+        for r in range(W):
+            d = cp.shard_descriptor(mask, meta, plan, r, batch_size=B, fwd_tiles=(32, 16),
+                                    bwd_tiles=(16, 32))
+            rows = plan.rows[r]
+            valid = rows < S
+            dense = d.dense_mask()
+            assert dense.shape == (B, plan.local_len, S)
+            assert torch.equal(dense[:, valid], full[:, rows[valid]])
+            assert not dense[:, ~valid].any() and (d.row_region[:, ~valid] == -1).all()
+            assert torch.equal(d.tile_states(), dense_tile_states(dense, 32, 16))
+            assert torch.equal(d.tile_states(backward=True),
+                               dense_tile_states(dense, 16, 32).transpose(1, 2))
+
+
+def test_shard_descriptor_refuses_fallback_masks():
+    mask = cm.compile_mask(_spec("dilated_causal"))
+    plan = cp.make_plan(mask, {}, 64, 2, tile=16)
+    with pytest.raises(NotImplementedError, match="fallback"):
+        cp.shard_descriptor(mask, {}, plan, 0)
+
+
+def test_plan_balance_on_the_paper_masks(capsys):
+    """Balanced plans within 5 % of perfect at 32K tokens, tile 128 (head-tail for reference)."""
+    S = 32768
+    B = batch_for(S)
+    lines = []
+    for name in ("hstu", "shared_prompt_rm", "clear", "causal"):
+        mask = cm.compile_mask(WORKLOADS[name]())
+        meta = make_meta(name, B, S)
+        for W in (2, 4):
+            bal = cp.make_plan(mask, meta, S, W, "balanced", batch_size=B).balance()
+            ht = cp.make_plan(mask, meta, S, W, "head_tail", batch_size=B).balance()
+            lines.append(f"{name:18s} W={W}  balanced {bal:.4f}  head_tail {ht:.4f}")
+            assert bal <= 1.05, lines[-1]
+    with capsys.disabled():
+        print("\nmax/mean visible pairs per rank, S=32K, tile 128:\n" + "\n".join(lines))
+
+
+# ---- cp_attention over gloo --------------------------------------------------------------------
+
+def _worker(rank, world_size, init_file):
+    """W = 4 on the world, and W = 2 on the subgroups {0, 1} and {2, 3} of the same job (one
+    spawn: each process pays torch's import once)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 4 processes on a few cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+        for group in (None, pairs[rank // 2]):
+            _check_group(group)
+        dist.barrier()  # no rank tears down gloo while a peer still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_group(group):
+    import torch.distributed as dist
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    B, H, Hkv, D = 2, 2, 1, 8  # GQA: dK/dV sum over the q heads as well as over the ranks
+    for name in CP_MASKS:
+        mask = cm.compile_mask(_spec(name))
+        for S, tile in CP_CASES:
+            meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(S))
+            gen = torch.Generator().manual_seed(S + 1)
+            q, do = (torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
+                     for _ in range(2))
+            k, v = (torch.randn(B, S, Hkv, D, generator=gen, dtype=torch.float64)
+                    for _ in range(2))
+            ref = _single_process(mask, meta, S, B, q, k, v, do)
+            for kind in cp.PLAN_KINDS:
+                plan = cp.make_plan(mask, meta, S, W, kind, tile=tile, batch_size=B)
+                desc = cp.shard_descriptor(mask, meta, plan, rank, batch_size=B)
+                ql, kl, vl = (cp.shard(t, plan, rank).requires_grad_() for t in (q, k, v))
+                out = cp.cp_attention(ql, kl, vl, desc, plan, group)
+                out.backward(cp.shard(do, plan, rank))
+                got = [_unshard(t, plan, group) for t in (out.detach(), ql.grad, kl.grad,
+                                                          vl.grad)]
+                for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+                    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11,
+                                               msg=f"{name} S={S} {kind} W={W} {what}")
+
+
+def _single_process(mask, meta, S, B, q, k, v, do):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    desc = mask.preprocess(meta, seqlen_q=S, batch_size=B)
+    out = cm.attention(q, k, v, desc)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _unshard(local, plan, group):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(plan.world_size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return cp.unshard(parts, plan)
+
+
+def test_cp_attention_equals_single_process(tmp_path):
+    """Outputs and dQ/dK/dV of cp_attention, unsharded, equal one process's cm.attention
+    (float64) for every mask, both plan kinds, W = 2 and 4, sequences not divisible by W x tile."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(4, str(tmp_path / "init")), nprocs=4, join=True)
