@@ -1,16 +1,17 @@
 """Causal attention: every row sees itself and the keys before it (K = 1).
 
+The mask, its metadata recipe and its FlexAttention equivalent are in
+``compilemask/masks/causal.py``.
+
     python examples/causal.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations
 
-import compilemask as cm
+from compilemask.masks import causal
 from compilemask.showcase import run_example
 
-SPEC = cm.MaskSpec("causal", params=[], regions=[
-    cm.Region("all", when=lambda i: True, visible=lambda i, j: j <= i),
-])
+SPEC = causal()
 
 
 def main(seqlen: int = 512, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):

@@ -1,23 +1,19 @@
-"""Dilated causal attention: causal, every STRIDE-th key only. ``(i - j) % STRIDE == 0``
-is not an interval in j, so the region keeps a predicate: the interval [0, i] over-approximates
-it for tile classification (no tile is ever full) and partial tiles evaluate the residual
-predicate element by element. ``explain()`` says so (FALLBACK ... because ...).
+"""Dilated causal attention: causal, every STRIDE-th key only; not an interval rule, so the
+region keeps a predicate (``explain()`` says FALLBACK ... because ...).
+
+The mask, its metadata recipe and its FlexAttention equivalent are in
+``compilemask/masks/dilated_causal.py``.
 
     python examples/dilated_causal.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations
 
-import compilemask as cm
+from compilemask.masks import dilated_causal
 from compilemask.showcase import run_example
 
 STRIDE = 2
-
-
-SPEC = cm.MaskSpec(f"dilated_causal_{STRIDE}", params=[], regions=[
-    cm.Region("all", when=lambda i: True,
-              visible=lambda i, j: j <= i and (i - j) % STRIDE == 0),
-])
+SPEC = dilated_causal(STRIDE)
 
 
 def main(seqlen: int = 384, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):

@@ -1,20 +1,17 @@
-"""Packed documents: several documents in one sequence, causal within each.
+"""Packed documents: several documents in one sequence, causal within each (K = 1).
 
-``doc_start`` is a per-row array (``[B, Sq]``): the first row of the document that row i is in.
-Subscripting a param by ``i`` keeps the rule an interval rule (K = 1).
+The mask, its metadata recipe and its FlexAttention equivalent are in
+``compilemask/masks/packed_documents.py``.
 
     python examples/packed_documents.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations
 
-import compilemask as cm
+from compilemask.masks import packed_documents
 from compilemask.showcase import run_example
 
-SPEC = cm.MaskSpec("packed_documents", params=["doc_start"], regions=[
-    cm.Region("doc", when=lambda i: True,
-              visible=lambda i, j: doc_start[i] <= j <= i),  # noqa: F821 (a per-row param)
-])
+SPEC = packed_documents()
 
 
 def main(seqlen: int = 512, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):

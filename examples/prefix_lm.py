@@ -1,22 +1,17 @@
-"""Prefix-LM: a bidirectional prefix of ``prefix_len`` keys, causal after it (K = 1:
-the union [0, prefix_len) | [0, i] is proved to be one interval).
+"""Prefix-LM: a bidirectional prefix of ``prefix_len`` keys, causal after it (K = 1).
+
+The mask, its metadata recipe and its FlexAttention equivalent are in
+``compilemask/masks/prefix_lm.py``.
 
     python examples/prefix_lm.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations
 
-import compilemask as cm
+from compilemask.masks import prefix_lm
 from compilemask.showcase import run_example
 
-
-def sees(i, j):
-    return j < prefix_len or j <= i  # noqa: F821 (prefix_len is a runtime param)
-
-
-SPEC = cm.MaskSpec("prefix_lm", params=["prefix_len"], regions=[
-    cm.Region("all", when=lambda i: True, visible=sees),
-])
+SPEC = prefix_lm()
 
 
 def main(seqlen: int = 512, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):

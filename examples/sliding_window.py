@@ -1,23 +1,18 @@
 """Sliding-window causal attention: row i sees keys (i - WINDOW, i] (K = 1).
 
+The mask, its metadata recipe and its FlexAttention equivalent are in
+``compilemask/masks/sliding_window.py``.
+
     python examples/sliding_window.py  # explain, check, picture in examples/out/
 """
 
 from __future__ import annotations
 
-import compilemask as cm
+from compilemask.masks import sliding_window
 from compilemask.showcase import run_example
 
-WINDOW = 96  # a compile-time constant: a plain int bound in the module
-
-
-def sees(i, j):
-    return i - WINDOW < j <= i
-
-
-SPEC = cm.MaskSpec(f"sliding_window_{WINDOW}", params=[], regions=[
-    cm.Region("all", when=lambda i: True, visible=sees),
-])
+WINDOW = 96  # a compile-time constant of the mask
+SPEC = sliding_window(WINDOW)
 
 
 def main(seqlen: int = 512, batch: int = 2, seed: int = 0, out_dir=None, show_code: bool = True):

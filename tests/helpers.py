@@ -1,6 +1,7 @@
 """Shared test helpers: tile states from a brute-force dense mask; attention against the float32
 reference within PyTorch's own bf16 error."""
 
+import pytest
 import torch
 
 from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
@@ -62,3 +63,12 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense):
         assert _rel(o, e) <= 2 * _rel(t, e) + 1e-4, (engine, what, _rel(o, e), _rel(t, e))
     empty = ~dense.any(-1)
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
+
+
+def sweep(argnames: str, cases, default):
+    """``pytest.mark.parametrize(argnames, cases)`` where the cases not in ``default`` are marked
+    ``slow``: the default run keeps a representative subset, ``-m slow`` runs the rest."""
+    multi = "," in argnames
+    values = [c if c in default else
+              pytest.param(*(c if multi else (c,)), marks=pytest.mark.slow) for c in cases]
+    return pytest.mark.parametrize(argnames, values)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -41,6 +42,14 @@ def test_example_main_with_generated_code(tmp_path, capsys):
     load("hstu").main(seqlen=64, batch=1, out_dir=str(tmp_path))
     out = capsys.readouterr().out
     assert "generated TileLang preprocess" in out and "generated torch reference" in out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_uses_its_mask_module(name):
+    """The example is the library mask: its SPEC is built by compilemask/masks/<name>.py."""
+    mod = load(name)
+    assert masks.recipes_for(mod.SPEC).module == f"compilemask.masks.{name}"
+    assert getattr(mod, name) is getattr(importlib.import_module(f"compilemask.masks.{name}"), name)
 
 
 def test_hstu_example_mirrors_the_library_mask():

@@ -23,6 +23,8 @@ from compilemask.kernels.flash_bwd import (  # noqa: E402
 from compilemask.kernels.flash_fwd import Fallback  # noqa: E402
 from compilemask.reference import attention_reference  # noqa: E402
 
+from helpers import sweep  # noqa: E402
+
 SM90 = "sm_90a"  # compile target passed as --gpu-arch: no GPU needed
 
 
@@ -127,9 +129,9 @@ def test_sm90_kernel_structure(dtype, hdim, K, tmp_path):
     assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)) == 2
 
 
-@pytest.mark.parametrize("arch", [80, 90])  # 80: mma.sync path, 90: wgmma path
-@pytest.mark.parametrize("K", [1, 2])
-@pytest.mark.parametrize("hdim", [64, 128])
+# arch 80: the mma.sync path, 90: the wgmma path
+@sweep("hdim,K,arch", [(h, k, a) for h in (64, 128) for k in (1, 2) for a in (80, 90)],
+       default=[(128, 2, 90), (64, 1, 80)])
 def test_compile_sm90_bf16(hdim, K, arch):
     cfg = FlashBwdConfig(dtype="bf16", head_dim=hdim, tile_m=64, tile_n=128, num_intervals=K,
                          arch=arch)

@@ -23,6 +23,8 @@ from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd, fla
 from compilemask.kernels.flash_fwd import default_tiles  # noqa: E402
 from compilemask.tiles import pack_bitmap, tile_states  # noqa: E402
 
+from helpers import sweep  # noqa: E402
+
 SI, SJ = sp.symbols("i j", integer=True)
 STRIDE = sp.Symbol("stride", integer=True)
 FIRST = sp.Function("first")
@@ -69,9 +71,8 @@ def _cfg(dtype, hdim, K, arch=90, fallback=None, warp_specialized=True):
     )
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
-@pytest.mark.parametrize("hdim", [64, 128])
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@sweep("dtype,hdim,K", [(d, h, k) for d in ("bf16", "fp16") for h in (64, 128) for k in (1, 2, 4)],
+       default=[("bf16", 128, 2), ("fp16", 64, 4)])
 def test_compile_sm90(sm90_env, dtype, hdim, K):
     fn = compile_flash_fwd(_cfg(dtype, hdim, K), gpu_arch=sm90_env)
     assert fn is not None

@@ -18,6 +18,8 @@ from compilemask.codegen import preprocess as tlp  # noqa: E402
 from compilemask.descriptor import TileConfig  # noqa: E402
 from compilemask.masks import EXAMPLES, random_meta  # noqa: E402
 
+from helpers import sweep  # noqa: E402
+
 FIELDS = ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params", "row_params")
 NAMES = sorted(EXAMPLES)
 
@@ -52,24 +54,31 @@ def run_both(m, B, sq, sk, seed, device="cpu", **kw):
 # n-tiles (Sk > 256 * 128: the default chunk is 256 n-tiles), several blocks of rows (Sq > 1024)
 SHAPES = [(1, 1, 1), (3, 200, 200), (4, 1000, 1000), (2, 300, 517), (2, 517, 130),
           (1, 2100, 2100), (2, 64, 40000), (4, 1024, 1024)]
+# the small shapes run for every mask by default, all of them for hstu; the rest under slow
+SMALL_SHAPES = {0, 1, 3, 4}
 
 
+@pytest.mark.parametrize("large", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", NAMES)
-def test_c_target_equals_reference(masks, name):
+def test_c_target_equals_reference(masks, name, large):
     m = masks[name]
     for n, (B, sq, sk) in enumerate(SHAPES):
+        if (n not in SMALL_SHAPES and name != "hstu") != large:
+            continue
         if m.array_params and sq != sk:
             continue  # random_meta draws per-row arrays for square shapes
         ref, out = run_both(m, B, sq, sk, seed=1000 * n + B)
         assert_same(ref, out, f"{name} B={B} Sq={sq} Sk={sk}")
 
 
-def test_other_tilings(masks):
+TILINGS = [((64, 64), (128, 64)), ((256, 32), (16, 256)), ((128, 64), (32, 64))]
+
+
+@sweep("tiling", TILINGS, default=[TILINGS[2]])
+def test_other_tilings(masks, tiling):
     """Tile sizes other than the defaults: forward rows smaller or larger than 16 backward rows,
     and nested tilings other than the default (a forward tile = 4 backward tiles)."""
-    for fwd, bwd in [(TileConfig(64, 64), TileConfig(128, 64)),
-                     (TileConfig(256, 32), TileConfig(16, 256)),
-                     (TileConfig(128, 64), TileConfig(32, 64))]:
+    for fwd, bwd in [(TileConfig(*tiling[0]), TileConfig(*tiling[1]))]:
         assert tlp.plan(2, fwd, bwd).nested == (fwd.tile_m == 128)
         for name in ("hstu", "clear"):
             m = masks[name]
@@ -77,19 +86,20 @@ def test_other_tilings(masks):
             assert_same(ref, out, f"{name} {fwd} {bwd}")
 
 
-def test_interleaved_row_map(masks, monkeypatch):
+@sweep("name", ["hstu", "clear", "dilated_causal"], default=["hstu"])
+def test_interleaved_row_map(masks, monkeypatch, name):
     """Stage 1's other row map (lanes of a warp in different m-tiles) gives the same descriptor."""
     monkeypatch.setattr(tlp, "_ROW_MAP", "interleaved")
-    for name in ("hstu", "clear", "dilated_causal"):
-        assert tlp.plan(masks[name].num_intervals, *_default_tiles()).interleaved
-        ref, out = run_both(masks[name], 3, 1500, 1500, seed=3)
-        assert_same(ref, out, f"{name} interleaved rows")
+    assert tlp.plan(masks[name].num_intervals, *_default_tiles()).interleaved
+    ref, out = run_both(masks[name], 3, 1500, 1500, seed=3)
+    assert_same(ref, out, f"{name} interleaved rows")
 
 
-def test_vector_stores(masks, monkeypatch):
+@sweep("scalar", ["causal", "hstu", "clear"], default=["clear"])
+def test_vector_stores(masks, monkeypatch, scalar):
     """Interval Table rows are written as vector stores (16-byte for even K, 8-byte for odd K) by
     default, and the CUDA text has them; the scalar stores (the other setting) give the same
-    descriptor."""
+    descriptor (checked for the mask ``scalar``)."""
     for name in ("causal", "hstu", "clear"):
         m = masks[name]
         pl = tlp.plan(m.num_intervals, *_default_tiles())
@@ -98,7 +108,7 @@ def test_vector_stores(masks, monkeypatch):
         kern = tlp.tilelang_kernel(masks["clear"], *_default_tiles(), "cuda")
         assert "*(int4*)(intervals + " in kern.get_kernel_source()
     monkeypatch.setattr(tlp, "_VECTOR_STORES", False)
-    for name in ("causal", "hstu", "clear"):
+    for name in (scalar,):
         assert not tlp.plan(masks[name].num_intervals, *_default_tiles()).vector_stores
         ref, out = run_both(masks[name], 3, 1500, 1500, seed=4)
         assert_same(ref, out, f"{name} scalar stores")
@@ -190,7 +200,7 @@ def test_preprocessor_general_path_and_errors(masks):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-@pytest.mark.parametrize("name", NAMES)
+@sweep("name", NAMES, default=["hstu", "clear"])
 def test_cuda_source_compiles_sm90a(masks, name):
     from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
 
@@ -315,7 +325,8 @@ def _five_windows():
         cm.Region("all", when=lambda i: True, visible=visible)])
 
 
-def test_coverage_sweep_overlapping_windows():
+@sweep("tiling", [((8, 8), (4, 8)), ((8, 8), (4, 16))], default=[((8, 8), (4, 8))])
+def test_coverage_sweep_overlapping_windows(tiling):
     """Tile states from the sorted sweep equal the reference (reach iteration) for windows that
     start and end on tile boundaries and one element off them."""
     m = cm.compile_mask(_five_windows())
@@ -330,6 +341,8 @@ def test_coverage_sweep_overlapping_windows():
             for k in range(5):
                 lo, hi = ends[:, 2 * k], ends[:, 2 * k + 1]
                 meta[f"a{k}"], meta[f"b{k}"] = torch.minimum(lo, hi), torch.maximum(lo, hi)
+            if (fwd, bwd) != tiling:
+                continue  # drawn all the same: each tiling checks the metadata it always had
             kw = dict(fwd_tiles=fwd, bwd_tiles=bwd)
             ref = m.preprocess(meta, S, backend="torch", **kw)
             out = m.preprocess(meta, S, backend="tilelang", **kw)
@@ -338,13 +351,14 @@ def test_coverage_sweep_overlapping_windows():
             assert (states == 1).any() and (states == 3).any()  # full and partial tiles occur
 
 
-def test_random_specs_c_target():
+@pytest.mark.parametrize("examples", [3, pytest.param(8, marks=pytest.mark.slow)])
+def test_random_specs_c_target(examples):
     hyp = pytest.importorskip("hypothesis")
     from hypothesis import strategies as st
     from test_hypothesis_rules import PARAMS, _make, guard, rule
 
     # no shrinking: every example compiles a kernel (a failure still names the rules)
-    @hyp.settings(max_examples=8, deadline=None, derandomize=True, database=None,
+    @hyp.settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                   phases=[hyp.Phase.generate], suppress_health_check=list(hyp.HealthCheck))
     @hyp.given(w1=guard, v1=rule, v2=rule, seed=st.integers(0, 2**31 - 1))
     def check(w1, v1, v2, seed):
