@@ -731,7 +731,7 @@ class Preprocessor:
         self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
             (a, (B, seqlen_q)) for a in mask.array_params if a in self._keys]
         # run bounds of compared ids: derived from the metadata in torch, read as arrays
-        self._derived = getattr(mask._ir, "derived", ())
+        self._derived = mask.derived_arrays
 
     def _launch_for(self, dtype):
         launch = self._launches.get(dtype)

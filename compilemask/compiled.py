@@ -310,6 +310,22 @@ class CompiledMask:
         return self._ir.native
 
     @property
+    def divisor_params(self) -> tuple[str, ...]:
+        """Params the rules divide by (positive at run time)."""
+        return self._ir.divisor_params
+
+    @property
+    def derived_arrays(self) -> tuple:
+        """(run start, run end, ids) per-row arrays the preprocess derives for ``ids[i] ==
+        ids[j]`` comparisons."""
+        return self._ir.derived
+
+    def torch_function(self, name: str):
+        """A function of the generated torch reference: ``interval_table(i, seqlen_q, seqlen_k,
+        *params, batch_size=)`` (any row indices ``i``) or ``predicate_<region>``."""
+        return self._ir.torch_fns[name]
+
+    @property
     def fallback_regions(self) -> list[CompiledRegion]:
         return [r for r in self.regions if r.fallback]
 

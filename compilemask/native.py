@@ -150,7 +150,7 @@ def _run_axioms(mask, syms) -> list:
 
     i, j = syms["i"], syms["j"]
     facts = []
-    for start, end, ids in getattr(mask._ir, "derived", ()):
+    for start, end, ids in mask.derived_arrays:
         a, s0, e0 = array_function(ids), array_function(start)(i), array_function(end)(i)
         inside = sp.And(sp.Le(s0, j), sp.Lt(j, e0))
         same = sp.Eq(a(j), a(i))
@@ -166,7 +166,7 @@ def native_pattern(mask) -> NativePattern | None:
         vis = _visible_expr(mask)
     except (TypeError, ValueError):
         return None
-    divisors = getattr(mask._ir, "divisor_params", ())
+    divisors = mask.divisor_params
     prover = Prover(_run_axioms(mask, syms), syms, divisors)
     for kind, left, right, app in _candidates(mask, syms):
         if (left is not None and left < 0) or (right is not None and right < 0):

@@ -50,7 +50,7 @@ def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
         else:
             arr_j = arr[:, :Sk]
         args += [arr.view(B, Sq, 1), arr_j.view(B, 1, Sk)]
-    fn = mask._ir.torch_fns[f"predicate_{region_index}"]
+    fn = mask.torch_function(f"predicate_{region_index}")
     return torch.broadcast_to(fn(*args), (B, Sq, Sk))
 
 

@@ -20,7 +20,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     ``show_code``: the generated TileLang, CuTe and torch code too (some hundred lines)."""
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
-    for start, end, ids in getattr(mask._ir, "derived", ()):
+    for start, end, ids in mask.derived_arrays:
         out.append(f"  {start}, {end}: the run of equal {ids} around each row, derived from "
                    f"the metadata (each id's tokens must be contiguous)")
     for r in mask.regions:

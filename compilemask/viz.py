@@ -119,7 +119,7 @@ def _predicate_rows(desc, batch, region_index, r0, r1, c0, c1) -> torch.Tensor:
         arr = desc.row_params[batch, :, k].to(torch.int64)  # [Sq]
         arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq)) if Sk > Sq else arr[:Sk]
         args += [arr[r0:r1].view(1, -1, 1), arr_j[c0:c1].view(1, 1, -1)]
-    fn = mask._ir.torch_fns[f"predicate_{region_index}"]
+    fn = mask.torch_function(f"predicate_{region_index}")
     return torch.broadcast_to(fn(*args), (1, r1 - r0, c1 - c0))[0]
 
 
