@@ -116,7 +116,7 @@ def _rows_table(mask, B, scal, arrs, seqlen, rows):
     arrs_at = {a: arrs[a].index_select(1, at) for a in mask.array_params}
     args = [at.unsqueeze(0), seqlen, seqlen] + [scal[p] for p in mask.scalar_params] + [
         arrs_at[a] for a in mask.array_params]
-    starts, lens, region, _ = mask.torch_function("interval_table")(*args, batch_size=B)
+    starts, lens, region = mask.torch_function("interval_table")(*args, batch_size=B)
     v = valid.view(1, -1)
     lens = torch.where(v.unsqueeze(-1), lens, 0)
     starts = torch.where(lens > 0, starts, 0)
