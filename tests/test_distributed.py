@@ -1,5 +1,6 @@
 """Context parallelism on the CPU: plans, row-sharded descriptors, and cp_attention over gloo
-against single-process cm.attention (outputs and gradients)."""
+against single-process cm.attention (outputs and gradients), and a transformers model run under a
+plan against the same model in one process."""
 
 import sys
 from pathlib import Path
@@ -162,3 +163,80 @@ def test_cp_attention_equals_single_process(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(4, str(tmp_path / "init")), nprocs=4, join=True)
+
+
+# ---- a transformers model under a context-parallel plan ---------------------------------------
+
+def _model_worker(rank, world_size, init_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        _check_model(None)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_qwen3():
+    import transformers
+
+    from compilemask.integrations.transformers import register
+
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, use_cache=False)
+    torch.manual_seed(0)  # the same weights on every rank
+    return transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=register()).to(torch.float64)
+
+
+def _loss_grads(model, ids, labels, valid=None, **kw):
+    """Summed token loss (over ``valid`` rows only) and the parameter gradients."""
+    model.zero_grad()
+    logits = model(ids, **kw).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                             reduction="none")
+    (loss if valid is None else loss * valid.flatten()).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_model(group):
+    import torch.distributed as dist
+
+    from compilemask.integrations.transformers import shard_inputs
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    B, S, tile = 2, 100, 16  # 7 tiles of 16, the last partial, padded to 4 per rank
+    mask = cm.compile_mask(_spec("hstu"))
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(8))
+    labels = ids.roll(-1, dims=1)
+    model = _tiny_qwen3()
+    ref_logits, ref_grads = _loss_grads(model, ids, labels,
+                                        compilemask_desc=mask.preprocess(meta, seqlen_q=S))
+
+    plan = cp.make_plan(mask, meta, S, W, tile=tile, batch_size=B)
+    desc = cp.shard_descriptor(mask, meta, plan, rank, batch_size=B)
+    ids_l, pos_l = shard_inputs(ids, plan, rank)
+    labels_l = cp.shard(labels[..., None], plan, rank)[..., 0]
+    valid = (plan.rows[rank] < S).to(torch.float64).expand(B, -1)  # padding rows: no loss
+    logits_l, grads = _loss_grads(model, ids_l, labels_l, valid, position_ids=pos_l,
+                                  compilemask_desc=desc, compilemask_cp=(plan, group))
+    tol = dict(rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(_unshard(logits_l, plan, group), ref_logits, **tol)
+    for n, g in grads.items():  # every rank's loss terms: the sum of the ranks' gradients
+        dist.all_reduce(g, group=group)
+        torch.testing.assert_close(g, ref_grads[n], **tol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_transformers_model_under_cp_equals_single_process(tmp_path):
+    """A tiny Qwen3 (float64) called on each rank's shard with compilemask_cp: the unsharded
+    logits and the all-reduced gradients of the summed token loss equal one process's run with
+    the full descriptor (HSTU, S = 100 over W = 2 x tile 16)."""
+    pytest.importorskip("transformers")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_model_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)

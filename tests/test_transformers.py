@@ -245,3 +245,29 @@ def test_readme_transformers_lines_run(tmp_path):
     exec(compile(code, "README.md", "exec"), env)
     assert env["model"].config._attn_implementation == "compilemask"
     assert torch.isfinite(env["loss"]) and env["loss"].requires_grad
+
+
+def test_context_parallel_arguments_are_checked(name):
+    """compilemask_cp needs the rank's shard_descriptor and the plan's local length (the
+    checks come before any collective, so no process group is needed here)."""
+    from compilemask import distributed as cp
+
+    _, mod = _models(name)
+    mask = cm.compile_mask(hstu())
+    plan = cp.make_plan(mask, HSTU_META, S, 2, tile=16, batch_size=B)
+    ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(6))
+    ids_l, pos_l = cm_hf.shard_inputs(ids, plan, 1)
+    rows = plan.rows[1]
+    assert ids_l.shape == pos_l.shape == (B, plan.local_len)
+    assert torch.equal(pos_l[0], torch.where(rows < S, rows, 0))  # global positions, pad 0
+    assert torch.equal(ids_l[:, rows < S], ids[:, rows[rows < S]])
+    with pytest.raises(ValueError, match="compilemask_cp.*compilemask_desc"):
+        mod(ids_l, position_ids=pos_l, compilemask_cp=(plan, None))
+    full = mask.preprocess(HSTU_META, seqlen_q=S)
+    with pytest.raises(ValueError, match="compilemask_desc is for seqlen_q 45"):
+        mod(ids_l, position_ids=pos_l, compilemask_desc=full, compilemask_cp=plan)
+    desc = cp.shard_descriptor(mask, HSTU_META, plan, 1, batch_size=B)
+    with pytest.raises(ValueError, match="compilemask_cp: the model got 45 tokens"):
+        mod(ids, compilemask_desc=desc, compilemask_cp=(plan, None))
+    with pytest.raises(TypeError, match="compilemask_cp"):
+        mod(ids_l, position_ids=pos_l, compilemask_desc=desc, compilemask_cp="ring")

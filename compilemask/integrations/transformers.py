@@ -11,6 +11,16 @@ The model's forward passes unknown keyword arguments down to its attention funct
 the descriptor: transformers builds no mask for an implementation it has no mask function for,
 so a 2-D padding ``attention_mask`` is dropped before it gets here (put padding in the mask's
 metadata, e.g. HSTU's ``seq_end``), and a 4-D one is refused.
+
+Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.distributed``
+plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
+rank's shard of the sequence; the descriptor is the rank's ``shard_descriptor``. The rest of the
+model is per token, so feeding it the rank's tokens with their global positions is exact::
+
+    ids_l, pos_l = shard_inputs(input_ids, plan, rank)
+    out = model(ids_l, position_ids=pos_l, compilemask_desc=desc_l, compilemask_cp=(plan, group))
+
+``out.logits`` are the rank's rows (``cp.unshard`` of every rank's puts them back in order).
 """
 
 from __future__ import annotations
@@ -21,11 +31,13 @@ import torch
 
 from compilemask.api import attention
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.distributed import CPPlan, cp_attention, shard
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
-           "DESC_KWARG"]
+           "shard_inputs", "DESC_KWARG", "CP_KWARG"]
 
 DESC_KWARG = "compilemask_desc"
+CP_KWARG = "compilemask_cp"
 
 
 def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
@@ -89,7 +101,40 @@ def attention_forward_deterministic(module, query, key, value, attention_mask, d
     return _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, True)
 
 
+def shard_inputs(input_ids: torch.Tensor, plan, rank: int,
+                 position_ids: torch.Tensor | None = None):
+    """Rank ``rank``'s ``(input_ids, position_ids)`` for a context-parallel model call, each
+    ``[B, plan.local_len]``: the token ids of its rows and their global positions (or the given
+    ``[B or 1, S]`` ``position_ids`` at its rows, e.g. for packed sequences), so RoPE sees the
+    positions of the unsharded sequence. Padding rows get token 0 and position 0: they see
+    nothing and nobody sees them, so any valid id and position would do."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"shard_inputs: input_ids must be [B, S], got {list(input_ids.shape)}")
+    ids = shard(input_ids.unsqueeze(-1), plan, rank).squeeze(-1)
+    if position_ids is None:
+        rows = plan.rows[rank].to(input_ids.device)
+        pos = torch.where(rows < plan.seqlen, rows, 0).expand(input_ids.shape[0], -1)
+    else:
+        pos = shard(position_ids.unsqueeze(-1), plan, rank).squeeze(-1)
+        pos = pos.expand(input_ids.shape[0], -1)
+    return ids, pos.contiguous()
+
+
+def _cp_arg(cp):
+    """``compilemask_cp`` as ``(plan, group)``: a plan alone means the default group."""
+    if isinstance(cp, CPPlan):
+        return cp, None
+    if isinstance(cp, tuple) and len(cp) == 2 and isinstance(cp[0], CPPlan):
+        return cp
+    raise TypeError(f"{CP_KWARG} must be (plan, group) with a compilemask.distributed.CPPlan "
+                    f"(or the plan alone for the default group), got {type(cp).__name__}")
+
+
 def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, deterministic):
+    cp = kwargs.get(CP_KWARG)
+    if cp is not None and kwargs.get(DESC_KWARG) is None:
+        raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
+                         f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
     desc = _descriptor(module, kwargs.get(DESC_KWARG))
     if attention_mask is not None:
         raise ValueError("compilemask attention takes its mask from compilemask_desc; got an "
@@ -102,6 +147,19 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
     for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"compilemask attention does not support {name!r}")
+    if cp is not None:
+        plan, group = _cp_arg(cp)
+        n = query.shape[2]
+        if n != plan.local_len:
+            raise ValueError(f"{CP_KWARG}: the model got {n} tokens, the plan gives each rank "
+                             f"{plan.local_len} (shard the inputs with shard_inputs)")
+        if desc.seqlen_q != n or desc.seqlen_k != plan.seqlen:
+            raise ValueError(f"{DESC_KWARG} is for seqlen_q {desc.seqlen_q}, seqlen_k "
+                             f"{desc.seqlen_k}; under {CP_KWARG} it must be the rank's "
+                             f"shard_descriptor ({n} rows, {plan.seqlen} keys)")
+        out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                           desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
+        return out, None
     # [B, H, S, D] -> [B, S, H, D] as views: the layout cm.attention and FlashAttention take
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), desc,
                     softmax_scale=scaling, deterministic=deterministic)
