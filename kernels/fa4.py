@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-__all__ = ["available", "why_unavailable", "fwd", "bwd", "BWD_TILE_M", "FWD_TILES"]
+__all__ = ["why_unavailable", "fwd", "bwd", "BWD_TILE_M", "FWD_TILES"]
 
 FWD_TILES = (128, 128)  # FA4 sm90 forward tile for head dim 64 and 128 with 128-row sparse blocks
 BWD_TILE_M = {64: 128, 128: 64}  # FA4 sm90 backward q tile per head dim (kv tile 128)
@@ -68,10 +68,6 @@ def why_unavailable(q, desc, engine: str) -> str | None:
     else:
         return f"unknown engine {engine!r}"
     return None
-
-
-def available(q, desc, engine: str) -> bool:
-    return why_unavailable(q, desc, engine) is None
 
 
 def _bs_torch(lists, block_size):
