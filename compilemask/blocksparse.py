@@ -33,8 +33,10 @@ import torch
 from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE, TILES_PER_WORD
 from compilemask.tiles import unpack_bitmap
 
-__all__ = ["BlockSparseLists", "lists_from_bitmap", "lists_from_states", "to_dense_states",
-           "descriptor_lists", "TILE_FULL", "TILE_PARTIAL"]
+__all__ = ["BlockSparseLists", "PackedLists", "lists_from_bitmap", "lists_from_states",
+           "to_dense_states", "descriptor_lists", "descriptor_packed_lists", "attach_lists",
+           "TILE_FULL",
+           "TILE_PARTIAL"]
 
 TILE_FULL = TILE_VISIBLE  # state 01
 TILE_PARTIAL = TILE_VISIBLE | TILE_MASKED  # state 11
@@ -161,3 +163,76 @@ def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = Fal
 
         return block_sparse_lists(bitmap, packed, transpose=transpose)
     raise ValueError(f"backend must be 'torch' or 'tilelang', got {backend!r}")
+
+
+# kind -> (bitmap, transpose) of ``descriptor_lists``, in the order the packed buffer holds them
+_PACKED_KINDS = {"fwd": ("fwd", False), "bwd64": ("bwd", False), "bwd128": ("fwd", True)}
+
+
+class PackedLists:
+    """Several kinds' lists in one flat int32 buffer, as one TileLang launch writes them
+    (``compilemask.codegen.blocksparse.MultiPlan``): per kind, ``mask_cnt``, ``mask_idx``,
+    ``full_cnt``, ``full_idx`` back to back. ``view(kind)`` makes the four tensors (views, no
+    copy), so the preprocess allocates and launches once whichever kinds a model reads."""
+
+    def __init__(self, buffer: torch.Tensor, batch_size: int, layout: dict):
+        self.buffer = buffer
+        self.batch_size = batch_size
+        self.layout = layout  # kind -> (offsets per sequence of the four outputs, rows, cols)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.layout)
+
+    def view(self, kind: str) -> BlockSparseLists:
+        offs, R, C = self.layout[kind]
+        B, buf = self.batch_size, self.buffer
+        shapes = ((B, 1, R), (B, 1, R, C), (B, 1, R), (B, 1, R, C))
+        return BlockSparseLists(*(buf[B * o:B * o + B * R * (C if j % 2 else 1)].view(shape)
+                                  for j, (o, shape) in enumerate(zip(offs, shapes))))
+
+    def to(self, device) -> PackedLists:
+        return PackedLists(self.buffer.to(device), self.batch_size, self.layout)
+
+
+def descriptor_packed_lists(desc, kinds=("fwd", "bwd64", "bwd128")) -> PackedLists:
+    """``kinds`` of a descriptor's lists in one TileLang launch on its device (the tilelang
+    backend of ``descriptor_lists`` for several kinds at once)."""
+    from compilemask.codegen.blocksparse import block_sparse_multi, multi_plan
+
+    fwd_m, fwd_n = desc.fwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
+    bwd_m, bwd_n = desc.bwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
+    shape = {"fwd": (fwd_m, fwd_n, False), "bwd64": (bwd_n, bwd_m, False),
+             "bwd128": (fwd_n, fwd_m, True)}
+    for kind in kinds:
+        if kind not in _PACKED_KINDS:
+            raise ValueError(f"kind must be one of {sorted(_PACKED_KINDS)}, got {kind!r}")
+    parts = [(*shape[k], 0 if _PACKED_KINDS[k][0] == "fwd" else 1) for k in kinds]
+    mp = _multi_plan_cached(tuple(parts), multi_plan)
+    buf = block_sparse_multi((desc.fwd_bitmap, desc.bwd_bitmap), mp)
+    layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
+                                                                        mp.parts)}
+    return PackedLists(buf, desc.batch_size, layout)
+
+
+_MULTI_PLANS: dict = {}
+
+
+def _multi_plan_cached(parts, make):
+    mp = _MULTI_PLANS.get(parts)
+    if mp is None:
+        mp = _MULTI_PLANS[parts] = make(parts, 2)
+    return mp
+
+
+def attach_lists(desc):
+    """On CUDA, with flash-attn-4's tilings (forward 128x128, backward 64x128), the lists of
+    every kind FA4's kernels read, in one launch, into ``desc.block_lists`` (viewed on first
+    use); elsewhere nothing (lists are computed when first asked for)."""
+    f, b = desc.fwd_tiles, desc.bwd_tiles
+    if desc.device.type == "cuda" and (f.tile_m, f.tile_n, b.tile_m, b.tile_n) == (128, 128, 64,
+                                                                                   128):
+        # bwd128: FA4's head-dim-64 backward runs on the forward's tiles
+        packed = descriptor_packed_lists(desc)
+        desc.block_lists.update(dict.fromkeys(packed.kinds, packed))
+    return desc

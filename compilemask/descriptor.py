@@ -93,8 +93,9 @@ class ExecutionDescriptor:
     params: torch.Tensor
     row_params: torch.Tensor
     segments: tuple | None = None
-    # kind -> BlockSparseLists; filled by the producer on CUDA (a compiled model then reads it
-    # without running a kernel), else on first use
+    # kind -> BlockSparseLists, or the PackedLists that holds it (viewed on first use): filled
+    # by the producer on CUDA in one launch (a compiled model then runs no kernel for it), else
+    # computed on first use
     block_lists: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -121,6 +122,12 @@ class ExecutionDescriptor:
     def block_sparse(self, kind: str = "fwd"):
         """flash-attn-4 tile lists (see the module docstring), computed once per descriptor."""
         cache = self.block_lists
+        got = cache.get(kind)
+        if got is not None and not isinstance(got, tuple):  # PackedLists: view it
+            got = got.view(kind)
+            if not torch.compiler.is_compiling():  # no side effects while dynamo traces
+                cache[kind] = got
+            return got
         if kind not in cache:
             from compilemask.blocksparse import descriptor_lists
 
@@ -164,6 +171,9 @@ class ExecutionDescriptor:
                 fields[k] = v.to(device)
         if self.segments is not None:
             fields["segments"] = (self.segments[0].to(device), self.segments[1])
-        fields["block_lists"] = {k: type(v)(*(t.to(device) for t in v))
+        packed = {id(v): v.to(device) for v in self.block_lists.values()
+                  if not isinstance(v, tuple)}  # a PackedLists serves several kinds
+        fields["block_lists"] = {k: packed[id(v)] if id(v) in packed
+                                 else type(v)(*(t.to(device) for t in v))
                                  for k, v in self.block_lists.items()}
         return ExecutionDescriptor(**fields)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compilemask.blocksparse import attach_lists
 from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, _tiles_arg
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.segments import derive_run_arrays
@@ -199,11 +200,7 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
     desc = mask._descriptor(B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
                             bwd_tiles, bwd)
-    if dev.type == "cuda" and (fwd_tiles.tile_m, fwd_tiles.tile_n) == (128, 128) and \
-            (bwd_tiles.tile_m, bwd_tiles.tile_n) == (64, 128):
-        for kind in ("fwd", "bwd64", "bwd128"):  # FA4's tile lists, as finish_descriptor does
-            desc.block_sparse(kind)
-    return desc
+    return attach_lists(desc)  # FA4's tile lists, as finish_descriptor does
 
 
 # ---- tensors ----------------------------------------------------------------------------------

@@ -207,11 +207,6 @@ def segments(mask, desc):
     return cu.to(device=start.device, dtype=torch.int32), longest
 
 
-def _fa4_tiling(desc) -> bool:
-    f, b = desc.fwd_tiles, desc.bwd_tiles
-    return (f.tile_m, f.tile_n, b.tile_m, b.tile_n) == (128, 128, 64, 128)
-
-
 def finish_descriptor(desc):
     """What every producer adds after the Interval Table and bitmaps: the segments of a
     segments-pattern mask, and on CUDA the FA4 block-sparse lists of a non-native mask."""
@@ -219,7 +214,8 @@ def finish_descriptor(desc):
     pat = mask.native_pattern
     if pat is not None and pat.kind == "segments":
         desc = dataclasses.replace(desc, segments=segments(mask, desc))
-    elif pat is None and desc.device.type == "cuda" and _fa4_tiling(desc):
-        for kind in ("fwd", "bwd64", "bwd128"):  # bwd128: FA4's head-dim-64 backward
-            desc.block_sparse(kind)
+    elif pat is None:
+        from compilemask.blocksparse import attach_lists
+
+        desc = attach_lists(desc)
     return desc

@@ -7,6 +7,7 @@ the transposed forward bitmap gives the backward lists of the 128x128 tiling; Ti
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -190,6 +191,66 @@ def test_c_target_equals_reference(masks, name):
                                          f"{fwd_tiling}")
 
 
+@pytest.mark.parametrize("name", ["hstu", "clear", "dilated_causal"])
+def test_c_target_packed_equals_reference(masks, name):
+    """Every kind in one launch (one flat buffer): each kind's views equal the torch reference,
+    and the descriptor serves them from ``block_sparse(kind)``."""
+    from compilemask.blocksparse import PackedLists, descriptor_packed_lists
+
+    m = masks[name]
+    for B, sq, sk in shapes_for(m, TL_SHAPES):
+        d, _ = descriptors(m, B, sq, sk)
+        packed = descriptor_packed_lists(d)
+        assert packed.kinds == ("fwd", "bwd64", "bwd128") and packed.buffer.dim() == 1
+        ends = []
+        for kind, (backward, fwd_tiling) in zip(packed.kinds, PASSES):
+            ref = descriptor_lists(d, backward, forward_tiling=fwd_tiling)
+            got = packed.view(kind)
+            assert_lists_equal(ref, got, f"{name} {kind} B={B} Sq={sq} Sk={sk}")
+            assert all(t.is_contiguous() for t in got)
+            ends.append(got.full_idx.data_ptr() + got.full_idx.numel() * 4)
+        # the kinds tile the buffer: nothing allocated twice, nothing left over
+        assert ends[-1] == packed.buffer.data_ptr() + packed.buffer.numel() * 4
+        lone = dataclasses.replace(d, block_lists=dict.fromkeys(packed.kinds, packed))
+        for kind, (backward, fwd_tiling) in zip(packed.kinds, PASSES):
+            got = lone.block_sparse(kind)
+            assert isinstance(got, BlockSparseLists) and not isinstance(
+                lone.block_lists[kind], PackedLists)  # viewed once, then cached
+            assert_lists_equal(descriptor_lists(d, backward, forward_tiling=fwd_tiling), got,
+                               f"{name} {kind} via the descriptor")
+        moved = dataclasses.replace(d, block_lists=dict.fromkeys(packed.kinds, packed)).to("cpu")
+        assert_lists_equal(descriptor_lists(d), moved.block_sparse("fwd"), "moved")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        descriptor_packed_lists(d, ("fwd", "bwd32"))
+
+
+def test_c_target_multi_plan_guards_and_layout():
+    """Parts with fewer threads than the launch (guarded stages), a part per bitmap read both
+    ways, rows not a multiple of a block's: each part equals the reference."""
+    B = 2
+    f = random_bitmap(B, 9, 37, seed=1)  # 9 row tiles x 37 column tiles
+    g = random_bitmap(B, 37, 18, seed=2)
+    mp = tlb.multi_plan([(9, 37, False, 0), (37, 18, False, 1), (37, 9, True, 0)], 2)
+    assert len({pl.threads for pl, _ in mp.parts}) > 1  # some parts are guarded on CUDA
+    buf = tlb.block_sparse_multi((f, g), mp)
+    assert buf.numel() == B * mp.per_sequence
+    refs = [lists_from_bitmap(f, 37), lists_from_bitmap(g, 18),
+            lists_from_bitmap(f, 37, transpose=True)]
+    from compilemask.blocksparse import PackedLists
+
+    layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip("abc", mp.offsets(),
+                                                                      mp.parts)}
+    packed = PackedLists(buf, B, layout)
+    for kind, ref in zip("abc", refs):
+        assert_lists_equal(ref, packed.view(kind), f"part {kind}")
+    src = tlb.multi_source(mp, "cuda")
+    assert src.count("if tx < THREADS_") > 0 and "def block_sparse_multi(" in src
+    for k in range(3):
+        assert f"bx_{k} = gx - " in src and f"MASK_IDX_OFF_{k} = " in src
+    with pytest.raises(ValueError, match="must read bitmaps"):
+        tlb.multi_plan([(9, 37, False, 2)], 2)
+
+
 def random_bitmap(B, N, T, seed, dirty=True):
     """Random states (10 included), some rows empty, padding bits of the last word set."""
     g = torch.Generator().manual_seed(seed)
@@ -258,6 +319,16 @@ def test_cuda_source_compiles_sm90a(transpose):
     assert "__global__" in src and "__syncthreads" in src
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+@pytest.mark.parametrize("seqlen", [32768, 131072])
+def test_cuda_multi_source_compiles_sm90a(seqlen):
+    """The three kinds of one FA4 descriptor in one kernel, 32K and 128K tokens per sequence."""
+    n, m = -(-seqlen // 128), -(-seqlen // 64)
+    mp = tlb.multi_plan([(n, n, False, 0), (n, m, False, 1), (n, n, True, 0)], 2)
+    src = tlb.multi_kernel(mp, "cuda").get_kernel_source()
+    assert "__global__" in src and "__syncthreads" in src
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
@@ -277,3 +348,21 @@ def test_gpu_equals_reference():
             assert_lists_equal(ref, out, f"B={B} N={N} T={T} transpose={transpose}")
             if fill:
                 assert all(torch.equal(a, b) for a, b in zip(ref, out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_descriptor_packed_lists(masks, name):
+    """A CUDA preprocess writes every kind in one launch; each equals the torch reference."""
+    m = masks[name]
+    if m.native_pattern is not None:
+        pytest.skip("native masks take no lists")
+    for B, S in ((2, 2100), (1, 32768)):
+        meta = random_meta(m.spec, B, S, torch.Generator().manual_seed(S))
+        meta = {k: v.cuda() for k, v in meta.items()}
+        d = m.preprocess(meta, S, S, batch_size=B)
+        assert set(d.block_lists) == {"fwd", "bwd64", "bwd128"}
+        for kind, (backward, fwd_tiling) in zip(("fwd", "bwd64", "bwd128"), PASSES):
+            ref = descriptor_lists(d, backward, forward_tiling=fwd_tiling)
+            assert_lists_equal(ref, d.block_sparse(kind), f"{name} {kind} B={B} S={S}")
