@@ -34,6 +34,12 @@ CUDA each stage runs once per thread, ``T.sync_threads()`` between stages; on Ti
 target (CPU, for CI) each stage is a serial loop over the threads, every value passed between
 stages lives in shared memory, so both texts run the same stage bodies.
 
+Several kinds in one launch (``multi_plan`` / ``block_sparse_multi``; a CUDA preprocess writes
+a descriptor's forward and both backward kinds this way): grid x is cut into one range of blocks
+per kind, each running the stages above with its own constants; the outputs are one flat buffer
+(``MultiPlan`` layout) that ``compilemask.blocksparse.PackedLists`` views per kind. One launch
+and one allocation instead of three each: the preprocess is bound by host time, not the device.
+
 The shape (R, C, transpose) is static (the bitmap shapes change only with the sequence lengths;
 a new shape compiles once per process, a few seconds); the batch size is dynamic.
 """
@@ -51,7 +57,8 @@ from compilemask.cache import CompileCache
 from compilemask.descriptor import TILES_PER_WORD
 
 __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
-           "block_sparse_lists", "compile_count"]
+           "block_sparse_lists", "compile_count", "MultiPlan", "multi_plan", "multi_source",
+           "multi_kernel", "block_sparse_multi"]
 
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Thread layout, from a sweep on the H200 at 128K tokens (1024 x 1024 and 1024 x 2048 tiles,
