@@ -513,7 +513,7 @@ class MultiPlan:
             at += 2 * (r + rc)
         return out
 
-    @property
+    @functools.cached_property
     def per_sequence(self) -> int:  # output entries per sequence
         return sum(2 * pl.rows * (pl.cols + 1) for pl, _ in self.parts)
 

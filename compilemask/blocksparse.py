@@ -198,31 +198,34 @@ class PackedLists:
 def descriptor_packed_lists(desc, kinds=("fwd", "bwd64", "bwd128")) -> PackedLists:
     """``kinds`` of a descriptor's lists in one TileLang launch on its device (the tilelang
     backend of ``descriptor_lists`` for several kinds at once)."""
-    from compilemask.codegen.blocksparse import block_sparse_multi, multi_plan
+    from compilemask.codegen.blocksparse import block_sparse_multi
 
-    fwd_m, fwd_n = desc.fwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
-    bwd_m, bwd_n = desc.bwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
+    key = (desc.fwd_tiles, desc.bwd_tiles, desc.seqlen_q, desc.seqlen_k, tuple(kinds))
+    got = _PACKED_PLANS.get(key)  # this runs in every preprocess: plan once per shape
+    if got is None:
+        got = _PACKED_PLANS[key] = _packed_plan(*key)
+    mp, layout = got
+    buf = block_sparse_multi((desc.fwd_bitmap, desc.bwd_bitmap), mp)
+    return PackedLists(buf, desc.batch_size, layout)
+
+
+_PACKED_PLANS: dict = {}
+
+
+def _packed_plan(fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, kinds):
+    from compilemask.codegen.blocksparse import multi_plan
+
+    fwd_m, fwd_n = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    bwd_m, bwd_n = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
     shape = {"fwd": (fwd_m, fwd_n, False), "bwd64": (bwd_n, bwd_m, False),
              "bwd128": (fwd_n, fwd_m, True)}
     for kind in kinds:
         if kind not in _PACKED_KINDS:
             raise ValueError(f"kind must be one of {sorted(_PACKED_KINDS)}, got {kind!r}")
-    parts = [(*shape[k], 0 if _PACKED_KINDS[k][0] == "fwd" else 1) for k in kinds]
-    mp = _multi_plan_cached(tuple(parts), multi_plan)
-    buf = block_sparse_multi((desc.fwd_bitmap, desc.bwd_bitmap), mp)
+    mp = multi_plan([(*shape[k], 0 if _PACKED_KINDS[k][0] == "fwd" else 1) for k in kinds], 2)
     layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
                                                                         mp.parts)}
-    return PackedLists(buf, desc.batch_size, layout)
-
-
-_MULTI_PLANS: dict = {}
-
-
-def _multi_plan_cached(parts, make):
-    mp = _MULTI_PLANS.get(parts)
-    if mp is None:
-        mp = _MULTI_PLANS[parts] = make(parts, 2)
-    return mp
+    return mp, layout
 
 
 def attach_lists(desc):
