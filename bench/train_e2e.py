@@ -219,19 +219,20 @@ def _fa4_ops():
         if cu is None:
             out, lse = flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
                                        return_lse=True)
-            return out, lse
+            return out.contiguous(), lse.contiguous()  # the strides the fake promises
         B, S, H, D = q.shape
         out, lse = flash_attn_varlen_func(
             q.reshape(B * S, H, D), k.reshape(B * S, -1, D), v.reshape(B * S, -1, D),
             cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
             softmax_scale=scale, causal=True, return_lse=True)
-        return out.view(B, S, H, D), lse  # lse [H, B*S]
+        return out.view(B, S, H, D).contiguous(), lse.contiguous()  # lse [H, B*S]
 
     @fa4_fwd.register_fake
     def _(q, k, v, cu, max_len, scale):
         B, S, H, _ = q.shape
         shape = (B, H, S) if cu is None else (H, B * S)
-        return torch.empty_like(q), q.new_empty(shape, dtype=torch.float32)
+        return (torch.empty_like(q, memory_format=torch.contiguous_format),
+                q.new_empty(shape, dtype=torch.float32))
 
     @torch.library.custom_op("cm_e2e::fa4_bwd", mutates_args=())
     def fa4_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -240,17 +241,19 @@ def _fa4_ops():
         if cu is None:
             dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, scale,
                                          causal=True)
-            return dq, dk, dv
+            return dq.contiguous(), dk.contiguous(), dv.contiguous()
         B, S, H, D = q.shape
         flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
         dq, dk, dv = _flash_attn_bwd(*flat, lse, scale, causal=True, cu_seqlens_q=cu,
                                      cu_seqlens_k=cu, max_seqlen_q=max_len,
                                      max_seqlen_k=max_len)
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+        return (dq.view(q.shape).contiguous(), dk.view(k.shape).contiguous(),
+                dv.view(v.shape).contiguous())
 
     @fa4_bwd.register_fake
     def _(dout, q, k, v, out, lse, cu, max_len, scale):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                     for t in (q, k, v))
 
     def setup(ctx, inputs, output):
         q, k, v, cu, max_len, scale = inputs
@@ -301,7 +304,16 @@ def step_builder(backend: str, wl: Workload):
         if cbm is None:
             from torch.nn.attention.flex_attention import create_block_mask as cbm
 
-        return lambda: {FLEX_KW: cbm(wl.mask_mod(wl.rows()), 1, None, S, S, device=dev)}
+        # one mask_mod over buffers refreshed per step: the compiled create_block_mask sees
+        # the same function every step (a new closure per step could recompile it)
+        bufs = {k: v.clone() for k, v in wl.rows().items()}
+        mm = wl.mask_mod(bufs)
+
+        def build():
+            for k, v in wl.rows().items():
+                bufs[k].copy_(v)
+            return {FLEX_KW: cbm(mm, 1, None, S, S, device=dev)}
+        return build
     if backend == "fa4_native":
         if wl.name not in ("causal", "docs"):
             return "n/a (FA4 has no native kernel for this mask)"
@@ -619,7 +631,8 @@ def parse(argv):
     explicit = args.backends is not None
     if args.smoke:
         args.shape, args.layers, args.seqlens = dict(SHAPE_SMOKE), 2, "128"
-        args.warmup, args.steps, args.compile = 0, 3, False
+        args.warmup, args.steps = 0, 3
+        args.compile = bool(args.compile)  # off unless asked for
         args.backends = args.backends or "compilemask,sdpa"
     args.backends = (args.backends or ",".join(BACKENDS)).split(",")
     if args.sdpa_max is None:
