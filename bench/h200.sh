@@ -17,6 +17,8 @@
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
+#   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
+#                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
 set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
@@ -198,5 +200,20 @@ for r in rows:
     step fa4_tests "${SECS:-400}" python3 -m pytest -q $PAR -m gpu -x -p no:cacheprovider \
       tests/test_fa4_engine.py tests/test_gpu_end_to_end.py ${EXTRA_TESTS:-}
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests"; exit 2 ;;
+  e2e)  # end-to-end training (bench/train_e2e.py), one process per mask so that a mask that
+    # fails or runs out of memory leaves the others alone; about 2 min per backend at 32K with
+    # 4 layers (compiles included), so one or two masks fit a call; merge the calls' JSON with
+    # python3 bench/train_e2e.py --merge .../train_e2e_e2e_*.json --tag e2e
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+    MASKS=${MASKS:-hstu,hstu_packed,shared_prompt_rm,clear,causal}
+    seqlens=${SEQLENS:-32768}
+    for m in ${MASKS//,/ }; do
+      tag="e2e_${m}_s${seqlens//,/-}"
+      step "$tag" "${SECS:-560}" python3 bench/train_e2e.py --masks "$m" --seqlens "$seqlens" \
+        ${BACKENDS:+--backends "$BACKENDS"} --layers "${LAYERS:-4}" --steps "${STEPS:-20}" \
+        --out "$OUT" --tag "$tag"
+      grep -E "^(\| |WARNING)" "$OUT/train_e2e_$tag.md" 2>/dev/null | cut -c1-300
+    done
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e"; exit 2 ;;
 esac
