@@ -10,15 +10,24 @@ the region's
 generated predicate (``codegen.cute_predicate``) onto the interval test. Rows that see nothing
 have only empty slots, so every score is masked (FA4 then writes output 0 and LSE -inf).
 
+When every region is a fallback region (its predicate is exact, so the interval test adds
+nothing in a partial tile), the mask_mod is the whole mask as one predicate: the first region
+whose guard holds decides, by its rule, with no Interval Table or region reads (a metadata-free
+mask such as dilated causal is then index arithmetic only); its aux tensors are ``params`` and
+``row_params`` where present.
+
 FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
 clamped before any load (their results are discarded).
 """
 
 from __future__ import annotations
 
+import sympy
+from sympy.core.function import AppliedUndef
+
 from compilemask.cache import CompileCache
 
-__all__ = ["mask_mod_source", "mask_mod", "aux_tensors"]
+__all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate"]
 
 _CACHE = CompileCache("mask_mod")
 
@@ -31,8 +40,68 @@ def _fallback_sources(mask):
             for r in mask.fallback_regions]
 
 
+_WHOLE: dict = {}  # mask key -> whole_mask_predicate (aux_tensors asks on every call)
+
+
+def whole_mask_predicate(mask):
+    """The mask as one sympy boolean of (i, j, params) when every region is a fallback region:
+    ``Or`` over regions of (its guard, no earlier guard, its rule); None otherwise, or when a
+    rule reads ``seqlen_q`` / ``seqlen_k`` (not in a predicate's arguments)."""
+    if mask.key not in _WHOLE:
+        _WHOLE[mask.key] = _whole_mask_predicate(mask)
+    return _WHOLE[mask.key]
+
+
+def _whole_mask_predicate(mask):
+    regions = mask.regions
+    if not regions or not all(r.fallback for r in regions):
+        return None
+    terms, earlier = [], []
+    for r in regions:
+        guard = sympy.sympify(r.guard)
+        terms.append(sympy.And(guard, *[sympy.Not(g) for g in earlier], r.rule))
+        earlier.append(guard)
+    expr = sympy.Or(*terms)
+    allowed = {"i", "j", *mask.scalar_params}
+    if any(s.name not in allowed for s in expr.free_symbols):
+        return None
+    if any(f.func.__name__ not in mask.array_params for f in expr.atoms(AppliedUndef)):
+        return None
+    return expr
+
+
+def _whole_source(mask, expr) -> list[str]:
+    from compilemask.codegen.cute_predicate import predicate_source
+
+    P, R = len(mask.scalar_params), len(mask.array_params)
+    out = [predicate_source(expr, mask.scalar_params, mask.array_params,
+                            name="predicate_mask").rstrip(), "", "",
+           "@cute.jit",
+           "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
+           "    b = batch[0]",
+           "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
+           "    col = kv_idx[0]",
+           "    max_row = seqlen_info.seqlen_q - 1"]
+    # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
+    if P:
+        out.append("    params = aux_tensors[0]")
+    out.append(f"    row_params = aux_tensors[{1 if P else 0}]" if R
+               else "    row_params = None  # no per-row arrays: never read")
+    args = ([f"params[b, {p}]" for p in range(P)]
+            + [f"row_params[b, row, {r}]" for r in range(R)])
+    call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
+    out.append(f"    vis = predicate_mask({call})")
+    return out
+
+
 def mask_mod_source(mask) -> str:
     """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles)."""
+    whole = whole_mask_predicate(mask)
+    if whole is not None:
+        out = [f"# mask_mod for {mask.name!r} (key {mask.key}): every region is a predicate",
+               "import cutlass", "import cutlass.cute as cute", "from cutlass import Int32, Uint32",
+               "", *_whole_source(mask, whole)]
+        return "\n".join(out + _select())
     K = max(mask.num_intervals, 1)
     fbs = _fallback_sources(mask)
     out = [
@@ -70,14 +139,13 @@ def mask_mod_source(mask) -> str:
         for idx, _ in fbs:
             call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
             out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
-    out += [
-        # a select, not a branch: the mask_mod runs once per score of every partial tile
-        "    frag = cute.make_rmem_tensor(1, cutlass.Boolean)",
-        "    frag[0] = vis",
-        "    return frag.load()",
-        "",
-    ]
-    return "\n".join(out)
+    return "\n".join(out + _select())
+
+
+def _select() -> list[str]:
+    # a select, not a branch: the mask_mod runs once per score of every partial tile
+    return ["    frag = cute.make_rmem_tensor(1, cutlass.Boolean)", "    frag[0] = vis",
+            "    return frag.load()", ""]
 
 
 def mask_mod(mask):
@@ -91,6 +159,8 @@ def mask_mod(mask):
 def aux_tensors(desc) -> list:
     """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
     B, Sq, K, _ = desc.intervals.shape
+    if whole_mask_predicate(desc.mask) is not None:
+        return [t for t in (desc.params, desc.row_params) if t.shape[-1]] or None
     tensors = [desc.intervals.view(B, Sq, 2 * K)]
     if desc.mask.has_fallback:
         tensors.append(desc.row_region)

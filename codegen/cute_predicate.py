@@ -204,6 +204,9 @@ class _Emitter:
             return acc
         if type(e) in _REL_OPS:
             op = _REL_OPS[type(e)]
+            divisible = self._divisible(e)
+            if divisible is not None:
+                return divisible
             diff = sympy.together(e.lhs - e.rhs)
             num, den = sympy.fraction(diff)
             if den != 1:
@@ -215,6 +218,23 @@ class _Emitter:
             b = self.int_expr(rhs)
             return self.tmp(f"{a} {op} {b}")
         raise UnsupportedExpression(f"unsupported boolean node {type(e).__name__}: {e}")
+
+    def _divisible(self, e) -> str | None:
+        """``Mod(a, b) == 0`` (or ``!=``): any remainder is 0 exactly when the floor one is, so
+        no sign fix-up; a power-of-two constant divisor is a bit test."""
+        if type(e) not in (sympy.Equality, sympy.Unequality):
+            return None
+        mod, zero = (e.lhs, e.rhs) if isinstance(e.lhs, sympy.Mod) else (e.rhs, e.lhs)
+        if not isinstance(mod, sympy.Mod) or zero != 0:
+            return None
+        op = _REL_OPS[type(e)]
+        a, b = mod.args
+        if b.is_Integer and b > 0 and (int(b) & (int(b) - 1)) == 0:
+            x = self.int_expr(a)
+            r = self.tmp(f"{x} & cutlass.Int32({int(b) - 1})")
+        else:
+            r = self.tmp(f"{self.int_expr(a)} % {self.int_expr(b)}")
+        return self.tmp(f"{r} {op} cutlass.Int32(0)")
 
     @staticmethod
     def _split_sides(expr: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr]:
