@@ -55,3 +55,43 @@ def test_predicate_equals_sympy(expr):
             and expr.lhs.args[1] == 2:
         assert "& cutlass.Int32(1)" in src and "%" not in src
 
+
+
+def test_whole_mask_predicate_equals_the_dense_mask():
+    """A mask whose every region is a fallback: the one predicate the mask_mod evaluates (first
+    guard that holds, its rule; no guard: nothing) equals the reference mask element by
+    element, rows under no guard included; a mask with interval regions keeps the table."""
+    import torch
+
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.codegen.cute_mask_mod import mask_mod_source, whole_mask_predicate
+
+    def when_even(i):
+        return i < split  # noqa: F821
+
+    def even_sees(i, j):
+        return j <= i and (i - j) % 2 == 0
+
+    def when_third(i):
+        return split <= i < stop  # noqa: F821
+
+    def third_sees(i, j):
+        return j <= i and (i - j) % 3 == 0
+
+    spec = cm.MaskSpec("two_strides", params=["split", "stop"], regions=[
+        cm.Region("even", when=when_even, visible=even_sees),
+        cm.Region("third", when=when_third, visible=third_sees)])
+    mask = cm.compile_mask(spec)
+    expr = whole_mask_predicate(mask)
+    assert expr is not None and "every region is a predicate" in mask_mod_source(mask)
+    fn = _load(predicate_source(expr, mask.scalar_params, name="pred"), "pred")
+    S = 40
+    for split, stop in ((0, 0), (13, 29), (40, 40), (25, 20)):
+        meta = {"split": torch.tensor([split]), "stop": torch.tensor([stop])}
+        dense = mask.preprocess(meta, S, backend="torch", batch_size=1).dense_mask()[0]
+        vals = {"split": split, "stop": stop}
+        got = torch.tensor([[fn(a, b, *[vals[n] for n in mask.scalar_params], None, 0, S - 1)
+                             for b in range(S)] for a in range(S)])
+        assert torch.equal(got, dense), (split, stop)
+    assert whole_mask_predicate(cm.compile_mask(masks.hstu())) is None
