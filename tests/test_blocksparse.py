@@ -361,7 +361,7 @@ def test_gpu_descriptor_packed_lists(masks, name):
     for B, S in ((2, 2100), (1, 32768)):
         meta = random_meta(m.spec, B, S, torch.Generator().manual_seed(S))
         meta = {k: v.cuda() for k, v in meta.items()}
-        d = m.preprocess(meta, S, S, batch_size=B)
+        d = m.preprocess(meta, S, S, batch_size=B, device="cuda")  # no params: say where
         assert set(d.block_lists) == {"fwd", "bwd64", "bwd128"}
         for kind, (backward, fwd_tiling) in zip(("fwd", "bwd64", "bwd128"), PASSES):
             ref = descriptor_lists(d, backward, forward_tiling=fwd_tiling)
