@@ -19,6 +19,7 @@ Writes a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -86,6 +87,19 @@ def time_host(fn, reps=200, warmup=5):
     return (time.perf_counter() - t) / reps * 1e6
 
 
+@contextlib.contextmanager
+def _without_lists():
+    """Descriptors without FA4's tile lists (the Interval Table and bitmaps only)."""
+    from compilemask import blocksparse
+
+    keep = blocksparse.attach_lists
+    blocksparse.attach_lists = lambda desc: desc
+    try:
+        yield
+    finally:
+        blocksparse.attach_lists = keep
+
+
 def specs_and_meta():
     """The attention benchmark's workloads (bench/workloads.py, same metadata), plus the smaller
     CLEAR of compilemask.masks (radius 1, width 16: K = 4) measured before."""
@@ -106,6 +120,7 @@ def main():
     ap.add_argument("--flex-seqlens", default="1024,8192,32768")
     ap.add_argument("--flex-masks", default="hstu,shared_prompt_rm,clear,causal")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--masks", default="", help="only these workloads (comma-separated)")
     ap.add_argument("--sweep", default="",
                     help="threads:row_map[:vec] variants, e.g. 512:linear,512:linear:vec: device "
                          "time per variant (hstu, clear, clear_r1w16; 1K, 16K, 32K); vec: "
@@ -121,7 +136,10 @@ def main():
 
         cbm = torch.compile(create_block_mask, dynamic=False)  # as bench/attention.py
     rows = []
+    only = [x for x in args.masks.split(",") if x]
     for name, (spec, make) in workloads.items():
+        if only and name not in only:
+            continue
         m = cm.compile_mask(spec)
         for S in [int(x) for x in args.seqlens.split(",")]:
             B = TOKENS // S
@@ -142,6 +160,8 @@ def main():
             t_gen = time_host(general)
             t_bound = time_host(bound)
             t_dev = time_graph(bound)
+            with _without_lists():  # the tile lists' share: the same calls without them
+                t_bound_nl, t_dev_nl = time_host(bound), time_graph(bound)
             nbytes = bytes_written(d)
             flex = None
             if (cbm is not None and S in flex_seqlens and name in args.flex_masks.split(",")
@@ -153,7 +173,8 @@ def main():
                         reps=20, warmup=2)
                 except Exception as e:  # noqa: BLE001
                     flex = f"error: {type(e).__name__}"
-            rows.append((name, S, B, m.num_intervals, t_gen, t_bound, t_dev, nbytes, flex, same))
+            rows.append((name, S, B, m.num_intervals, t_gen, t_bound, t_dev, nbytes, flex, same,
+                         t_bound_nl, t_dev_nl))
             print(rows[-1], flush=True)
             write(args, rows, [])
     sweep = []
@@ -203,15 +224,19 @@ def write(args, rows, sweep):
              "copies); BW at the device time. flex: "
              "`torch.compile(create_block_mask)(mask_mod, B, None, S, S)` (forward block mask "
              "only, H broadcast), CUDA events. = ref: both paths equal the torch reference.", "",
-             "| mask | S | B | K | general (us) | bound (us) | dev (us) | bytes | BW (GB/s) | "
-             "flex (us) | flex / bound | flex / dev | = ref |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, S, B, K, tg, tb, td, nb, flex, same in rows:
+             "no lists: the same bound call and graph without FA4's tile lists (Interval Table "
+             "and bitmaps only).", "",
+             "| mask | S | B | K | general (us) | bound (us) | dev (us) | bound, no lists (us) | "
+             "dev, no lists (us) | bytes | BW (GB/s) | flex (us) | flex / bound | flex / dev | "
+             "= ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, S, B, K, tg, tb, td, nb, flex, same, tbn, tdn in rows:
         if isinstance(flex, float):
             fx, ratio = f"{flex:.0f}", f"{flex / tb:.0f}x | {flex / td:.0f}x"
         else:
             fx, ratio = (flex or "-"), "- | -"
-        lines.append(f"| {name} | {S} | {B} | {K} | {tg:.1f} | {tb:.1f} | {td:.1f} | {nb} | "
+        lines.append(f"| {name} | {S} | {B} | {K} | {tg:.1f} | {tb:.1f} | {td:.1f} | {tbn:.1f} | "
+                     f"{tdn:.1f} | {nb} | "
                      f"{nb / td / 1e3:.0f} | {fx} | {ratio} | {'yes' if same else 'NO'} |")
     if sweep:
         lines += ["", "Threads per block and stage-1 row map (device time, us, CUDA-graph "
