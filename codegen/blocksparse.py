@@ -47,12 +47,19 @@ import torch
 
 from compilemask.blocksparse import BlockSparseLists
 from compilemask.cache import CompileCache
-from compilemask.descriptor import TILES_PER_WORD
+from compilemask.descriptor import (
+    TILE_BITS,
+    TILE_FULL,
+    TILE_PARTIAL,
+    TILE_STATE_MASK,
+    TILES_PER_WORD,
+)
 
 __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
            "block_sparse_lists", "compile_count"]
 
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+TPW = TILES_PER_WORD  # short, for the generated sources' index arithmetic
 # Thread layout, from a sweep on the H200 at 128K tokens (1024 x 1024 and 1024 x 2048 tiles,
 # bench/blocksparse.py): one word per thread and up to 64 threads per row (chunks of 1024 tiles)
 # beat 32 threads of 2 words (fwd 6.4 -> 5.1 us, bwd 9.0 -> 6.9 us on random states); the
@@ -209,13 +216,13 @@ class _Emitter:
              "per chunk, rows per block")
         w(0, "THREADS = TPR * RPB")
         w(0, "CHUNK_WORDS = TPR * WPT")
-        w(0, "CHUNK = 16 * CHUNK_WORDS  # column tiles per chunk")
+        w(0, f"CHUNK = {TILES_PER_WORD} * CHUNK_WORDS  # column tiles per chunk")
         w(0, f"CHUNKS = {pl.chunks}")
         w(0, "FIVES = 1431655765  # 0x55555555: bit 0 of every 2-bit tile state")
         last = pl.cols % TILES_PER_WORD
         if last and not pl.transpose:
-            w(0, f"LAST_MASK = {(1 << 2 * last) - 1}  # the tiles of the last word (the rest "
-                 "pads)")
+            w(0, f"LAST_MASK = {(1 << TILE_BITS * last) - 1}  # the tiles of the last word (the "
+                 "rest pads)")
         w(0)
         w(0, 'B = T.dynamic("B")  # batch size')
         w(0)
@@ -243,7 +250,7 @@ class _Emitter:
                    "each row"),
                   ("base", "(2, RPB)", "int32", "entries of the earlier chunks, per row")]
         if pl.transpose:
-            shared.append(("col", "(CHUNK + CHUNK // 16,)", "uint32", "the block's bitmap "
+            shared.append(("col", f"(CHUNK + CHUNK // {TPW},)", "uint32", "the block's bitmap "
                            "column over the chunk (its rows share a word index), a pad word per "
                            "16 so that threads 16 words apart read different banks"))
         for name, shape, dtype, comment in shared:
@@ -291,10 +298,10 @@ class _Emitter:
         w(ind + 1, "m = q * THREADS + tx")
         w(ind + 1, "if m < CHUNK:")
         w(ind + 2, "if ch * CHUNK + m < NR:")
-        w(ind + 3, 'col[m + m // 16] = T.Cast("uint32", bitmap[b, ch * CHUNK + m, '
-                   "(bx * RPB) // 16])")
+        w(ind + 3, f'col[m + m // {TPW}] = T.Cast("uint32", bitmap[b, ch * CHUNK + m, '
+                   f"(bx * RPB) // {TPW}])")
         w(ind + 2, "else:")
-        w(ind + 3, "col[m + m // 16] = T.uint32(0)")
+        w(ind + 3, f"col[m + m // {TPW}] = T.uint32(0)")
 
     def _stage_words(self, ind):
         pl, w = self.pl, self.w
@@ -308,9 +315,10 @@ class _Emitter:
         if pl.transpose:
             w(d + 1, "# tile t of the word: list column 16 v + t, bits 2 (row % 16) of its "
                      "bitmap word")
-            w(d + 1, "for t in T.unroll(16):")
-            w(d + 2, "word = word | T.shift_left(T.bitwise_and(T.shift_right(col[17 * v + t], "
-                     'T.Cast("uint32", 2 * (row % 16))), T.uint32(3)), T.uint32(2 * t))')
+            w(d + 1, f"for t in T.unroll({TPW}):")
+            w(d + 2, "word = word | T.shift_left(T.bitwise_and(T.shift_right("
+                     f'col[{TPW + 1} * v + t], T.Cast("uint32", {TILE_BITS} * (row % {TPW}))), '
+                     f"T.uint32({TILE_STATE_MASK})), T.uint32({TILE_BITS} * t))")
         else:
             w(d + 1, 'word = T.Cast("uint32", bitmap[b, row, ch * CHUNK_WORDS + v])')
             if pl.cols % TILES_PER_WORD:
@@ -359,15 +367,15 @@ class _Emitter:
         w(d, "of = T.shift_right(acc, 16)")
         w(d, "for k in T.unroll(WPT):")
         w(d + 1, "word = words[lr, lane * WPT + k]")
-        w(d + 1, "for t in T.unroll(16):")
+        w(d + 1, f"for t in T.unroll({TPW}):")
         e = d + 2
-        w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
-             "T.uint32(3):")
-        w(e + 1, "part[lr, op + op // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
+        state = (f"T.bitwise_and(T.shift_right(word, T.uint32({TILE_BITS} * t)), "
+                 f"T.uint32({TILE_STATE_MASK}))")
+        w(e, f"if {state} == T.uint32({TILE_PARTIAL}):")
+        w(e + 1, f"part[lr, op + op // 32] = ch * CHUNK + (lane * WPT + k) * {TPW} + t")
         w(e + 1, "op = op + 1")
-        w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
-             "T.uint32(1):")
-        w(e + 1, "full[lr, of + of // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
+        w(e, f"if {state} == T.uint32({TILE_FULL}):")
+        w(e + 1, f"full[lr, of + of // 32] = ch * CHUNK + (lane * WPT + k) * {TPW} + t")
         w(e + 1, "of = of + 1")
 
     def _stage_copy(self, ind):

@@ -1,14 +1,15 @@
 """Masked attention as a ``torch.library`` custom-op pair with autograd.
 
-``compilemask::attention_fwd(q, k, v, <descriptor tensors>, <ints>, mask_key, scale)
--> (out, lse)`` and ``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, <descriptor
-tensors>, ...) -> (dq, dk, dv)`` are opaque to ``torch.compile`` (fake implementations give the
+``compilemask::attention_fwd(q, k, v, *DescriptorArgs, *_Call) -> (out, lse)`` and
+``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, *DescriptorArgs, *_Call)
+-> (dq, dk, dv)`` are opaque to ``torch.compile`` (fake implementations give the
 shapes), so a compiled model traces through them without graph breaks; the forward's autograd
 formula (``torch.library.register_autograd``) saves ``q, k, v, out, lse`` and calls the backward
 op, so activation checkpointing just re-runs the forward op.
 
-The descriptor enters as non-differentiable tensors (intervals, row_region, bitmaps, params,
-row_params) plus ints (seqlens, tiles) and the compiled mask's semantic key (a string: the
+The descriptor enters as ``compilemask.descriptor.DescriptorArgs`` (its non-differentiable
+tensors, then its ints; the schemas are generated from its fields) and the compiled mask's
+semantic key (a string: the
 ``CompiledMask`` object itself is kept in a registry here, needed for fallback predicates and the
 dense reference); the ``KernelOptions`` of the cute kernels enter as their string
 (``KernelOptions.to_str``).
@@ -89,13 +90,15 @@ def _descriptor(d: DescriptorArgs, call: _Call):
     return d.descriptor(_mask(call.mask_key), segments)
 
 
-def _lists(extra, at):
-    """The BlockSparseLists at ``extra[at:at + 4]`` (fa4 engine), else None."""
-    if len(extra) < 8:
-        return None
+def _lists(extra, backward: bool):
+    """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
+    else None."""
     from compilemask.blocksparse import BlockSparseLists
 
-    return BlockSparseLists(*extra[at:at + 4])
+    n = len(BlockSparseLists._fields)
+    if len(extra) != 2 * n:
+        return None
+    return BlockSparseLists(*extra[n:] if backward else extra[:n])
 
 
 def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
@@ -242,7 +245,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
     if engine in ("fa4", "native"):
         from . import fa4
 
-        lists = _lists(call.extra, 0)
+        lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists)
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
@@ -268,7 +271,7 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
         from . import fa4
 
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
-                        deterministic=call.deterministic, lists=_lists(call.extra, 4))
+                        deterministic=call.deterministic, lists=_lists(call.extra, backward=True))
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,

@@ -54,9 +54,9 @@ class SeqlenInfo:
         self.seqlen_k = seqlen_k
 
     @staticmethod
-    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor, seq_mode: int = 1) -> "SeqlenInfo":
-        """From the q/k tensors (``seq_mode``: their sequence mode, 1 for (B, S, H, D))."""
-        return SeqlenInfo(batch_idx, mQ.shape[seq_mode], mK.shape[seq_mode])
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
+        """From the (B, S, H, D) q/k tensors."""
+        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
