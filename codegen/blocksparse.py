@@ -54,7 +54,13 @@ import torch
 
 from compilemask.blocksparse import BlockSparseLists
 from compilemask.cache import CompileCache
-from compilemask.descriptor import TILES_PER_WORD
+from compilemask.descriptor import (
+    TILE_BITS,
+    TILE_FULL,
+    TILE_PARTIAL,
+    TILE_STATE_MASK,
+    TILES_PER_WORD,
+)
 
 __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
            "block_sparse_lists", "compile_count", "MultiPlan", "multi_plan", "multi_source",
@@ -348,7 +354,8 @@ class _Emitter:
                      "bitmap word")
             w(d + 1, "for t in T.unroll(16):")
             w(d + 2, "word = word | T.shift_left(T.bitwise_and(T.shift_right(col[17 * v + t], "
-                     'T.Cast("uint32", 2 * (row % 16))), T.uint32(3)), T.uint32(2 * t))')
+                     f'T.Cast("uint32", {TILE_BITS} * (row % 16))), T.uint32({TILE_STATE_MASK})), '
+                     f'T.uint32({TILE_BITS} * t))')
         else:
             w(d + 1, 'word = T.Cast("uint32", bitmap[b, row, ch * CHUNK_WORDS + v])')
             if pl.cols % TILES_PER_WORD:
@@ -401,12 +408,12 @@ class _Emitter:
         w(d + 1, "word = words[lr * CHUNK_WORDS + lane * WPT + k]")
         w(d + 1, "for t in T.unroll(16):")
         e = d + 2
-        w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
-             "T.uint32(3):")
+        state = (f"T.bitwise_and(T.shift_right(word, T.uint32({TILE_BITS} * t)), "
+                 f"T.uint32({TILE_STATE_MASK}))")
+        w(e, f"if {state} == T.uint32({TILE_PARTIAL}):")
         w(e + 1, "part[lr * PSTRIDE + op + op // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
         w(e + 1, "op = op + 1")
-        w(e, "if T.bitwise_and(T.shift_right(word, T.uint32(2 * t)), T.uint32(3)) == "
-             "T.uint32(1):")
+        w(e, f"if {state} == T.uint32({TILE_FULL}):")
         w(e + 1, "full[lr * PSTRIDE + of + of // 32] = ch * CHUNK + (lane * WPT + k) * 16 + t")
         w(e + 1, "of = of + 1")
 

@@ -72,7 +72,16 @@ import sympy as sp
 import torch
 
 from compilemask.cache import CompileCache
-from compilemask.descriptor import TILES_PER_WORD, ExecutionDescriptor, TileConfig
+from compilemask.descriptor import (
+    TILE_BITS,
+    TILE_EMPTY,
+    TILE_FULL,
+    TILE_PARTIAL,
+    TILES_PER_WORD,
+    TileConfig,
+    descriptor_shapes,
+    make_descriptor,
+)
 from compilemask.env import cache_dir
 from compilemask.native import finish_descriptor
 from compilemask.segments import derive_run_arrays
@@ -96,6 +105,11 @@ def _default_tiles():
     from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
 
     return DEFAULT_FWD_TILES, DEFAULT_BWD_TILES
+
+
+# a tile's state from its counts: partial if some row does not cover it, else full; empty if
+# no row sees it (the generated `T.if_then_else(cov < rows_in, partial, full), empty` tail)
+_STATES = f"{TILE_PARTIAL}, {TILE_FULL}), {TILE_EMPTY}"
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,7 @@ def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -
     threads = min(threads or _THREADS, rows)
     counters = (0 if _nested(fwd, bwd) else 2 * (rows // fwd.tile_m)) + 2 * (rows // bwd.tile_m)
     chunk = TILES_PER_WORD
-    while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / 16) <= _SMEM_BUDGET:
+    while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / TILES_PER_WORD) <= _SMEM_BUDGET:
         chunk *= 2
     m_bwd = rows // bwd.tile_m
     interleaved = (_ROW_MAP == "interleaved" and threads % m_bwd == 0
@@ -286,7 +300,7 @@ class _Emitter:
         w(0, f"M_FWD, M_BWD = {pl.m_fwd}, {pl.m_bwd}  # forward / backward m-tiles per block")
         w(0, f"WORDS_BWD = {pl.words_bwd}  # backward words per n-tile per block")
         w(0, f"CHUNK = {pl.chunk}  # n-tiles per pass over the shared counters")
-        w(0, "CHUNK_WORDS = CHUNK // 16")
+        w(0, f"CHUNK_WORDS = CHUNK // {TILES_PER_WORD}")
         w(0, "EMPTY = 2147483647  # sort key of an empty slot (sorts last)")
         if pl.nested:
             w(0, "# shared counter rows: visible / covered per backward m-tile; a forward tile is")
@@ -518,8 +532,8 @@ class _Emitter:
         w(ind + 1, "e = q * THREADS + tx")
         w(ind + 1, "if e < COUNTERS * CHUNK_WORDS:")
         w(ind + 2, "acc = 0")
-        w(ind + 2, "for t in T.serial(16):")
-        w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t]")
+        w(ind + 2, f"for t in T.serial({TILES_PER_WORD}):")
+        w(ind + 3, f"acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * {TILES_PER_WORD} + t]")
         w(ind + 2, "count[e // CHUNK_WORDS, CHUNK + e % CHUNK_WORDS] = acc")
 
     def _stage_scan(self, ind):
@@ -530,9 +544,9 @@ class _Emitter:
         w(ind + 2, "acc = 0")
         w(ind + 2, "for v in T.serial(e % CHUNK_WORDS):")
         w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, CHUNK + v]")
-        w(ind + 2, "for t in T.serial(16):")
-        w(ind + 3, "acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t]")
-        w(ind + 3, "count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * 16 + t] = acc")
+        w(ind + 2, f"for t in T.serial({TILES_PER_WORD}):")
+        w(ind + 3, f"acc = acc + count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * {TILES_PER_WORD} + t]")
+        w(ind + 3, f"count[e // CHUNK_WORDS, (e % CHUNK_WORDS) * {TILES_PER_WORD} + t] = acc")
 
     def _stage_pack(self, ind):
         w = self.w
@@ -546,9 +560,9 @@ class _Emitter:
         d = ind + 2
         w(d, "rows_in = T.min(T.max(Sq - m_tile * TM_FWD, 0), TM_FWD)  # rows below Sq")
         w(d, "word = T.uint32(0)")
-        w(d, "for t in T.serial(16):")
-        w(d + 1, "x = (e % CHUNK_WORDS) * 16 + t")
-        w(d + 1, "if gw * 16 + t < nn_fwd:")
+        w(d, f"for t in T.serial({TILES_PER_WORD}):")
+        w(d + 1, f"x = (e % CHUNK_WORDS) * {TILES_PER_WORD} + t")
+        w(d + 1, f"if gw * {TILES_PER_WORD} + t < nn_fwd:")
         if self.pl.nested:
             w(d + 2, "vis = 0")
             w(d + 2, "cov = 0")
@@ -560,8 +574,8 @@ class _Emitter:
             vis, cov = "count[VIS_FWD + mf, x]", "count[COV_FWD + mf, x]"
         w(d + 2, "word = word | T.shift_left(T.Cast(\"uint32\", "
                  f"T.if_then_else({vis} > 0, "
-                 f"T.if_then_else({cov} < rows_in, 3, 1), 0)), "
-                 "T.Cast(\"uint32\", 2 * t))")
+                 f"T.if_then_else({cov} < rows_in, {_STATES})), "
+                 f"T.Cast(\"uint32\", {TILE_BITS} * t))")
         w(d, "fwd_bitmap[b, m_tile, gw] = T.Cast(\"int32\", word)")
         w(ind, "# backward: word (n-tile x of the chunk, word v of the block) packs 16 m-tiles")
         w(ind, "for q in T.serial(T.ceildiv(CHUNK * WORDS_BWD, THREADS)):")
@@ -572,13 +586,13 @@ class _Emitter:
         w(ind + 1, "if T.And(e < CHUNK * WORDS_BWD, T.And(n_tile < NN_BWD, gw < W_BWD)):")
         d = ind + 2
         w(d, "word = T.uint32(0)")
-        w(d, "for t in T.serial(16):")
-        w(d + 1, "mb = (e % WORDS_BWD) * 16 + t")
+        w(d, f"for t in T.serial({TILES_PER_WORD}):")
+        w(d + 1, f"mb = (e % WORDS_BWD) * {TILES_PER_WORD} + t")
         w(d + 1, "rows_in = T.min(T.max(Sq - (bx * M_BWD + mb) * TM_BWD, 0), TM_BWD)")
         w(d + 1, "word = word | T.shift_left(T.Cast(\"uint32\", "
                  "T.if_then_else(count[VIS_BWD + mb, x] > 0, "
-                 "T.if_then_else(count[COV_BWD + mb, x] < rows_in, 3, 1), 0)), "
-                 "T.Cast(\"uint32\", 2 * t))")
+                 f"T.if_then_else(count[COV_BWD + mb, x] < rows_in, {_STATES})), "
+                 f"T.Cast(\"uint32\", {TILE_BITS} * t))")
         w(d, "bwd_bitmap[b, n_tile, gw] = T.Cast(\"int32\", word)")
 
 
@@ -649,31 +663,22 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
         raise ValueError(f"tilelang preprocess: unsupported device {dev}")
     kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target)
     K = mask.num_intervals
-    nm_f, nn_f = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
-    nm_b, nn_b = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
-    wf = -(-nn_f // TILES_PER_WORD)
-    wb = -(-nm_b // TILES_PER_WORD)
-    i32 = torch.int32
-    intervals = torch.empty(B, seqlen_q, K, 2, dtype=i32, device=dev)
-    region = torch.empty(B, seqlen_q, dtype=i32, device=dev)
-    fwd = torch.empty(B, nm_f, wf, dtype=i32, device=dev)
-    bwd = torch.empty(B, nn_b, wb, dtype=i32, device=dev)
+    P, R = len(mask.scalar_params), len(mask.array_params)
+    shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, fwd_tiles, bwd_tiles)
+    out = {f: torch.empty(s, dtype=torch.int32, device=dev) for f, s in shapes.items()}
+    intervals, region, fwd, bwd = (out[f] for f in ("intervals", "row_region", "fwd_bitmap",
+                                                    "bwd_bitmap"))
+    params, row_params = out["params"], out["row_params"]
     args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
     args += [_as_i64(arrs[a], dev) for a in mask.array_params]
     args += [intervals, region, fwd, bwd]
-    P, R = len(mask.scalar_params), len(mask.array_params)
-    params = torch.empty(B, P, dtype=i32, device=dev)
-    row_params = torch.empty(B, seqlen_q, R, dtype=i32, device=dev)
     if P:
         args.append(params)
     if R:
         args.append(row_params)
     args.append(int(seqlen_k))
     kern(*args)
-    return ExecutionDescriptor(
-        mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals, row_region=region,
-        fwd_tiles=fwd_tiles, fwd_bitmap=fwd, bwd_tiles=bwd_tiles, bwd_bitmap=bwd,
-        params=params, row_params=row_params)
+    return make_descriptor(mask, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, **out)
 
 
 def _as_i64(t, dev):
@@ -721,11 +726,9 @@ class Preprocessor:
         self._launches = {}  # metadata dtype -> launch function
         if not mask.spec.params:
             self._launch_for(torch.int64)
-        nm_f, nn_f = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
-        nm_b, nn_b = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
         K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
-        self._out_shapes = [(B, seqlen_q, K, 2), (B, seqlen_q), (B, nm_f, -(-nn_f // 16)),
-                            (B, nn_b, -(-nm_b // 16)), (B, P), (B, seqlen_q, R)]
+        self._out_shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, fwd_tiles,
+                                             bwd_tiles)
         self._with_params, self._with_rows = bool(P), bool(R)
         self._keys = set(mask.spec.params)
         self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
@@ -765,23 +768,22 @@ class Preprocessor:
                 fwd_tiles=self.fwd_tiles, bwd_tiles=self.bwd_tiles, device=self.device,
                 backend="tilelang")
         i32, dev = torch.int32, self.device
-        intervals, region, fwd, bwd, params, row_params = (
-            torch.empty(s, dtype=i32, device=dev) for s in self._out_shapes)
+        out = {f: torch.empty(s, dtype=i32, device=dev) for f, s in self._out_shapes.items()}
+        intervals, region, fwd, bwd = (out[f] for f in ("intervals", "row_region", "fwd_bitmap",
+                                                        "bwd_bitmap"))
         args = [meta[p] for p, _ in self._inputs]
         if self._derived:
             runs = derive_run_arrays(self._derived, meta, check=False)
             args += [runs[n] for d in self._derived for n in d[:2]]
         args += [intervals, region, fwd, bwd]
         if self._with_params:
-            args.append(params)
+            args.append(out["params"])
         if self._with_rows:
-            args.append(row_params)
+            args.append(out["row_params"])
         args.append(self.seqlen_k)
         self._launch_for(dtype)(*args)
-        return finish_descriptor(ExecutionDescriptor(
-            mask=self.mask, seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k, intervals=intervals,
-            row_region=region, fwd_tiles=self.fwd_tiles, fwd_bitmap=fwd,
-            bwd_tiles=self.bwd_tiles, bwd_bitmap=bwd, params=params, row_params=row_params))
+        return finish_descriptor(make_descriptor(self.mask, self.seqlen_q, self.seqlen_k,
+                                                 self.fwd_tiles, self.bwd_tiles, **out))
 
 
 def _raw_launch(kern):

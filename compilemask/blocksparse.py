@@ -30,17 +30,13 @@ from typing import NamedTuple
 
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE, TILES_PER_WORD
+from compilemask.descriptor import TILE_FULL, TILE_PARTIAL, bitmap_words
 from compilemask.tiles import unpack_bitmap
 
 __all__ = ["BlockSparseLists", "PackedLists", "lists_from_bitmap", "lists_from_states",
            "to_dense_states", "descriptor_lists", "descriptor_packed_lists", "attach_lists",
            "TILE_FULL",
            "TILE_PARTIAL"]
-
-TILE_FULL = TILE_VISIBLE  # state 01
-TILE_PARTIAL = TILE_VISIBLE | TILE_MASKED  # state 11
-
 
 class BlockSparseLists(NamedTuple):
     """Per row of tiles, the partial (``mask_*``) and full (``full_*``) column tiles.
@@ -89,7 +85,7 @@ def _unpack(bitmap: torch.Tensor, packed_tiles: int) -> torch.Tensor:
     if bitmap.dim() != 3 or bitmap.dtype != torch.int32:
         raise ValueError(f"bitmap must be int32 [B, rows, words], got {bitmap.dtype} "
                          f"{tuple(bitmap.shape)}")
-    words = -(-packed_tiles // TILES_PER_WORD)
+    words = bitmap_words(packed_tiles)
     if packed_tiles < 1 or bitmap.shape[2] != words:
         raise ValueError(f"packed_tiles={packed_tiles} needs {max(words, 1)} words per row, the "
                          f"bitmap has {bitmap.shape[2]}")

@@ -21,7 +21,7 @@ from compilemask.compiler import (
     run_arrays,
     to_dnf_terms,
 )
-from compilemask.descriptor import ExecutionDescriptor, TileConfig
+from compilemask.descriptor import ExecutionDescriptor, TileConfig, make_descriptor
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
@@ -445,10 +445,10 @@ class CompiledMask:
         row_params = (torch.stack([arrs[a] for a in self.array_params], dim=-1)
                       if self.array_params
                       else torch.zeros(B, seqlen_q, 0, dtype=torch.int64, device=dev))
-        return ExecutionDescriptor(
-            mask=self, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
-            row_region=region.to(torch.int32).contiguous(), fwd_tiles=fwd_tiles, fwd_bitmap=fwd,
-            bwd_tiles=bwd_tiles, bwd_bitmap=bwd, params=params.to(torch.int32).contiguous(),
+        return make_descriptor(
+            self, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, intervals=intervals,
+            row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
+            params=params.to(torch.int32).contiguous(),
             row_params=row_params.to(torch.int32).contiguous(),
         )
 

@@ -45,23 +45,82 @@ forward tiling (128x128, FA4's head-dim-64 backward).
     this is what a kernel needs to evaluate the fallback predicate of a region whose rule did
     not compile to intervals; for such rows the interval slots are a sound over-approximation,
     and an element is visible iff it is inside an interval AND the region's predicate holds.
+
+The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
+``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
+constructor, and ``DescriptorArgs`` is the descriptor as the ``compilemask::attention_*`` custom
+ops carry it (tensors, then static ints).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    import torch
+
     from compilemask.compiled import CompiledMask
 
-__all__ = ["TileConfig", "ExecutionDescriptor", "TILE_VISIBLE", "TILE_MASKED", "TILES_PER_WORD"]
+__all__ = ["TileConfig", "ExecutionDescriptor", "DescriptorArgs", "make_descriptor",
+           "descriptor_shapes", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED", "TILE_FULL",
+           "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD", "TILE_WORD_SHIFT",
+           "bitmap_words", "bitmap_shape", "tile_word", "tile_shift", "state_in_word",
+           "is_partial", "in_interval"]
 
-TILE_VISIBLE = 1
-TILE_MASKED = 2
-TILES_PER_WORD = 16
+# ----------------------------------------------------------------------------------------------
+# Layout: tile states, bitmap words and the interval test. Every producer and reader (torch,
+# TileLang sources, CuTe kernels) takes the encoding from here; the helpers use shifts and masks
+# only, so they run on Python ints, torch tensors and CuTe DSL Int32 alike.
+# ----------------------------------------------------------------------------------------------
+TILE_EMPTY = 0
+TILE_VISIBLE = 1  # bit 0: some element visible
+TILE_MASKED = 2  # bit 1: some element masked
+TILE_FULL = TILE_VISIBLE  # 01: no masking code
+TILE_PARTIAL = TILE_VISIBLE | TILE_MASKED  # 11: the interval test
+TILE_BITS = 2
+TILE_STATE_MASK = (1 << TILE_BITS) - 1
+TILES_PER_WORD = 32 // TILE_BITS  # int32 words
+TILE_WORD_SHIFT = TILES_PER_WORD.bit_length() - 1  # t >> TILE_WORD_SHIFT == t // TILES_PER_WORD
+
+
+def bitmap_words(num_tiles):
+    """Words of a bitmap row of ``num_tiles >= 0`` tiles (ceil division by a shift: on a signed
+    DSL Int32, ``//`` costs a floor-division sequence)."""
+    return (num_tiles + TILES_PER_WORD - 1) >> TILE_WORD_SHIFT
+
+
+def bitmap_shape(batch: int, rows: int, packed_tiles: int) -> tuple[int, int, int]:
+    """``[B, rows, words]`` of a bitmap with ``packed_tiles`` tiles packed along each row."""
+    return batch, rows, bitmap_words(packed_tiles)
+
+
+def tile_word(t):
+    """The word of a row that holds tile ``t >= 0``."""
+    return t >> TILE_WORD_SHIFT
+
+
+def tile_shift(t):
+    """The bit offset of tile ``t``'s state in its word (``TILE_BITS == 2``: a shift by one)."""
+    return (t & (TILES_PER_WORD - 1)) << 1
+
+
+def state_in_word(word, t):
+    """The 2-bit state of tile ``t`` from its word."""
+    return (word >> tile_shift(t)) & TILE_STATE_MASK
+
+
+def is_partial(state):
+    """Whether a (non-empty) state needs the interval test: its masked bit."""
+    return (state & TILE_MASKED) != 0
+
+
+def in_interval(j, start, length):
+    """Key ``j`` in the slot ``(start, length)``: ``uint32(j - start) < uint32(length)`` for
+    ``0 <= start, length < 2^31``, as two signed compares."""
+    return (j >= start) & (j < start + length)
+
+
 # block_sparse(kind) -> (backward, over the forward tiling)
 _LIST_KINDS = {"fwd": (False, False), "bwd64": (True, False), "bwd128": (True, True)}
 
@@ -165,15 +224,101 @@ class ExecutionDescriptor:
         return descriptor_to_string(self, batch=batch, backward=backward, **kw)
 
     def to(self, device: Any) -> ExecutionDescriptor:
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for k, v in fields.items():
-            if isinstance(v, torch.Tensor):
-                fields[k] = v.to(device)
-        if self.segments is not None:
-            fields["segments"] = (self.segments[0].to(device), self.segments[1])
+        moved = {k: getattr(self, k).to(device) for k in DescriptorArgs.tensor_fields()}
+        segments = self.segments
+        if segments is not None:
+            segments = (segments[0].to(device), segments[1])
         packed = {id(v): v.to(device) for v in self.block_lists.values()
                   if not isinstance(v, tuple)}  # a PackedLists serves several kinds
-        fields["block_lists"] = {k: packed[id(v)] if id(v) in packed
-                                 else type(v)(*(t.to(device) for t in v))
-                                 for k, v in self.block_lists.items()}
-        return ExecutionDescriptor(**fields)
+        lists = {k: packed[id(v)] if id(v) in packed else type(v)(*(t.to(device) for t in v))
+                 for k, v in self.block_lists.items()}
+        return replace(self, **moved, segments=segments, block_lists=lists)
+
+
+def make_descriptor(mask: CompiledMask, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConfig,
+                    bwd_tiles: TileConfig, *, intervals: torch.Tensor, row_region: torch.Tensor,
+                    fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, params: torch.Tensor,
+                    row_params: torch.Tensor, segments: tuple | None = None
+                    ) -> ExecutionDescriptor:
+    """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
+    return ExecutionDescriptor(
+        mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
+        row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
+        bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments)
+
+
+def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,
+                      num_params: int, num_row_params: int, fwd_tiles: TileConfig,
+                      bwd_tiles: TileConfig) -> dict:
+    """Tensor field -> shape, in :class:`DescriptorArgs` order (for producers that allocate)."""
+    nm_f, nn_f = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    nm_b, nn_b = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    return {"intervals": (batch, seqlen_q, num_intervals, 2), "row_region": (batch, seqlen_q),
+            "fwd_bitmap": bitmap_shape(batch, nm_f, nn_f),
+            "bwd_bitmap": bitmap_shape(batch, nn_b, nm_b), "params": (batch, num_params),
+            "row_params": (batch, seqlen_q, num_row_params)}
+
+
+def _kind(annotation) -> str:
+    """A field's schema type from its annotation (a string, or a ForwardRef to one)."""
+    text = getattr(annotation, "__forward_arg__", annotation)
+    return {"torch.Tensor": "Tensor", "int": "SymInt"}[text]
+
+
+class DescriptorArgs(NamedTuple):
+    """The descriptor as the ``compilemask::attention_*`` custom ops carry it: its tensors, then
+    its static ints (custom ops take tensors and scalars only). The op schemas are generated
+    from these fields, so a field added here reaches both ops and every reader."""
+
+    intervals: torch.Tensor
+    row_region: torch.Tensor
+    fwd_bitmap: torch.Tensor
+    bwd_bitmap: torch.Tensor
+    params: torch.Tensor
+    row_params: torch.Tensor
+    seqlen_q: int
+    seqlen_k: int
+    fwd_tile_m: int
+    fwd_tile_n: int
+    bwd_tile_m: int
+    bwd_tile_n: int
+
+    @classmethod
+    def of(cls, desc: ExecutionDescriptor) -> DescriptorArgs:
+        return cls(desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap,
+                   desc.params, desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k),
+                   int(desc.fwd_tiles.tile_m), int(desc.fwd_tiles.tile_n),
+                   int(desc.bwd_tiles.tile_m), int(desc.bwd_tiles.tile_n))
+
+    def to_op_args(self) -> tuple:
+        """The op's arguments for these fields, in schema order."""
+        return tuple(self)
+
+    @classmethod
+    def from_op_args(cls, args) -> DescriptorArgs:
+        """The fields from the start of ``args`` (an op's arguments past the ones before them);
+        further arguments are ignored."""
+        return cls(*args[:len(cls._fields)])
+
+    @classmethod
+    def tensor_fields(cls) -> tuple[str, ...]:
+        return tuple(f for f in cls._fields if _kind(cls.__annotations__[f]) == "Tensor")
+
+    def tensors(self) -> tuple:
+        return self[:len(self.tensor_fields())]
+
+    def scalars(self) -> tuple:
+        return self[len(self.tensor_fields()):]
+
+    @classmethod
+    def schema(cls) -> str:
+        """These fields as a ``torch.library`` schema fragment."""
+        return ", ".join(f"{_kind(cls.__annotations__[f])} {f}" for f in cls._fields)
+
+    def descriptor(self, mask: CompiledMask, segments: tuple | None = None
+                   ) -> ExecutionDescriptor:
+        return make_descriptor(
+            mask, self.seqlen_q, self.seqlen_k, TileConfig(self.fwd_tile_m, self.fwd_tile_n),
+            TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,
+            row_region=self.row_region, fwd_bitmap=self.fwd_bitmap, bwd_bitmap=self.bwd_bitmap,
+            params=self.params, row_params=self.row_params, segments=segments)

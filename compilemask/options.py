@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Optional
 
+from compilemask.descriptor import TILES_PER_WORD, bitmap_words
+
 __all__ = ["KernelOptions", "default_options", "device_arch", "bitmap_fits_smem",
            "BITMAP_SMEM_WORDS"]
 
-# the sm90 backward's shared-memory copy of a bitmap row, 16 q tiles per word (1 KB: q tiles up
-# to 4096, i.e. Sq <= 262144 at tile_m = 64)
+# the sm90 backward's shared-memory copy of a bitmap row, TILES_PER_WORD q tiles per word (1 KB:
+# q tiles up to 4096, i.e. Sq <= 262144 at tile_m = 64)
 BITMAP_SMEM_WORDS = 256
 
 _CHOICES = {
@@ -90,7 +92,8 @@ class KernelOptions:
             value = getattr(self, f.name)
             if value is None:
                 a, b = getattr(short, f.name), getattr(many, f.name)
-                what = {"bwd_meta": "K > 2", "bwd_bitmap": f"> {16 * BITMAP_SMEM_WORDS} q tiles"}
+                what = {"bwd_meta": "K > 2",
+                        "bwd_bitmap": f"> {TILES_PER_WORD * BITMAP_SMEM_WORDS} q tiles"}
                 value = a if a == b else f"{a} ({b} for {what[f.name]})"
             parts.append(f"{f.name}={value}")
         return ", ".join(parts)
@@ -99,7 +102,7 @@ class KernelOptions:
 def bitmap_fits_smem(num_q_tiles: int) -> bool:
     """Whether a backward bitmap row of ``num_q_tiles`` q tiles fits the sm90 kernel's
     shared-memory copy."""
-    return -(-num_q_tiles // 16) <= BITMAP_SMEM_WORDS
+    return bitmap_words(num_q_tiles) <= BITMAP_SMEM_WORDS
 
 
 def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> KernelOptions:

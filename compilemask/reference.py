@@ -8,6 +8,8 @@ import types
 
 import torch
 
+from compilemask.descriptor import in_interval
+
 __all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
 
 
@@ -21,9 +23,7 @@ def descriptor_dense_mask(desc) -> torch.Tensor:
     dense = torch.zeros(desc.batch_size, desc.seqlen_q, desc.seqlen_k, dtype=torch.bool,
                         device=iv.device)
     for k in range(desc.num_intervals):
-        s = starts[:, :, k : k + 1]
-        n = lens[:, :, k : k + 1]
-        dense |= (j >= s) & (j < s + n)
+        dense |= in_interval(j, starts[:, :, k : k + 1], lens[:, :, k : k + 1])
     for r in mask.fallback_regions:
         rows = desc.row_region == r.index  # [B, Sq]
         pred = evaluate_predicate(desc, r.index)

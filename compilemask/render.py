@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+from compilemask.descriptor import TILE_EMPTY, TILE_FULL, TILE_MASKED, TILE_PARTIAL, TILE_VISIBLE
 
 __all__ = ["explain", "descriptor_to_string", "row_intervals"]
 
@@ -156,7 +156,7 @@ def row_intervals(mask, meta, row: int, seqlen_q=None, seqlen_k=None, batch: int
     return f"  row {row} of sequence {batch}: region {name}; visible keys {spans}"
 
 
-_CHARS = {0: ".", TILE_VISIBLE: "#", TILE_VISIBLE | TILE_MASKED: "~", TILE_MASKED: "?"}
+_CHARS = {TILE_EMPTY: ".", TILE_FULL: "#", TILE_PARTIAL: "~", TILE_MASKED: "?"}
 
 
 def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
@@ -181,9 +181,9 @@ def descriptor_to_string(desc, batch: int = 0, backward: bool = False,
         note = f" (each character: {a}x{b} tiles)"
         key = "'#' all full, '~' mixed, '.' all empty"
     lines = ["".join(_CHARS[int(x)] for x in rowv) for rowv in grid.tolist()]
-    full = int((st == TILE_VISIBLE).sum())
-    partial = int((st == (TILE_VISIBLE | TILE_MASKED)).sum())
-    empty = int((st == 0).sum()) + int((st == TILE_MASKED).sum())
+    full = int((st == TILE_FULL).sum())
+    partial = int((st == TILE_PARTIAL).sum())
+    empty = int((st == TILE_EMPTY).sum()) + int((st == TILE_MASKED).sum())
     total = st.numel()
     # FLOPs skipped: the area of empty tiles over the whole score matrix (edge tiles are smaller)
     n_m, n_n = st.shape
@@ -209,7 +209,7 @@ def _block_states(st: torch.Tensor, max_size: int):
     a, b = -(-n_m // max_size), -(-n_n // max_size)
     pm, pn = -(-n_m // a) * a - n_m, -(-n_n // b) * b - n_n
     vis = (st & TILE_VISIBLE) != 0
-    full = st == TILE_VISIBLE
+    full = st == TILE_FULL
     valid = torch.ones_like(vis)
     if pm or pn:
         vis = torch.nn.functional.pad(vis, (0, pn, 0, pm))
@@ -218,6 +218,6 @@ def _block_states(st: torch.Tensor, max_size: int):
     shape = (vis.shape[0] // a, a, vis.shape[1] // b, b)
     any_vis = vis.view(shape).any(3).any(1)
     all_full = (full | ~valid).view(shape).all(3).all(1)
-    out = torch.where(any_vis, TILE_VISIBLE | TILE_MASKED, 0)
-    out = torch.where(all_full, TILE_VISIBLE, out)
+    out = torch.where(any_vis, TILE_PARTIAL, TILE_EMPTY)
+    out = torch.where(all_full, TILE_FULL, out)
     return out.to(torch.uint8), (a, b)

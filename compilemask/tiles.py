@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE, TILES_PER_WORD, TileConfig
+from compilemask.descriptor import (
+    TILE_BITS,
+    TILE_MASKED,
+    TILE_STATE_MASK,
+    TILE_VISIBLE,
+    TILES_PER_WORD,
+    TileConfig,
+    bitmap_words,
+)
 
 __all__ = ["tile_states", "pack_bitmap", "unpack_bitmap", "bitmaps"]
 
@@ -50,11 +58,11 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
 
 
 def pack_bitmap(states: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, R, T]`` states -> int32 ``[B, R, ceil(T / 16)]`` words, 2 bits per tile."""
+    """uint8 ``[B, R, T]`` states -> int32 ``bitmap_shape(B, R, T)`` words, 2 bits per tile."""
     B, R, T = states.shape
-    W = -(-T // TILES_PER_WORD)
+    W = bitmap_words(T)
     padded = torch.nn.functional.pad(states.to(torch.int64), (0, W * TILES_PER_WORD - T))
-    shifts = 2 * torch.arange(TILES_PER_WORD, device=states.device, dtype=torch.int64)
+    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=states.device, dtype=torch.int64)
     words = (padded.view(B, R, W, TILES_PER_WORD) << shifts).sum(dim=-1)
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)
@@ -63,8 +71,8 @@ def pack_bitmap(states: torch.Tensor) -> torch.Tensor:
 def unpack_bitmap(words: torch.Tensor, num_tiles: int) -> torch.Tensor:
     """Inverse of ``pack_bitmap``: uint8 ``[B, R, num_tiles]``."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = 2 * torch.arange(TILES_PER_WORD, device=words.device, dtype=torch.int64)
-    st = (w.unsqueeze(-1) >> shifts) & 3
+    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=words.device, dtype=torch.int64)
+    st = (w.unsqueeze(-1) >> shifts) & TILE_STATE_MASK
     return st.flatten(-2)[..., :num_tiles].to(torch.uint8)
 
 

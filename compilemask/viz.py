@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+from compilemask.descriptor import TILE_FULL, TILE_MASKED, TILE_PARTIAL
 
 __all__ = ["visualize", "figure", "image_format", "tile_visible_counts", "dense_rows",
            "PALETTE", "DENSE_LIMIT", "CHUNK_ELEMS"]
@@ -44,7 +44,6 @@ PALETTE = {
     "full": ((27, 120, 55), (27, 120, 55)),
     "partial": ((253, 224, 197), (217, 95, 2)),
 }
-_PARTIAL = TILE_VISIBLE | TILE_MASKED
 _REGION_COLOURS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
                    "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
@@ -215,8 +214,8 @@ def _lut() -> torch.Tensor:
     lut = torch.zeros(4, 2, 3, dtype=torch.uint8)
     lut[0] = torch.tensor(PALETTE["empty"])
     lut[TILE_MASKED] = torch.tensor(PALETTE["empty"])  # never occurs
-    lut[TILE_VISIBLE] = torch.tensor(PALETTE["full"])
-    lut[_PARTIAL] = torch.tensor(PALETTE["partial"])
+    lut[TILE_FULL] = torch.tensor(PALETTE["full"])
+    lut[TILE_PARTIAL] = torch.tensor(PALETTE["partial"])
     return lut
 
 
@@ -324,8 +323,8 @@ def figure(desc, batch: int = 0, *, backward: bool = False, dense_limit: int = D
     bax.set_ylim(Sq, 0)
 
     # title and legends
-    full = int((st == TILE_VISIBLE).sum())
-    partial = int((st == _PARTIAL).sum())
+    full = int((st == TILE_FULL).sum())
+    partial = int((st == TILE_PARTIAL).sum())
     empty = st.numel() - full - partial
     K = desc.num_intervals
     fb = " (predicate fallback)" if desc.mask.has_fallback else ""

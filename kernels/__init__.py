@@ -3,6 +3,13 @@
 ``cm.attention`` calls :func:`kernel_available` / :func:`attention_cuda`, which runs the
 ``compilemask::attention_fwd`` custom op; autograd runs ``compilemask::attention_bwd`` (the CuTe
 backward kernel), so ``torch.compile`` traces both without graph breaks.
+
+Modules: ``flash_fwd`` (the forward, mma.sync and single-role wgmma), ``flash_fwd_sm90`` (the
+warp-specialized wgmma forward), ``flash_bwd`` (the backward, both MMA paths), ``bwd_aux`` (its
+pre- and postprocess), and the pieces they share: ``block_info`` (bitmap-row tile scans),
+``mask`` (the interval mask of a score tile), ``named_barrier`` (barrier ids), ``common``
+(layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the custom ops) and ``fa4``
+(the flash-attn-4 engines).
 """
 
 from __future__ import annotations

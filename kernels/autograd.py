@@ -1,14 +1,15 @@
 """Masked attention as a ``torch.library`` custom-op pair with autograd.
 
-``compilemask::attention_fwd(q, k, v, <descriptor tensors>, <ints>, mask_key, scale)
--> (out, lse)`` and ``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, <descriptor
-tensors>, ...) -> (dq, dk, dv)`` are opaque to ``torch.compile`` (fake implementations give the
+``compilemask::attention_fwd(q, k, v, *DescriptorArgs, *_Call) -> (out, lse)`` and
+``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, *DescriptorArgs, *_Call)
+-> (dq, dk, dv)`` are opaque to ``torch.compile`` (fake implementations give the
 shapes), so a compiled model traces through them without graph breaks; the forward's autograd
 formula (``torch.library.register_autograd``) saves ``q, k, v, out, lse`` and calls the backward
 op, so activation checkpointing just re-runs the forward op.
 
-The descriptor enters as non-differentiable tensors (intervals, row_region, bitmaps, params,
-row_params) plus ints (seqlens, tiles) and the compiled mask's semantic key (a string: the
+The descriptor enters as ``compilemask.descriptor.DescriptorArgs`` (its non-differentiable
+tensors, then its ints; the schemas are generated from its fields) and the compiled mask's
+semantic key (a string: the
 ``CompiledMask`` object itself is kept in a registry here, needed for fallback predicates and the
 dense reference); the ``KernelOptions`` of the cute kernels enter as their string
 (``KernelOptions.to_str``).
@@ -24,10 +25,12 @@ Implementations
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from compilemask.descriptor import DescriptorArgs
 
 __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attention_bwd_reference"]
 
@@ -58,26 +61,44 @@ def _mask(key):
     return mask_for_key(key)
 
 
-def _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap, bwd_bitmap,
-                params, row_params, fwd_tm, fwd_tn, bwd_tm, bwd_tn, extra=(), max_seqlen=0):
-    from compilemask.descriptor import ExecutionDescriptor, TileConfig
+class _Call(NamedTuple):
+    """The ops' arguments after the descriptor's (``DescriptorArgs``): the call's settings and
+    the engine's per-batch tensors (``op_extra``)."""
 
+    mask_key: str
+    softmax_scale: float
+    deterministic: bool
+    engine: str
+    extra: list
+    max_seqlen: int
+    options: str
+
+
+_CALL_SCHEMA = ("str mask_key, float softmax_scale, bool deterministic, str engine, "
+                "Tensor[] extra, SymInt max_seqlen, str options")
+
+
+def _unpack(args) -> tuple[DescriptorArgs, _Call]:
+    """An op's arguments past its own tensors: the descriptor fields, then the call's."""
+    d = DescriptorArgs.from_op_args(args)
+    return d, _Call(*args[len(d):])
+
+
+def _descriptor(d: DescriptorArgs, call: _Call):
     # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
-    segments = (extra[0], max_seqlen) if len(extra) == 1 else None
-    return ExecutionDescriptor(
-        mask=_mask(mask_key), seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
-        row_region=row_region, fwd_tiles=TileConfig(fwd_tm, fwd_tn), fwd_bitmap=fwd_bitmap,
-        bwd_tiles=TileConfig(bwd_tm, bwd_tn), bwd_bitmap=bwd_bitmap, params=params,
-        row_params=row_params, segments=segments)
+    segments = (call.extra[0], call.max_seqlen) if len(call.extra) == 1 else None
+    return d.descriptor(_mask(call.mask_key), segments)
 
 
-def _lists(extra, at):
-    """The BlockSparseLists at ``extra[at:at + 4]`` (fa4 engine), else None."""
-    if len(extra) < 8:
-        return None
+def _lists(extra, backward: bool):
+    """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
+    else None."""
     from compilemask.blocksparse import BlockSparseLists
 
-    return BlockSparseLists(*extra[at:at + 4])
+    n = len(BlockSparseLists._fields)
+    if len(extra) != 2 * n:
+        return None
+    return BlockSparseLists(*extra[n:] if backward else extra[:n])
 
 
 def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
@@ -208,63 +229,54 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
 # ----------------------------------------------------------------------------------------------
 # The custom ops
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("compilemask::attention_fwd", mutates_args=())
-def attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor,
-    intervals: Tensor, row_region: Tensor, fwd_bitmap: Tensor, bwd_bitmap: Tensor,
-    params: Tensor, row_params: Tensor,
-    seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
-    bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
-    engine: str, extra: list[Tensor], max_seqlen: int, options: str,
-) -> tuple[Tensor, Tensor]:
-    desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
-                       bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
-                       bwd_tile_n, extra, max_seqlen)
+# The schemas list the descriptor's fields from ``DescriptorArgs`` (a field added there reaches
+# both ops); the implementations take them as ``*args`` and unpack them by name.
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {DescriptorArgs.schema()}, {_CALL_SCHEMA}) "
+               "-> (Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+               f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
+    d, call = _unpack(args)
+    desc = _descriptor(d, call)
+    scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "native"):
         from . import fa4
 
-        lists = _lists(extra, 0)
-        out, lse = fa4.fwd(q, k, v, desc, softmax_scale, engine, lists=lists)
+        lists = _lists(call.extra, backward=False)
+        out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists)
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
-        return _cuda_fwd(q, k, v, desc, mask_key, softmax_scale, options)
-    return attention_fwd_reference(q, k, v, desc.dense_mask(), softmax_scale)
+        return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
+    return attention_fwd_reference(q, k, v, desc.dense_mask(), scale)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, intervals, row_region, fwd_bitmap, bwd_bitmap, params, row_params, seqlen_q,
-      seqlen_k, fwd_tile_m, fwd_tile_n, bwd_tile_m, bwd_tile_n, mask_key, softmax_scale,
-      deterministic, engine, extra, max_seqlen, options):
+def _(q, k, v, *args):
     B, Sq, H, _ = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         (B, H, Sq), dtype=acc)
 
 
-@torch.library.custom_op("compilemask::attention_bwd", mutates_args=())
-def attention_bwd(
-    dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-    lse: Tensor,
-    intervals: Tensor, row_region: Tensor, fwd_bitmap: Tensor, bwd_bitmap: Tensor,
-    params: Tensor, row_params: Tensor,
-    seqlen_q: int, seqlen_k: int, fwd_tile_m: int, fwd_tile_n: int, bwd_tile_m: int,
-    bwd_tile_n: int, mask_key: str, softmax_scale: float, deterministic: bool,
-    engine: str, extra: list[Tensor], max_seqlen: int, options: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    desc = _descriptor(mask_key, seqlen_q, seqlen_k, intervals, row_region, fwd_bitmap,
-                       bwd_bitmap, params, row_params, fwd_tile_m, fwd_tile_n, bwd_tile_m,
-                       bwd_tile_n, extra, max_seqlen)
+@torch.library.custom_op("compilemask::attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
+                  out: Tensor, lse: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
+    d, call = _unpack(args)
+    desc = _descriptor(d, call)
+    scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "native"):
         from . import fa4
 
-        grads = fa4.bwd(dout, q, k, v, out, lse, desc, softmax_scale, engine, dlse=dlse,
-                        deterministic=deterministic, lists=_lists(extra, 4))
+        grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
+                        deterministic=call.deterministic, lists=_lists(call.extra, backward=True))
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
-        return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, softmax_scale,
-                         deterministic, options)
-    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(),
-                                   softmax_scale)
+        return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
+                         call.deterministic, call.options)
+    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(), scale)
 
 
 @attention_bwd.register_fake
@@ -274,29 +286,27 @@ def _(dout, dlse, q, k, v, out, lse, *args):
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
+    q, k, v, *args = inputs
     out, lse = output
-    extra = list(inputs[19])
-    ctx.n_extra = len(extra)
-    ctx.save_for_backward(q, k, v, out, lse, *inputs[3:9], *extra)
-    ctx.desc_scalars = tuple(inputs[9:19])
-    ctx.max_seqlen = inputs[20]
-    ctx.options = inputs[21]
+    d, call = _unpack(args)
+    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra)
+    ctx.desc_scalars = d.scalars()
+    ctx.call = call._replace(extra=len(call.extra))
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
-    desc_tensors, extra = saved[:6], saved[6:]
+    n = len(DescriptorArgs.tensor_fields())
+    d = DescriptorArgs(*saved[:n], *ctx.desc_scalars)
+    call = ctx.call._replace(extra=list(saved[n:]))
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.compilemask.attention_bwd(
-        dout.contiguous(), dlse, q, k, v, out, lse, *desc_tensors, *ctx.desc_scalars,
-        list(extra), ctx.max_seqlen, ctx.options)
+        dout.contiguous(), dlse, q, k, v, out, lse, *d.to_op_args(), *call)
     # one None per input; the extra tensors' slot is a list of them
-    return (dq, dk, dv) + (None,) * 16 + ([None] * ctx.n_extra, None, None)
+    rest = tuple([None] * len(call.extra) if f == "extra" else None for f in _Call._fields)
+    return (dq, dk, dv) + (None,) * len(d) + rest
 
 
 torch.library.register_autograd("compilemask::attention_fwd", _backward,
@@ -321,10 +331,8 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
         desc = desc.to(q.device)
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
+    call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
+                 options.to_str() if options is not None else "")
     out, lse = torch.ops.compilemask.attention_fwd(
-        q, k, v, desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap, desc.params,
-        desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k), desc.fwd_tiles.tile_m,
-        desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n, key, scale,
-        bool(deterministic), engine, extra, max_seqlen,
-        options.to_str() if options is not None else "")
+        q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
     return (out, lse) if return_lse else out

@@ -1,11 +1,8 @@
 """Device-side pieces shared by the forward and backward kernels (CuTe DSL).
 
-* the *reading side of the descriptor contract* (see ``compilemask/descriptor.py``): the 2-bit
-  state of a tile in a Tile-State Bitmap row (:func:`tile_state`), the next non-empty tile of a
-  row (:func:`next_tile`), the interval test of one score against a row's interval slots
-  (:func:`interval_visible`), the same test once per row as a word of column bits
-  (:func:`interval_bits`, :func:`bit_visible`) and the fallback predicate AND-ed on top of it
-  (:func:`fallback_visible`);
+The descriptor is read through ``block_info`` (tile scans of a bitmap row) and ``mask`` (the
+interval test of a score tile); this module holds the rest:
+
 * per-batch sequence bookkeeping (:class:`SeqlenInfo`);
 * accumulator layout views, the 16-byte row copies (:func:`load_rows` and the tiled copies) and
   the wgmma issue helpers;
@@ -13,9 +10,9 @@
   launch arguments, the compile-cache key, the fallback predicates of a build and the compile
   call.
 
-Every kernel reads the descriptor through these functions only, so the encoding lives here once.
-Moving code here must leave the generated PTX unchanged (the kernels were validated on a GPU):
-compare the PTX of every compile configuration before and after (``--keep-ptx --dump-dir``).
+Moving code between these modules must leave the generated PTX unchanged (the kernels were
+validated on a GPU): compare the PTX of every compile configuration before and after
+(``--keep-ptx --dump-dir``).
 """
 
 from __future__ import annotations
@@ -32,157 +29,9 @@ from cutlass.cutlass_dsl import dsl_user_op
 from compilemask.env import cute_dsl_arch
 from compilemask.options import KernelOptions
 
+from .mask import IntervalMask
+
 log = logging.getLogger("compilemask")
-
-
-# ----------------------------------------------------------------------------------------------
-# Descriptor contract, reading side
-# ----------------------------------------------------------------------------------------------
-@cute.jit
-def tile_state(mBitmapRow: cute.Tensor, t: Int32) -> Int32:
-    """State of tile ``t >= 0`` in a bitmap row: 0 empty, 1 full, 3 partial (16 tiles per
-    int32). Shifts, not ``//`` and ``%``: Python's floor division of a signed Int32 costs ~9
-    instructions, and this runs in every consumer warp once per tile (Nsight Compute,
-    ``bench/results/ncu_causal_8k_2026-11-29.md``)."""
-    word = mBitmapRow[t >> 4]
-    return (word >> ((t & 15) << 1)) & 3
-
-
-@cute.jit
-def next_tile_state(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32):
-    """First tile ``>= start`` whose state is not empty, and that state: ``(t, state)``;
-    ``(n_blocks, 0)`` if none. One bitmap read for both, where a ``next_tile`` + ``tile_state``
-    pair reads and decodes the word twice."""
-    t = start
-    state = Int32(0)
-    searching = t < n_blocks
-    while searching:
-        state = tile_state(mBitmapRow, t)
-        if state != 0:
-            searching = False
-        else:
-            t = t + 1
-            searching = t < n_blocks
-    return t, state
-
-
-@cute.jit
-def next_tile_state_cached(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32,
-                           word: Int32, word_idx: Int32):
-    """``next_tile_state`` with the bitmap word of tiles [16 word_idx, 16 word_idx + 16) kept
-    by the caller: a global read only when the scan enters another word (once per 16 tiles on
-    a dense row). Returns (t, state, word, word_idx)."""
-    t = start
-    state = Int32(0)
-    searching = t < n_blocks
-    while searching:
-        if (t >> 4) != word_idx:
-            word_idx = t >> 4
-            word = mBitmapRow[word_idx]
-        state = (word >> ((t & 15) << 1)) & 3
-        if state != 0:
-            searching = False
-        else:
-            t = t + 1
-            searching = t < n_blocks
-    return t, state, word, word_idx
-
-
-@cute.jit
-def next_tile(mBitmapRow: cute.Tensor, start: Int32, n_blocks: Int32) -> Int32:
-    """First tile ``>= start`` whose state is not empty, ``n_blocks`` if none."""
-    t, _ = next_tile_state(mBitmapRow, start, n_blocks)
-    return t
-
-
-def _at(t, row, i):
-    return t[i] if row is None else t[row, i]
-
-
-def interval_visible(kv_idx, rInt, num_intervals: int, row=None):
-    """``OR_k start_k <= kv_idx < end_k`` over the row's K interval slots, unrolled.
-
-    ``rInt`` holds the row's slots as (start, end = start + len) pairs: ``rInt[2k]``,
-    ``rInt[2k + 1]`` (or ``rInt[row, 2k]``, ``rInt[row, 2k + 1]`` when ``row`` is given). The
-    two signed compares equal ``uint32(kv_idx - start) < uint32(len)`` for
-    ``0 <= start, len < 2^31``."""
-    vis = (kv_idx >= _at(rInt, row, 0)) & (kv_idx < _at(rInt, row, 1))
-    for k in range(1, num_intervals):
-        vis = vis | ((kv_idx >= _at(rInt, row, 2 * k)) & (kv_idx < _at(rInt, row, 2 * k + 1)))
-    return vis
-
-
-# Partial tiles by bits: the interval test once per row instead of once per element. A thread's
-# columns of an mma/wgmma score fragment are ``g * (c // w) + c % w`` past its first one (pairs
-# of adjacent columns every 8: w = 2, g = 8), so the columns that one interval [start, end)
-# covers are a contiguous run of c: [cols_below(start), cols_below(end)). OR-ing those runs
-# gives the row's visible columns as one 32-bit word; each element then tests one bit, and K
-# no longer multiplies the per-element work. Written with >>, &, ^ and a caller's min/max, so
-# that the CPU tests run these very functions on Python ints.
-def column_pattern(t_mn):
-    """``(n, w, g)`` when the static column offsets of the (rows, cols) coordinate view ``t_mn``
-    are ``g * (c // w) + c % w`` for its ``n <= 32`` columns, with ``w`` and ``g`` powers of
-    two; ``None`` otherwise (the caller keeps the per-element test). Trace time only."""
-    n = cute.size(t_mn, mode=[1])
-    offs = [cute.crd2idx((0, c), t_mn.layout)[1] for c in range(n)]
-    return pattern_of_offsets(offs)
-
-
-def pattern_of_offsets(offs):
-    """``(n, w, g)`` if ``offs[c] == g * (c // w) + c % w`` (see :func:`column_pattern`)."""
-    n = len(offs)
-    if n == 0 or n > 32 or not all(isinstance(o, int) for o in offs):
-        return None
-    w = next((c for c in range(1, n) if offs[c] != c), n)
-    g = offs[w] if w < n else w
-    pow2 = all(x > 0 and x & (x - 1) == 0 for x in (w, g))
-    if not pow2 or n % w or any(o != g * (c // w) + c % w for c, o in enumerate(offs)):
-        return None
-    return n, w, g
-
-
-def cols_below(x, pattern, mn, mx):
-    """How many of the thread's columns lie below ``x`` (relative to its first column)."""
-    n, w, g = pattern
-    xc = mn(mx(x, 0), g * (n // w))
-    return (xc >> (g.bit_length() - 1)) * w + mn(xc & (g - 1), w)
-
-
-def low_bits(n, one):
-    """The ``n`` low bits set, ``0 <= n <= 32``, in 32-bit arithmetic without a shift by 32
-    (``one``: the constant 1 of the caller's integer type)."""
-    h = n >> 1
-    return ((one << h) << (n - h)) - 1
-
-
-def interval_bits(rInt, row, num_intervals: int, x0, pattern, one, mn, mx):
-    """Bit ``c`` set iff the thread's column ``c`` lies in one of the row's interval slots
-    (``rInt`` as in :func:`interval_visible`); ``x0`` is the kv index of its first column."""
-    bits = None
-    for k in range(num_intervals):
-        lo = cols_below(_at(rInt, row, 2 * k) - x0, pattern, mn, mx)
-        hi = cols_below(_at(rInt, row, 2 * k + 1) - x0, pattern, mn, mx)
-        run = low_bits(hi, one) & (low_bits(lo, one) ^ -1)  # columns [lo, hi)
-        bits = run if bits is None else bits | run
-    return bits
-
-
-def bit_visible(bits, c: int):
-    """Column ``c`` (a compile-time index) of a row's :func:`interval_bits` word."""
-    return ((bits >> c) & 1) != 0
-
-
-def fallback_visible(
-    vis, predicates, fb, fb_row, q_idx, kv_idx, args, mRowParams, batch_idx, max_row
-):
-    """``vis`` AND-ed with the fallback predicate of the row's fallback slot.
-
-    The row's slot (-1: none) is ``fb`` (a value), or ``fb[fb_row]`` when ``fb_row`` is given;
-    ``args`` are the predicate's scalar params followed by the row's per-row params."""
-    for slot in range(len(predicates)):
-        ok = predicates[slot](q_idx, kv_idx, *args, mRowParams, batch_idx, max_row)
-        vis = vis & (((fb if fb_row is None else fb[fb_row]) != slot) | ok)
-    return vis
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,9 +54,9 @@ class SeqlenInfo:
         self.seqlen_k = seqlen_k
 
     @staticmethod
-    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor, seq_mode: int = 1) -> "SeqlenInfo":
-        """From the q/k tensors (``seq_mode``: their sequence mode, 1 for (B, S, H, D))."""
-        return SeqlenInfo(batch_idx, mQ.shape[seq_mode], mK.shape[seq_mode])
+    def create(batch_idx, mQ: cute.Tensor, mK: cute.Tensor) -> "SeqlenInfo":
+        """From the (B, S, H, D) q/k tensors."""
+        return SeqlenInfo(batch_idx, mQ.shape[1], mK.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,6 +266,7 @@ def init_kernel(kernel, cfg, predicates, name: str):
     kernel.tile_m = cfg.tile_m
     kernel.tile_n = cfg.tile_n
     kernel.K = cfg.num_intervals
+    kernel.mask = IntervalMask(cfg.num_intervals, kernel.predicates, cfg.has_fallback)
 
 
 def fake_tensor(dtype, shape, d=1, align=16):

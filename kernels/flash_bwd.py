@@ -73,6 +73,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from compilemask.cache import CompileCache
+from compilemask.descriptor import bitmap_shape, bitmap_words, is_partial
 from compilemask.options import (  # noqa: F401  (BITMAP_SMEM_WORDS, bitmap_fits_smem: re-exported)
     BITMAP_SMEM_WORDS,
     KernelOptions,
@@ -81,6 +82,7 @@ from compilemask.options import (  # noqa: F401  (BITMAP_SMEM_WORDS, bitmap_fits
     device_arch,
 )
 
+from .block_info import next_tile, tile_state
 from .bwd_aux import AuxConfig, compile_aux
 from .common import (
     SeqlenInfo,
@@ -94,27 +96,19 @@ from .common import (
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
-    fallback_visible,
     init_kernel,
-    interval_visible,
     load_rows,
-    next_tile,
     select_modes,
-    tile_state,
     tiled_copy_g2s_16B,
     tma_partition,
     tma_pipeline,
     wgmma_issue,
 )
 from .flash_fwd import Fallback
+from .mask import SharedRows
+from .named_barrier import NamedBarrierBwd
 
 log = logging.getLogger("compilemask")
-
-# named barriers of the sm90 kernel: 0 = whole CTA (set-up); 3 = the two wgmma warpgroups;
-# 4 + w / 6 + w = dQ half w is full / empty (wgmma warpgroup w and the dQ writer warp)
-_BAR_MMA = 3
-_BAR_DQ_FULL = 4
-_BAR_DQ_EMPTY = 6
 
 _DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 LOG2E = math.log2(math.e)
@@ -503,11 +497,11 @@ class FlashBwd:
             )
             acc_S_mn = _acc_mn(acc_S)
             if need_mask:
-                self._apply_mask(
-                    acc_S_mn, tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                    sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                    seqlen_q - 1,
-                )
+                rows = SharedRows(sInt[None, None, stage], sFb[None, stage],
+                                  sRowP[None, None, stage], rP, self.K, self.cfg.num_params,
+                                  self.cfg.num_row_params)
+                self.mask.apply(acc_S_mn, tScS_mn, rows, m_start, n_start, mRowParams,
+                                batch_idx, seqlen_q - 1)
             for r in cutlass.range_constexpr(n_rows):
                 lse_l2 = sLSE[tScS_mn[r, 0][0], stage]
                 acc_S_mn[r, None] = cute.math.exp2(
@@ -726,7 +720,7 @@ class FlashBwd:
         cute.arch.cp_async_wait_group(1)
         cute.arch.barrier()
         state = tile_state(mBitmapRow, m_block)
-        need_mask = ((state & 2) != 0) | kv_ragged
+        need_mask = is_partial(state) | kv_ragged
         return m_next, g_next, has_next, need_mask
 
     @cute.jit
@@ -912,33 +906,6 @@ class FlashBwd:
                     sFb[tidx, stage] = -1
                     for a in cutlass.range_constexpr(R):
                         sRowP[tidx, a, stage] = 0
-
-    @cute.jit
-    def _apply_mask(
-        self, acc_S_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
-        max_row,
-    ):
-        K = self.K
-        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
-            row = tScS_mn[r, 0][0]
-            q_idx = m_start + row
-            rInt = cute.make_rmem_tensor((2 * K,), Int32)
-            for k in cutlass.range_constexpr(2 * K):
-                rInt[k] = sInt[row, k]
-            if const_expr(self.cfg.has_fallback):
-                fb = sFb[row]
-                args = [rP[p] for p in range(self.cfg.num_params)]
-                args += [sRowP[row, a] for a in range(self.cfg.num_row_params)]
-            for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-                kv_idx = n_start + tScS_mn[0, c][1]
-                vis = interval_visible(kv_idx, rInt, K)
-                if const_expr(self.cfg.has_fallback):
-                    vis = fallback_visible(
-                        vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
-                        batch_idx, max_row,
-                    )
-                if not vis:
-                    acc_S_mn[r, c] = -Float32.inf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1157,7 +1124,7 @@ class FlashBwdSm90(FlashBwd):
             # the bitmap row -> shared memory, visible after pipeline_init_wait's CTA barrier:
             # every scan below reads it there
             sBitmapRow = storage.sBitmap.get_tensor(cute.make_layout((BITMAP_SMEM_WORDS,)))
-            for w in cutlass.range(tidx, (m_blocks + 15) >> 4, self.num_threads + 128,
+            for w in cutlass.range(tidx, bitmap_words(m_blocks), self.num_threads + 128,
                                    unroll=1):
                 sBitmapRow[w] = mBitmapRow[w]
             mBitmapRow = sBitmapRow
@@ -1268,7 +1235,7 @@ class FlashBwdSm90(FlashBwd):
                 self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
                                 batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Mma), number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -1291,7 +1258,7 @@ class FlashBwdSm90(FlashBwd):
                                     mRowParams, batch_idx, head0 + g_next, m_next * tm + tidx,
                                     seqlen_q, tidx)
             state = tile_state(mBitmapRow, m_block)
-            need_mask = ((state & 2) != 0) | kv_ragged
+            need_mask = is_partial(state) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
             self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
@@ -1318,11 +1285,12 @@ class FlashBwdSm90(FlashBwd):
         warpgroup.wait_group(1)
         acc_S_mn = _acc_mn(acc_S)
         if need_mask:
-            self._apply_mask_t(
-                acc_S_mn, f.tScS_mn, sInt[None, None, stage], sFb[None, stage],
-                sRowP[None, None, stage], rP, m_start, n_start, mRowParams, batch_idx,
-                seqlen_q - 1,
-            )
+            rows = SharedRows(sInt[None, None, stage], sFb[None, stage],
+                              sRowP[None, None, stage], rP, self.K, self.cfg.num_params,
+                              self.cfg.num_row_params)
+            # S^T: kv along the rows, q along the columns
+            self.mask.apply(acc_S_mn, f.tScS_mn, rows, m_start, n_start, mRowParams,
+                            batch_idx, seqlen_q - 1, transposed=True)
         for c in cutlass.range_constexpr(n_cols):
             lse_l2 = sLSE[f.tScS_mn[0, c][1], stage]
             acc_S_mn[None, c] = cute.math.exp2(
@@ -1349,7 +1317,7 @@ class FlashBwdSm90(FlashBwd):
             else:
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 1 - stage, tidx)
         cute.arch.fence_view_async_shared()  # dS (generic proxy) -> the dQ wgmma's reads
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_threads)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Mma), number_of_threads=self.num_threads)
 
         # -- dQ = dS K (both warpgroups' dS), then dK += dS^T Q ---------------------------
         acc_dQ = cute.make_rmem_tensor(f.acc_shape_dQ, Float32)
@@ -1361,12 +1329,13 @@ class FlashBwdSm90(FlashBwd):
                     False)
         warpgroup.wait_group(1)  # dQ
         # this warpgroup's dQ half -> sdQ once the writer has issued the last one's reduce
-        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + cwg, number_of_threads=128 + 32)
+        cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DqEmpty) + cwg, number_of_threads=128 + 32)
         cute.autovec_copy(
             cute.make_tensor(acc_dQ.iterator, cute.make_layout(f.tdQsdQ.shape)), f.tdQsdQ
         )
         cute.arch.fence_view_async_shared()  # generic-proxy writes -> the TMA unit's reads
-        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + cwg, number_of_threads=128 + 32)
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DqFull) + cwg,
+                                 number_of_threads=128 + 32)
         warpgroup.wait_group(0)  # dK
 
     @cute.jit
@@ -1390,9 +1359,11 @@ class FlashBwdSm90(FlashBwd):
                 if const_expr(not self.cfg.deterministic):
                     if lane == 0:
                         cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + w, number_of_threads=128 + 32)
+                cute.arch.barrier_arrive(barrier_id=int(NamedBarrierBwd.DqEmpty) + w,
+                                         number_of_threads=128 + 32)
             for w in cutlass.range_constexpr(2):
-                cute.arch.barrier(barrier_id=_BAR_DQ_FULL + w, number_of_threads=128 + 32)
+                cute.arch.barrier(barrier_id=int(NamedBarrierBwd.DqFull) + w,
+                                  number_of_threads=128 + 32)
                 if lane == 0:
                     gdQ = cute.local_tile(mdQaccum[batch_idx, head, m_block, None], (half,), (w,))
                     if const_expr(self.cfg.deterministic):
@@ -1470,35 +1441,6 @@ class FlashBwdSm90(FlashBwd):
         )
         f.tdQsdQ = r2s_dq.get_slice(tidx).partition_D(sdQ)
         return f
-
-    @cute.jit
-    def _apply_mask_t(
-        self, acc_mn, tScS_mn, sInt, sFb, sRowP, rP, m_start, n_start, mRowParams, batch_idx,
-        max_row,
-    ):
-        """The interval test on a transposed score tile: rows are kv, columns are q."""
-        K = self.K
-        n_rows = cute.size(tScS_mn, mode=[0])
-        for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-            col = tScS_mn[0, c][1]
-            q_idx = m_start + col
-            rInt = cute.make_rmem_tensor((2 * K,), Int32)
-            for k in cutlass.range_constexpr(2 * K):
-                rInt[k] = sInt[col, k]
-            if const_expr(self.cfg.has_fallback):
-                fb = sFb[col]
-                args = [rP[p] for p in range(self.cfg.num_params)]
-                args += [sRowP[col, a] for a in range(self.cfg.num_row_params)]
-            for r in cutlass.range_constexpr(n_rows):
-                kv_idx = n_start + tScS_mn[r, 0][0]
-                vis = interval_visible(kv_idx, rInt, K)
-                if const_expr(self.cfg.has_fallback):
-                    vis = fallback_visible(
-                        vis, self.predicates, fb, None, q_idx, kv_idx, args, mRowParams,
-                        batch_idx, max_row,
-                    )
-                if not vis:
-                    acc_mn[r, c] = -Float32.inf
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1625,7 +1567,7 @@ def flash_bwd(
     n_m = -(-Sq // tile_m)
     n_n = -(-Sk // tile_n)
     assert intervals.shape[1:] == (Sq, Kslots, 2), intervals.shape
-    assert bwd_bitmap.shape[1:] == (n_n, -(-n_m // 16)), (bwd_bitmap.shape, (n_n, n_m))
+    assert bwd_bitmap.shape[1:] == bitmap_shape(1, n_n, n_m)[1:], (bwd_bitmap.shape, n_n, n_m)
     assert intervals.shape[0] in (1, B) and bwd_bitmap.shape[0] in (1, B)
     cfg = FlashBwdConfig(
         dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
@@ -1713,96 +1655,3 @@ def flash_bwd(
 # ----------------------------------------------------------------------------------------------
 # Quick timing (GPU): python -m compilemask.kernels.flash_bwd --mask hstu -S 8192 -B 2
 # ----------------------------------------------------------------------------------------------
-def _bench(argv=None):
-    import argparse
-
-    import torch
-
-    import compilemask as cm
-    from compilemask import masks
-
-    from .flash_fwd import flash_fwd
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mask", nargs="+", default=["causal", "hstu"])
-    ap.add_argument("-S", type=int, default=8192)
-    ap.add_argument("-B", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--hdim", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
-    a = ap.parse_args(argv)
-    B, S, H, D = a.B, a.S, a.heads, a.hdim
-
-    def timeit(fn):
-        for _ in range(2):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(a.iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / a.iters
-
-    torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    def run_mask(name):
-        spec = getattr(masks, name)()
-        mask = cm.compile_mask(spec)
-        desc = mask.preprocess(masks.random_meta(spec, B, S), seqlen_q=S, batch_size=B,
-                               backend="torch")
-        desc = desc.to("cuda")
-        fb = Fallback.from_mask(mask) if mask.has_fallback else None
-        visible = float(desc.dense_mask().sum())
-        fwd_args = (q, k, v, desc.intervals, desc.fwd_bitmap, desc.row_region, desc.params,
-                    desc.row_params)
-        out, lse = flash_fwd(*fwd_args, tile_m=desc.fwd_tiles.tile_m,
-                             tile_n=desc.fwd_tiles.tile_n, fallback=fb)
-
-        def bwd(arch):
-            return flash_bwd(do, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
-                             desc.row_region, desc.params, desc.row_params,
-                             tile_m=desc.bwd_tiles.tile_m, tile_n=desc.bwd_tiles.tile_n,
-                             fallback=fb, options=KernelOptions(bwd_arch=arch))
-
-        t_fwd = timeit(lambda: flash_fwd(*fwd_args, tile_m=desc.fwd_tiles.tile_m,
-                                         tile_n=desc.fwd_tiles.tile_n, fallback=fb))
-        fl = 4.0 * visible * D * H
-        msg = (f"bench {name} B={B} S={S} H={H} D={D} density={visible / (B * S * S):.3f}: "
-               f"fwd {t_fwd:.3f} ms ({fl / t_fwd / 1e9:.0f} TFLOP/s)")
-        for arch in a.arch:
-            t_bwd = timeit(lambda: bwd(arch))  # noqa: B023
-            msg += f", bwd sm{arch} {t_bwd:.3f} ms ({2.5 * fl / t_bwd / 1e9:.0f} TFLOP/s)"
-        print(msg, flush=True)
-
-    for name in a.mask:
-        try:
-            run_mask(name)
-        except Exception as e:  # report and go on with the next mask
-            print(f"bench {name}: failed ({type(e).__name__}: {e})", flush=True)
-    try:
-        from flash_attn.cute import flash_attn_func
-
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-        def fa4():
-            o = flash_attn_func(qg, kg, vg, causal=True)
-            o = o[0] if isinstance(o, tuple) else o
-            o.backward(do)
-
-        def fa4_fwd():
-            with torch.no_grad():
-                flash_attn_func(q, k, v, causal=True)
-
-        t_f = timeit(fa4_fwd)
-        t_fb = timeit(fa4)
-        fl = 4.0 * B * S * (S + 1) / 2 * D * H
-        print(f"bench FA4 causal: fwd {t_f:.3f} ms, bwd ~{t_fb - t_f:.3f} ms "
-              f"({2.5 * fl / (t_fb - t_f) / 1e9:.0f} TFLOP/s)", flush=True)
-    except Exception as e:  # FA4 absent or failing: the comparison is optional
-        print(f"bench FA4: skipped ({type(e).__name__}: {e})")
-
-
-if __name__ == "__main__":
-    _bench()

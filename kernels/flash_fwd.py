@@ -48,9 +48,11 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from compilemask.cache import CompileCache
+from compilemask.descriptor import bitmap_shape, is_partial
 from compilemask.env import cute_dsl_arch
 from compilemask.options import KernelOptions
 
+from .block_info import next_tile, tile_state
 from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-exported)
     SeqlenInfo,
     _acc_mn,
@@ -58,23 +60,17 @@ from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-expo
     _layout_acc_mn,
     _quad_allreduce,
     _transpose_view,
-    bit_visible,
-    column_pattern,
     compile_cache_key,
     compile_kernel,
     fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
-    fallback_visible,
     init_kernel,
-    interval_bits,
-    interval_visible,
-    next_tile,
-    tile_state,
     tiled_copy_g2s_16B,
     tiled_copy_store_16B,
     wgmma,
 )
+from .mask import RegisterRows, column_pattern
 
 log = logging.getLogger("compilemask")
 
@@ -623,7 +619,7 @@ class FlashFwd:
     @cute.jit
     def _needs_mask(self, state, n_block, seqlen_k):
         """Partial tiles (``state`` 11) and the ragged last kv tile get the interval test."""
-        return ((state & 2) != 0) | ((n_block + 1) * self.tile_n > seqlen_k)
+        return is_partial(state) | ((n_block + 1) * self.tile_n > seqlen_k)
 
     @cute.jit
     def _mask_tile(
@@ -635,19 +631,11 @@ class FlashFwd:
         rInt, rFb, rP, rRowP = row_data
         acc_S_mn = _acc_mn(acc_S)
         if self._needs_mask(state, n_block, seqlen_k):
-            self._apply_mask(
-                acc_S_mn,
-                tScS_mn,
-                rInt,
-                rFb,
-                rP,
-                rRowP,
-                m_start,
-                n_block * self.tile_n,
-                mRowParams,
-                batch_idx,
-                seqlen_q - 1,
-            )
+            rows = RegisterRows(rInt, rFb, rP, rRowP, self.cfg.num_params,
+                                self.cfg.num_row_params)
+            self.mask.apply(acc_S_mn, tScS_mn, rows, m_start, n_block * self.tile_n,
+                            mRowParams, batch_idx, seqlen_q - 1,
+                            pattern=self._bits_pattern(tScS_mn))
         return acc_S_mn
 
     def _bits_pattern(self, tScS_mn):
@@ -660,44 +648,6 @@ class FlashFwd:
             log.warning("flash_fwd: mask_bits: score fragment columns %s have no bit pattern; "
                         "partial tiles keep the per-element interval test", tScS_mn.layout)
         return pattern
-
-    @cute.jit
-    def _apply_mask(
-        self,
-        acc_S_mn,
-        tScS_mn,
-        rInt,
-        rFb,
-        rP,
-        rRowP,
-        m_start,
-        n_start,
-        mRowParams,
-        batch_idx,
-        max_row,
-    ):
-        K = self.K
-        pattern = self._bits_pattern(tScS_mn)
-        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
-            q_idx = m_start + tScS_mn[r, 0][0]
-            if const_expr(pattern is not None):
-                x0 = n_start + tScS_mn[0, 0][1]  # kv index of the thread's first column
-                bits = interval_bits(rInt, r, K, x0, pattern, Int32(1), cutlass.min, cutlass.max)
-            for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-                kv_idx = n_start + tScS_mn[0, c][1]
-                if const_expr(pattern is not None):
-                    vis = bit_visible(bits, c)
-                else:
-                    vis = interval_visible(kv_idx, rInt, K, row=r)
-                if const_expr(self.cfg.has_fallback):
-                    args = [rP[p] for p in range(self.cfg.num_params)]
-                    args += [rRowP[r, a] for a in range(self.cfg.num_row_params)]
-                    vis = fallback_visible(
-                        vis, self.predicates, rFb, r, q_idx, kv_idx, args, mRowParams,
-                        batch_idx, max_row,
-                    )
-                if not vis:
-                    acc_S_mn[r, c] = -Float32.inf
 
     @cute.jit
     def _mma_sync_qk(self, tiled_mma, acc_S, tSrQ, tSrK, smem_copy, stage):
@@ -901,7 +851,7 @@ def flash_fwd(
     assert intervals.shape[:2] == (B, Sq) and intervals.shape[3] == 2
     n_m = -(-Sq // tile_m)
     n_n = -(-Sk // tile_n)
-    assert fwd_bitmap.shape == (B, n_m, -(-n_n // 16)), (fwd_bitmap.shape, (B, n_m, n_n))
+    assert fwd_bitmap.shape == bitmap_shape(B, n_m, n_n), (fwd_bitmap.shape, (B, n_m, n_n))
     if arch is None:
         arch = 90 if _arch_from_env_or_device() >= 90 else 80
     fwd_mask = (options or KernelOptions()).resolve(arch, Kslots).fwd_mask

@@ -33,14 +33,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from .block_info import next_tile, next_tile_state, next_tile_state_cached
 from .common import (
     SeqlenInfo,
     _acc_mn,
     _layout_acc_frgA,
     _transpose_view,
-    next_tile,
-    next_tile_state,
-    next_tile_state_cached,
     select_modes,
     tiled_copy_store_16B,
     tma_partition,
@@ -49,10 +47,7 @@ from .common import (
     wgmma_issue,
 )
 from .flash_fwd import FlashFwd, FlashFwdConfig, make_sm90_tiled_mmas
-
-# named barriers: 0 = whole CTA; 1, 2 = epilogue of consumer warpgroup 0, 1;
-# 3, 4 = "whose turn" of consumer warpgroup 0, 1 (pingpong)
-_SCHED_BAR = 3
+from .named_barrier import NamedBarrierFwd
 
 
 class FlashFwdSm90(FlashFwd):
@@ -162,13 +157,15 @@ class FlashFwdSm90(FlashFwd):
         pipe_k, pipe_v, kv, v = c.pipe_k, c.pipe_v, kv_state, v_state
         pipe_k.consumer_wait(kv)
         if const_expr(c.pingpong):  # wait for this warpgroup's turn
-            cute.arch.barrier(barrier_id=_SCHED_BAR + c.cwg, number_of_threads=256)
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + c.cwg,
+                              number_of_threads=256)
         acc_S = cute.make_rmem_tensor(c.acc_shape_S, Float32)
         wgmma_issue(c.tiled_mma_qk, acc_S, c.tSrQ, c.tSrK[None, None, None, kv.index], True)
         pipe_v.consumer_wait(v)
         wgmma_issue(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, v.index], False)
         if const_expr(c.pingpong):  # hand the tensor cores to the other one
-            cute.arch.barrier_arrive(barrier_id=_SCHED_BAR + 1 - c.cwg, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1) + 1 - c.cwg,
+                                     number_of_threads=256)
         warpgroup.wait_group(1)  # S(i) ready; P(i-1) V(i-1) may still run
         pipe_k.consumer_release(kv)
         acc_S_mn = self._mask_tile(
@@ -361,7 +358,8 @@ class FlashFwdSm90(FlashFwd):
                 pingpong = const_expr(self.cfg.pingpong and self.num_wg == 2)
                 if const_expr(pingpong):
                     if cwg == 0:  # the first consumer warpgroup takes the first turn
-                        cute.arch.barrier_arrive(barrier_id=_SCHED_BAR, number_of_threads=256)
+                        cute.arch.barrier_arrive(barrier_id=int(NamedBarrierFwd.WarpSchedulerWG1),
+                                                 number_of_threads=256)
                 row_scale = cute.make_rmem_tensor((n_rows,), Float32)
                 rPt = cute.make_rmem_tensor(acc_shape_S, self.dtype)
                 tOrP = cute.make_tensor(rPt.iterator, _layout_acc_frgA(rPt.layout))
@@ -414,7 +412,7 @@ class FlashFwdSm90(FlashFwd):
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma_pv
             ).get_slice(mma_tidx)
             cute.copy(r2s, r2s.retile(rO), r2s.partition_D(sO))
-            cute.arch.barrier(barrier_id=1 + cwg, number_of_threads=128)
+            cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue) + cwg, number_of_threads=128)
             wg_tidx = mma_tidx - cwg * 128
             sO_wg = cute.local_tile(sO, (64, D), (cwg, 0))
             mO_bh = mO[batch_idx, None, head_idx, None]

@@ -158,11 +158,10 @@ def test_fake_shapes_and_opcheck():
     out, lse = attention_op(q, k, v, desc, return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 4, 21) and lse.dtype == torch.float32
+    from compilemask.descriptor import DescriptorArgs
     from compilemask.kernels.autograd import register_mask
 
-    args = (q.detach(), k.detach(), v.detach(), desc.intervals, desc.row_region, desc.fwd_bitmap,
-            desc.bwd_bitmap, desc.params, desc.row_params, 21, 21, desc.fwd_tiles.tile_m,
-            desc.fwd_tiles.tile_n, desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n,
+    args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(desc).to_op_args(),
             register_mask(desc.mask), 0.25, False, "reference", [], 0, "")
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -464,7 +464,7 @@ WGMMA_COLS = [8 * (c // 2) + c % 2 for c in range(32)]  # a thread's columns in 
 
 
 def test_pattern_of_offsets():
-    from compilemask.kernels.common import pattern_of_offsets
+    from compilemask.kernels.mask import pattern_of_offsets
 
     assert pattern_of_offsets(WGMMA_COLS) == (32, 2, 8)
     assert pattern_of_offsets(WGMMA_COLS[:16]) == (16, 2, 8)  # 64-wide tiles
@@ -482,7 +482,7 @@ def test_interval_bits_equal_the_interval_test(cols):
     """Every bit of every row word equals ``OR_k start_k <= kv_idx < end_k`` for the column it
     stands for: random slots around the tile, including empty, zero-length and clipped ones,
     and slots that cover the whole tile; each of a quad's four first columns."""
-    from compilemask.kernels.common import interval_bits, pattern_of_offsets
+    from compilemask.kernels.mask import interval_bits, pattern_of_offsets
 
     pattern = pattern_of_offsets(cols)
     rng = random.Random(7)
