@@ -24,13 +24,17 @@ import datetime
 import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import compilemask as cm
-from bench import workloads as W
-from compilemask import masks as M
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* as a script
+
+import compilemask as cm  # noqa: E402
+from bench import workloads as W  # noqa: E402
+from compilemask import masks as M  # noqa: E402
 
 TOKENS = 128 * 1024
 SEQLENS = [1024, 2048, 4096, 8192, 16384, 32768]

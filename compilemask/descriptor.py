@@ -183,8 +183,10 @@ class ExecutionDescriptor:
         cache = self.block_lists
         got = cache.get(kind)
         if got is not None and not isinstance(got, tuple):  # PackedLists: view it
+            from torch.compiler import is_compiling
+
             got = got.view(kind)
-            if not torch.compiler.is_compiling():  # no side effects while dynamo traces
+            if not is_compiling():  # no side effects while dynamo traces
                 cache[kind] = got
             return got
         if kind not in cache:
