@@ -19,8 +19,8 @@ if ROOT not in sys.path:
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.kernels.flash_bwd import flash_bwd
-from compilemask.kernels.flash_fwd import Fallback, flash_fwd
+from compilemask.kernels.fallback import Fallback
+from compilemask.kernels.interface import flash_bwd, flash_fwd
 from compilemask.options import KernelOptions
 
 

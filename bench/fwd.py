@@ -71,8 +71,8 @@ def main():
     )
     args = ap.parse_args()
 
-    from compilemask.kernels import flash_fwd
-    from compilemask.kernels.flash_fwd import default_tiles
+    from compilemask.kernels.config import default_tiles
+    from compilemask.kernels.interface import flash_fwd
 
     dev = "cuda"
     H, D = args.heads, args.dim

@@ -94,7 +94,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             for r in mask.fallback_regions if predicate_source else ():
                 out.append(f"  generated CuTe fallback predicate (region {r.index} {r.name!r}; "
                            f"the kernel ANDs it with the interval test in partial tiles):")
-                try:  # as kernels.flash_fwd.Fallback.from_mask builds it
+                try:  # as kernels.fallback.Fallback.from_mask builds it
                     src = predicate_source(r.rule, mask.scalar_params, mask.array_params)
                     out.append(_indent(src, "    "))
                 except Exception as e:

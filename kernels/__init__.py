@@ -4,12 +4,15 @@
 ``compilemask::attention_fwd`` custom op; autograd runs ``compilemask::attention_bwd`` (the CuTe
 backward kernel), so ``torch.compile`` traces both without graph breaks.
 
-Modules: ``flash_fwd`` (the forward, mma.sync and single-role wgmma), ``flash_fwd_sm90`` (the
-warp-specialized wgmma forward), ``flash_bwd`` (the backward, both MMA paths), ``bwd_aux`` (its
-pre- and postprocess), and the pieces they share: ``block_info`` (bitmap-row tile scans),
-``mask`` (the interval mask of a score tile), ``named_barrier`` (barrier ids), ``common``
-(layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the custom ops) and ``fa4``
-(the flash-attn-4 engines).
+Modules: one kernel class each in ``flash_fwd`` (the forward, mma.sync and single-role wgmma),
+``flash_fwd_sm90`` (the warp-specialized wgmma forward), ``flash_bwd`` (the mma.sync backward)
+and ``flash_bwd_sm90`` (the warp-specialized wgmma backward); ``bwd_aux`` (the backward's pre-
+and postprocess kernels); ``interface`` (compile cache and launch: ``compile_flash_fwd``,
+``flash_fwd``, ``compile_flash_bwd``, ``flash_bwd``), ``config`` (the compile-time configs),
+``fallback`` (the fallback predicates), and the pieces the kernels share: ``block_info``
+(bitmap-row tile scans), ``mask`` (the interval mask of a score tile), ``named_barrier``
+(barrier ids), ``common`` (layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the
+custom ops) and ``fa4`` (the flash-attn-4 engines).
 """
 
 from __future__ import annotations
@@ -22,8 +25,13 @@ if __name__ == "compilemask.kernels":
     # the kernel modules need the CUTLASS DSL; without it the custom ops and their CPU
     # reference still import
     if importlib.util.find_spec("cutlass") is not None:
-        from .flash_bwd import FlashBwd, FlashBwdConfig, FlashBwdSm90, compile_flash_bwd, flash_bwd
-        from .flash_fwd import Fallback, FlashFwd, FlashFwdConfig, compile_flash_fwd, flash_fwd
+        from .config import FlashBwdConfig, FlashFwdConfig
+        from .fallback import Fallback
+        from .flash_bwd import FlashBwd
+        from .flash_bwd_sm90 import FlashBwdSm90
+        from .flash_fwd import FlashFwd
+        from .flash_fwd_sm90 import FlashFwdSm90
+        from .interface import compile_flash_bwd, compile_flash_fwd, flash_bwd, flash_fwd
 # else: this folder imported as a top-level ``kernels`` (the repository root on sys.path, where
 # transformers probes for the Hugging Face package of that name): registering the custom ops a
 # second time, with an empty mask registry, would break ``compilemask.kernels``'s
@@ -31,6 +39,7 @@ if __name__ == "compilemask.kernels":
 __all__ = [
     "Fallback",
     "FlashFwd",
+    "FlashFwdSm90",
     "FlashFwdConfig",
     "compile_flash_fwd",
     "flash_fwd",
@@ -60,7 +69,8 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < 8:
         return False
-    from .flash_fwd import FlashFwd, FlashFwdConfig
+    from .config import FlashFwdConfig
+    from .flash_fwd import FlashFwd
 
     tiles = desc.fwd_tiles
     arch = 90 if major == 9 else 80

@@ -37,7 +37,7 @@ __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attentio
 log = logging.getLogger("compilemask")
 _SAID: set = set()
 _MASKS: dict = {}  # CompiledMask.key -> CompiledMask
-_FALLBACKS: dict = {}  # CompiledMask.key -> kernels.flash_fwd.Fallback | None
+_FALLBACKS: dict = {}  # CompiledMask.key -> kernels.fallback.Fallback | None
 
 
 def _say_once(msg: str):
@@ -117,7 +117,7 @@ def _fallback(mask_key):
         mask = _mask(mask_key)
         fb = None
         if mask.has_fallback:
-            from .flash_fwd import Fallback
+            from .fallback import Fallback
 
             fb = Fallback.from_mask(mask)
         _FALLBACKS[mask_key] = fb
@@ -187,7 +187,7 @@ def _kernel_options(options: str):
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
     if _kernel_dtype_ok(q):
         try:
-            from .flash_fwd import flash_fwd
+            from .interface import flash_fwd
 
             out, lse = flash_fwd(q, k, v, desc.intervals, desc.fwd_bitmap, desc.row_region,
                                  desc.params, desc.row_params, tile_m=desc.fwd_tiles.tile_m,
@@ -208,7 +208,7 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
               options=""):
     if _kernel_dtype_ok(q):
         try:
-            from .flash_bwd import flash_bwd
+            from .interface import flash_bwd
 
             grads = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
                               desc.row_region, desc.params, desc.row_params,

@@ -5,7 +5,7 @@
   float32 copies of both first).
 * :class:`DqPostprocess`: ``dQ[b, s, h, :] = scale * dq_accum`` in the input dtype, reading the
   bulk-reduced ``dq_accum`` ``[B, H, q tiles, tile_m * D]`` in the wgmma-fragment order the
-  backward kernel writes it in (``flash_bwd._dq_fragment_order`` is the same map on the host),
+  backward kernel writes it in (``interface._dq_fragment_order`` is the same map on the host),
   one thread per column pair: one pass instead of a gather, a scale and a cast.
 
 Both compile once per (dtype, head dim[, tile_m]) with symbolic shapes, like the attention

@@ -16,8 +16,8 @@ Tile-State Bitmap row ``fwd_bitmap[b, m_block, :]`` (see ``compilemask/descripto
 The interval rows (and for fallback kernels the row region / per-row params) of the q tile are
 loaded into registers once per CTA, before the kv loop.
 
-``compile_flash_fwd`` picks the kernel class: on sm90 with ``warp_specialized=True`` (the
-default) :class:`kernels.flash_fwd_sm90.FlashFwdSm90` (TMA producer warp + wgmma consumer
+``interface.compile_flash_fwd`` picks the kernel class: on sm90 with ``warp_specialized=True``
+(the default) :class:`kernels.flash_fwd_sm90.FlashFwdSm90` (TMA producer warp + wgmma consumer
 warpgroups, software-pipelined, pingpong); otherwise this module's :class:`FlashFwd`, whose
 two MMA paths share the loads, the mask and the online softmax:
 
@@ -34,11 +34,8 @@ Rows that see nothing get O = 0 and LSE = -inf. LSE is the natural-log log-sum-e
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -47,76 +44,26 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
 
-from compilemask.cache import CompileCache
-from compilemask.descriptor import bitmap_shape, is_partial
-from compilemask.env import cute_dsl_arch
-from compilemask.options import KernelOptions
+from compilemask.descriptor import is_partial
 
 from .block_info import next_tile, tile_state
-from .common import (  # noqa: F401  (SeqlenInfo and the layout helpers: re-exported)
+from .common import (
     SeqlenInfo,
     _acc_mn,
     _layout_acc_frgA,
-    _layout_acc_mn,
     _quad_allreduce,
     _transpose_view,
-    compile_cache_key,
-    compile_kernel,
-    fake_descriptor_args,
-    fake_tensor,
-    fallback_predicates,
     init_kernel,
     tiled_copy_g2s_16B,
     tiled_copy_store_16B,
     wgmma,
 )
+from .config import DTYPES, FlashFwdConfig
 from .mask import RegisterRows, column_pattern
 
+__all__ = ["FlashFwd", "make_sm90_tiled_mmas"]
+
 log = logging.getLogger("compilemask")
-
-_DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FlashFwdConfig:
-    """Everything that is compile-time for one kernel build (the compile-cache key)."""
-
-    dtype: str  # "bf16" | "fp16"
-    head_dim: int
-    tile_m: int
-    tile_n: int
-    num_intervals: int  # K: interval slots per row
-    has_fallback: bool = False
-    fallback_hash: str = ""  # hash of the generated predicate source ("" without fallback)
-    fallback_regions: tuple = ()  # region ids whose rows evaluate the fallback predicate
-    num_params: int = 0  # P (scalar params the predicate takes, in order)
-    num_row_params: int = 0  # R (per-row arrays the predicate takes, in order)
-    arch: int = 90  # 80: mma.sync path (sm80-sm89); 90: wgmma path (sm90a)
-    warp_specialized: bool = True  # sm90: TMA producer warp + wgmma consumers (flash_fwd_sm90)
-    intra_wg_overlap: bool = True  # sm90 warp-specialized: softmax(i) overlaps P(i-1) V and QK(i)
-    pingpong: bool = True  # sm90 warp-specialized, 2 consumer warpgroups: alternate their GEMMs
-    # partial tiles: the interval test once per row, as a word of the thread's column bits, then
-    # one bit test per element (KernelOptions.fwd_mask: "bits", the default on sm90, or "compare")
-    mask_bits: bool = False
-
-    @property
-    def cutlass_dtype(self):
-        return _DTYPES[self.dtype]
-
-    @property
-    def num_threads(self) -> int:
-        if self.arch < 90:
-            return 128
-        return (self.tile_m // 64 + (1 if self.warp_specialized else 0)) * 128
-
-
-def default_tiles(head_dim: int, arch: int) -> tuple[int, int]:
-    if arch >= 90:
-        return (128, 128) if head_dim <= 128 else (64, 64)
-    return (128, 64) if head_dim >= 128 else (128, 128)
 
 
 def make_sm90_tiled_mmas(dtype, head_dim: int, tile_n: int, num_wg: int):
@@ -164,7 +111,7 @@ class FlashFwd:
 
     @staticmethod
     def can_implement(cfg: FlashFwdConfig) -> bool:
-        if cfg.dtype not in _DTYPES:
+        if cfg.dtype not in DTYPES:
             return False
         if cfg.head_dim not in (64, 128):
             return False  # 256 and others: NotImplementedError at the call site
@@ -665,235 +612,3 @@ class FlashFwd:
             cute.copy(s2r_V, tOsVt[None, None, k, stage], tOrVt_v[None, None, k])
         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
             cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
-
-
-# ----------------------------------------------------------------------------------------------
-# Compile cache + launch
-# ----------------------------------------------------------------------------------------------
-_COMPILE_CACHE = CompileCache("flash_fwd")
-
-
-@dataclass
-class Fallback:
-    """Fallback predicates for the kernel: one generated source per fallback region.
-
-    Rows whose ``row_region`` equals ``regions[s]`` AND the interval test with predicate ``s``
-    (in partial tiles; their tiles are never full). Every predicate takes all ``num_params``
-    scalar params and all ``num_row_params`` per-row arrays of the descriptor, in order.
-    """
-
-    sources: tuple
-    regions: tuple
-    num_params: int
-    num_row_params: int
-    name: str = "fallback_predicate"
-    _fns: Optional[tuple] = field(default=None, repr=False)
-
-    @property
-    def hash(self) -> str:
-        h = hashlib.sha256()
-        for src, reg in zip(self.sources, self.regions):
-            h.update(f"{reg}:".encode() + src.encode())
-        return h.hexdigest()[:16]
-
-    def functions(self) -> tuple:
-        if self._fns is None:
-            compile_predicate = _codegen().compile_predicate
-            self._fns = tuple(compile_predicate(src, self.name) for src in self.sources)
-        return self._fns
-
-    @staticmethod
-    def from_expr(expr, scalar_params=(), array_params=(), regions=(0,)) -> "Fallback":
-        """One predicate shared by all ``regions``."""
-        src = _codegen().predicate_source(expr, scalar_params, array_params)
-        regions = tuple(int(r) for r in regions)
-        return Fallback(
-            sources=(src,) * len(regions),
-            regions=regions,
-            num_params=len(tuple(scalar_params)),
-            num_row_params=len(tuple(array_params)),
-        )
-
-    @staticmethod
-    def from_mask(mask) -> Optional["Fallback"]:
-        """From a ``CompiledMask``: the rule of each fallback region; None without fallback."""
-        regs = [r for r in mask.regions if r.fallback]
-        if not regs:
-            return None
-        ps = _codegen().predicate_source
-        return Fallback(
-            sources=tuple(ps(r.rule, mask.scalar_params, mask.array_params) for r in regs),
-            regions=tuple(int(r.index) for r in regs),
-            num_params=len(mask.scalar_params),
-            num_row_params=len(mask.array_params),
-        )
-
-
-def _codegen():
-    try:
-        from ..codegen import cute_predicate  # as compilemask.kernels
-    except (ImportError, ValueError):
-        from codegen import cute_predicate  # from the repository root
-    return cute_predicate
-
-
-def _arch_from_env_or_device() -> int:
-    env = cute_dsl_arch()
-    if env.startswith("sm_"):
-        return int(env[3:5])
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return major * 10 + minor
-    except Exception:
-        pass
-    return 90
-
-
-def make_fake_args(cfg: FlashFwdConfig):
-    """Fake (shape-symbolic) tensors matching the launch ABI, for compilation without a GPU."""
-    dt = cfg.cutlass_dtype
-    div = 128 // dt.width
-    sym = cute.sym_int
-    B, Sq, Sk, H, Hkv = sym(), sym(), sym(), sym(), sym()
-    t = fake_tensor
-    q = t(dt, (B, Sq, H, cfg.head_dim), div)
-    k = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
-    v = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
-    o = t(dt, (B, Sq, H, cfg.head_dim), div)
-    lse = t(Float32, (B, H, Sq), 1, 4)
-    return (q, k, v, o, lse) + fake_descriptor_args(B, Sq, cfg.num_intervals)
-
-
-def compile_flash_fwd(
-    cfg: FlashFwdConfig,
-    fallback: Optional[Fallback] = None,
-    gpu_arch: Optional[str] = None,
-    use_cache: bool = True,
-    extra_options: str = "",
-    options: Optional[KernelOptions] = None,
-):
-    """Compile (or fetch from the cache) the kernel for ``cfg``; shapes stay symbolic.
-
-    ``gpu_arch`` (e.g. "sm_90a") compiles for that target without a GPU; by default the DSL's
-    ``CUTE_DSL_ARCH`` or the detected device is used. ``options``: the caller's
-    ``KernelOptions`` that ``cfg`` was made from (part of the cache key).
-    """
-
-    def build():
-        preds = fallback_predicates(cfg, fallback, "flash_fwd", with_arch=True)
-        if cfg.arch >= 90 and cfg.warp_specialized:
-            from .flash_fwd_sm90 import FlashFwdSm90
-
-            kernel = FlashFwdSm90(cfg, preds)
-        else:
-            kernel = FlashFwd(cfg, preds)
-        return compile_kernel(kernel, make_fake_args(cfg), gpu_arch, extra_options)
-
-    return _COMPILE_CACHE.get(compile_cache_key(cfg, gpu_arch, options), build, use_cache)
-
-
-def _aligned(x):
-    """The kernels assume a unit-stride head dim, 16-byte aligned rows and base (TMA / cp.async)."""
-    el = x.element_size()
-    ok = (
-        x.stride(-1) == 1
-        and all(s > 0 and (s * el) % 16 == 0 for s in x.stride()[:-1])
-        and x.data_ptr() % 16 == 0
-    )
-    return x if ok else x.contiguous()
-
-
-def flash_fwd(
-    q,
-    k,
-    v,
-    intervals,
-    fwd_bitmap,
-    row_region=None,
-    params=None,
-    row_params=None,
-    *,
-    tile_m: int,
-    tile_n: int,
-    softmax_scale: Optional[float] = None,
-    fallback: Optional[Fallback] = None,
-    arch: Optional[int] = None,
-    warp_specialized: bool = True,
-    intra_wg_overlap: bool = True,
-    pingpong: bool = True,
-    out=None,
-    lse=None,
-    options: Optional[KernelOptions] = None,
-):
-    """Masked attention forward. Returns ``(out [B,Sq,H,D], lse float32 [B,H,Sq])``.
-
-    ``intervals`` int32 [B, Sq, K, 2]; ``fwd_bitmap`` int32 [B, ceil(Sq/tile_m), ceil(n_n/16)]
-    computed for this (tile_m, tile_n); ``row_region`` int32 [B, Sq], ``params`` int32 [B, P],
-    ``row_params`` int32 [B, Sq, R] are needed only with a ``fallback``. ``options``: the
-    kernel variants (``fwd_mask``; None: ``default_options`` for the kernel's arch).
-    """
-    import torch
-
-    B, Sq, H, D = q.shape
-    _, Sk, Hkv, _ = k.shape
-    if D not in (64, 128):
-        raise NotImplementedError(f"head dim {D} not supported (64, 128)")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise NotImplementedError(f"dtype {q.dtype}")
-    if H % Hkv != 0:
-        raise ValueError("num heads must be a multiple of num kv heads")
-    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError("k/v shape or dtype mismatch")
-    Kslots = intervals.shape[2]
-    assert intervals.shape[:2] == (B, Sq) and intervals.shape[3] == 2
-    n_m = -(-Sq // tile_m)
-    n_n = -(-Sk // tile_n)
-    assert fwd_bitmap.shape == bitmap_shape(B, n_m, n_n), (fwd_bitmap.shape, (B, n_m, n_n))
-    if arch is None:
-        arch = 90 if _arch_from_env_or_device() >= 90 else 80
-    fwd_mask = (options or KernelOptions()).resolve(arch, Kslots).fwd_mask
-    cfg = FlashFwdConfig(
-        dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
-        head_dim=D,
-        tile_m=tile_m,
-        tile_n=tile_n,
-        num_intervals=Kslots,
-        has_fallback=fallback is not None,
-        fallback_hash=fallback.hash if fallback is not None else "",
-        fallback_regions=fallback.regions if fallback is not None else (),
-        num_params=fallback.num_params if fallback is not None else 0,
-        num_row_params=fallback.num_row_params if fallback is not None else 0,
-        arch=arch,
-        warp_specialized=warp_specialized and arch >= 90,
-        intra_wg_overlap=intra_wg_overlap,
-        pingpong=pingpong and intra_wg_overlap,
-        mask_bits=fwd_mask == "bits",
-    )
-    if not FlashFwd.can_implement(cfg):
-        raise NotImplementedError(f"flash_fwd: unsupported configuration {cfg}")
-    fn = compile_flash_fwd(cfg, fallback, options=options)
-    dev = q.device
-    q, k, v = (_aligned(x) for x in (q, k, v))
-    if out is None:
-        out = torch.empty_like(q)
-    elif _aligned(out) is not out:
-        raise ValueError("out must have a unit-stride head dim and 16-byte aligned strides")
-    if lse is None:
-        lse = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
-    iv = intervals.to(torch.int32).contiguous().view(B, Sq, 2 * Kslots)
-    bm = fwd_bitmap.to(torch.int32).contiguous()
-    if row_region is None:
-        row_region = torch.full((B, Sq), -1, dtype=torch.int32, device=dev)
-    rr = row_region.to(torch.int32).contiguous()
-    if params is None or params.numel() == 0:
-        params = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    if row_params is None or row_params.numel() == 0:
-        row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
-    pr = params.to(torch.int32).contiguous()
-    rp = row_params.to(torch.int32).contiguous()
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fn(q, k, v, out, lse, iv, bm, rr, pr, rp, float(scale * math.log2(math.e)))
-    return out, lse

@@ -46,8 +46,11 @@ from .common import (
     wgmma,
     wgmma_issue,
 )
-from .flash_fwd import FlashFwd, FlashFwdConfig, make_sm90_tiled_mmas
+from .config import FlashFwdConfig
+from .flash_fwd import FlashFwd, make_sm90_tiled_mmas
 from .named_barrier import NamedBarrierFwd
+
+__all__ = ["FlashFwdSm90"]
 
 
 class FlashFwdSm90(FlashFwd):

@@ -19,7 +19,7 @@ class NamedBarrierFwd(enum.IntEnum):
 
 
 class NamedBarrierBwd(enum.IntEnum):
-    """``flash_bwd.FlashBwdSm90``."""
+    """``flash_bwd_sm90.FlashBwdSm90``."""
 
     Mma = 3  # the two wgmma warpgroups, once per q tile
     DqFull = 4  # + w: dQ half w written (wgmma warpgroup w -> the dQ writer warp: 4, 5)

@@ -14,13 +14,11 @@ cute = pytest.importorskip("cutlass.cute")
 
 import compilemask as cm  # noqa: E402
 from compilemask import masks  # noqa: E402
-from compilemask.kernels.flash_bwd import (  # noqa: E402
-    FlashBwd,
-    FlashBwdConfig,
-    FlashBwdSm90,
-    compile_flash_bwd,
-)
-from compilemask.kernels.flash_fwd import Fallback  # noqa: E402
+from compilemask.kernels.config import FlashBwdConfig  # noqa: E402
+from compilemask.kernels.fallback import Fallback  # noqa: E402
+from compilemask.kernels.flash_bwd import FlashBwd  # noqa: E402
+from compilemask.kernels.flash_bwd_sm90 import FlashBwdSm90  # noqa: E402
+from compilemask.kernels.interface import compile_flash_bwd  # noqa: E402
 from compilemask.reference import attention_reference  # noqa: E402
 
 from helpers import sweep  # noqa: E402
@@ -81,7 +79,7 @@ def test_dq_fragment_order(hdim):
     """The bulk dQ keeps each q tile in wgmma-fragment order: the postprocess order is a
     permutation, and thread 0's first vector holds (0, 0), (0, 1), (8, 0), (8, 1) (CUTLASS's sm90
     accumulator layout), warpgroup 1's half starts at column D/2."""
-    from compilemask.kernels.flash_bwd import _dq_fragment_order
+    from compilemask.kernels.interface import _dq_fragment_order
 
     order = _dq_fragment_order(64, hdim, torch.device("cpu"))
     assert sorted(order.tolist()) == list(range(64 * hdim))
@@ -220,7 +218,7 @@ def test_aux_kernels_vs_torch(dtype, hdim):
     """dPsum vs a float64 rowsum; the dQ postprocess vs the host gather of the fragment order
     (``_dq_fragment_order``), scaled and cast: bit-identical. S = 300 ends mid-tile."""
     from compilemask.kernels.bwd_aux import AuxConfig, compile_aux
-    from compilemask.kernels.flash_bwd import _dq_fragment_order
+    from compilemask.kernels.interface import _dq_fragment_order
 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     B, S, H, D = 2, 300, 3, hdim
@@ -269,7 +267,7 @@ def test_bitmap_smem_ptx(tmp_path):
     reads."""
     from dataclasses import replace
 
-    from compilemask.kernels.flash_bwd import BITMAP_SMEM_WORDS, bitmap_fits_smem
+    from compilemask.options import BITMAP_SMEM_WORDS, bitmap_fits_smem
 
     cfg = FlashBwdConfig("bf16", 128, 64, 128, 1, arch=90)
     assert cfg.bitmap_smem
@@ -337,7 +335,7 @@ def _attn_lowp(q, k, v, dense, scale):
 def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None,
                 deterministic=False, **options):
     from compilemask.kernels.autograd import _fallback, register_mask
-    from compilemask.kernels.flash_bwd import flash_bwd
+    from compilemask.kernels.interface import flash_bwd
     from compilemask.options import KernelOptions
 
     mask = cm.compile_mask(spec)

@@ -20,7 +20,7 @@ cute = pytest.importorskip("cutlass.cute")
 
 from compilemask.descriptor import TileConfig  # noqa: E402
 from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd, flash_fwd  # noqa: E402
-from compilemask.kernels.flash_fwd import default_tiles  # noqa: E402
+from compilemask.kernels.config import default_tiles  # noqa: E402
 from compilemask.tiles import pack_bitmap, tile_states  # noqa: E402
 
 from helpers import sweep  # noqa: E402

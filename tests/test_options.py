@@ -57,7 +57,7 @@ def test_describe_names_every_field():
 def test_compile_keys_differ_per_option_set():
     pytest.importorskip("cutlass")
     from compilemask.kernels.common import compile_cache_key
-    from compilemask.kernels.flash_fwd import FlashFwdConfig
+    from compilemask.kernels.config import FlashFwdConfig
 
     cfg = FlashFwdConfig("bf16", 128, 128, 128, 1, mask_bits=True)
     keys = {compile_cache_key(cfg, "sm_90a", o)
