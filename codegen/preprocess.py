@@ -93,9 +93,8 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
 _ROW_MAP = "linear"  # or "interleaved" (slower on the H200, see the module docstring)
-# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones:
-# CLEAR K = 6 at 128K tokens 21.1-24.1 -> 13.6-15.7 us on the H200, never slower
-# (bench/results/preprocess_2026-11-29_session3.md); the C target checks it bit for bit in CI.
+# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones
+# (faster for large K on the H200, never slower); the C target checks it bit for bit in CI.
 _VECTOR_STORES = True
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}

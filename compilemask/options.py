@@ -111,7 +111,7 @@ def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> Kern
     ``arch``: the SM version the kernels run on (90 for sm_90, 0 without a GPU); for the forward,
     the forward kernel's (90: wgmma, 80: mma.sync). ``num_intervals``: the descriptor's K;
     ``num_q_tiles``: the backward's q tiles per sequence. The choices were measured on the H200
-    (bench/results/knobs_2026-11-29.md)."""
+    (``bench/h200.sh knobs_time`` times each combination)."""
     return KernelOptions(
         # the wgmma backward is sm_90 only (1.17x faster there than mma.sync)
         bwd_arch=90 if arch // 10 == 9 else 80,

@@ -21,9 +21,8 @@ __all__ = ["tile_state", "next_tile_state", "next_tile_state_cached", "next_tile
 def tile_state(mBitmapRow: cute.Tensor, t: Int32) -> Int32:
     """State of tile ``t >= 0`` in a bitmap row (``TILE_EMPTY``, ``TILE_FULL``,
     ``TILE_PARTIAL``; ``TILES_PER_WORD`` per int32). Shifts, not ``//`` and ``%``: Python's
-    floor division of a signed Int32 costs ~9 instructions, and this runs in every consumer warp
-    once per tile (Nsight Compute,
-    ``bench/results/ncu_causal_8k_2026-11-29.md``)."""
+    floor division of a signed Int32 costs several instructions, and this runs in every consumer
+    warp once per tile."""
     word = mBitmapRow[tile_word(t)]
     return state_in_word(word, t)
 
