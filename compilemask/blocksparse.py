@@ -161,8 +161,8 @@ def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = Fal
     raise ValueError(f"backend must be 'torch' or 'tilelang', got {backend!r}")
 
 
-# kind -> (bitmap, transpose) of ``descriptor_lists``, in the order the packed buffer holds them
-_PACKED_KINDS = {"fwd": ("fwd", False), "bwd64": ("bwd", False), "bwd128": ("fwd", True)}
+# kind -> the bitmap it reads (0: fwd_bitmap, 1: bwd_bitmap), as ``descriptor_lists`` does
+_PACKED_KINDS = {"fwd": 0, "bwd64": 1, "bwd128": 0}
 
 
 class PackedLists:
@@ -218,7 +218,7 @@ def _packed_plan(fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, kinds):
     for kind in kinds:
         if kind not in _PACKED_KINDS:
             raise ValueError(f"kind must be one of {sorted(_PACKED_KINDS)}, got {kind!r}")
-    mp = multi_plan([(*shape[k], 0 if _PACKED_KINDS[k][0] == "fwd" else 1) for k in kinds], 2)
+    mp = multi_plan([(*shape[k], _PACKED_KINDS[k]) for k in kinds], 2)
     layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
                                                                         mp.parts)}
     return mp, layout

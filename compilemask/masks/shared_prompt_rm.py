@@ -51,7 +51,7 @@ def random_meta(batch_size: int, seqlen: int, gen: torch.Generator | None = None
 
 
 def bench_meta(batch: int, seqlen: int, seed: int = 0) -> dict:
-    """At scale: a prompt of about a quarter, six responses of about an eighth each, jittered;
+    """At scale: a prompt of about S / 4, six responses of about S / 8 each, jittered;
     the last one ends at the end of the sequence."""
     g = torch.Generator().manual_seed(seed)
     ends = [jitter(g, batch, seqlen, 0.25, 0.05)]
