@@ -65,7 +65,11 @@ def test_whole_mask_predicate_equals_the_dense_mask():
 
     import compilemask as cm
     from compilemask import masks
-    from compilemask.codegen.cute_mask_mod import mask_mod_source, whole_mask_predicate
+    from compilemask.codegen.cute_mask_mod import (
+        aux_tensors,
+        mask_mod_source,
+        whole_mask_predicate,
+    )
 
     def when_even(i):
         return i < split  # noqa: F821
@@ -94,4 +98,13 @@ def test_whole_mask_predicate_equals_the_dense_mask():
         got = torch.tensor([[fn(a, b, *[vals[n] for n in mask.scalar_params], None, 0, S - 1)
                              for b in range(S)] for a in range(S)])
         assert torch.equal(got, dense), (split, stop)
-    assert whole_mask_predicate(cm.compile_mask(masks.hstu())) is None
+        # the mask_mod reads params as aux_tensors[0]; no Interval Table, no row_region
+        (aux,) = aux_tensors(mask.preprocess(meta, S, backend="torch", batch_size=1))
+        assert aux.shape == (1, 2) and aux.tolist() == [[split, stop]]
+    assert "params = aux_tensors[0]" in mask_mod_source(mask)
+    dilated = cm.compile_mask(masks.dilated_causal())
+    assert aux_tensors(dilated.preprocess({}, S, backend="torch")) is None
+    assert "aux_tensors[" not in mask_mod_source(dilated)
+    hstu = cm.compile_mask(masks.hstu())
+    assert whole_mask_predicate(hstu) is None
+    assert "intervals = aux_tensors[0]" in mask_mod_source(hstu)
