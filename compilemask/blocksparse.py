@@ -161,8 +161,8 @@ def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = Fal
     raise ValueError(f"backend must be 'torch' or 'tilelang', got {backend!r}")
 
 
-# kind -> the bitmap it reads (0: fwd_bitmap, 1: bwd_bitmap), as ``descriptor_lists`` does
-_PACKED_KINDS = {"fwd": 0, "bwd64": 1, "bwd128": 0}
+# kind -> the bitmap it reads, as ``descriptor_lists`` does
+_PACKED_KINDS = {"fwd": "fwd", "bwd64": "bwd", "bwd128": "fwd"}
 
 
 class PackedLists:
@@ -200,8 +200,9 @@ def descriptor_packed_lists(desc, kinds=("fwd", "bwd64", "bwd128")) -> PackedLis
     got = _PACKED_PLANS.get(key)  # this runs in every preprocess: plan once per shape
     if got is None:
         got = _PACKED_PLANS[key] = _packed_plan(*key)
-    mp, layout = got
-    buf = block_sparse_multi((desc.fwd_bitmap, desc.bwd_bitmap), mp)
+    mp, layout, reads = got
+    bitmaps = {"fwd": desc.fwd_bitmap, "bwd": desc.bwd_bitmap}
+    buf = block_sparse_multi(tuple(bitmaps[r] for r in reads), mp)
     return PackedLists(buf, desc.batch_size, layout)
 
 
@@ -218,10 +219,11 @@ def _packed_plan(fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, kinds):
     for kind in kinds:
         if kind not in _PACKED_KINDS:
             raise ValueError(f"kind must be one of {sorted(_PACKED_KINDS)}, got {kind!r}")
-    mp = multi_plan([(*shape[k], _PACKED_KINDS[k]) for k in kinds], 2)
+    reads = tuple(dict.fromkeys(_PACKED_KINDS[k] for k in kinds))  # the bitmaps, in order
+    mp = multi_plan([(*shape[k], reads.index(_PACKED_KINDS[k])) for k in kinds], len(reads))
     layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
                                                                         mp.parts)}
-    return mp, layout
+    return mp, layout, reads
 
 
 def attach_lists(desc):

@@ -220,6 +220,12 @@ def test_c_target_packed_equals_reference(masks, name):
                                f"{name} {kind} via the descriptor")
         moved = dataclasses.replace(d, block_lists=dict.fromkeys(packed.kinds, packed)).to("cpu")
         assert_lists_equal(descriptor_lists(d), moved.block_sparse("fwd"), "moved")
+    for kinds in (("bwd64",), ("bwd128", "fwd")):  # a subset: only the bitmaps it reads
+        packed = descriptor_packed_lists(d, kinds)
+        for kind in kinds:
+            backward, fwd_tiling = dict(zip(("fwd", "bwd64", "bwd128"), PASSES))[kind]
+            assert_lists_equal(descriptor_lists(d, backward, forward_tiling=fwd_tiling),
+                               packed.view(kind), f"{name} {kinds} {kind}")
     with pytest.raises(ValueError, match="kind must be one of"):
         descriptor_packed_lists(d, ("fwd", "bwd32"))
 
