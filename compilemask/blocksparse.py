@@ -133,6 +133,18 @@ def to_dense_states(lists: BlockSparseLists) -> torch.Tensor:
     return dense
 
 
+def _pass(backward: bool, forward_tiling: bool, fwd_tiles, bwd_tiles, seqlen_q: int,
+          seqlen_k: int) -> tuple[str, int, int, bool]:
+    """Which bitmap a pass's lists read, their rows and columns, and whether by columns."""
+    fwd_m, fwd_n = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    if not backward:
+        return "fwd", fwd_m, fwd_n, False
+    if forward_tiling:
+        return "fwd", fwd_n, fwd_m, True
+    bwd_m, bwd_n = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
+    return "bwd", bwd_n, bwd_m, False
+
+
 def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = False,
                      backend: str = "torch") -> BlockSparseLists:
     """The lists of one pass of an ``ExecutionDescriptor``.
@@ -142,16 +154,12 @@ def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = Fal
     ``forward_tiling=True`` the same over ``desc.fwd_tiles`` (the forward bitmap by columns).
     backend: ``"torch"`` (this module) or ``"tilelang"`` (one kernel launch on the
     descriptor's device)."""
-    fwd_m, fwd_n = desc.fwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
-    if not backward:
-        if forward_tiling:
-            raise ValueError("forward_tiling applies to the backward lists")
-        bitmap, packed, transpose = desc.fwd_bitmap, fwd_n, False
-    elif forward_tiling:
-        bitmap, packed, transpose = desc.fwd_bitmap, fwd_n, True
-    else:
-        bwd_m, _ = desc.bwd_tiles.num_blocks(desc.seqlen_q, desc.seqlen_k)
-        bitmap, packed, transpose = desc.bwd_bitmap, bwd_m, False
+    if forward_tiling and not backward:
+        raise ValueError("forward_tiling applies to the backward lists")
+    which, rows, cols, transpose = _pass(backward, forward_tiling, desc.fwd_tiles,
+                                         desc.bwd_tiles, desc.seqlen_q, desc.seqlen_k)
+    bitmap = desc.fwd_bitmap if which == "fwd" else desc.bwd_bitmap
+    packed = rows if transpose else cols  # tiles along each bitmap row
     if backend == "torch":
         return lists_from_bitmap(bitmap, packed, transpose=transpose)
     if backend == "tilelang":
@@ -159,10 +167,6 @@ def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = Fal
 
         return block_sparse_lists(bitmap, packed, transpose=transpose)
     raise ValueError(f"backend must be 'torch' or 'tilelang', got {backend!r}")
-
-
-# kind -> the bitmap it reads, as ``descriptor_lists`` does
-_PACKED_KINDS = {"fwd": "fwd", "bwd64": "bwd", "bwd128": "fwd"}
 
 
 class PackedLists:
@@ -211,16 +215,14 @@ _PACKED_PLANS: dict = {}
 
 def _packed_plan(fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, kinds):
     from compilemask.codegen.blocksparse import multi_plan
+    from compilemask.descriptor import LIST_KINDS
 
-    fwd_m, fwd_n = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
-    bwd_m, bwd_n = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
-    shape = {"fwd": (fwd_m, fwd_n, False), "bwd64": (bwd_n, bwd_m, False),
-             "bwd128": (fwd_n, fwd_m, True)}
     for kind in kinds:
-        if kind not in _PACKED_KINDS:
-            raise ValueError(f"kind must be one of {sorted(_PACKED_KINDS)}, got {kind!r}")
-    reads = tuple(dict.fromkeys(_PACKED_KINDS[k] for k in kinds))  # the bitmaps, in order
-    mp = multi_plan([(*shape[k], reads.index(_PACKED_KINDS[k])) for k in kinds], len(reads))
+        if kind not in LIST_KINDS:
+            raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
+    passes = [_pass(*LIST_KINDS[k], fwd_tiles, bwd_tiles, seqlen_q, seqlen_k) for k in kinds]
+    reads = tuple(dict.fromkeys(which for which, *_ in passes))  # the bitmaps, in order
+    mp = multi_plan([(r, c, t, reads.index(which)) for which, r, c, t in passes], len(reads))
     layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
                                                                         mp.parts)}
     return mp, layout, reads

@@ -63,10 +63,10 @@ if TYPE_CHECKING:
     from compilemask.compiled import CompiledMask
 
 __all__ = ["TileConfig", "ExecutionDescriptor", "DescriptorArgs", "make_descriptor",
-           "descriptor_shapes", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED", "TILE_FULL",
-           "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD", "TILE_WORD_SHIFT",
-           "bitmap_words", "bitmap_shape", "tile_word", "tile_shift", "state_in_word",
-           "is_partial", "in_interval"]
+           "descriptor_shapes", "LIST_KINDS", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED",
+           "TILE_FULL", "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD",
+           "TILE_WORD_SHIFT", "bitmap_words", "bitmap_shape", "tile_word", "tile_shift",
+           "state_in_word", "is_partial", "in_interval"]
 
 # ----------------------------------------------------------------------------------------------
 # Layout: tile states, bitmap words and the interval test. Every producer and reader (torch,
@@ -122,7 +122,7 @@ def in_interval(j, start, length):
 
 
 # block_sparse(kind) -> (backward, over the forward tiling)
-_LIST_KINDS = {"fwd": (False, False), "bwd64": (True, False), "bwd128": (True, True)}
+LIST_KINDS = {"fwd": (False, False), "bwd64": (True, False), "bwd128": (True, True)}
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,9 @@ class ExecutionDescriptor:
         if kind not in cache:
             from compilemask.blocksparse import descriptor_lists
 
-            if kind not in _LIST_KINDS:
-                raise ValueError(f"kind must be one of {sorted(_LIST_KINDS)}, got {kind!r}")
-            backward, forward_tiling = _LIST_KINDS[kind]
+            if kind not in LIST_KINDS:
+                raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
+            backward, forward_tiling = LIST_KINDS[kind]
             if kind == "bwd64" and (self.bwd_tiles.tile_m, self.bwd_tiles.tile_n) != (64, 128):
                 raise ValueError(f"bwd64 lists need 64x128 backward tiles, got {self.bwd_tiles}")
             backend = "tilelang" if self.device.type == "cuda" else "torch"
