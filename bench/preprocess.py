@@ -91,6 +91,23 @@ def time_host(fn, reps=200, warmup=5):
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def kernel_times(fn, calls=20):
+    """(kernel name, mean device time in us) of every kernel ``fn`` launches, by the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            out[e.name] = out.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
 @contextlib.contextmanager
 def _without_lists():
     """Descriptors without FA4's tile lists (the Interval Table and bitmaps only)."""
@@ -125,6 +142,8 @@ def main():
     ap.add_argument("--flex-masks", default="hstu,shared_prompt_rm,clear,causal")
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--masks", default="", help="only these workloads (comma-separated)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the device time of every kernel of a bound call (torch.profiler)")
     ap.add_argument("--sweep", default="",
                     help="threads:row_map[:vec] variants, e.g. 512:linear,512:linear:vec: device "
                          "time per variant (hstu, clear, clear_r1w16; 1K, 16K, 32K); vec: "
@@ -139,7 +158,7 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask
 
         cbm = torch.compile(create_block_mask, dynamic=False)  # as bench/attention.py
-    rows = []
+    rows, kernels = [], []
     only = [x for x in args.masks.split(",") if x]
     for name, (spec, make) in workloads.items():
         if only and name not in only:
@@ -180,7 +199,9 @@ def main():
             rows.append((name, S, B, m.num_intervals, t_gen, t_bound, t_dev, nbytes, flex, same,
                          t_bound_nl, t_dev_nl))
             print(rows[-1], flush=True)
-            write(args, rows, [])
+            if args.kernels:
+                kernels += [(name, S, k, us) for k, us in kernel_times(bound)]
+            write(args, rows, [], kernels)
     sweep = []
     if args.sweep:
         from compilemask.codegen import preprocess as tlp
@@ -199,12 +220,12 @@ def main():
                     t = time_graph(lambda pre=pre, meta=meta: pre(meta))
                     sweep.append((variant.replace(":", " "), name, S, B, t))
                     print(sweep[-1], flush=True)
-            write(args, rows, sweep)
+            write(args, rows, sweep, kernels)
         tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES = default
-    write(args, rows, sweep)
+    write(args, rows, sweep, kernels)
 
 
-def write(args, rows, sweep):
+def write(args, rows, sweep, kernels=()):
     from compilemask.codegen import preprocess as tlp
 
     gpu = torch.cuda.get_device_name()
@@ -247,6 +268,10 @@ def write(args, rows, sweep):
                   "replay):", "", "| threads, row map | mask | S | B | us |",
                   "|---|---|---|---|---|"]
         lines += [f"| {th} | {n} | {S} | {B} | {t:.1f} |" for th, n, S, B, t in sweep]
+    if kernels:
+        lines += ["", "Device time of each kernel of one bound call (torch.profiler, mean of 20 "
+                  "calls):", "", "| mask | S | kernel | us |", "|---|---|---|---|"]
+        lines += [f"| {n} | {S} | `{k[:70]}` | {us:.1f} |" for n, S, k, us in kernels]
     text = "\n".join(lines) + "\n"
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"preprocess_{date}.md")
