@@ -9,10 +9,11 @@ Modules: one kernel class each in ``flash_fwd`` (the forward, mma.sync and singl
 and ``flash_bwd_sm90`` (the warp-specialized wgmma backward); ``bwd_aux`` (the backward's pre-
 and postprocess kernels); ``interface`` (compile cache and launch: ``compile_flash_fwd``,
 ``flash_fwd``, ``compile_flash_bwd``, ``flash_bwd``), ``config`` (the compile-time configs),
-``fallback`` (the fallback predicates), and the pieces the kernels share: ``block_info``
-(bitmap-row tile scans), ``mask`` (the interval mask of a score tile), ``named_barrier``
-(barrier ids), ``common`` (layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the
-custom ops) and ``fa4`` (the flash-attn-4 engines).
+``fallback`` (the fallback predicates), and the pieces the kernels share:
+``descriptor_tensors`` (the descriptor as one kernel argument), ``block_info`` (bitmap-row tile
+scans), ``mask`` (the interval mask of a score tile), ``named_barrier`` (barrier ids),
+``common`` (layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the custom ops)
+and ``fa4`` (the flash-attn-4 engines).
 """
 
 from __future__ import annotations

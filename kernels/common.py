@@ -277,17 +277,6 @@ def fake_tensor(dtype, shape, d=1, align=16):
     return make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def fake_descriptor_args(B, Sq, num_intervals: int):
-    """Fake descriptor tensors: intervals, bitmap, row_region, params, row_params."""
-    sym = cute.sym_int
-    intervals = fake_tensor(Int32, (B, Sq, 2 * num_intervals), 1, 4)
-    bitmap = fake_tensor(Int32, (B, sym(), sym()), 1, 4)
-    row_region = fake_tensor(Int32, (B, Sq), 1, 4)
-    params = fake_tensor(Int32, (B, sym()), 1, 4)
-    row_params = fake_tensor(Int32, (B, Sq, sym()), 1, 4)
-    return intervals, bitmap, row_region, params, row_params
-
-
 def compile_kernel(kernel, args, gpu_arch=None, extra_options: str = "", with_scale: bool = True):
     """``cute.compile`` of a kernel object over fake ``args`` (+ a float32 scale when
     ``with_scale``, and the TVM-FFI environment stream); ``gpu_arch`` (e.g. "sm_90a") needs no

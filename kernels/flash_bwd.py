@@ -70,6 +70,7 @@ from .common import (
     tiled_copy_g2s_16B,
 )
 from .config import DTYPES, FlashBwdConfig
+from .descriptor_tensors import DescriptorTensors
 from .mask import SharedRows
 
 __all__ = ["FlashBwd"]
@@ -159,11 +160,7 @@ class FlashBwd:
         mdQaccum: cute.Tensor,  # (B, Sq, H, D) float32, zeroed
         mdK: cute.Tensor,  # (B, Sk, Hkv, D)
         mdV: cute.Tensor,  # (B, Sk, Hkv, D)
-        mIntervals: cute.Tensor,  # (B, Sq, 2K) int32
-        mBitmap: cute.Tensor,  # (B, n_n, W) int32  backward bitmap
-        mRowRegion: cute.Tensor,  # (B, Sq) int32
-        mParams: cute.Tensor,  # (B, max(P,1)) int32
-        mRowParams: cute.Tensor,  # (B, Sq, max(R,1)) int32
+        desc: DescriptorTensors,  # bitmap: the backward one, (B, n_n, W)
         softmax_scale: Float32,
         stream,
     ):
@@ -225,11 +222,7 @@ class FlashBwd:
             mdQaccum,
             mdK,
             mdV,
-            mIntervals,
-            mBitmap,
-            mRowRegion,
-            mParams,
-            mRowParams,
+            desc,
             softmax_scale,
             sQ_layout,
             sKV_layout,
@@ -273,11 +266,7 @@ class FlashBwd:
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,
         softmax_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -298,7 +287,7 @@ class FlashBwd:
         (
             n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
             kv_ragged, mBitmapRow,
-        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
+        ) = self._cta_coords(mQ, mK, desc.bitmap, softmax_scale)
 
         # ---- shared memory ------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
@@ -379,15 +368,14 @@ class FlashBwd:
         # scalar params of the fallback predicate: once per CTA
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
-            rP[p] = mParams[batch_idx, p]
+            rP[p] = desc.params[batch_idx, p]
         # raw row metadata of the prefetched q tile (thread tidx < tm owns row tidx)
         rMf = cute.make_rmem_tensor((2,), Float32)  # lse, dPsum
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)  # (start, len) * K, region, params
 
         # ---- work list: (query head g of the group, non-empty q tile m_block) ---------------
         # Masks are per sequence, so every query head walks the same q tiles.
-        loads = (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum,
-                 mIntervals, mRowRegion, mRowParams)
+        loads = (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, desc)
         sMeta = (sLSE, sdPsum, sInt, sFb, sRowP)
         has_work, first_m, head0 = self._work_start(
             loads, sMeta, mBitmapRow, m_blocks, batch_idx, head_kv, group, seqlen_q, tidx
@@ -416,7 +404,7 @@ class FlashBwd:
                 rows = SharedRows(sInt[None, None, stage], sFb[None, stage],
                                   sRowP[None, None, stage], rP, self.K, self.cfg.num_params,
                                   self.cfg.num_row_params)
-                self.mask.apply(acc_S_mn, tScS_mn, rows, m_start, n_start, mRowParams,
+                self.mask.apply(acc_S_mn, tScS_mn, rows, m_start, n_start, desc.row_params,
                                 batch_idx, seqlen_q - 1)
             for r in cutlass.range_constexpr(n_rows):
                 lse_l2 = sLSE[tScS_mn[r, 0][0], stage]
@@ -656,11 +644,10 @@ class FlashBwd:
         """If ``pred``: cp.async Q/dO of work item (query head ``head0 + g``, or ``head0`` when
         ``g`` is None; q tile ``m_block``) into stage ``1 - cur_stage`` and load its row
         metadata into registers (the cp.async group is committed either way). ``loads``: (tiled
-        copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion,
-        mRowParams). With ``store_meta`` (the prologue) the metadata also goes to shared memory
+        copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, the descriptor tensors).
+        With ``store_meta`` (the prologue) the metadata also goes to shared memory
         ``sMeta`` at once; otherwise the caller stores it after the current tile's compute."""
-        (gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, mIntervals,
-         mRowRegion, mRowParams) = loads
+        gmem_tiled_copy, mQ, mdO, tQsQ, tdOsdO, tQcQ, rMf, rMi, mLSE, mdPsum, desc = loads
         tm = self.tile_m
         if pred:
             self._load_q_do(
@@ -670,9 +657,8 @@ class FlashBwd:
         cute.arch.cp_async_commit_group()
         if pred:
             self._load_meta(
-                rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx,
-                head0 if const_expr(g is None) else head0 + g, m_block * tm + tidx, seqlen_q,
-                tidx,
+                rMf, rMi, mLSE, mdPsum, desc, batch_idx,
+                head0 if const_expr(g is None) else head0 + g, m_block * tm + tidx, seqlen_q, tidx,
             )
             if const_expr(store_meta):
                 sLSE, sdPsum, sInt, sFb, sRowP = sMeta
@@ -701,10 +687,7 @@ class FlashBwd:
         )
 
     @cute.jit
-    def _load_meta(
-        self, rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams, batch_idx, head,
-        q_idx, seqlen_q, tidx,
-    ):
+    def _load_meta(self, rMf, rMi, mLSE, mdPsum, desc, batch_idx, head, q_idx, seqlen_q, tidx):
         """Raw loads of row ``q_idx``'s metadata into registers (used only after the next
         tile's compute, so the loads overlap it). Rows past ``Sq`` get lse -inf, intervals
         (0, 0), region -1."""
@@ -721,11 +704,11 @@ class FlashBwd:
             rMf[0] = mLSE[batch_idx, head, q_idx]
             rMf[1] = mdPsum[batch_idx, head, q_idx]
             for k in cutlass.range_constexpr(2 * K):
-                rMi[k] = mIntervals[batch_idx, q_idx, k]
+                rMi[k] = desc.intervals[batch_idx, q_idx, k]
             if const_expr(self.cfg.has_fallback):
-                rMi[2 * K] = mRowRegion[batch_idx, q_idx]
+                rMi[2 * K] = desc.row_region[batch_idx, q_idx]
                 for a in cutlass.range_constexpr(R):
-                    rMi[2 * K + 1 + a] = mRowParams[batch_idx, q_idx, a]
+                    rMi[2 * K + 1 + a] = desc.row_params[batch_idx, q_idx, a]
 
     @cute.jit
     def _store_meta(self, rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, stage, tidx):
@@ -765,14 +748,15 @@ class FlashBwd:
         return fb
 
     @cute.jit
-    def _copy_meta(self, sMeta, stage, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                   batch_idx, head, q_idx, seqlen_q, tidx):
+    def _copy_meta(self, sMeta, stage, mLSE, mdPsum, desc, batch_idx, head, q_idx, seqlen_q,
+                   tidx):
         """meta_async: thread ``tidx < tile_m`` starts 4-byte cp.async copies of row ``q_idx``'s
         raw metadata into shared memory ``stage`` (LSE, dPsum, the (start, len) slots, region,
         row params); :meth:`_finish_meta` completes them. No registers are held meanwhile."""
         K = self.K
         R = self.cfg.num_row_params
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
+        mIntervals, mRowRegion, mRowParams = desc.intervals, desc.row_region, desc.row_params
         if (tidx < self.tile_m) & (q_idx < seqlen_q):
             cp_async_4B(sLSE.iterator + cute.crd2idx((tidx, stage), sLSE.layout),
                         mLSE.iterator + cute.crd2idx((batch_idx, head, q_idx), mLSE.layout))

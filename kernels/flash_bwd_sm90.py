@@ -41,6 +41,7 @@ from .common import (
     wgmma_issue,
 )
 from .config import DTYPES, FlashBwdConfig
+from .descriptor_tensors import DescriptorTensors
 from .flash_bwd import FlashBwd
 from .mask import SharedRows
 from .named_barrier import NamedBarrierBwd
@@ -95,11 +96,7 @@ class FlashBwdSm90(FlashBwd):
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,  # bitmap: the backward one, (B, n_n, W)
         mdQsem: Optional[cute.Tensor],  # deterministic: (B, H, q tiles, 2) int32, zeros
         mRank: Optional[cute.Tensor],  # deterministic: (B, kv tiles, q tiles) int32
         softmax_scale: Float32,
@@ -188,10 +185,9 @@ class FlashBwdSm90(FlashBwd):
         self.tx_qdo = 2 * cute.size_in_bytes(dtype, sQ_one)
         self.tx_kv = 2 * cute.size_in_bytes(dtype, sKV_layout)
         self.kernel(
-            mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, mIntervals, mBitmap, mRowRegion,
-            mParams, mRowParams, mdQsem, mRank, softmax_scale, tma_atom_Q, tma_Q,
-            tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ_layout,
-            sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+            mQ, mK, mdO, mLSE, mdPsum, mdQaccum, mdK, mdV, desc, mdQsem, mRank, softmax_scale,
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            sQ_layout, sKV_layout, sdS_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
             SharedStorage,
         ).launch(
             grid=grid,
@@ -211,11 +207,7 @@ class FlashBwdSm90(FlashBwd):
         mdQaccum: cute.Tensor,
         mdK: cute.Tensor,
         mdV: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,
         mdQsem: Optional[cute.Tensor],
         mRank: Optional[cute.Tensor],
         softmax_scale: Float32,
@@ -248,7 +240,7 @@ class FlashBwdSm90(FlashBwd):
         (
             n_block, batch_idx, head_kv, group, seqlen_q, seqlen_k, m_blocks, n_start, scale_log2,
             kv_ragged, mBitmapRow,
-        ) = self._cta_coords(mQ, mK, mBitmap, softmax_scale)
+        ) = self._cta_coords(mQ, mK, desc.bitmap, softmax_scale)
         head0 = head_kv * group
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V):
@@ -329,9 +321,8 @@ class FlashBwdSm90(FlashBwd):
                                 tiled_mma_dq, cwg, mma_tidx)
             self._consumer(
                 f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
-                batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum,
-                mIntervals, mRowRegion, mRowParams, (sLSE, sdPsum, sInt, sFb, sRowP), cwg,
-                mma_tidx,
+                batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, desc, mLSE, mdPsum,
+                (sLSE, sdPsum, sInt, sFb, sRowP), cwg, mma_tidx,
             )
             self._store_dkv(
                 f.acc_dK, f.acc_dV, mdK, mdV, f.thr_dkv, softmax_scale, batch_idx, head_kv,
@@ -341,8 +332,7 @@ class FlashBwdSm90(FlashBwd):
     @cute.jit
     def _consumer(
         self, f, pipe_kv, pipe_qdo, has_work, first_m, mBitmapRow, m_blocks, group, head0,
-        batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, mParams, mLSE, mdPsum, mIntervals,
-        mRowRegion, mRowParams, sMeta, cwg, tidx,
+        batch_idx, n_start, seqlen_q, kv_ragged, scale_log2, desc, mLSE, mdPsum, sMeta, cwg, tidx,
     ):
         """The two wgmma warpgroups, one barrier per work item: S and dP are issued back to
         back; dV runs while dS is computed; after the one barrier of the two warpgroups (dS
@@ -358,19 +348,19 @@ class FlashBwdSm90(FlashBwd):
         sLSE, sdPsum, sInt, sFb, sRowP = sMeta
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
-            rP[p] = mParams[batch_idx, p]
+            rP[p] = desc.params[batch_idx, p]
         rMf = cute.make_rmem_tensor((2,), Float32)
         rMi = cute.make_rmem_tensor((2 * K + 1 + Rs,), Int32)
         async_meta = self.cfg.meta_async
         regs_meta = not async_meta
         if has_work:  # the first item's row metadata -> stage 0 (threads < tile_m, one row each)
             if const_expr(async_meta):
-                self._copy_meta(sMeta, 0, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+                self._copy_meta(sMeta, 0, mLSE, mdPsum, desc, batch_idx, head0,
+                                first_m * tm + tidx, seqlen_q, tidx)
                 self._finish_meta(sMeta, 0, first_m * tm + tidx, seqlen_q, tidx)
             if const_expr(regs_meta):
-                self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion, mRowParams,
-                                batch_idx, head0, first_m * tm + tidx, seqlen_q, tidx)
+                self._load_meta(rMf, rMi, mLSE, mdPsum, desc, batch_idx, head0,
+                                first_m * tm + tidx, seqlen_q, tidx)
                 self._store_meta(rMf, rMi, sLSE, sdPsum, sInt, sFb, sRowP, 0, tidx)
         cute.arch.barrier(barrier_id=int(NamedBarrierBwd.Mma), number_of_threads=self.num_threads)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -387,19 +377,18 @@ class FlashBwdSm90(FlashBwd):
             )
             if has_next:  # registers (or cp.async) now, shared memory before the item's barrier
                 if const_expr(async_meta):  # the previous item's barrier freed stage 1 - stage
-                    self._copy_meta(sMeta, 1 - stage, mLSE, mdPsum, mIntervals, mRowRegion,
-                                    mRowParams, batch_idx, head0 + g_next, m_next * tm + tidx,
-                                    seqlen_q, tidx)
+                    self._copy_meta(sMeta, 1 - stage, mLSE, mdPsum, desc, batch_idx,
+                                    head0 + g_next, m_next * tm + tidx, seqlen_q, tidx)
                 if const_expr(regs_meta):
-                    self._load_meta(rMf, rMi, mLSE, mdPsum, mIntervals, mRowRegion,
-                                    mRowParams, batch_idx, head0 + g_next, m_next * tm + tidx,
-                                    seqlen_q, tidx)
+                    self._load_meta(rMf, rMi, mLSE, mdPsum, desc, batch_idx, head0 + g_next,
+                                    m_next * tm + tidx, seqlen_q, tidx)
             state = tile_state(mBitmapRow, m_block)
             need_mask = is_partial(state) | kv_ragged
             pipe_qdo.consumer_wait(q_state)
 
             self._item(f, stage, need_mask, has_next, sMeta, rP, rMf, rMi, m_start, n_start,
-                       mRowParams, batch_idx, seqlen_q, scale_log2, cwg, tidx, m_next * tm + tidx)
+                       desc.row_params, batch_idx, seqlen_q, scale_log2, cwg, tidx,
+                       m_next * tm + tidx)
             pipe_qdo.consumer_release(q_state)  # every read of Q and dO has completed
             q_state.advance()
             g = g_next

@@ -59,6 +59,7 @@ from .common import (
     wgmma,
 )
 from .config import DTYPES, FlashFwdConfig
+from .descriptor_tensors import DescriptorTensors
 from .mask import RegisterRows, column_pattern
 
 __all__ = ["FlashFwd", "make_sm90_tiled_mmas"]
@@ -142,11 +143,7 @@ class FlashFwd:
         mV: cute.Tensor,  # (B, Sk, Hkv, D)
         mO: cute.Tensor,  # (B, Sq, H, D)
         mLSE: cute.Tensor,  # (B, H, Sq) float32
-        mIntervals: cute.Tensor,  # (B, Sq, 2K) int32
-        mBitmap: cute.Tensor,  # (B, n_m, W) int32
-        mRowRegion: cute.Tensor,  # (B, Sq) int32
-        mParams: cute.Tensor,  # (B, max(P,1)) int32
-        mRowParams: cute.Tensor,  # (B, Sq, max(R,1)) int32
+        desc: DescriptorTensors,  # bitmap: the forward one, (B, n_m, W)
         softmax_scale_log2: Float32,
         stream,
     ):
@@ -209,11 +206,7 @@ class FlashFwd:
             mV,
             mO,
             mLSE,
-            mIntervals,
-            mBitmap,
-            mRowRegion,
-            mParams,
-            mRowParams,
+            desc,
             softmax_scale_log2,
             sQ_layout,
             sKV_layout,
@@ -251,11 +244,7 @@ class FlashFwd:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,
         softmax_scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -282,7 +271,7 @@ class FlashFwd:
         gQ = cute.local_tile(mQ[batch_idx, None, head_idx, None], (self.tile_m, D), (m_block, 0))
         gK = cute.local_tile(mK[batch_idx, None, head_kv, None], (self.tile_n, D), (None, 0))
         gV = cute.local_tile(mV[batch_idx, None, head_kv, None], (self.tile_n, D), (None, 0))
-        mBitmapRow = mBitmap[batch_idx, m_block, None]
+        mBitmapRow = desc.bitmap[batch_idx, m_block, None]
 
         # ---- shared memory ------------------------------------------------------------------
         smem = cutlass.utils.SmemAllocator()
@@ -352,9 +341,7 @@ class FlashFwd:
             )
 
         # ---- per-row descriptor data, loaded once per q tile ------------------------------
-        row_data = self._load_row_data(
-            mIntervals, mRowRegion, mParams, mRowParams, tScS_mn, batch_idx, m_start, seqlen_q
-        )
+        row_data = self._load_row_data(desc, tScS_mn, batch_idx, m_start, seqlen_q)
 
         # ---- softmax state ------------------------------------------------------------------
         row_max = cute.make_rmem_tensor((n_rows,), Float32)
@@ -396,7 +383,7 @@ class FlashFwd:
             state = tile_state(mBitmapRow, n_block)
             acc_S_mn = self._mask_tile(
                 acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
-                mRowParams, batch_idx,
+                desc.row_params, batch_idx,
             )
 
             # ---- online softmax --------------------------------------------------------------
@@ -437,10 +424,9 @@ class FlashFwd:
                 cute.copy(gmem_tiled_copy_O, tOrO[None, r, None], tOgO[None, r, None])
 
     @cute.jit
-    def _load_row_data(
-        self, mIntervals, mRowRegion, mParams, mRowParams, tScS_mn, batch_idx, m_start, seqlen_q
-    ):
-        """The q tile's interval rows (as start/end), fallback slots and params, in registers."""
+    def _load_row_data(self, desc, tScS_mn, batch_idx, m_start, seqlen_q):
+        """The q tile's interval rows (as start/end), fallback slots and params, in registers
+        (from the descriptor tensors ``desc``)."""
         K = self.K
         n_rows = cute.size(tScS_mn, mode=[0])
         rInt = cute.make_rmem_tensor((n_rows, 2 * K), Int32)
@@ -450,7 +436,7 @@ class FlashFwd:
         rRowP = cute.make_rmem_tensor((n_rows, max(R, 1)), Int32)
         rP = cute.make_rmem_tensor((max(P, 1),), Int32)
         for p in cutlass.range_constexpr(P):
-            rP[p] = mParams[batch_idx, p]
+            rP[p] = desc.params[batch_idx, p]
         for r in cutlass.range_constexpr(n_rows):
             q_idx = m_start + tScS_mn[r, 0][0]
             in_range = q_idx < seqlen_q
@@ -465,16 +451,16 @@ class FlashFwd:
                 # 0 <= start, len < 2^31 (the DSL's wrapping-free integer ops do not keep
                 # the unsigned trick intact: LLVM turned it into a signed compare)
                 for k in cutlass.range_constexpr(K):
-                    st = mIntervals[batch_idx, q_idx, 2 * k]
+                    st = desc.intervals[batch_idx, q_idx, 2 * k]
                     rInt[r, 2 * k] = st
-                    rInt[r, 2 * k + 1] = st + mIntervals[batch_idx, q_idx, 2 * k + 1]
+                    rInt[r, 2 * k + 1] = st + desc.intervals[batch_idx, q_idx, 2 * k + 1]
                 if const_expr(self.cfg.has_fallback):
-                    region = mRowRegion[batch_idx, q_idx]
+                    region = desc.row_region[batch_idx, q_idx]
                     for slot in cutlass.range_constexpr(len(self.cfg.fallback_regions)):
                         if region == self.cfg.fallback_regions[slot]:
                             rFb[r] = slot
                     for k in cutlass.range_constexpr(R):
-                        rRowP[r, k] = mRowParams[batch_idx, q_idx, k]
+                        rRowP[r, k] = desc.row_params[batch_idx, q_idx, k]
 
         return rInt, rFb, rP, rRowP
 

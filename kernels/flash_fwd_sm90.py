@@ -47,6 +47,7 @@ from .common import (
     wgmma_issue,
 )
 from .config import FlashFwdConfig
+from .descriptor_tensors import DescriptorTensors
 from .flash_fwd import FlashFwd, make_sm90_tiled_mmas
 from .named_barrier import NamedBarrierFwd
 
@@ -83,11 +84,7 @@ class FlashFwdSm90(FlashFwd):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,  # bitmap: the forward one, (B, n_m, W)
         softmax_scale_log2: Float32,
         stream,
     ):
@@ -139,11 +136,7 @@ class FlashFwdSm90(FlashFwd):
             tma_atom_V,
             mO,
             mLSE,
-            mIntervals,
-            mBitmap,
-            mRowRegion,
-            mParams,
-            mRowParams,
+            desc,
             softmax_scale_log2,
             sQ_layout,
             sKV_layout,
@@ -201,11 +194,7 @@ class FlashFwdSm90(FlashFwd):
         tma_atom_V: cute.CopyAtom,
         mO: cute.Tensor,  # (B, Sq, H, D)
         mLSE: cute.Tensor,
-        mIntervals: cute.Tensor,
-        mBitmap: cute.Tensor,
-        mRowRegion: cute.Tensor,
-        mParams: cute.Tensor,
-        mRowParams: cute.Tensor,
+        desc: DescriptorTensors,
         softmax_scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -227,7 +216,7 @@ class FlashFwdSm90(FlashFwd):
         seqlen_k = seq.seqlen_k
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         m_start = m_block * self.tile_m
-        mBitmapRow = mBitmap[batch_idx, m_block, None]
+        mBitmapRow = desc.bitmap[batch_idx, m_block, None]
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_Q)
@@ -311,16 +300,7 @@ class FlashFwdSm90(FlashFwd):
             )
             tOcO_mn = _acc_mn(thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D))))
             n_rows = cute.size(tScS_mn, mode=[0])
-            row_data = self._load_row_data(
-                mIntervals,
-                mRowRegion,
-                mParams,
-                mRowParams,
-                tScS_mn,
-                batch_idx,
-                m_start,
-                seqlen_q,
-            )
+            row_data = self._load_row_data(desc, tScS_mn, batch_idx, m_start, seqlen_q)
             row_max = cute.make_rmem_tensor((n_rows,), Float32)
             row_sum = cute.make_rmem_tensor((n_rows,), Float32)
             row_max.fill(-Float32.inf)
@@ -339,7 +319,7 @@ class FlashFwdSm90(FlashFwd):
                     acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
                     acc_S_mn = self._mask_tile(
                         acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
-                        mRowParams, batch_idx,
+                        desc.row_params, batch_idx,
                     )
                     self._online_softmax(acc_S_mn, acc_O, row_max, row_sum, softmax_scale_log2)
                     tOrP = self._p_operand(acc_S)
@@ -370,7 +350,7 @@ class FlashFwdSm90(FlashFwd):
                     acc_S = self._qk_wait(pipe_k, kv_state, tiled_mma_qk, tSrQ, tSrK, acc_shape_S)
                     acc_S_mn = self._mask_tile(
                         acc_S, state, n_block, tScS_mn, row_data, m_start, seqlen_q, seqlen_k,
-                        mRowParams, batch_idx,
+                        desc.row_params, batch_idx,
                     )
                     self._softmax_rows(acc_S_mn, row_max, row_sum, row_scale, softmax_scale_log2)
                     rPt.store(acc_S.load().to(self.dtype))
@@ -385,7 +365,7 @@ class FlashFwdSm90(FlashFwd):
                         tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tOrP=tOrP,
                         rPt=rPt, acc_O=acc_O, acc_shape_S=acc_shape_S, pingpong=pingpong,
                         cwg=cwg, tScS_mn=tScS_mn, row_data=row_data, m_start=m_start,
-                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, mRowParams=mRowParams,
+                        seqlen_q=seqlen_q, seqlen_k=seqlen_k, mRowParams=desc.row_params,
                         batch_idx=batch_idx, row_max=row_max, row_sum=row_sum,
                         row_scale=row_scale, softmax_scale_log2=softmax_scale_log2,
                     )

@@ -21,11 +21,11 @@ from .bwd_aux import AuxConfig, compile_aux
 from .common import (
     compile_cache_key,
     compile_kernel,
-    fake_descriptor_args,
     fake_tensor,
     fallback_predicates,
 )
 from .config import FlashBwdConfig, FlashFwdConfig
+from .descriptor_tensors import DescriptorTensors, DescriptorTensorsTorch
 from .fallback import Fallback
 from .flash_bwd import FlashBwd
 from .flash_bwd_sm90 import FlashBwdSm90
@@ -78,7 +78,7 @@ def make_fake_args_fwd(cfg: FlashFwdConfig):
     v = t(dt, (B, Sk, Hkv, cfg.head_dim), div)
     o = t(dt, (B, Sq, H, cfg.head_dim), div)
     lse = t(Float32, (B, H, Sq), 1, 4)
-    return (q, k, v, o, lse) + fake_descriptor_args(B, Sq, cfg.num_intervals)
+    return q, k, v, o, lse, DescriptorTensors.fake(B, Sq, cfg.num_intervals)
 
 
 def compile_flash_fwd(
@@ -195,19 +195,9 @@ def flash_fwd(
         raise ValueError("out must have a unit-stride head dim and 16-byte aligned strides")
     if lse is None:
         lse = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
-    iv = intervals.to(torch.int32).contiguous().view(B, Sq, 2 * Kslots)
-    bm = fwd_bitmap.to(torch.int32).contiguous()
-    if row_region is None:
-        row_region = torch.full((B, Sq), -1, dtype=torch.int32, device=dev)
-    rr = row_region.to(torch.int32).contiguous()
-    if params is None or params.numel() == 0:
-        params = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    if row_params is None or row_params.numel() == 0:
-        row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
-    pr = params.to(torch.int32).contiguous()
-    rp = row_params.to(torch.int32).contiguous()
+    desc = DescriptorTensorsTorch.of(B, intervals, fwd_bitmap, row_region, params, row_params)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    fn(q, k, v, out, lse, iv, bm, rr, pr, rp, float(scale * math.log2(math.e)))
+    fn(q, k, v, out, lse, desc, float(scale * math.log2(math.e)))
     return out, lse
 
 
@@ -234,9 +224,8 @@ def make_fake_args_bwd(cfg: FlashBwdConfig):
         dq_accum = t(Float32, (B, Sq, H, D), 4, 16)
     dk = t(dt, (B, Sk, Hkv, D), div)
     dv = t(dt, (B, Sk, Hkv, D), div)
-    args = (q, k, v, do, lse, dpsum, dq_accum, dk, dv) + fake_descriptor_args(
-        B, Sq, cfg.num_intervals
-    )
+    args = (q, k, v, do, lse, dpsum, dq_accum, dk, dv,
+            DescriptorTensors.fake(B, Sq, cfg.num_intervals))
     if cfg.arch >= 90:  # the dQ semaphores and kv-tile ranks of the deterministic kernel
         det = cfg.deterministic
         args += (t(Int32, (B, H, sym(), 2), 1, 4) if det else None,
@@ -387,26 +376,16 @@ def flash_bwd(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # a descriptor made for batch 1 (masks without per-sequence metadata) is broadcast
-    iv = intervals.to(torch.int32).contiguous().view(-1, Sq, 2 * Kslots).expand(B, -1, -1)
-    bm = bwd_bitmap.to(torch.int32).contiguous().expand(B, -1, -1)
-    if row_region is None:
-        row_region = torch.full((B, Sq), -1, dtype=torch.int32, device=dev)
-    rr = row_region.to(torch.int32).contiguous().expand(B, -1)
-    if params is None or params.numel() == 0:
-        params = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    if row_params is None or row_params.numel() == 0:
-        row_params = torch.zeros(B, Sq, 1, dtype=torch.int32, device=dev)
-    pr = params.to(torch.int32).contiguous().expand(B, -1)
-    rp = row_params.to(torch.int32).contiguous().expand(B, -1, -1)
+    desc = DescriptorTensorsTorch.of(B, intervals, bwd_bitmap, row_region, params, row_params)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     det_args = ()
     if cfg.arch >= 90:
         det_args = (None, None)
         if deterministic:  # per dQ tile half: adds done; per (kv tile, q tile): adds before it
-            nonempty = (unpack_bitmap(bm, n_m) & 1).to(torch.int32)  # [B, n_n, n_m]
+            nonempty = (unpack_bitmap(desc.bitmap, n_m) & 1).to(torch.int32)  # [B, n_n, n_m]
             rank = (torch.cumsum(nonempty, dim=1, dtype=torch.int32) - nonempty).contiguous()
             det_args = (torch.zeros(B, H, n_m, 2, dtype=torch.int32, device=dev), rank)
-    fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, iv, bm, rr, pr, rp, *det_args, float(scale))
+    fn(q, k, v, dout, lse, dpsum, dq_accum, dk, dv, desc, *det_args, float(scale))
     # postprocess: dQ = scale * dq_accum, in the input dtype (bulk: gathered from the fragment
     # order in the same pass)
     if cfg.dq_reduce == "bulk":

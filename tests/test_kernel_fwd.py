@@ -112,6 +112,32 @@ def test_compile_sm80_path(sm90_env):
     assert compile_flash_fwd(_cfg("fp16", 64, 2, arch=80), gpu_arch=sm90_env) is not None
 
 
+def test_launch_descriptor_tensors():
+    # the host side of the one descriptor argument: what a launch passes, field for field
+    from compilemask.kernels.descriptor_tensors import DescriptorTensors, DescriptorTensorsTorch
+
+    B, Sq, K = 3, 10, 2
+    iv = torch.arange(Sq * K * 2, dtype=torch.int64).view(1, Sq, K, 2)
+    bm = torch.ones(1, 4, 1, dtype=torch.int32)
+    d = DescriptorTensorsTorch.of(B, iv, bm)
+    assert d._fields == DescriptorTensors._fields
+    assert [tuple(t.shape) for t in d] == [(B, Sq, 2 * K), (B, 4, 1), (B, Sq), (B, 1), (B, Sq, 1)]
+    assert all(t.dtype == torch.int32 and t.stride(-1) == 1 for t in d)
+    assert torch.equal(d.intervals[2], iv.view(Sq, 2 * K).int())
+    assert d.intervals.stride(0) == 0 and d.bitmap.stride(0) == 0  # batch 1: broadcast, no copy
+    assert (d.row_region == -1).all() and not d.params.any() and not d.row_params.any()
+    # per-sequence tensors of the batch are passed as they are
+    rr = torch.zeros(B, Sq, dtype=torch.int32)
+    pr = torch.tensor([[5], [6], [7]], dtype=torch.int32)
+    rp = torch.zeros(B, Sq, 2, dtype=torch.int32)
+    d = DescriptorTensorsTorch.of(B, iv.expand(B, -1, -1, -1), bm.expand(B, -1, -1), rr, pr, rp)
+    assert d.row_region.data_ptr() == rr.data_ptr()
+    assert d.params[:, 0].tolist() == [5, 6, 7] and d.row_params.shape == (B, Sq, 2)
+    assert d.intervals.stride(0) == Sq * 2 * K
+    fake = DescriptorTensors.fake(cute.sym_int(), cute.sym_int(), K)
+    assert [len(t.shape) for t in fake] == [t.dim() for t in d]
+
+
 def test_hdim256_not_implemented():
     q = torch.zeros(1, 8, 1, 256, dtype=torch.bfloat16)
     iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
