@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session's steps (see README "GPU"): run from the repository root after
+# The steps of one lease of the GPU machine (see README "GPU"): run from the repository root after
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it. To run the GPU tests in
 # parallel processes, carry pytest-xdist's wheels in .whl/ (git-ignored) with the call:

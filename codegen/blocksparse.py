@@ -67,11 +67,9 @@ __all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
            "multi_kernel", "block_sparse_multi"]
 
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-# Thread layout, from a sweep on the H200 at 128K tokens (1024 x 1024 and 1024 x 2048 tiles,
-# bench/blocksparse.py): one word per thread and up to 64 threads per row (chunks of 1024 tiles)
-# beat 32 threads of 2 words (fwd 6.4 -> 5.1 us, bwd 9.0 -> 6.9 us on random states); the
-# transposed read prefers 8 rows per block of 32 threads (8.8 -> 6.9 us): fewer blocks load each
-# bitmap column.
+# Thread layout (bench/blocksparse.py; docs/decisions/preprocess.md): one word per thread and
+# up to 64 threads per row (chunks of 1024 tiles) beat 32 threads of 2 words; the transposed
+# read prefers 8 rows per block of 32 threads: fewer blocks load each bitmap column.
 _THREADS = 256  # per block: RPB rows of TPR threads
 _MAX_TPR = 64  # threads per list row
 _MAX_TPR_TRANSPOSED = 32

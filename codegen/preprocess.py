@@ -19,8 +19,8 @@ When the tilings nest (same ``tile_n``, forward ``tile_m`` a multiple of the bac
 the defaults 128x128 / 64x128 do) only the backward counters are kept: a forward tile is the
 union of ``SUB`` backward tiles, so its visible and covered row counts are their sums. That halves
 the shared-memory atomics of stage 1 and the shared memory, which buys a 256-tile chunk: at 32K
-one block per 1024 rows, as at 16K, instead of two that each recompute the rows (H200, 128K
-tokens at 32K: HSTU 15.3 -> 9.9 us, CLEAR with K = 4 26.4 -> 16.0 us).
+one block per 1024 rows, as at 16K, instead of two that each recompute the rows (measured in
+``docs/decisions/preprocess.md``).
 
 Stages of a block (``T.sync_threads()`` between them on CUDA):
 
@@ -36,8 +36,8 @@ Stages of a block (``T.sync_threads()`` between them on CUDA):
    full). The 32 lanes of a warp own 32 consecutive rows (the linear row map), so their
    Interval Table rows are written as one contiguous span. The other map ("interleaved": lanes
    own rows of different backward m-tiles, so their shared-memory atomics go to different
-   counters) was measured slower on the H200 (HSTU 12.4 vs 10.7 us, CLEAR K = 6 30.7 vs 24.6 us
-   at 32K): the atomics are not what bounds stage 1, the scattered global writes cost more.
+   counters) was measured slower (``docs/decisions/preprocess.md``): the atomics are not what
+   bounds stage 1, the scattered global writes cost more.
 2. scan: prefix sums of the difference arrays (sums of 16-tile words, then per word: the
    words before it, then its tiles).
 3. pack: tile ``t`` of m-tile ``m`` is visible iff its visible count > 0, and masked iff it is
@@ -92,9 +92,9 @@ __all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile
            "PreprocessPlan", "plan", "Preprocessor"]
 
 _THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
-_ROW_MAP = "linear"  # or "interleaved" (slower on the H200, see the module docstring)
+_ROW_MAP = "linear"  # or "interleaved" (slower, see the module docstring)
 # Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones
-# (faster for large K on the H200, never slower); the C target checks it bit for bit in CI.
+# (faster for large K, never slower); the C target checks it bit for bit in CI.
 _VECTOR_STORES = True
 _SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
 _CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -694,7 +694,7 @@ class Preprocessor:
     """Per-batch preprocess bound to one shape (``CompiledMask.preprocessor``).
 
     ``preprocess`` validates and converts its arguments on every call, which costs more host time
-    than the kernel takes on the device (~10 us). A training loop calls it with the same shapes
+    than the kernels take on the device. A training loop calls it with the same shapes
     every step, so everything that does not depend on the metadata values is done once here:
     argument checks, the kernel lookup (compiling if needed), the output shapes, TileLang's
     argument marshalling (the raw TVM-FFI function is called). A call then checks only what can

@@ -110,17 +110,17 @@ def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> Kern
 
     ``arch``: the SM version the kernels run on (90 for sm_90, 0 without a GPU); for the forward,
     the forward kernel's (90: wgmma, 80: mma.sync). ``num_intervals``: the descriptor's K;
-    ``num_q_tiles``: the backward's q tiles per sequence. The choices were measured on the H200
-    (``bench/h200.sh knobs_time`` times each combination)."""
+    ``num_q_tiles``: the backward's q tiles per sequence. The choices and their measurements:
+    ``docs/decisions/kernel-options.md``."""
     return KernelOptions(
-        # the wgmma backward is sm_90 only (1.17x faster there than mma.sync)
+        # the wgmma backward is sm_90 only (faster there than mma.sync)
         bwd_arch=90 if arch // 10 == 9 else 80,
         # red.global.add.v2.f32 needs sm_90 PTX
         bwd_dq="red2" if arch >= 90 else "atomic",
-        # the bits are faster at every K on the wgmma forward (K = 6: -8%); the mma.sync path
-        # keeps the compares
+        # the bits are faster at every K on the wgmma forward; the mma.sync path keeps the
+        # compares
         fwd_mask="bits" if arch >= 90 else "compare",
-        # at K = 6 the registers held across the item cost 7% of the backward, at K <= 2
+        # at large K the registers held across the item slow the backward, at K <= 2
         # cp.async is a wash
         bwd_meta="async" if num_intervals > 2 else "regs",
         bwd_bitmap="smem" if bitmap_fits_smem(num_q_tiles) else "global",
