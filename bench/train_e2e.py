@@ -6,7 +6,8 @@
 
 What is measured. A ``Qwen3ForCausalLM`` built from a config (the 8B shape with ``--layers``
 layers, random init from ``--seed``, bf16 weights), AdamW (foreach), non-reentrant activation
-checkpointing and ``torch.compile`` of the model, trains on one sequence of S random tokens per
+checkpointing and ``torch.compile`` of each decoder layer (``--compile-scope model``: the
+whole model), trains on one sequence of S random tokens per
 step. The attention function is the only difference between backends: each is registered with
 ``transformers.AttentionInterface`` and gets what it needs per step through the model's keyword
 arguments:
@@ -427,6 +428,17 @@ def _free():
         torch.cuda.empty_cache()
 
 
+def compile_model(model, scope: str):
+    """``torch.compile`` of the whole model, or of each decoder layer (regional compilation:
+    the layers are the same code, so one compile serves them all and compile time does not grow
+    with depth); embeddings, head and loss stay eager in ``layers``."""
+    if scope == "model":
+        return torch.compile(model, dynamic=False)
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
+    return model
+
+
 def run_config(args, wl: Workload, backend: str, impl: str) -> dict:
     """Train one (mask, S, backend); failures go into the row's ``error``."""
     row = {"mask": wl.name, "S": wl.S, "backend": backend}
@@ -446,7 +458,7 @@ def run_config(args, wl: Workload, backend: str, impl: str) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
         _FLEX_STATE["compile_call"] = not args.compile and dev.type == "cuda"
         _FLEX_STATE["kernel_options"] = {"BACKEND": "FLASH"} if dev.type == "cuda" else None
-        fwd = torch.compile(model, dynamic=False) if args.compile else model
+        fwd = compile_model(model, args.compile_scope) if args.compile else model
         pos = wl.position_ids()
         vocab = args.shape["vocab_size"]
         losses, steps, masks = [], [], []
@@ -575,8 +587,8 @@ def header(args, argv) -> list[str]:
             "", f"`{shlex.join(['python', 'bench/train_e2e.py', *argv])}`", "",
             f"Qwen3 {args.layers} layers ({shape}), {str(args.dtype).replace('torch.', '')}, "
             f"AdamW lr 1e-5 foreach, activation checkpointing, compile "
-            f"{'on' if args.compile else 'off'}, batch 1, {args.warmup} warm-up + {args.steps} "
-            f"timed steps, seed {args.seed}"]
+            f"{'on (' + args.compile_scope + ')' if args.compile else 'off'}, batch 1, "
+            f"{args.warmup} warm-up + {args.steps} timed steps, seed {args.seed}"]
 
 
 def write(rows, head, out: Path, tag: str) -> str:
@@ -625,6 +637,8 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the model (default: on with CUDA)")
+    ap.add_argument("--compile-scope", choices=("layers", "model"), default="layers",
+                    help="compile each decoder layer (default) or the whole model")
     ap.add_argument("--sdpa-max", type=int, default=None,
                     help="longest S for sdpa (default: any if --backends names it, else 8192)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))

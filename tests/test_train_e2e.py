@@ -90,3 +90,17 @@ def test_merge_keeps_measurements_over_later_errors(tmp_path):
     assert "| 2.00x |" in md  # flex_fa4's 200 ms over ours
     assert "5.00e-02 vs compilemask" in md and "OOM" not in md
     assert "run a" in md and "run b" in md
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_smoke_compiled_losses_agree(tmp_path, scope):
+    """The compiled model (each decoder layer, or the whole model) trains as the eager one:
+    compilemask against SDPA, both compiled."""
+    rows = train_e2e.main(["--smoke", "--compile", "--compile-scope", scope, "--masks", "hstu",
+                           "--out", str(tmp_path), "--tag", scope])
+    by = {r["backend"]: r for r in rows}
+    assert set(by) == {"compilemask", "sdpa"} and not any("error" in r for r in rows), rows
+    a, b = by["compilemask"]["losses"], by["sdpa"]["losses"]
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-2 * max(a), (a, b)
+    assert f"compile on ({scope})" in (tmp_path / f"train_e2e_{scope}.md").read_text()
