@@ -8,7 +8,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["Fallback"]
+__all__ = ["Fallback", "config_fields"]
 
 
 @dataclass
@@ -65,6 +65,16 @@ class Fallback:
             num_params=len(mask.scalar_params),
             num_row_params=len(mask.array_params),
         )
+
+
+def config_fields(fallback: Optional[Fallback]) -> dict:
+    """The fallback's fields of a forward or backward kernel config (none: no predicate)."""
+    if fallback is None:
+        return dict(has_fallback=False, fallback_hash="", fallback_regions=(), num_params=0,
+                    num_row_params=0)
+    return dict(has_fallback=True, fallback_hash=fallback.hash,
+                fallback_regions=fallback.regions, num_params=fallback.num_params,
+                num_row_params=fallback.num_row_params)
 
 
 def _codegen():

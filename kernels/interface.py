@@ -26,7 +26,7 @@ from .common import (
 )
 from .config import FlashBwdConfig, FlashFwdConfig
 from .descriptor_tensors import DescriptorTensors, DescriptorTensorsTorch
-from .fallback import Fallback
+from .fallback import Fallback, config_fields
 from .flash_bwd import FlashBwd
 from .flash_bwd_sm90 import FlashBwdSm90
 from .flash_fwd import FlashFwd
@@ -173,11 +173,7 @@ def flash_fwd(
         tile_m=tile_m,
         tile_n=tile_n,
         num_intervals=Kslots,
-        has_fallback=fallback is not None,
-        fallback_hash=fallback.hash if fallback is not None else "",
-        fallback_regions=fallback.regions if fallback is not None else (),
-        num_params=fallback.num_params if fallback is not None else 0,
-        num_row_params=fallback.num_row_params if fallback is not None else 0,
+        **config_fields(fallback),
         arch=arch,
         warp_specialized=warp_specialized and arch >= 90,
         intra_wg_overlap=intra_wg_overlap,
@@ -329,11 +325,7 @@ def flash_bwd(
         tile_m=tile_m,
         tile_n=tile_n,
         num_intervals=Kslots,
-        has_fallback=fallback is not None,
-        fallback_hash=fallback.hash if fallback is not None else "",
-        fallback_regions=fallback.regions if fallback is not None else (),
-        num_params=fallback.num_params if fallback is not None else 0,
-        num_row_params=fallback.num_row_params if fallback is not None else 0,
+        **config_fields(fallback),
         arch=80,
     )
     opts = (options or KernelOptions()).resolve(device_arch(q.device), Kslots, n_m)

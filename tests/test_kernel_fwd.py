@@ -138,6 +138,25 @@ def test_launch_descriptor_tensors():
     assert [len(t.shape) for t in fake] == [t.dim() for t in d]
 
 
+def test_config_fields_of_a_fallback():
+    # the fallback's part of both kernel configs, so the compile-cache keys tell masks apart
+    import sympy as sp
+
+    from compilemask.kernels.config import FlashBwdConfig
+    from compilemask.kernels.fallback import Fallback, config_fields
+
+    si, sj = sp.symbols("i j", integer=True)
+    fb = Fallback.from_expr(sp.And(sj <= si, sp.Eq(sp.Mod(si - sj, 2), 0)), regions=(0, 2))
+    assert config_fields(None) == dict(has_fallback=False, fallback_hash="",
+                                       fallback_regions=(), num_params=0, num_row_params=0)
+    got = config_fields(fb)
+    assert got == dict(has_fallback=True, fallback_hash=fb.hash, fallback_regions=(0, 2),
+                       num_params=0, num_row_params=0) and len(fb.hash) > 0
+    cfgs = [c(dtype="bf16", head_dim=128, tile_m=128, tile_n=128, num_intervals=2, **f)
+            for c in (FlashFwdConfig, FlashBwdConfig) for f in (got, config_fields(None))]
+    assert cfgs[0] != cfgs[1] and cfgs[2] != cfgs[3] and cfgs[0].fallback_hash == fb.hash
+
+
 def test_hdim256_not_implemented():
     q = torch.zeros(1, 8, 1, 256, dtype=torch.bfloat16)
     iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
