@@ -201,8 +201,9 @@ for r in rows:
       tests/test_fa4_engine.py tests/test_gpu_end_to_end.py ${EXTRA_TESTS:-}
     ;;
   e2e)  # end-to-end training (bench/train_e2e.py), one process per mask so that a mask that
-    # fails or runs out of memory leaves the others alone; about 2 min per backend at 32K with
-    # 4 layers (compiles included), so one or two masks fit a call; merge the calls' JSON with
+    # fails or runs out of memory leaves the others alone; 4 layers, compiled: 40-90 s per
+    # backend at 32K, 25-60 s at 8K (the first compile of a process is the long one), so two
+    # or three masks of two backends fit a call; merge the calls' JSON with
     # python3 bench/train_e2e.py --merge .../train_e2e_e2e_*.json --tag e2e
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
     MASKS=${MASKS:-hstu,hstu_packed,shared_prompt_rm,clear,causal}

@@ -591,6 +591,59 @@ def header(args, argv) -> list[str]:
             f"{args.warmup} warm-up + {args.steps} timed steps, seed {args.seed}"]
 
 
+LABELS = {"compilemask": "compilemask", "flex_fa4": "Flex-FA4", "fa4_native": "FA4 native",
+          "sdpa": "sdpa"}
+
+
+def plot(rows, path: Path) -> Path | None:
+    """Tokens/s per mask and backend, one panel per sequence length; each compilemask bar is
+    labelled with its step-time ratio over the peer it is compared with (Flex-FA4, else FA4
+    native). Needs matplotlib (the ``viz`` extra); without it the table is the result."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[viz]')", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error") and r.get("tokens_s")]
+    seqlens = sorted({r["S"] for r in ok}, reverse=True)
+    if not seqlens:
+        return None
+    keyed = _by_key(ok)
+    fig, axes = plt.subplots(1, len(seqlens), figsize=(6.5 * len(seqlens), 3.8), squeeze=False)
+    for ax, S in zip(axes[0], seqlens):
+        names = [m for m in MASKS if any(r["mask"] == m and r["S"] == S for r in ok)]
+        for i, m in enumerate(names):  # the bars of one mask centred on its tick
+            here = [b for b in BACKENDS if (m, S, b) in keyed]
+            width = 0.8 / max(len(here), 2)
+            for k, b in enumerate(here):  # one color per backend in every panel
+                r = keyed[(m, S, b)]
+                x = i + (k - (len(here) - 1) / 2) * width
+                ax.bar(x, r["tokens_s"] / 1e3, width, color=f"C{BACKENDS.index(b)}",
+                       label=LABELS.get(b, b))
+                ratio = "" if b != "compilemask" else (
+                    _speedup(keyed, r, "flex_fa4") or _speedup(keyed, r, "fa4_native"))
+                if ratio:
+                    ax.annotate(ratio, (x, r["tokens_s"] / 1e3), ha="center", va="bottom",
+                                fontsize=7)
+        ax.set_xticks(range(len(names)), [m.replace("_", "\n") for m in names], fontsize=8)
+        ax.set_ylabel("tokens/s (thousands)")
+        ax.set_title(f"{S // 1024}K tokens" if S >= 1024 else f"{S} tokens")
+        handles = dict(zip(*reversed(ax.get_legend_handles_labels())))  # one entry a backend
+        top = max(r["tokens_s"] for r in ok if r["S"] == S) / 1e3
+        ax.set_ylim(0, 1.22 * top)  # room above the bars for the legend
+        ax.legend(handles.values(), handles.keys(), fontsize=7, loc="upper center",
+                  ncol=len(handles))
+    fig.suptitle("Training step, Qwen3 shape: tokens/s (label: compilemask's step-time ratio "
+                 "over its peer)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write(rows, head, out: Path, tag: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(rows, head)
@@ -617,6 +670,7 @@ def merge(paths, out: Path, tag: str) -> str:
     merged = sorted(rows.values(), key=lambda r: (order.get(r["mask"], 99), -r["S"],
                                                   border.get(r["backend"], 99)))
     md = write(merged, ["# End-to-end training, merged", "", *heads], out, tag)
+    plot(merged, out / f"train_e2e_{tag}.png")
     print(md, flush=True)
     return md
 
@@ -680,6 +734,7 @@ def main(argv=None):
                 rows.append(row)
                 print(f"  -> {row.get('error') or '%.1f ms/step' % row['step_ms']}", flush=True)
                 md = write(rows, head, out, args.tag)
+    plot(rows, out / f"train_e2e_{args.tag}.png")
     print(md, flush=True)
     bad = [ln for ln in md.splitlines() if ln.startswith("WARNING")]
     if args.smoke and bad:

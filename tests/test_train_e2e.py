@@ -1,6 +1,6 @@
 """bench/train_e2e.py on the CPU: the smoke run (tiny Qwen3, compilemask against SDPA, losses
 equal), the flex mask_mods of the packed workloads against our dense masks, the attention-share
-rule, and the merge of several runs' JSON."""
+rule, and the merge of several runs' JSON into one table and plot."""
 
 import json
 import sys
@@ -90,6 +90,8 @@ def test_merge_keeps_measurements_over_later_errors(tmp_path):
     assert "| 2.00x |" in md  # flex_fa4's 200 ms over ours
     assert "5.00e-02 vs compilemask" in md and "OOM" not in md
     assert "run a" in md and "run b" in md
+    pytest.importorskip("matplotlib")  # the plot beside the table (the viz extra)
+    assert (tmp_path / "train_e2e_m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
