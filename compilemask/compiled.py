@@ -209,8 +209,13 @@ def _exec_source(source: str, filename: str) -> dict:
 
 
 def _torch_source(name, key, regions, scalar, arrays, K) -> str:
-    pr = TorchPrinter()
-    args = ["i", "seqlen_q", "seqlen_k"] + list(scalar) + [f"{a}_i" for a in arrays]
+    # params are spelled p_<name> / a_<name>_i|j, so that no param can shadow a name of the
+    # generated code (region, guard, lo, torch...); the lengths are read as 0-d tensors, so that
+    # a condition on them alone is a tensor too (~ on a Python bool is an int)
+    pr = TorchPrinter({"seqlen_q": "sq", "seqlen_k": "sk", **{p: f"p_{p}" for p in scalar}},
+                      array_prefix="a_")
+    args = (["i", "seqlen_q", "seqlen_k"] + [f"p_{p}" for p in scalar]
+            + [f"a_{a}_i" for a in arrays])
     out = [f"# Reference preprocess for mask {name!r} (canonical hash {key}), generated.",
            TORCH_PRELUDE,
            f"NUM_INTERVALS = {K}", "", "",
@@ -220,6 +225,7 @@ def _torch_source(name, key, regions, scalar, arrays, K) -> str:
            '    region (int64 [B, Sq], -1: none): the first region whose guard holds."""',
            "    shape = (batch_size, i.shape[-1])",
            "    dev = i.device",
+           "    sq, sk = _t(seqlen_q).to(dev), _t(seqlen_k).to(dev)",
            f"    lo = torch.zeros(shape + ({K},), dtype=torch.int64, device=dev)",
            "    hi = torch.zeros_like(lo)",
            "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)"]
@@ -244,12 +250,13 @@ def _torch_source(name, key, regions, scalar, arrays, K) -> str:
             "    starts = torch.where(lens > 0, starts, 0)",
             "    return starts, lens, region", ""]
     # Element predicates of fallback regions (the residual check), on [B, Sq, Sk] grids.
-    fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + list(scalar) + [
-        f"{a}_{x}" for a in arrays for x in "ij"]
+    fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + [f"p_{p}" for p in scalar] + [
+        f"a_{a}_{x}" for a in arrays for x in "ij"]
     for r in regions:
         if r.fallback:
             out += ["", f"def predicate_{r.index}({', '.join(fb_args)}):",
                     f'    """Region {r.name!r}: {r.rule}"""',
+                    "    sq, sk = _t(seqlen_q).to(i.device), _t(seqlen_k).to(i.device)",
                     f"    return {pr(r.rule)}", ""]
     return "\n".join(out)
 

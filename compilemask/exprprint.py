@@ -152,6 +152,10 @@ class TorchPrinter(ExprPrinter):
 
     nary = False
 
+    def __init__(self, names: dict[str, str] | None = None, array_prefix: str = ""):
+        super().__init__(names)
+        self.array_prefix = array_prefix
+
     def true(self):
         return "_TRUE"
 
@@ -178,7 +182,7 @@ class TorchPrinter(ExprPrinter):
 
     def array(self, name, index):
         if index.is_Symbol and index.name in ("i", "j"):
-            return f"{name}_{index.name}"
+            return f"{self.array_prefix}{name}_{index.name}"
         raise NotImplementedError(f"per-row array {name} subscripted by {index} (only i or j)")
 
     def land(self, xs):
@@ -195,7 +199,9 @@ TORCH_PRELUDE = '''
 import torch
 
 def _t(x):
-    return x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int64)
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.tensor(x, dtype=torch.bool if isinstance(x, bool) else torch.int64)
 
 def _fdiv(a, b):
     return torch.div(_t(a), _t(b), rounding_mode="floor")
@@ -213,7 +219,7 @@ def _abs(a):
     return torch.abs(_t(a))
 
 def _where(c, a, b):
-    return torch.where(c, _t(a), _t(b))
+    return torch.where(_t(c), _t(a), _t(b))
 
 _TRUE = torch.tensor(True)
 _FALSE = torch.tensor(False)

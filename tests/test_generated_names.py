@@ -1,0 +1,96 @@
+"""Params named like the generated code's own names, and conditions on the sequence lengths
+alone: the compiled mask equals brute force on the torch reference and on TileLang's C target."""
+
+import itertools
+import linecache
+
+import pytest
+import torch
+
+import compilemask as cm
+
+_counter = itertools.count()
+
+# locals and helpers of the generated torch preprocess and TileLang program, and names that
+# look like their prefixed spellings
+NAMES = ["region", "guard", "take", "ok", "lo", "hi", "shape", "dev", "starts", "lens", "sq",
+         "sk", "batch_size", "NUM_INTERVALS", "p_x", "a_x_i", "b", "row", "intervals", "T"]
+
+
+def _fns(source):
+    name = f"<generated-names-{next(_counter)}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    ns: dict = {}
+    exec(compile(source, name, "exec"), ns)
+    return ns
+
+
+def _spec(n, array: bool):
+    """Three regions reading param ``n``: in a guard, an interval endpoint and a fallback
+    predicate (j * j is not an interval)."""
+    v = f"{n}[i]" if array else n
+    ns = _fns(
+        f"def when0(i):\n    return i < {v}\n\n\n"
+        f"def vis0(i, j):\n    return j <= i\n\n\n"
+        f"def when1(i):\n    return i % 2 == 0\n\n\n"
+        f"def vis1(i, j):\n    return {v} <= j <= i + {v}\n\n\n"
+        f"def vis2(i, j):\n    return j * j <= i + {v}\n")
+    return cm.MaskSpec(f"names_{n}_{int(array)}", params=[n], regions=[
+        cm.Region("first", when=ns["when0"], visible=ns["vis0"]),
+        cm.Region("even", when=ns["when1"], visible=ns["vis1"]),
+        cm.Region("rest", when=lambda i: True, visible=ns["vis2"]),
+    ])
+
+
+def _meta(n, array, B, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, S) if array else (B,)
+    return {n: torch.randint(0, S + 2, shape, generator=g)}
+
+
+@pytest.mark.parametrize("array", [False, True], ids=["scalar", "array"])
+@pytest.mark.parametrize("n", NAMES)
+def test_param_named_like_generated_code(n, array):
+    mask = cm.compile_mask(_spec(n, array))
+    for seed, S in enumerate((1, 13, 40)):
+        meta = _meta(n, array, 2, S, seed)
+        ref = mask.reference_mask(meta, seqlen_q=S)
+        got = mask.preprocess(meta, seqlen_q=S, fwd_tiles=(8, 8), bwd_tiles=(8, 8))
+        assert torch.equal(got.dense_mask(), ref), (n, array, S, meta)
+    zero = {n: torch.zeros_like(meta[n])}  # the param decides the mask
+    assert not torch.equal(ref, mask.reference_mask(zero, seqlen_q=S))
+
+
+@pytest.mark.parametrize("n", ["region", "guard", "ok", "lo", "b", "row", "T", "intervals"])
+def test_param_named_like_generated_code_tilelang(n):
+    pytest.importorskip("tilelang")
+    for array in (False, True):
+        mask = cm.compile_mask(_spec(n, array))
+        meta = _meta(n, array, 2, 40, 0)
+        ref = mask.preprocess(meta, 40, backend="torch", batch_size=2)
+        out = mask.preprocess(meta, 40, backend="tilelang", batch_size=2)
+        for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap"):
+            assert torch.equal(getattr(ref, f), getattr(out, f)), (n, array, f)
+        assert torch.equal(ref.dense_mask(), mask.reference_mask(meta, seqlen_q=40))
+
+
+LENGTH_RULES = [
+    # a window that depends on the length, a guard on the lengths, a negated compound
+    ("True", "i - (4 if seqlen_q >= 9 else 2) < j <= i"),
+    ("seqlen_q > 5 and i < 3", "j <= i"),
+    ("not (seqlen_q > 8 and seqlen_k < 20)", "j >= i"),
+    ("True", "j < i or not (seqlen_k > 10 or seqlen_q < 4)"),
+]
+
+
+@pytest.mark.parametrize("when,rule", LENGTH_RULES)
+def test_conditions_on_the_lengths_alone(when, rule):
+    ns = _fns(f"def when(i):\n    return {when}\n\n\ndef visible(i, j):\n    return {rule}\n")
+    spec = cm.MaskSpec(f"lengths_{next(_counter)}", regions=[
+        cm.Region("r", when=ns["when"], visible=ns["visible"]),
+        cm.Region("rest", when=lambda i: True, visible=lambda i, j: j == 0)])
+    mask = cm.compile_mask(spec)
+    for sq, sk in ((3, 3), (9, 9), (12, 25), (6, 15), (40, 7)):
+        ref = mask.reference_mask({}, seqlen_q=sq, seqlen_k=sk)
+        got = mask.preprocess({}, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(8, 8))
+        assert torch.equal(got.dense_mask(), ref), (when, rule, sq, sk)
