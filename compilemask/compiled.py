@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 import torch
 
+from compilemask.bounds import INT64_MAX, check_fits
 from compilemask.compiler import (
     Interval,
     Term,
@@ -185,6 +186,8 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
             fallback_reasons=reasons, exclusive_with=excl,
         ))
         earlier_guards.append(g.expr)
+    for r in regions:
+        _check_int64(r)
     K = max(1, max(r.num_intervals for r in regions))
     scalar = tuple(p for p in spec.params if p not in ctx.array_params)
     derived = tuple(derived[k] for k in sorted(derived))
@@ -198,6 +201,19 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     source = _torch_source(spec.name, key, regions, scalar, arrays, K)
     fns = _exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
     return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived)
+
+
+def _check_int64(r: CompiledRegion) -> None:
+    """The preprocess evaluates guards and endpoints in int64 (the reference predicate too):
+    refuse a region whose terms may not fit, rather than wrap."""
+    parts = [("guard", r.guard)]
+    for k, iv in enumerate(r.intervals):
+        parts += [(f"interval {k} start", iv.lower), (f"interval {k} end", iv.upper),
+                  (f"interval {k} condition", iv.cond)]
+    if r.fallback:
+        parts.append(("rule", r.rule))
+    for what, e in parts:
+        check_fits(e, INT64_MAX, f"Region {r.name!r}, {what}")
 
 
 def _exec_source(source: str, filename: str) -> dict:

@@ -1,0 +1,124 @@
+"""Magnitude bounds of compiled expressions: the largest |value| any subexpression can take as
+the generated code evaluates it, given ranges for the indices, the lengths and the metadata.
+
+The generated preprocess computes endpoints in int64 (torch and TileLang) and the kernels'
+fallback predicates in int32; Python's rules are exact. An expression whose bound fits the
+evaluation type is computed exactly; one that may not is refused rather than wrapped."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from compilemask.exprprint import split_floor
+
+__all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
+           "check_kernel_predicates"]
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+INDEX_MAX = INT32_MAX  # rows, keys and lengths are int32 indices
+META_MAX = INT32_MAX // 2  # the metadata range preprocess accepts (sums of two stay int32)
+
+_INDEX_NAMES = ("i", "j", "seqlen_q", "seqlen_k")
+
+
+def magnitude(e, index_max: int = INDEX_MAX, meta_max: int = META_MAX) -> int:
+    """Upper bound of |x| over every subexpression x of ``e`` (sympy), with the indices and
+    lengths in [0, index_max] and every param and per-row array value in [0, meta_max]."""
+    top = 0
+
+    def walk(x) -> int:  # bound of |x|; records the largest bound seen
+        nonlocal top
+        b = _node(x)
+        top = max(top, b)
+        return b
+
+    def _node(x) -> int:
+        if x is sp.true or x is sp.false or isinstance(x, sp.logic.boolalg.BooleanAtom):
+            return 1
+        if isinstance(x, sp.Integer):
+            return abs(int(x))
+        if isinstance(x, sp.Rational):  # a coefficient the printers clear or floor
+            return abs(int(x.p))
+        if isinstance(x, sp.Symbol):
+            return index_max if x.name in _INDEX_NAMES else meta_max
+        if isinstance(x, sp.core.function.AppliedUndef):
+            walk(x.args[0])  # the subscript
+            return meta_max
+        if isinstance(x, sp.Add):
+            return sum(walk(a) for a in x.args)
+        if isinstance(x, sp.Mul):
+            num, den = sp.fraction(x)
+            if den != 1:  # printed as floor division of the expanded numerator
+                walk(den)
+                return walk(sp.expand(num)) + 1
+            out = 1
+            for a in x.args:
+                out *= walk(a)
+            return out
+        if isinstance(x, sp.Pow) and x.exp.is_Integer and int(x.exp) >= 1:
+            return walk(x.base) ** int(x.exp)
+        if isinstance(x, sp.floor):
+            num, den = split_floor(x.args[0])
+            walk(den)
+            return walk(num) + 1
+        if isinstance(x, sp.Mod):
+            walk(x.args[0])
+            return walk(x.args[1])
+        if isinstance(x, (sp.Min, sp.Max, sp.Abs)):
+            return max(walk(a) for a in x.args)
+        if isinstance(x, sp.Piecewise):
+            for _, c in x.args:
+                walk(c)
+            return max(walk(v) for v, _ in x.args)
+        if isinstance(x, sp.core.relational.Relational):
+            # the preprocess evaluates both sides as written; the kernels' predicates compare
+            # the positive and negative terms of the expanded, denominator-free difference
+            walk(x.lhs)
+            walk(x.rhs)
+            num, _ = sp.fraction(sp.together(x.lhs - x.rhs))
+            terms = sp.Add.make_args(sp.expand(num))
+            pos = [t for t in terms if not t.as_coeff_Mul()[0] < 0]
+            neg = [-t for t in terms if t.as_coeff_Mul()[0] < 0]
+            walk(sp.Add(*pos))
+            walk(sp.Add(*neg))
+            return 1
+        if isinstance(x, (sp.And, sp.Or, sp.Not)):
+            for a in x.args:
+                walk(a)
+            return 1
+        raise TypeError(f"no magnitude bound for {type(x).__name__}: {x}")
+
+    walk(sp.sympify(e))
+    return top
+
+
+def check_fits(e, limit: int, what: str, index_max: int = INDEX_MAX,
+               meta_max: int = META_MAX) -> None:
+    """Raise ``ValueError`` naming ``what`` if ``e`` may exceed ``limit`` in magnitude."""
+    b = magnitude(e, index_max, meta_max)
+    if b > limit:
+        bits = 64 if limit == INT64_MAX else 32
+        raise ValueError(
+            f"{what}: {e} can reach about 2**{b.bit_length() - 1} with indices up to {index_max} "
+            f"and metadata up to {meta_max}, past the {bits}-bit integers the generated code "
+            "computes in (Python's rule is exact, the code would wrap); rewrite it with smaller "
+            "terms, e.g. divide before multiplying")
+
+
+_INT32_CHECKED: set = set()  # (mask key, longest length) whose kernel predicates fit int32
+
+
+def check_kernel_predicates(mask, length: int) -> None:
+    """The GPU kernels evaluate fallback predicates (and, for an all-fallback mask, the guards)
+    in int32: refuse a rule that may not fit at this length, before any kernel is built."""
+    if (mask.key, length) in _INT32_CHECKED:
+        return
+    whole = all(r.fallback for r in mask.regions)  # one predicate with the guards in it
+    for r in mask.regions:
+        parts = [("rule", r.rule)] if r.fallback else []
+        parts += [("guard", r.guard)] if whole else []
+        for what, e in parts:
+            check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
+                       "kernels; backend='reference' computes it exactly)", index_max=length)
+    _INT32_CHECKED.add((mask.key, length))

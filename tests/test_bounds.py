@@ -1,0 +1,73 @@
+"""Integer ranges: rules whose terms may not fit the generated code's integers are refused with
+the region and the term named (Python's rule is exact; the code would wrap)."""
+
+import pytest
+import sympy as sp
+import torch
+
+import compilemask as cm
+from compilemask import api
+from compilemask.bounds import INT32_MAX, META_MAX, check_kernel_predicates, magnitude
+from compilemask.masks import EXAMPLES
+
+
+def _spec(visible, params=("a", "b", "c")):
+    return cm.MaskSpec(f"ranges_{abs(hash(visible.__code__.co_consts))}", params=list(params),
+                       regions=[cm.Region("r", when=lambda i: True, visible=visible)])
+
+
+def test_magnitude_of_simple_terms():
+    i, j, a = sp.Symbol("i"), sp.Symbol("j"), sp.Symbol("a")
+    assert magnitude(i + a) == INT32_MAX + META_MAX
+    assert magnitude(i - j, index_max=100) == 200  # |i| + |j|: no sign analysis
+    assert magnitude(3 * a * a, meta_max=10) == 300
+    assert magnitude(sp.floor((i - a) / 4), index_max=100, meta_max=10) == 111
+    assert magnitude(sp.Mod(i + a, 7), index_max=100, meta_max=10) == 110  # the numerator too
+
+
+@pytest.mark.parametrize("visible,what", [
+    (lambda i, j: j < a * b * c, "interval 0 end"),  # noqa: F821 (params)
+    (lambda i, j: j >= a * 10000000000000, "interval 0 start"),  # noqa: F821
+    (lambda i, j: j * j * j * a > b, "rule"),  # noqa: F821 (a fallback predicate)
+])
+def test_terms_past_int64_are_refused_at_compile_time(visible, what):
+    with pytest.raises(ValueError, match=rf"Region 'r', {what}: .* past the 64-bit"):
+        cm.compile_mask(_spec(visible))
+
+
+def test_products_that_fit_int64_compile_and_match_brute_force():
+    mask = cm.compile_mask(_spec(lambda i, j: j < a * b))  # noqa: F821 (2**60 fits)
+    meta = {"a": torch.tensor([2**20, 3]), "b": torch.tensor([2**20, 2]),
+            "c": torch.tensor([0, 0])}
+    desc = mask.preprocess(meta, seqlen_q=9)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, seqlen_q=9))
+
+
+def test_every_example_fits_both_ranges_at_32k():
+    for make in EXAMPLES.values():
+        check_kernel_predicates(cm.compile_mask(make()), 32768)  # raises if not
+
+
+def test_kernel_predicates_are_checked_at_the_call_length():
+    dilated = cm.compile_mask(EXAMPLES["dilated_causal"]())
+    check_kernel_predicates(dilated, 2**20)  # |i - j| fits int32
+    with pytest.raises(ValueError, match="Region .*, rule .*GPU kernels.*32-bit"):
+        check_kernel_predicates(dilated, INT32_MAX)  # i - j + ... of two int32 indices
+    sq = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
+    check_kernel_predicates(sq, 1024)
+    with pytest.raises(ValueError, match="Region 'r', rule"):
+        check_kernel_predicates(sq, 40000)  # j * j + a passes 2**31
+
+
+def test_attention_checks_the_kernels_predicates_before_running(monkeypatch):
+    mask = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
+    S = 40000
+    desc = mask.preprocess({"a": torch.tensor([5])}, seqlen_q=S)
+    q = torch.zeros(1, S, 1, 8)
+    ran = []
+    monkeypatch.setattr(api, "select_engine", lambda *a, **kw: "fa4")
+    monkeypatch.setattr("compilemask.kernels.autograd.attention_op",
+                        lambda *a, **kw: ran.append(1))
+    with pytest.raises(ValueError, match="Region 'r', rule .*GPU kernels"):
+        cm.attention(q, q, q, desc)
+    assert not ran
