@@ -6,7 +6,6 @@ import logging
 
 import torch
 
-from compilemask.bounds import check_kernel_predicates
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.options import KernelOptions
 
@@ -137,8 +136,6 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
                         f"{type(options).__name__}")
     _validate(q, k, v, desc)
     engine = select_engine(q, desc, backend, deterministic)
-    if engine in ("fa4", "cute") and desc.mask.has_fallback:
-        check_kernel_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     from compilemask.kernels.autograd import attention_op
 
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,

@@ -90,9 +90,5 @@ def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False, deter
                    options=None):
     """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair);
     ``options``: ``KernelOptions`` of the CuTe kernels."""
-    from compilemask.bounds import check_kernel_predicates
-
-    if desc.mask.has_fallback:
-        check_kernel_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine="cute", options=options)

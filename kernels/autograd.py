@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from compilemask.bounds import check_kernel_predicates
 from compilemask.descriptor import DescriptorArgs
 
 __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attention_bwd_reference"]
@@ -242,6 +243,10 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
     d, call = _unpack(args)
     desc = _descriptor(d, call)
     scale, engine = call.softmax_scale, call.engine
+    if engine in ("fa4", "cute") and desc.mask.has_fallback:
+        # the kernels' predicates are int32; here the check runs eagerly, also under a
+        # compiled graph, and once per (mask, length)
+        check_kernel_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     if engine in ("fa4", "native"):
         from . import fa4
 

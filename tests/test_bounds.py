@@ -6,7 +6,6 @@ import sympy as sp
 import torch
 
 import compilemask as cm
-from compilemask import api
 from compilemask.bounds import INT32_MAX, META_MAX, check_kernel_predicates, magnitude
 from compilemask.masks import EXAMPLES
 
@@ -59,15 +58,22 @@ def test_kernel_predicates_are_checked_at_the_call_length():
         check_kernel_predicates(sq, 40000)  # j * j + a passes 2**31
 
 
-def test_attention_checks_the_kernels_predicates_before_running(monkeypatch):
+@pytest.mark.parametrize("engine", ["fa4", "cute"])
+def test_the_kernel_engines_check_their_predicates_before_running(engine, monkeypatch):
+    """In the op (eager even inside a compiled graph), before any kernel is built."""
+    from compilemask.kernels import autograd, fa4
+
     mask = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
     S = 40000
     desc = mask.preprocess({"a": torch.tensor([5])}, seqlen_q=S)
     q = torch.zeros(1, S, 1, 8)
     ran = []
-    monkeypatch.setattr(api, "select_engine", lambda *a, **kw: "fa4")
-    monkeypatch.setattr("compilemask.kernels.autograd.attention_op",
-                        lambda *a, **kw: ran.append(1))
+    monkeypatch.setattr(fa4, "fwd", lambda *a, **kw: ran.append(1))
+    monkeypatch.setattr(autograd, "_cuda_fwd", lambda *a, **kw: ran.append(1))
     with pytest.raises(ValueError, match="Region 'r', rule .*GPU kernels"):
-        cm.attention(q, q, q, desc)
+        autograd.attention_op(q, q, q, desc, engine=engine)
     assert not ran
+    short = mask.preprocess({"a": torch.tensor([5])}, seqlen_q=64)  # fits at 64 keys
+    assert torch.equal(autograd.attention_op(q[:, :64], q[:, :64], q[:, :64], short,
+                                             engine="reference"),
+                       torch.zeros(1, 64, 1, 8))
