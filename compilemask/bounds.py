@@ -83,7 +83,7 @@ def magnitude(e, index_max: int = INDEX_MAX, meta_max: int = META_MAX) -> int:
             walk(sp.Add(*pos))
             walk(sp.Add(*neg))
             return 1
-        if isinstance(x, (sp.And, sp.Or, sp.Not)):
+        if isinstance(x, sp.logic.boolalg.Boolean):  # And, Or, Not, Xor, ITE...
             for a in x.args:
                 walk(a)
             return 1

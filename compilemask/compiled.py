@@ -16,6 +16,7 @@ from compilemask.bounds import INT64_MAX, check_fits
 from compilemask.compiler import (
     Interval,
     Term,
+    boolean_basis,
     canonicalize,
     extract_intervals,
     normalize,
@@ -181,7 +182,8 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         for r2, g2, _ in translated[:idx]:
             excl[r2.name] = unconditional.proves(sp.Not(sp.And(g.expr, g2.expr)))
         regions.append(CompiledRegion(
-            index=idx, name=r.name, guard=g.expr, guard_source=g.source, rule=v.expr,
+            index=idx, name=r.name, guard=boolean_basis(g.expr), guard_source=g.source,
+            rule=boolean_basis(v.expr),
             rule_source=v.source, dnf=dnf, terms=terms, intervals=ivs, proofs=proofs,
             fallback_reasons=reasons, exclusive_with=excl,
         ))

@@ -472,6 +472,12 @@ class _Translator:
     def lookup(self, name, env, node, allow_function):
         if name in env:
             return env[name]
+        if name in self.fn.__code__.co_varnames:
+            # assigned somewhere in the function, so local everywhere in it (Python raises
+            # UnboundLocalError on this path rather than read a param or a global)
+            raise ValueError(f"{self.where(node)}: {name!r} is assigned in the function but "
+                             "read before any assignment on this path (Python would raise "
+                             "UnboundLocalError); assign it on every path first")
         if name in self.ctx.params:
             if not allow_function:
                 if name in self.ctx.array_params:
@@ -480,6 +486,10 @@ class _Translator:
                 self.ctx.scalar_params.add(name)
                 return self.ctx.symbols[name]
         if name in ("seqlen_q", "seqlen_k"):
+            if name in self.closure or name in self.fn.__globals__:
+                raise ValueError(f"{self.where(node)}: {name!r} is the sequence length in a rule, "
+                                 f"and a variable of that name is in scope (Python would read "
+                                 "it); rename the variable")
             return self.ctx.symbols[name]
         if name in self.closure:
             value = self.closure[name]

@@ -230,3 +230,33 @@ def test_random_bitwise_rules_match_torch_semantics(rule, sq, sk, a):
     want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
     assert torch.equal(desc.dense_mask()[0], want), rule
     assert torch.equal(mask.reference_mask({"a": a}, seqlen_q=sq, seqlen_k=sk)[0], want), rule
+
+
+# Names Python would resolve otherwise than the rule language: refused, never guessed.
+def test_a_variable_named_like_a_length_is_refused():
+    ns, _ = _exec("seqlen_k = 4\n\ndef vis(i, j):\n    return j < seqlen_k\n")
+    with pytest.raises(ValueError, match="'seqlen_k' is the sequence length.*rename the var"):
+        _compile(ns["vis"])
+    ns, _ = _exec("def vis(i, j):\n    return j < seqlen_k\n")  # no such variable: the length
+    desc = _compile(ns["vis"]).preprocess({}, seqlen_q=5, seqlen_k=7)
+    assert desc.dense_mask().all()
+
+
+@pytest.mark.parametrize("body", [
+    "    if i < 3:\n        w = 1\n    return i - w < j <= i\n",  # assigned on one path
+    "    w += 1\n    return i - w < j <= i\n",  # augmented assignment of a global
+    "    x = w\n    w = 2\n    return i - x < j <= i\n",  # read before its assignment
+])
+def test_a_local_read_before_assignment_is_refused(body):
+    ns, _ = _exec("w = 10\n\ndef vis(i, j):\n" + body)
+    with pytest.raises(ValueError, match="'w' is assigned in the function but read before"):
+        _compile(ns["vis"])
+
+
+def test_a_local_assigned_on_every_path_is_read():
+    ns, _ = _exec("w = 10\n\ndef vis(i, j):\n    if i < 3:\n        w = 1\n    else:\n"
+                  "        w = 2\n    return i - w < j <= i\n")
+    mask = _compile(ns["vis"])
+    desc = mask.preprocess({}, seqlen_q=9)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask({}, seqlen_q=9))
+    assert int(desc.dense_mask()[0, 8].sum()) == 2  # w = 2 there, not the global 10

@@ -1,5 +1,6 @@
-"""Params named like the generated code's own names, and conditions on the sequence lengths
-alone: the compiled mask equals brute force on the torch reference and on TileLang's C target."""
+"""Params named like the generated code's own names, conditions on the sequence lengths alone,
+and every Boolean connective: the compiled mask equals brute force on the torch reference and on
+TileLang's C target."""
 
 import itertools
 import linecache
@@ -94,3 +95,41 @@ def test_conditions_on_the_lengths_alone(when, rule):
         ref = mask.reference_mask({}, seqlen_q=sq, seqlen_k=sk)
         got = mask.preprocess({}, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(8, 8))
         assert torch.equal(got.dense_mask(), ref), (when, rule, sq, sk)
+
+
+CONNECTIVE_RULES = [
+    # ^ in a guard and in a predicate rule; a conditional expression compared on the row side
+    # (sympy's ITE inside a Piecewise condition)
+    ("(i < a) ^ (i < b)", "j <= i"),
+    ("True", "(j < a) ^ (j * j < i)"),
+    ("i % 2 == 0", "(j if (3 if a != 8 else a) == i else a * 2) <= i + b"),
+    ("True", "(j < a) ^ (j < b) ^ (j + 2 > i)"),
+]
+
+
+@pytest.mark.parametrize("when,rule", CONNECTIVE_RULES)
+def test_boolean_connectives_in_guards_and_predicates(when, rule):
+    ns = _fns(f"def when(i):\n    return {when}\n\n\ndef visible(i, j):\n    return {rule}\n")
+    spec = cm.MaskSpec(f"connectives_{next(_counter)}", params=["a", "b"], regions=[
+        cm.Region("r", when=ns["when"], visible=ns["visible"]),
+        cm.Region("rest", when=lambda i: True, visible=lambda i, j: j == i)])
+    mask = cm.compile_mask(spec)
+    g = torch.Generator().manual_seed(0)
+    for S in (1, 17, 40):
+        meta = {"a": torch.randint(0, S + 3, (3,), generator=g),
+                "b": torch.randint(0, S + 3, (3,), generator=g)}
+        meta["a"][0] = 8
+        ref = mask.reference_mask(meta, seqlen_q=S)
+        got = mask.preprocess(meta, seqlen_q=S, fwd_tiles=(8, 8), bwd_tiles=(8, 8))
+        assert torch.equal(got.dense_mask(), ref), (when, rule, S, meta)
+    if mask.has_fallback:  # the kernels' predicate source is generated for the same rule
+        from compilemask.codegen.cute_predicate import predicate_source
+
+        for r in mask.fallback_regions:
+            assert "def fallback_predicate" in predicate_source(r.rule, ("a", "b"))
+    pytest.importorskip("tilelang")  # TileLang's C target reads the same guard and rule
+    meta = {"a": torch.tensor([8, 3, 30]), "b": torch.tensor([5, 0, 12])}
+    a = mask.preprocess(meta, 40, backend="torch", batch_size=3)
+    b = mask.preprocess(meta, 40, backend="tilelang", batch_size=3)
+    for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), (when, rule, f)
