@@ -181,6 +181,8 @@ def _val(tr, x):
                       "global (an attribute, or one made inside it)")
     if isinstance(x, float):
         raise tr.fail(f"float constant {x!r} (only ints)")
+    if isinstance(x, sp.Basic):  # already converted (torch.logical_* convert their operands)
+        return x
     raise tr.fail(f"value of type {type(x).__name__}")
 
 
@@ -619,8 +621,8 @@ def _meta(entry: _Entry, leaves, batch_size):
         for _, leaf in entry.scalars:
             if leaves[leaf].dim() == 1:
                 B = max(B, leaves[leaf].shape[0])
-        for _, leaf, ndim in entry.arrays:
-            if ndim == 2:
+        for _, leaf, ndim in (*entry.arrays, *entry.index_arrays):
+            if ndim == 2:  # b-indexed, read directly or as a gather's index
                 B = max(B, leaves[leaf].shape[0])
     meta = {}
     for p, leaf in entry.scalars:

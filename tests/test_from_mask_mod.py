@@ -350,3 +350,36 @@ def test_random_mask_mods_equal_create_mask(body, seed):
     mm = ns["make"](torch.randint(0, S, (2,), generator=gen),
                     torch.randint(0, 6, (S,), generator=gen))
     _compare(mm, 2, S, batch_size=2)
+
+
+def _logical_and(b, h, q_idx, kv_idx):
+    return torch.logical_and(q_idx >= kv_idx, kv_idx < 20)
+
+
+def _logical_or_xor(b, h, q_idx, kv_idx):
+    near = torch.logical_or(q_idx - kv_idx < 4, kv_idx == 0)
+    return torch.logical_xor(near, (q_idx + kv_idx) % 3 == 0).logical_and(kv_idx <= q_idx + 2)
+
+
+def _logical_methods(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx).logical_or(kv_idx > 40).logical_and((kv_idx < 30).logical_not())
+
+
+@pytest.mark.parametrize("mm", [_logical_and, _logical_or_xor, _logical_methods])
+def test_torch_logical_functions_and_methods(mm):
+    _compare(mm, 1, 48)
+
+
+def test_batch_of_a_tensor_read_only_as_a_gather_index():
+    """doc [B, S] is read only inside start[doc[b, q]]: it still gives the batch to the 0-d
+    window w."""
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 2, 2, 2]])
+    start = torch.tensor([0, 3, 6])
+    w = torch.tensor(2)
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx >= start[doc[b, q_idx]]) & (kv_idx <= q_idx) & (q_idx - kv_idx <= w)
+
+    _, meta = cm.from_mask_mod(mm)
+    assert {p: t.shape[0] for p, t in meta.items()} == {p: 2 for p in meta}
+    _compare(mm, 2, 8)
