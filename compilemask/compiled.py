@@ -166,28 +166,29 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     i, j = syms["i"], syms["j"]
     divisors = tuple(p for p in spec.params if p in ctx.divisor_params)
     regions = []
-    earlier_guards = []
     unconditional = Prover([], syms, divisors)  # for guard exclusivity, proved once per pair
     derived = {}
+    # Xor / ITE (also inside a Piecewise condition) as And / Or / Not, for every pass after
+    guards = [boolean_basis(g.expr) for _, g, _ in translated]
+    rules = [boolean_basis(v.expr) for _, _, v in translated]
     for idx, (r, g, v) in enumerate(translated):
-        dnf = to_dnf_terms(normalize(v.expr, j))
+        guard, rule = guards[idx], rules[idx]
+        dnf = to_dnf_terms(normalize(rule, j))
         runs = run_arrays(dnf)
         derived.update({d[0]: d for d in runs})
-        assumptions = [g.expr] + [sp.Not(e) for e in earlier_guards]
+        assumptions = [guard] + [sp.Not(e) for e in guards[:idx]]
         prover = Prover(assumptions + run_facts(runs, i, syms["seqlen_q"]), syms, divisors)
         terms = extract_intervals(dnf, i, j)
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
         excl = {}
-        for r2, g2, _ in translated[:idx]:
-            excl[r2.name] = unconditional.proves(sp.Not(sp.And(g.expr, g2.expr)))
+        for (r2, _, _), g2 in zip(translated[:idx], guards[:idx]):
+            excl[r2.name] = unconditional.proves(sp.Not(sp.And(guard, g2)))
         regions.append(CompiledRegion(
-            index=idx, name=r.name, guard=boolean_basis(g.expr), guard_source=g.source,
-            rule=boolean_basis(v.expr),
+            index=idx, name=r.name, guard=guard, guard_source=g.source, rule=rule,
             rule_source=v.source, dnf=dnf, terms=terms, intervals=ivs, proofs=proofs,
             fallback_reasons=reasons, exclusive_with=excl,
         ))
-        earlier_guards.append(g.expr)
     for r in regions:
         _check_int64(r)
     K = max(1, max(r.num_intervals for r in regions))

@@ -80,7 +80,14 @@ class ExprPrinter:
             return self.array(type(e).__name__, e.args[0])
         if isinstance(e, (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)):
             op = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.Ne: "!="}
-            return f"({self.p(e.lhs)} {op[type(e)]} {self.p(e.rhs)})"
+            lhs, rhs = e.lhs, e.rhs
+            if not e.has(sp.floor, sp.Mod):
+                # sympy solves a Piecewise condition into rationals (i >= 5/7): compare in
+                # integers, times the positive common denominator
+                num, den = sp.fraction(sp.together(lhs - rhs))
+                if den != 1 and den.is_Integer and den > 0:
+                    lhs, rhs = sp.expand(num), sp.Integer(0)
+            return f"({self.p(lhs)} {op[type(e)]} {self.p(rhs)})"
         if isinstance(e, sp.And):
             return self.land([self.p(a) for a in e.args])
         if isinstance(e, sp.Or):

@@ -29,7 +29,12 @@ __all__ = [
 ]
 
 _MAX_INLINE_DEPTH = 16
-_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", sp.Xor)}
+def _xor(a, b):
+    # spelled with And / Or / Not: sympy's Xor breaks inside a Piecewise condition
+    return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
+
+
+_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", _xor)}
 _BOOL_OPS = tuple(_BOOL_OPS_SYM)
 
 

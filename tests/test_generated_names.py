@@ -104,6 +104,12 @@ CONNECTIVE_RULES = [
     ("True", "(j < a) ^ (j * j < i)"),
     ("i % 2 == 0", "(j if (3 if a != 8 else a) == i else a * 2) <= i + b"),
     ("True", "(j < a) ^ (j < b) ^ (j + 2 > i)"),
+    # ^ in a condition nested in another conditional's condition
+    ("True", "(j if (a if (i < 16) ^ (i > 9) else i) <= b else b) <= i"),
+    ("True", "j > (1 if (i < a) ^ (i > b) else 2)"),
+    # conditions sympy solves into rationals (i >= 5/7)
+    ("(a if i + 5 <= i * 8 else i) <= 2", "j <= i"),
+    ("(a if 5 <= i * 7 else i) <= 2", "j <= i + 1"),
 ]
 
 
