@@ -483,9 +483,11 @@ class _Emitter:
         w(ind, "# covered: the n-tiles inside one component of the union of the slots")
         d = ind
         if fb:
-            conds = ", ".join(f"region != {x}" for x in fb)
+            cond = f"region != {fb[0]}"
+            for x in fb[1:]:  # T.And takes two operands
+                cond = f"T.And({cond}, region != {x})"
             w(ind, "# fallback rows add no coverage: their tiles are never full")
-            w(ind, f"if {conds if len(fb) == 1 else 'T.And(' + conds + ')'}:")
+            w(ind, f"if {cond}:")
             d += 1
         w(d, "# sort the slots by start (empty slots last), then sweep: a slot that starts at or")
         w(d, "# before the end of the current component extends it, else closes it")

@@ -111,7 +111,11 @@ _INT32_CHECKED: set = set()  # (mask key, longest length) whose kernel predicate
 
 def check_kernel_predicates(mask, length: int) -> None:
     """The GPU kernels evaluate fallback predicates (and, for an all-fallback mask, the guards)
-    in int32: refuse a rule that may not fit at this length, before any kernel is built."""
+    in int32: refuse a rule that may not fit at this length, before any kernel is built.
+
+    Indices and metadata are bounded by ``length``: metadata on the GPU is not read back (that
+    would synchronize), and values past the sequence (a sentinel of 2**30 in a product) are the
+    caller's to keep within int32 there, as the docs say."""
     if (mask.key, length) in _INT32_CHECKED:
         return
     whole = all(r.fallback for r in mask.regions)  # one predicate with the guards in it
@@ -120,5 +124,6 @@ def check_kernel_predicates(mask, length: int) -> None:
         parts += [("guard", r.guard)] if whole else []
         for what, e in parts:
             check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
-                       "kernels; backend='reference' computes it exactly)", index_max=length)
+                       "kernels; backend='reference' computes it exactly)", index_max=length,
+                       meta_max=length)
     _INT32_CHECKED.add((mask.key, length))

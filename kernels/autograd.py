@@ -238,15 +238,35 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
                f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
+_GENERATED: set = set()  # mask keys whose fallback predicates the kernels can evaluate
+
+
+def _check_predicates(mask, length: int) -> None:
+    """Before any kernel is built: the predicates fit int32 at this length, and the GPU code
+    generator reads every fallback rule (else a clear error naming the region)."""
+    check_kernel_predicates(mask, length)
+    if mask.key in _GENERATED:
+        return
+    from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
+
+    for r in mask.fallback_regions:
+        try:
+            predicate_source(r.rule, mask.scalar_params, mask.array_params)
+        except UnsupportedExpression as e:
+            raise NotImplementedError(
+                f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
+                f"predicate ({e}); backend='reference' runs it") from None
+    _GENERATED.add(mask.key)
+
+
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
     d, call = _unpack(args)
     desc = _descriptor(d, call)
     scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "cute") and desc.mask.has_fallback:
-        # the kernels' predicates are int32; here the check runs eagerly, also under a
-        # compiled graph, and once per (mask, length)
-        check_kernel_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
+        # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
+        _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     if engine in ("fa4", "native"):
         from . import fa4
 

@@ -55,7 +55,7 @@ def test_kernel_predicates_are_checked_at_the_call_length():
     sq = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
     check_kernel_predicates(sq, 1024)
     with pytest.raises(ValueError, match="Region 'r', rule"):
-        check_kernel_predicates(sq, 40000)  # j * j + a passes 2**31
+        check_kernel_predicates(sq, 50000)  # j * j passes 2**31
 
 
 @pytest.mark.parametrize("engine", ["fa4", "cute"])
@@ -64,7 +64,7 @@ def test_the_kernel_engines_check_their_predicates_before_running(engine, monkey
     from compilemask.kernels import autograd, fa4
 
     mask = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
-    S = 40000
+    S = 50000
     desc = mask.preprocess({"a": torch.tensor([5])}, seqlen_q=S)
     q = torch.zeros(1, S, 1, 8)
     ran = []
@@ -77,3 +77,27 @@ def test_the_kernel_engines_check_their_predicates_before_running(engine, monkey
     assert torch.equal(autograd.attention_op(q[:, :64], q[:, :64], q[:, :64], short,
                                              engine="reference"),
                        torch.zeros(1, 64, 1, 8))
+
+
+@pytest.mark.parametrize("rule", [
+    "(j if i < a else a) * 2 <= i * j",  # an integer conditional in a predicate
+    "j * seqlen_q <= i * seqlen_k",  # the lengths in a predicate
+])
+def test_predicates_the_gpu_code_cannot_evaluate_are_refused_by_region(rule, monkeypatch):
+    import linecache
+
+    from compilemask.kernels import autograd, fa4
+
+    src = f"def vis(i, j):\n    return {rule}\n"
+    name = f"<gpu-predicate-{abs(hash(rule))}>"
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    ns: dict = {}
+    exec(compile(src, name, "exec"), ns)
+    mask = cm.compile_mask(cm.MaskSpec(f"gpu_pred_{abs(hash(rule))}", params=["a"], regions=[
+        cm.Region("odd", when=lambda i: True, visible=ns["vis"])]))
+    assert mask.has_fallback
+    desc = mask.preprocess({"a": torch.tensor([3])}, seqlen_q=64)
+    q = torch.zeros(1, 64, 1, 8)
+    monkeypatch.setattr(fa4, "fwd", lambda *a, **kw: pytest.fail("a kernel ran"))
+    with pytest.raises(NotImplementedError, match="Region 'odd', rule .*backend='reference'"):
+        autograd.attention_op(q, q, q, desc, engine="fa4")

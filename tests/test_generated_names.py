@@ -139,3 +139,23 @@ def test_boolean_connectives_in_guards_and_predicates(when, rule):
     b = mask.preprocess(meta, 40, backend="tilelang", batch_size=3)
     for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap"):
         assert torch.equal(getattr(a, f), getattr(b, f)), (when, rule, f)
+
+
+def test_three_fallback_regions_tilelang():
+    """The preprocess skips coverage on every fallback region's rows (one condition each)."""
+    pytest.importorskip("tilelang")
+    ns = _fns("def v0(i, j):\n    return j * j <= i\n\n\ndef v1(i, j):\n    return j * j <= i + a\n"
+              "\n\ndef v2(i, j):\n    return j * j <= i + 2\n")
+    spec = cm.MaskSpec("three_fallbacks", params=["a"], regions=[
+        cm.Region("r0", when=lambda i: i < 5, visible=ns["v0"]),
+        cm.Region("r1", when=lambda i: i < 10, visible=ns["v1"]),
+        cm.Region("mid", when=lambda i: i < 14, visible=lambda i, j: j <= i),
+        cm.Region("r2", when=lambda i: True, visible=ns["v2"])])
+    mask = cm.compile_mask(spec)
+    assert len(mask.fallback_regions) == 3
+    meta = {"a": torch.tensor([0, 7])}
+    ref = mask.preprocess(meta, 20, 24, backend="torch", batch_size=2)
+    out = mask.preprocess(meta, 20, 24, backend="tilelang", batch_size=2)
+    for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap"):
+        assert torch.equal(getattr(ref, f), getattr(out, f)), f
+    assert torch.equal(ref.dense_mask(), mask.reference_mask(meta, seqlen_q=20, seqlen_k=24))
