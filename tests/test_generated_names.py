@@ -75,6 +75,14 @@ def test_param_named_like_generated_code_tilelang(n):
         assert torch.equal(ref.dense_mask(), mask.reference_mask(meta, seqlen_q=40))
 
 
+def _rule_mask(when, rule, params, rest):
+    """Region 'r' from the sources of a guard and a rule, then every other row by ``rest``."""
+    ns = _fns(f"def when(i):\n    return {when}\n\n\ndef visible(i, j):\n    return {rule}\n")
+    return cm.compile_mask(cm.MaskSpec(f"rule_{next(_counter)}", params=list(params), regions=[
+        cm.Region("r", when=ns["when"], visible=ns["visible"]),
+        cm.Region("rest", when=lambda i: True, visible=rest)]))
+
+
 LENGTH_RULES = [
     # a window that depends on the length, a guard on the lengths, a negated compound
     ("True", "i - (4 if seqlen_q >= 9 else 2) < j <= i"),
@@ -86,11 +94,7 @@ LENGTH_RULES = [
 
 @pytest.mark.parametrize("when,rule", LENGTH_RULES)
 def test_conditions_on_the_lengths_alone(when, rule):
-    ns = _fns(f"def when(i):\n    return {when}\n\n\ndef visible(i, j):\n    return {rule}\n")
-    spec = cm.MaskSpec(f"lengths_{next(_counter)}", regions=[
-        cm.Region("r", when=ns["when"], visible=ns["visible"]),
-        cm.Region("rest", when=lambda i: True, visible=lambda i, j: j == 0)])
-    mask = cm.compile_mask(spec)
+    mask = _rule_mask(when, rule, (), lambda i, j: j == 0)
     for sq, sk in ((3, 3), (9, 9), (12, 25), (6, 15), (40, 7)):
         ref = mask.reference_mask({}, seqlen_q=sq, seqlen_k=sk)
         got = mask.preprocess({}, seqlen_q=sq, seqlen_k=sk, fwd_tiles=(8, 8), bwd_tiles=(8, 8))
@@ -115,11 +119,7 @@ CONNECTIVE_RULES = [
 
 @pytest.mark.parametrize("when,rule", CONNECTIVE_RULES)
 def test_boolean_connectives_in_guards_and_predicates(when, rule):
-    ns = _fns(f"def when(i):\n    return {when}\n\n\ndef visible(i, j):\n    return {rule}\n")
-    spec = cm.MaskSpec(f"connectives_{next(_counter)}", params=["a", "b"], regions=[
-        cm.Region("r", when=ns["when"], visible=ns["visible"]),
-        cm.Region("rest", when=lambda i: True, visible=lambda i, j: j == i)])
-    mask = cm.compile_mask(spec)
+    mask = _rule_mask(when, rule, ("a", "b"), lambda i, j: j == i)
     g = torch.Generator().manual_seed(0)
     for S in (1, 17, 40):
         meta = {"a": torch.randint(0, S + 3, (3,), generator=g),
