@@ -106,9 +106,6 @@ def check_fits(e, limit: int, what: str, index_max: int = INDEX_MAX,
             "terms, e.g. divide before multiplying")
 
 
-_INT32_CHECKED: set = set()  # (mask key, longest length) whose kernel predicates fit int32
-
-
 def check_kernel_predicates(mask, length: int) -> None:
     """The GPU kernels evaluate fallback predicates (and, for an all-fallback mask, the guards)
     in int32: refuse a rule that may not fit at this length, before any kernel is built.
@@ -116,8 +113,6 @@ def check_kernel_predicates(mask, length: int) -> None:
     Indices and metadata are bounded by ``length``: metadata on the GPU is not read back (that
     would synchronize), and values past the sequence (a sentinel of 2**30 in a product) are the
     caller's to keep within int32 there, as the docs say."""
-    if (mask.key, length) in _INT32_CHECKED:
-        return
     whole = all(r.fallback for r in mask.regions)  # one predicate with the guards in it
     for r in mask.regions:
         parts = [("rule", r.rule)] if r.fallback else []
@@ -126,4 +121,3 @@ def check_kernel_predicates(mask, length: int) -> None:
             check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
                        "kernels; backend='reference' computes it exactly)", index_max=length,
                        meta_max=length)
-    _INT32_CHECKED.add((mask.key, length))

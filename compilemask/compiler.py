@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from compilemask.dsl.frontend import array_function
+from compilemask.dsl.frontend import array_function, bool_xor
 from compilemask.exprprint import ExprPrinter
 from compilemask.prover import Prover
 from compilemask.segments import RUN_START, run_names
@@ -114,7 +114,7 @@ def boolean_basis(e):
     if isinstance(e, sp.Xor):
         out = args[0]
         for b in args[1:]:
-            out = sp.Or(sp.And(out, sp.Not(b)), sp.And(sp.Not(out), b))
+            out = bool_xor(out, b)
         return out
     if isinstance(e, sp.ITE):
         c, a, b = args

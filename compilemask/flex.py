@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.dsl.frontend import array_function
+from compilemask.dsl.frontend import array_function, bool_xor
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import ExprPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
@@ -242,7 +242,7 @@ def _logic(tr, op, a, b):
         return sp.And(a, b)
     if op == "|":
         return sp.Or(a, b)
-    return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))  # ^
+    return bool_xor(a, b)
 
 
 def _select(tr, c, a, b):

@@ -26,15 +26,19 @@ __all__ = [
     "translate_rule",
     "rule_symbols",
     "array_function",
+    "bool_xor",
 ]
 
 _MAX_INLINE_DEPTH = 16
-def _xor(a, b):
-    # spelled with And / Or / Not: sympy's Xor breaks inside a Piecewise condition
+
+
+def bool_xor(a, b):
+    """``a ^ b`` of booleans with And / Or / Not: sympy's Xor breaks inside a Piecewise
+    condition, and the printers spell only those three."""
     return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
 
 
-_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", _xor)}
+_BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", bool_xor)}
 _BOOL_OPS = tuple(_BOOL_OPS_SYM)
 
 

@@ -238,15 +238,15 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
                f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
-_GENERATED: set = set()  # mask keys whose fallback predicates the kernels can evaluate
+_CHECKED: set = set()  # (mask key, longest length) whose predicates the kernels can evaluate
 
 
 def _check_predicates(mask, length: int) -> None:
     """Before any kernel is built: the predicates fit int32 at this length, and the GPU code
     generator reads every fallback rule (else a clear error naming the region)."""
-    check_kernel_predicates(mask, length)
-    if mask.key in _GENERATED:
+    if (mask.key, length) in _CHECKED:
         return
+    check_kernel_predicates(mask, length)
     from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 
     for r in mask.fallback_regions:
@@ -256,7 +256,7 @@ def _check_predicates(mask, length: int) -> None:
             raise NotImplementedError(
                 f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
                 f"predicate ({e}); backend='reference' runs it") from None
-    _GENERATED.add(mask.key)
+    _CHECKED.add((mask.key, length))
 
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
