@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 import compilemask as cm
 from compilemask.dsl import frontend
 
+from helpers import compile_in_range
+
 _counter = itertools.count()
 LONG = True
 
@@ -161,7 +163,8 @@ _rule = st.recursive(_atom, lambda b: st.tuples(b, st.sampled_from(["and", "or"]
 @given(rule=_rule, sq=st.integers(1, 40), sk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
 def test_random_quotient_remainder_rules_match_brute_force(rule, sq, sk, seed):
     ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
-    mask = _compile(ns["visible"], params=["a", "d"])
+    mask = compile_in_range(cm.MaskSpec("m", params=["a", "d"], regions=[
+        cm.Region("all", when=lambda i: True, visible=ns["visible"])]))
     j = frontend.rule_symbols(())["j"]
     for r in mask.regions:
         for iv in r.intervals:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import compilemask as cm
 
-from helpers import dense_tile_states
+from helpers import compile_in_range, dense_tile_states
 
 PARAMS = ["a", "b", "d"]  # d is only ever a divisor: drawn positive
 _counter = itertools.count()
@@ -85,7 +85,7 @@ def test_random_rules_match_brute_force(w1, v1, v2, sq, sk, seed):
         cm.Region("first", when=when1, visible=vis1),
         cm.Region("rest", when=lambda i: True, visible=vis2),
     ])
-    mask = cm.compile_mask(spec)
+    mask = compile_in_range(spec)
     gen = torch.Generator().manual_seed(seed)
     meta = {"a": torch.randint(0, 45, (2,), generator=gen),
             "b": torch.randint(0, 45, (2,), generator=gen),
@@ -132,7 +132,7 @@ def test_random_statement_rules_match_brute_force(e1, c1, c2, r1, r2, r3, sq, sk
     vis = _make_body(body)
     spec = cm.MaskSpec("hyp_stmt", params=["a", "b", "d", "arr"], regions=[
         cm.Region("all", when=lambda i: True, visible=vis)])
-    mask = cm.compile_mask(spec)
+    mask = compile_in_range(spec)
     gen = torch.Generator().manual_seed(seed)
     meta = {"a": torch.randint(0, 45, (2,), generator=gen),
             "b": torch.randint(0, 45, (2,), generator=gen),
