@@ -17,6 +17,7 @@
 #   bash bench/h200.sh fwd       # forward vs peers at 32K (MASKS=... to choose)
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
+#   bash bench/h200.sh loop      # a new length every step: compiles and step times per mask
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
 set -u
@@ -216,5 +217,20 @@ for r in rows:
       grep -E "^(\| |WARNING)" "$OUT/train_e2e_$tag.md" 2>/dev/null | cut -c1-300
     done
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e"; exit 2 ;;
+  loop)  # a training loop with a new length every step (bench/dynamic_loop.py), one process
+    # per mask, each with an empty cache folder (everything it needs compiles in it), then
+    # the first 32K HSTU step of a second process over a warm cache (MASKS=, STEPS=); the
+    # results come back as one archive, loop.tar.gz
+    L=/tmp/loop-out; mkdir -p $L
+    for m in $(echo "${MASKS:-hstu,shared_prompt_rm,clear,causal,packed_documents,sink_window}" | tr , " "); do
+      COMPILEMASK_CACHE_DIR=$(mktemp -d) OUT=$L step "loop_$m" "${SECS:-150}" \
+        python3 bench/dynamic_loop.py --masks "$m" --steps "${STEPS:-50}" --out "$L/$m"
+      grep -E "^\| $m" "$L/$m"/dynamic_loop_*.md
+    done
+    COMPILEMASK_CACHE_DIR=$(mktemp -d) OUT=$L step second_process 200 python3 bench/dynamic_loop.py \
+      --second-process --out "$L"
+    cat "$L"/second_process_*.json
+    tar czf "$OUT/loop.tar.gz" -C "$L" .
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop"; exit 2 ;;
 esac

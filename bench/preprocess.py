@@ -6,20 +6,22 @@ with 128K tokens per batch (B = 131072 / S), times
 
 * ``ours``: ``CompiledMask.preprocess(meta, S, backend="tilelang")`` (general path) and the bound
   ``mask.preprocessor(S, batch_size=B)`` call, host time per call; the bound call replayed from a
-  CUDA graph (device time);
+  CUDA graph (device time); the tile lists' share: their launch alone (``packed_lists`` on the
+  bound call's bitmaps, as the pipeline makes it), host and device time;
 * ``flex``: ``torch.compile(create_block_mask)(mask_mod, B, None, S, S)`` for the same mask as a
   FlexAttention mask_mod (B set to the batch: metadata differs per sequence; H=None, broadcast
   over heads), forward block mask only.
 
-Writes a markdown table.
+Writes a markdown table. ``--sweep`` times ``PreprocessConfig`` variants (threads per block,
+stage-1 row map, vector stores), each passed to the preprocessor in a ``PipelineConfig``.
 
     python bench/preprocess.py [--out bench/results/preprocess_<date>.md] [--budget-s 200]
+                               [--sweep 512:linear,512:interleaved,512:linear:vec]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import statistics
@@ -35,6 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* as a scr
 import compilemask as cm  # noqa: E402
 from bench import workloads as W  # noqa: E402
 from compilemask import masks as M  # noqa: E402
+from compilemask.blocksparse import descriptor_lists  # noqa: E402
+from compilemask.codegen.blocksparse import packed_lists  # noqa: E402
+from compilemask.codegen.preprocess import (  # noqa: E402
+    DEFAULT_PREPROCESS_CONFIG,
+    PreprocessConfig,
+)
+from compilemask.pipeline import LIST_KINDS_FA4, PipelineConfig  # noqa: E402
 
 TOKENS = 128 * 1024
 SEQLENS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -108,17 +117,33 @@ def kernel_times(fn, calls=20):
     return sorted(out.items(), key=lambda kv: -kv[1])
 
 
-@contextlib.contextmanager
-def _without_lists():
-    """Descriptors without FA4's tile lists (the Interval Table and bitmaps only)."""
-    from compilemask import blocksparse
+def lists_launch(d):
+    """The tile-list launch of a descriptor's pipeline (FA4's kinds in one buffer), alone."""
+    return packed_lists(d.fwd_bitmap, d.bwd_bitmap, d.fwd_tiles, d.bwd_tiles, d.seqlen_q,
+                        d.seqlen_k, LIST_KINDS_FA4)
 
-    keep = blocksparse.attach_lists
-    blocksparse.attach_lists = lambda desc: desc
-    try:
-        yield
-    finally:
-        blocksparse.attach_lists = keep
+
+def lists_ok(d) -> bool:
+    """A non-native descriptor's lists (written by the pipeline) equal the torch reference of
+    its bitmaps; a native one has none to check."""
+    if d.native is not None and d.lists is None:
+        return True
+    if d.lists is None or d.lists.kinds != LIST_KINDS_FA4:
+        return False
+    for kind in LIST_KINDS_FA4:
+        ref, got = descriptor_lists(d, kind), d.block_sparse(kind)
+        for cnt, a, oc, b in ((ref.mask_cnt, ref.mask_idx, got.mask_cnt, got.mask_idx),
+                              (ref.full_cnt, ref.full_idx, got.full_cnt, got.full_idx)):
+            live = torch.arange(a.shape[-1], device=a.device) < cnt.unsqueeze(-1)
+            if not (torch.equal(cnt, oc) and torch.equal(a[live], b[live])):
+                return False
+    return True
+
+
+def parse_variant(variant: str) -> PreprocessConfig:
+    """``threads:row_map[:vec]`` -> the config (vec: Interval Table rows in vector stores)."""
+    th, row_map, *vec = variant.split(":")
+    return PreprocessConfig(threads=int(th), row_map=row_map, vector_stores=vec == ["vec"])
 
 
 def specs_and_meta():
@@ -179,12 +204,15 @@ def main():
             ref = m.preprocess(meta, S, batch_size=B, device=dev, backend="torch")
             same = all(torch.equal(getattr(x, f), getattr(ref, f)) for f in (
                 "intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params", "row_params")
-                for x in (d, d_bound))
+                for x in (d, d_bound)) and lists_ok(d) and lists_ok(d_bound)
             t_gen = time_host(general)
             t_bound = time_host(bound)
             t_dev = time_graph(bound)
-            with _without_lists():  # the tile lists' share: the same calls without them
-                t_bound_nl, t_dev_nl = time_host(bound), time_graph(bound)
+            if d_bound.lists is not None:  # the tile lists' share: their launch alone
+                t_lists, t_lists_dev = (time_host(lambda d=d_bound: lists_launch(d)),
+                                        time_graph(lambda d=d_bound: lists_launch(d)))
+            else:
+                t_lists = t_lists_dev = None  # a native mask: no lists
             nbytes = bytes_written(d)
             flex = None
             if (cbm is not None and S in flex_seqlens and name in args.flex_masks.split(",")
@@ -197,37 +225,31 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     flex = f"error: {type(e).__name__}"
             rows.append((name, S, B, m.num_intervals, t_gen, t_bound, t_dev, nbytes, flex, same,
-                         t_bound_nl, t_dev_nl))
+                         t_lists, t_lists_dev))
             print(rows[-1], flush=True)
             if args.kernels:
                 kernels += [(name, S, k, us) for k, us in kernel_times(bound)]
             write(args, rows, [], kernels)
     sweep = []
     if args.sweep:
-        from compilemask.codegen import preprocess as tlp
-
-        default = tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES
         for variant in args.sweep.split(","):
-            th, row_map, *vec = variant.split(":")
-            tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES = int(th), row_map, vec == ["vec"]
+            config = PipelineConfig(preprocess=parse_variant(variant))
             for name in ("hstu", "clear", "clear_r1w16"):
                 spec, make = workloads[name]
                 m = cm.compile_mask(spec)
                 for S in (1024, 16384, 32768):
                     B = TOKENS // S
                     meta = make(B, S)
-                    pre = m.preprocessor(S, batch_size=B)
+                    pre = m.preprocessor(S, batch_size=B, config=config)
                     t = time_graph(lambda pre=pre, meta=meta: pre(meta))
                     sweep.append((variant.replace(":", " "), name, S, B, t))
                     print(sweep[-1], flush=True)
             write(args, rows, sweep, kernels)
-        tlp._THREADS, tlp._ROW_MAP, tlp._VECTOR_STORES = default
     write(args, rows, sweep, kernels)
 
 
 def write(args, rows, sweep, kernels=()):
-    from compilemask.codegen import preprocess as tlp
-
+    cfg = DEFAULT_PREPROCESS_CONFIG
     gpu = torch.cuda.get_device_name()
     try:
         # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
@@ -240,7 +262,8 @@ def write(args, rows, sweep, kernels=()):
     lines = [f"# Preprocess benchmark, {date}", "",
              f"GPU: {gpu}; torch {torch.__version__}; commit {commit}; "
              f"{TOKENS} tokens per batch; median of {REPS} (flex: 20) after warm-up; "
-             f"{tlp._THREADS} threads per block, {tlp._ROW_MAP} row map.", "",
+             f"{cfg.threads} threads per block, {cfg.row_map} row map, vector stores "
+             f"{'on' if cfg.vector_stores else 'off'}.", "",
              "general: `preprocess(meta, S, backend='tilelang')` per call; bound: "
              "`pre = mask.preprocessor(S, batch_size=B)` once, `pre(meta)` per call; both host "
              "time per call (200 calls back to back, wall clock, one sync: host + alloc + "
@@ -249,19 +272,22 @@ def write(args, rows, sweep, kernels=()):
              "copies); BW at the device time. flex: "
              "`torch.compile(create_block_mask)(mask_mod, B, None, S, S)` (forward block mask "
              "only, H broadcast), CUDA events. = ref: both paths equal the torch reference.", "",
-             "no lists: the same bound call and graph without FA4's tile lists (Interval Table "
-             "and bitmaps only).", "",
-             "| mask | S | B | K | general (us) | bound (us) | dev (us) | bound, no lists (us) | "
-             "dev, no lists (us) | bytes | BW (GB/s) | flex (us) | flex / bound | flex / dev | "
+             "lists: the tile lists' launch alone (`packed_lists` of FA4's three kinds on the "
+             "bound call's bitmaps, the launch the pipeline makes), host time per call and "
+             "device time (CUDA graph); - for a native mask (no lists). = ref: the lists of "
+             "both paths equal the torch reference's too.", "",
+             "| mask | S | B | K | general (us) | bound (us) | dev (us) | lists (us) | "
+             "lists dev (us) | bytes | BW (GB/s) | flex (us) | flex / bound | flex / dev | "
              "= ref |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, S, B, K, tg, tb, td, nb, flex, same, tbn, tdn in rows:
+    for name, S, B, K, tg, tb, td, nb, flex, same, tl, tld in rows:
         if isinstance(flex, float):
             fx, ratio = f"{flex:.0f}", f"{flex / tb:.0f}x | {flex / td:.0f}x"
         else:
             fx, ratio = (flex or "-"), "- | -"
-        lines.append(f"| {name} | {S} | {B} | {K} | {tg:.1f} | {tb:.1f} | {td:.1f} | {tbn:.1f} | "
-                     f"{tdn:.1f} | {nb} | "
+        tls = "- | -" if tl is None else f"{tl:.1f} | {tld:.1f}"
+        lines.append(f"| {name} | {S} | {B} | {K} | {tg:.1f} | {tb:.1f} | {td:.1f} | {tls} | "
+                     f"{nb} | "
                      f"{nb / td / 1e3:.0f} | {fx} | {ratio} | {'yes' if same else 'NO'} |")
     if sweep:
         lines += ["", "Threads per block and stage-1 row map (device time, us, CUDA-graph "

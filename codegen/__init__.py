@@ -1,17 +1,8 @@
-"""Code generation from compiled masks: TileLang preprocess programs, CuTe predicates."""
+"""Code generation from compiled masks: the TileLang preprocess and tile-list programs
+(``preprocess``, ``blocksparse``, on the shared ``tilelang_build``), the CuTe predicates and
+flash-attn-4 ``mask_mod`` (``cute_predicate``, ``cute_mask_mod``)."""
 
-
-def tilelang_source(mask, target: str = "cuda") -> str:
-    from compilemask.codegen.preprocess import tilelang_source as _src
-
-    return _src(mask, target=target)
-
-
-def block_sparse_lists(bitmap, packed_tiles: int, transpose: bool = False, **kw):
-    """flash-attn-4 block-sparse lists from a Tile-State Bitmap (see codegen.blocksparse)."""
-    from compilemask.codegen.blocksparse import block_sparse_lists as _lists
-
-    return _lists(bitmap, packed_tiles, transpose, **kw)
-
+from compilemask.codegen.blocksparse import block_sparse_lists
+from compilemask.codegen.preprocess import tilelang_source
 
 __all__ = ["tilelang_source", "block_sparse_lists"]

@@ -1,16 +1,22 @@
-"""Generated TileLang kernel: block-sparse tile lists (flash-attn-4 format) from a bitmap.
+"""Generated TileLang kernel: block-sparse tile lists (flash-attn-4 format) from the bitmaps.
 
-``block_sparse_lists(bitmap, packed_tiles, transpose=...)`` writes, in one launch on the
-bitmap's device, the four tensors of ``compilemask.blocksparse.BlockSparseLists`` (partial and
-full column tiles per row, compacted) bit for bit as the torch reference
+``block_sparse_multi(bitmaps, mp, dims)`` writes, in one launch on the bitmaps' device, the lists
+of several kinds (``compilemask.blocksparse.BlockSparseLists`` each: partial and full column
+tiles per row, compacted) into one flat buffer, bit for bit as the torch reference
 ``compilemask.blocksparse.lists_from_bitmap`` does on the counts and the first ``cnt`` entries of
-every row. ``tilelang_source`` is the program text, ``block_sparse_kernel`` the compiled kernel
-(once per plan and target in this process).
+every row; ``block_sparse_lists`` is the one-kind case. ``multi_source`` is the program text,
+``multi_kernel`` the compiled kernel.
+
+Shapes are run-time values: the batch size, every kind's rows and columns (``R_k``, ``C_k``, int32
+arguments) and the bitmaps' shapes. A program depends only on its kinds' structure (which bitmap,
+read by rows or by columns) and the launch shape (:class:`ListsConfig`), so one compiled program
+serves every sequence length and every mask with the same tilings.
 
 Design
 ------
-Grid ``(ceil(R / RPB), B)``: a block owns ``RPB`` list rows, ``TPR`` threads per row. A row's
-column tiles are visited in chunks of ``CHUNK = 16 * TPR * WPT`` tiles, each thread owning
+Grid ``(sum_k ceil(R_k / RPB_k), B)``: grid x is cut into one range of blocks per kind; a block
+owns ``RPB`` list rows of its kind, ``TPR`` threads per row. A row's column tiles are visited in
+chunks of ``CHUNK = 16 * TPR * WPT`` tiles (``ceil(C / CHUNK)`` chunks), each thread owning
 ``WPT`` consecutive 16-tile words of the chunk. Per chunk:
 
 1. words: each thread reads its words (the bitmap row as it is; transposed, it assembles each
@@ -29,19 +35,10 @@ column tiles are visited in chunks of ``CHUNK = 16 * TPR * WPT`` tiles, each thr
 Then the counts (and, with ``fill``, zeros past them). Output entries past a row's count are not
 written unless ``fill``: the kernels never read them, and it saves the stores.
 
-Targets: as in ``compilemask.codegen.preprocess``, one generator, two threading skeletons. On
-CUDA each stage runs once per thread, ``T.sync_threads()`` between stages; on TileLang's C
-target (CPU, for CI) each stage is a serial loop over the threads, every value passed between
-stages lives in shared memory, so both texts run the same stage bodies.
-
-Several kinds in one launch (``multi_plan`` / ``block_sparse_multi``; a CUDA preprocess writes
-a descriptor's forward and both backward kinds this way): grid x is cut into one range of blocks
-per kind, each running the stages above with its own constants; the outputs are one flat buffer
-(``MultiPlan`` layout) that ``compilemask.blocksparse.PackedLists`` views per kind. One launch
-and one allocation instead of three each: the preprocess is bound by host time, not the device.
-
-The shape (R, C, transpose) is static (the bitmap shapes change only with the sequence lengths;
-a new shape compiles once per process, a few seconds); the batch size is dynamic.
+Targets: as in ``compilemask.codegen.preprocess``, one generator, two threading skeletons
+(``codegen.tilelang_build.ProgramEmitter``): on CUDA each stage runs once per thread,
+``T.sync_threads()`` between stages; on TileLang's C target (CPU, for CI) each stage is a serial
+loop over the threads, every value passed between stages lives in shared memory.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compilemask.blocksparse import BlockSparseLists
+from compilemask.blocksparse import BlockSparseLists, PackedLists, list_pass
 from compilemask.cache import CompileCache
 from compilemask.descriptor import (
     TILE_BITS,
@@ -62,44 +59,39 @@ from compilemask.descriptor import (
     TILES_PER_WORD,
 )
 
-__all__ = ["BlockSparsePlan", "plan", "tilelang_source", "block_sparse_kernel",
-           "block_sparse_lists", "compile_count", "MultiPlan", "multi_plan", "multi_source",
-           "multi_kernel", "block_sparse_multi"]
+from .tilelang_build import ProgramEmitter, check_target, compile_program, raw_launch
 
-_CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-# Thread layout (bench/blocksparse.py; docs/decisions/preprocess.md): one word per thread and
-# up to 64 threads per row (chunks of 1024 tiles) beat 32 threads of 2 words; the transposed
-# read prefers 8 rows per block of 32 threads: fewer blocks load each bitmap column.
-_THREADS = 256  # per block: RPB rows of TPR threads
-_MAX_TPR = 64  # threads per list row
-_MAX_TPR_TRANSPOSED = 32
-_WPT = 1  # words per thread per chunk
-_SMEM_BUDGET = 40 * 1024  # bytes of shared memory per block (under the 48 KiB default)
+__all__ = ["ListsConfig", "DEFAULT_LISTS_CONFIG", "BlockSparsePlan", "plan", "MultiPlan",
+           "multi_plan", "multi_source", "multi_kernel", "block_sparse_multi",
+           "block_sparse_lists", "packed_lists", "tilelang_source", "compile_count"]
+
+
+@dataclass(frozen=True)
+class ListsConfig:
+    """Launch shape of the list programs (``bench/blocksparse.py`` measures the choices, recorded
+    in ``docs/decisions/preprocess.md``): ``tpr`` threads per list row (``tpr_transposed`` for
+    the read by columns), ``wpt`` 16-tile words per thread per chunk, ``threads`` per block, and
+    the shared-memory budget that bounds the rows per block."""
+
+    threads: int = 256
+    tpr: int = 16
+    tpr_transposed: int = 16
+    wpt: int = 1
+    smem_budget: int = 40 * 1024
+
+
+DEFAULT_LISTS_CONFIG = ListsConfig()
 
 
 @dataclass(frozen=True)
 class BlockSparsePlan:
-    """Static shape and thread layout of one generated kernel."""
+    """Static thread layout of one list kind (its rows and columns are run-time values)."""
 
-    rows: int  # R: list rows
-    cols: int  # C: column tiles per list row
     transpose: bool  # rows are the bitmap's packed tiles (read by columns)
     tpr: int  # threads per list row (power of 2)
     wpt: int  # 16-tile words per thread per chunk
     rpb: int  # list rows per block (divides 16 when transposed)
     fill: bool = False  # write 0 past each row's count
-
-    @property
-    def bitmap_rows(self) -> int:
-        return self.cols if self.transpose else self.rows
-
-    @property
-    def bitmap_words(self) -> int:
-        return -(-(self.rows if self.transpose else self.cols) // TILES_PER_WORD)
-
-    @property
-    def row_words(self) -> int:  # 16-tile words of one list row
-        return -(-self.cols // TILES_PER_WORD)
 
     @property
     def chunk_words(self) -> int:
@@ -110,16 +102,15 @@ class BlockSparsePlan:
         return TILES_PER_WORD * self.chunk_words
 
     @property
-    def chunks(self) -> int:
-        return -(-self.cols // self.chunk)
-
-    @property
     def threads(self) -> int:
         return self.tpr * self.rpb
 
     @property
     def scan_steps(self) -> int:
         return self.tpr.bit_length() - 1
+
+    def chunks(self, cols: int) -> int:
+        return -(-cols // self.chunk)
 
     @property
     def smem_bytes(self) -> int:
@@ -128,104 +119,105 @@ class BlockSparsePlan:
         return 4 * (lists + self.rpb * self.chunk_words + 2 * self.threads + 2 * self.rpb + col)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def plan(rows: int, cols: int, transpose: bool = False, fill: bool = False, *,
-         threads: int | None = None, max_tpr: int | None = None,
-         wpt: int | None = None) -> BlockSparsePlan:
-    """The kernel for ``rows`` list rows of ``cols`` column tiles: ``TPR`` threads per row (up to
-    64, 32 when transposed; fewer for short rows), ``WPT`` words each per chunk, rows per block
-    to fill ``threads``, shrunk to fit the shared-memory budget."""
-    if rows < 1 or cols < 1:
-        raise ValueError(f"need at least one row and one column tile, got {rows} x {cols}")
-    row_words = -(-cols // TILES_PER_WORD)
-    wpt = wpt or _WPT
-    max_tpr = max_tpr or (_MAX_TPR_TRANSPOSED if transpose else _MAX_TPR)
-    tpr = min(max_tpr, _pow2_at_least(-(-row_words // wpt)))
-    rpb = max(1, min(16, (threads or _THREADS) // tpr, _pow2_at_least(rows)))
-    pl = BlockSparsePlan(rows, cols, transpose, tpr, wpt, rpb, fill)
+def plan(transpose: bool = False, fill: bool = False,
+         config: ListsConfig = DEFAULT_LISTS_CONFIG) -> BlockSparsePlan:
+    """The thread layout of one kind: ``TPR`` threads per row, ``WPT`` words each per chunk, rows
+    per block to fill ``config.threads`` (at most 16), shrunk to fit the shared-memory budget."""
+    tpr = config.tpr_transposed if transpose else config.tpr
+    if tpr < 1 or tpr & (tpr - 1) or config.wpt < 1:
+        raise ValueError(f"{config}: threads per row must be a power of 2, words per thread >= 1")
+    rpb = max(1, min(16, config.threads // tpr))
+    pl = BlockSparsePlan(transpose, tpr, config.wpt, rpb, fill)
     if pl.chunk >= 1 << 15:
         raise ValueError(f"chunk of {pl.chunk} tiles: a chunk's counts must fit in 15 bits")
-    while pl.smem_bytes > _SMEM_BUDGET and pl.rpb > 1:
-        pl = BlockSparsePlan(rows, cols, transpose, tpr, wpt, pl.rpb // 2, fill)
-    if pl.smem_bytes > _SMEM_BUDGET:
+    while pl.smem_bytes > config.smem_budget and pl.rpb > 1:
+        pl = BlockSparsePlan(transpose, tpr, config.wpt, pl.rpb // 2, fill)
+    if pl.smem_bytes > config.smem_budget:
         raise ValueError(f"block-sparse plan {pl} needs {pl.smem_bytes} bytes of shared memory")
     return pl
+
+
+@dataclass(frozen=True)
+class MultiPlan:
+    """Several list kinds in one launch: ``parts[k]`` is a plan and the index of the bitmap it
+    reads. The output is one flat int32 buffer: per part, its ``mask_cnt [B, 1, R]``,
+    ``mask_idx [B, 1, R, C]``, ``full_cnt``, ``full_idx`` in that order, part after part."""
+
+    parts: tuple[tuple[BlockSparsePlan, int], ...]
+    num_bitmaps: int  # every one read by some part
+
+    @property
+    def threads(self) -> int:
+        return max(pl.threads for pl, _ in self.parts)
+
+    def blocks(self, dims) -> tuple[int, ...]:
+        """Blocks of each part along grid x, for ``dims`` = (rows, cols) per part."""
+        return tuple(-(-r // pl.rpb) for (pl, _), (r, _c) in zip(self.parts, dims))
+
+    @staticmethod
+    def offsets(dims) -> list[tuple[int, int, int, int]]:
+        """Per part, the start of each output per sequence (multiply by B)."""
+        out, at = [], 0
+        for r, c in dims:
+            rc = r * c
+            out.append((at, at + r, at + r + rc, at + 2 * r + rc))
+            at += 2 * (r + rc)
+        return out
+
+    @staticmethod
+    def per_sequence(dims) -> int:  # output entries per sequence
+        return sum(2 * r * (c + 1) for r, c in dims)
+
+
+def multi_plan(parts, num_bitmaps: int, config: ListsConfig = DEFAULT_LISTS_CONFIG,
+               fill: bool = False) -> MultiPlan:
+    """``parts``: (transpose, bitmap index) per list kind."""
+    plans = tuple((plan(t, fill, config), i) for t, i in parts)
+    if not plans or {i for _, i in plans} != set(range(num_bitmaps)):
+        raise ValueError(f"parts must read bitmaps 0..{num_bitmaps - 1}, each, got {parts}")
+    return MultiPlan(plans, num_bitmaps)
 
 
 # --------------------------------------------------------------------------------------------
 # source generation
 # --------------------------------------------------------------------------------------------
 
-
-def _check_target(target: str) -> str:
-    if target not in ("cuda", "c"):
-        raise ValueError(f"target must be 'cuda' or 'c', got {target!r}")
-    return target
-
-
-def tilelang_source(pl: BlockSparsePlan, target: str = "cuda") -> str:
-    """The generated TileLang program (module text defining ``block_sparse``) for ``pl``."""
-    return _Emitter(pl, _check_target(target)).source()
-
-
-# names that differ between the parts of a multi-part kernel (renamed there, ``_k`` appended);
-# the let-bound locals too: TileLang's builder takes a second binding of a name (in another part,
-# where it may fold to a constant) for an assignment to the first
-_PART_NAMES = ("R", "C", "NR", "W", "ROW_WORDS", "TPR", "WPT", "RPB", "THREADS", "CHUNK_WORDS",
-               "CHUNK", "CHUNKS", "PSTRIDE", "LAST_MASK", "bx", "bitmap", "lr", "lane", "row", "v",
-               "m")
-_NAME_RE = re.compile(r"\b(" + "|".join(_PART_NAMES) + r")\b")
+# names that differ between the parts of a program (``_k`` appended); the let-bound locals too:
+# TileLang's builder takes a second binding of a name (in another part) for an assignment to
+# the first
+_PART_NAMES = ("R", "C", "ROW_WORDS", "TPR", "WPT", "RPB", "THREADS", "CHUNK_WORDS", "CHUNK",
+               "CHUNKS", "PSTRIDE", "LAST_MASK", "bx", "lr", "lane", "row", "v", "m")
+_NAME_RE = re.compile(r"\b(" + "|".join(_PART_NAMES + ("NR", "bitmap")) + r")\b")
 _OUTPUTS = ("mask_cnt", "mask_idx", "full_cnt", "full_idx")
 
 
-class _Emitter:
-    """The text of one list kind: its constants and stages (module docstring). Alone, it writes
-    the outputs as four tensors; as part ``k`` of a multi-part kernel (``part=k``) its names get
-    a ``_k`` suffix, its outputs are ranges of one flat buffer and, with fewer threads than the
-    kernel, every stage is guarded by ``tx < THREADS``."""
+class _PartEmitter(ProgramEmitter):
+    """The text of one list kind, part ``part`` of a program: its names get a ``_k`` suffix (the
+    bitmap's, that of the bitmap it reads), its outputs are ranges of one flat buffer and, with
+    fewer threads than the kernel, every stage is guarded by ``tx < THREADS``."""
 
-    def __init__(self, pl: BlockSparsePlan, target: str, lines: list[str] | None = None,
-                 part: int | None = None, bitmap: str = "bitmap", guard: bool = False):
+    def __init__(self, pl: BlockSparsePlan, target: str, lines: list[str], part: int,
+                 bitmap: int, guard: bool):
+        super().__init__(target, lines)
         self.pl = pl
-        self.target = target
-        self.cuda = target == "cuda"
-        self.lines: list[str] = [] if lines is None else lines
-        self.names = {} if part is None else {n: f"{n}_{part}" for n in _PART_NAMES}
-        if part is not None:
-            self.names["bitmap"] = bitmap
         self.part = part
-        self.guard = guard and self.cuda
+        self.names = {n: f"{n}_{part}" for n in _PART_NAMES}
+        self.names.update(NR=f"NR{bitmap}", bitmap=f"bitmap{bitmap}")
+        self.guard = "tx < THREADS" if guard else None
 
-    def w(self, indent: int, text: str = ""):
-        if text and self.names:
-            text = _NAME_RE.sub(lambda m: self.names[m.group(1)], text)
-        self.lines.append(("    " * indent + text) if text else "")
+    def rename(self, text: str) -> str:
+        code, hash_, comment = text.partition("#")  # comments keep the plain names
+        return _NAME_RE.sub(lambda m: self.names[m.group(1)], code) + hash_ + comment
 
     def out(self, name: str, row: str, col: str | None = None) -> str:
-        """An output element: tensor ``name`` at ``[b, 0, row(, col)]``."""
-        if self.part is None:
-            return f"{name}[b, 0, {row}]" if col is None else f"{name}[b, 0, {row}, {col}]"
+        """An output element: ``name`` of this kind at ``[b, 0, row(, col)]``."""
         off = f"B * {name.upper()}_OFF_{self.part}"  # the kind's four outputs, [B, 1, R(, C)]
         if col is None:
             return f"lists[{off} + b * R + {row}]"
         return f"lists[{off} + (b * R + {row}) * C + {col}]"
 
-    # a stage: CUDA runs the body once per thread then syncs; C loops it over the threads
-    def stage(self, ind: int, comment: str, body):
-        self.w(ind, f"# {comment}")
-        if self.cuda:
-            if self.guard:
-                self.w(ind, "if tx < THREADS:")
-                body(ind + 1)
-            else:
-                body(ind)
-            self.w(ind, "T.sync_threads()")
-        else:
-            self.w(ind, "for tx in T.serial(THREADS):")
-            body(ind + 1)
+    def stage(self, ind: int, comment: str, body, sync: bool = True, guard=None):
+        super().stage(ind, comment, body, sync, self.guard)
 
     def row_of_thread(self, ind: int):
         self.w(ind, "lr = tx // TPR  # list row within the block")
@@ -234,20 +226,22 @@ class _Emitter:
 
     def constants(self):
         pl, w = self.pl, self.w
-        w(0, f"R, C = {pl.rows}, {pl.cols}  # list rows, column tiles per row")
-        w(0, f"NR, W = {pl.bitmap_rows}, {pl.bitmap_words}  # bitmap rows, words per bitmap row")
-        w(0, f"ROW_WORDS = {pl.row_words}  # 16-tile words per list row")
         w(0, f"TPR, WPT, RPB = {pl.tpr}, {pl.wpt}, {pl.rpb}  # threads per row, words per thread "
              "per chunk, rows per block")
         w(0, "THREADS = TPR * RPB")
         w(0, "CHUNK_WORDS = TPR * WPT")
         w(0, "CHUNK = 16 * CHUNK_WORDS  # column tiles per chunk")
-        w(0, f"CHUNKS = {pl.chunks}")
         w(0, "PSTRIDE = CHUNK + CHUNK // 32  # a row's chunk list in shared memory (see stage 3)")
-        last = pl.cols % TILES_PER_WORD
-        if last and not pl.transpose:
-            w(0, f"LAST_MASK = {(1 << 2 * last) - 1}  # the tiles of the last word (the rest "
-                 "pads)")
+
+    def shapes(self, ind: int):
+        """The run-time quantities of the kind, from its rows ``R`` and columns ``C``."""
+        w = self.w
+        w(ind, "ROW_WORDS = T.ceildiv(C, 16)  # 16-tile words of one list row")
+        w(ind, "CHUNKS = T.ceildiv(C, CHUNK)")
+        if not self.pl.transpose:
+            w(ind, "# the tiles of a row's last word (the rest pads)")
+            w(ind, 'LAST_MASK = T.if_then_else(C % 16 == 0, T.uint32(4294967295), T.shift_left('
+                   'T.uint32(1), T.Cast("uint32", 2 * (C % 16))) - T.uint32(1))')
 
     def shared_sizes(self) -> dict[str, int]:
         """Entries of each flat shared buffer this kind uses."""
@@ -282,41 +276,6 @@ class _Emitter:
                    self._stage_counts)
         if self.cuda:
             self.lines.pop()  # no barrier after the last stage
-
-    def source(self) -> str:
-        pl, w = self.pl, self.w
-        how = ("by columns of the bitmap (rows: its packed tiles)" if pl.transpose
-               else "along the rows of the bitmap")
-        w(0, "# TileLang block-sparse lists (flash-attn-4 format) from a Tile-State Bitmap, "
-             "generated by")
-        w(0, f"# compilemask.codegen. Target: {self.target}. {pl.rows} list rows of {pl.cols} "
-             f"column tiles, read {how}.")
-        w(0, f"# One launch: grid (ceil(R / RPB), B), {pl.threads} threads"
-             + (" per block." if self.cuda else " (serial loops on the C target)."))
-        _describe(w)
-        w(0, "import tilelang.language as T")
-        w(0)
-        self.constants()
-        w(0, f"FIVES = {_FIVES}  # 0x55555555: bit 0 of every 2-bit tile state")
-        w(0)
-        w(0, 'B = T.dynamic("B")  # batch size')
-        w(0)
-        w(0)
-        w(0, "@T.prim_func")
-        w(0, "def block_sparse(")
-        w(1, 'bitmap: T.Tensor((B, NR, W), "int32"),  # in: 2-bit tile states, 16 per word')
-        w(1, 'mask_cnt: T.Tensor((B, 1, R), "int32"),  # out: partial tiles per row')
-        w(1, 'mask_idx: T.Tensor((B, 1, R, C), "int32"),  # out: their columns, ascending')
-        w(1, 'full_cnt: T.Tensor((B, 1, R), "int32"),  # out: full tiles per row')
-        w(1, 'full_idx: T.Tensor((B, 1, R, C), "int32"),  # out: their columns, ascending')
-        w(0, "):")
-        threads = ", threads=THREADS" if self.cuda else ""
-        w(1, f"with T.Kernel(T.ceildiv(R, RPB), B{threads}) as (bx, b):")
-        if self.cuda:
-            w(2, "tx = T.get_thread_binding()")
-        _declare(w, 2, self.shared_sizes())
-        self.body(2)
-        return "\n".join(self.lines) + "\n"
 
     @property
     def _final(self) -> int:  # the scan buffer that holds the inclusive sums
@@ -356,9 +315,8 @@ class _Emitter:
                      f'T.uint32({TILE_BITS} * t))')
         else:
             w(d + 1, 'word = T.Cast("uint32", bitmap[b, row, ch * CHUNK_WORDS + v])')
-            if pl.cols % TILES_PER_WORD:
-                w(d + 1, "if ch * CHUNK_WORDS + v == ROW_WORDS - 1:")
-                w(d + 2, "word = T.bitwise_and(word, T.uint32(LAST_MASK))")
+            w(d + 1, "if ch * CHUNK_WORDS + v == ROW_WORDS - 1:")
+            w(d + 2, "word = T.bitwise_and(word, LAST_MASK)")
         w(d, "words[lr * CHUNK_WORDS + v] = word")
         w(d, "# partial: both bits of the state set; full: the visible bit alone")
         w(d, "bits = T.bitwise_and(T.bitwise_and(word, T.shift_right(word, T.uint32(1))), "
@@ -454,8 +412,6 @@ class _Emitter:
             w(d + 3, f"{self.out('full_idx', 'row', 'q * TPR + lane')} = 0")
 
 
-
-
 _FIVES = 1431655765
 _SHARED = {"words": ("uint32", "the chunk's words of each row, row-major"),
            "scan": ("int32", "per thread partial + (full << 16) tiles, then prefix sums "
@@ -467,15 +423,6 @@ _SHARED = {"words": ("uint32", "the chunk's words of each row, row-major"),
            "col": ("uint32", "the block's bitmap column over the chunk (its rows share a word "
                    "index), a pad word per 16 so that threads 16 words apart read different "
                    "banks")}
-
-
-def _describe(w):
-    w(0, "# Block (bx, b) owns list rows [RPB*bx, RPB*bx + RPB) of sequence b, TPR threads "
-         "per row; a row's")
-    w(0, "# tiles are visited in chunks of CHUNK tiles, WPT 16-tile words per thread: count, "
-         "prefix-sum the")
-    w(0, "# counts over the row's threads, scatter the column indices to shared lists, copy "
-         "them out coalesced.")
 
 
 def _declare(w, ind: int, sizes: dict[str, int]):
@@ -492,83 +439,63 @@ def _declare(w, ind: int, sizes: dict[str, int]):
     w(ind, 'of = T.alloc_var("int32")')
 
 
-@dataclass(frozen=True)
-class MultiPlan:
-    """Several list kinds in one launch: ``parts[k]`` is a plan and the index of the bitmap it
-    reads. The outputs are one flat int32 buffer: per part, its ``mask_cnt [B, 1, R]``,
-    ``mask_idx [B, 1, R, C]``, ``full_cnt``, ``full_idx`` in that order, part after part."""
-
-    parts: tuple[tuple[BlockSparsePlan, int], ...]
-    num_bitmaps: int  # every one read by some part
-
-    @property
-    def threads(self) -> int:
-        return max(pl.threads for pl, _ in self.parts)
-
-    @property
-    def blocks(self) -> tuple[int, ...]:  # blocks of each part along grid x
-        return tuple(-(-pl.rows // pl.rpb) for pl, _ in self.parts)
-
-    def offsets(self) -> list[tuple[int, int, int, int]]:
-        """Per part, the start of each output per sequence (multiply by B)."""
-        out, at = [], 0
-        for pl, _ in self.parts:
-            r, rc = pl.rows, pl.rows * pl.cols
-            out.append((at, at + r, at + r + rc, at + 2 * r + rc))
-            at += 2 * (r + rc)
-        return out
-
-    @functools.cached_property
-    def per_sequence(self) -> int:  # output entries per sequence
-        return sum(2 * pl.rows * (pl.cols + 1) for pl, _ in self.parts)
-
-
-def multi_plan(parts, num_bitmaps: int) -> MultiPlan:
-    """``parts``: (rows, cols, transpose, bitmap index) per list kind."""
-    plans = tuple((_default_plan(r, c, t, False), i) for r, c, t, i in parts)
-    if not plans or {i for _, i in plans} != set(range(num_bitmaps)):
-        raise ValueError(f"parts must read bitmaps 0..{num_bitmaps - 1}, each, got {parts}")
-    return MultiPlan(plans, num_bitmaps)
-
 
 def multi_source(mp: MultiPlan, target: str = "cuda") -> str:
     """The generated TileLang program (``block_sparse_multi``) writing every part of ``mp``."""
-    target = _check_target(target)
+    target = check_target(target)
     cuda = target == "cuda"
     lines: list[str] = []
-    parts = [_Emitter(pl, target, lines, part=k, bitmap=f"bitmap{i}",
-                      guard=pl.threads < mp.threads) for k, (pl, i) in enumerate(mp.parts)]
-    w0 = _Emitter(mp.parts[0][0], target, lines).w  # no renaming
-    w0(0, "# TileLang block-sparse lists (flash-attn-4 format) of several passes in one launch, "
-          "generated by")
+    parts = [_PartEmitter(pl, target, lines, k, i, guard=pl.threads < mp.threads)
+             for k, (pl, i) in enumerate(mp.parts)]
+    w0 = ProgramEmitter(target, lines).w  # no renaming
+    w0(0, "# TileLang block-sparse lists (flash-attn-4 format) of one or more kinds in one "
+          "launch, generated by")
     w0(0, f"# compilemask.codegen. Target: {target}. Grid x is cut into one range of blocks per "
           "part (list kind);")
-    w0(0, "# a block runs its part's stages with that part's constants (suffix _k). Per part:")
-    _describe(w0)
+    w0(0, "# a block runs its part's stages with that part's constants (suffix _k). Rows R_k "
+          "and columns C_k")
+    w0(0, "# of every part, the batch and the bitmaps' shapes are run-time values. Per part:")
+    w0(0, "# block (bx, b) owns list rows [RPB*bx, RPB*bx + RPB) of sequence b, TPR threads per "
+          "row; a row's")
+    w0(0, "# tiles are visited in chunks of CHUNK tiles, WPT 16-tile words per thread: count, "
+          "prefix-sum the")
+    w0(0, "# counts over the row's threads, scatter the column indices to shared lists, copy "
+          "them out coalesced.")
     w0(0, "import tilelang.language as T")
     w0(0)
     for k, (em, (pl, i)) in enumerate(zip(parts, mp.parts)):
         how = "by columns" if pl.transpose else "by rows"
-        w0(0, f"# part {k}: {pl.rows} list rows of {pl.cols} column tiles, bitmap{i} read {how}")
+        w0(0, f"# part {k}: bitmap{i} read {how}")
         em.constants()
-    for k, offs in enumerate(mp.offsets()):
-        for name, off in zip(_OUTPUTS, offs):
-            w0(0, f"{name.upper()}_OFF_{k} = {off}")
     w0(0, f"FIVES = {_FIVES}  # 0x55555555: bit 0 of every 2-bit tile state")
     w0(0)
     w0(0, 'B = T.dynamic("B")  # batch size')
+    for i in range(mp.num_bitmaps):
+        w0(0, f'NR{i}, W{i} = T.dynamic("NR{i}"), T.dynamic("W{i}")  # bitmap{i}: rows, words '
+              "per row")
     w0(0, 'N = T.dynamic("N")  # entries of the flat output (B times the per-sequence total)')
     w0(0)
     w0(0)
     w0(0, "@T.prim_func")
     w0(0, "def block_sparse_multi(")
     for i in range(mp.num_bitmaps):
-        nr, words = next((pl.bitmap_rows, pl.bitmap_words) for pl, j in mp.parts if j == i)
-        w0(1, f'bitmap{i}: T.Tensor((B, {nr}, {words}), "int32"),  # in: 2-bit tile states')
+        w0(1, f'bitmap{i}: T.Tensor((B, NR{i}, W{i}), "int32"),  # in: 2-bit tile states')
     w0(1, 'lists: T.Tensor((N,), "int32"),  # out: every part\'s four outputs (MultiPlan)')
+    for k in range(len(parts)):
+        w0(1, f"R_{k}: T.int32,  # part {k}: list rows")
+        w0(1, f"C_{k}: T.int32,  # part {k}: column tiles per row")
     w0(0, "):")
+    at = "0"
+    for k, em in enumerate(parts):
+        em.shapes(1)
+        w0(1, f"BLOCKS_{k} = T.ceildiv(R_{k}, RPB_{k})")
+        for name, off in zip(_OUTPUTS, ("0", "R", "R + R * C", "2 * R + R * C")):
+            em.w(1, f"{name.upper()}_OFF_{k} = {at} + {off}")
+        at = f"MASK_CNT_OFF_{k} + 2 * (R + R * C)"
+        at = em.rename(at)
+    grid = " + ".join(f"BLOCKS_{k}" for k in range(len(parts)))
     threads = f", threads={mp.threads}" if cuda else ""
-    w0(1, f"with T.Kernel({sum(mp.blocks)}, B{threads}) as (gx, b):")
+    w0(1, f"with T.Kernel({grid}, B{threads}) as (gx, b):")
     if cuda:
         w0(2, "tx = T.get_thread_binding()")
     sizes: dict[str, int] = {}
@@ -576,47 +503,59 @@ def multi_source(mp: MultiPlan, target: str = "cuda") -> str:
         for name, n in em.shared_sizes().items():
             sizes[name] = max(sizes.get(name, 0), n)
     _declare(w0, 2, sizes)
-    first, ind = 0, 2 if len(parts) == 1 else 3
+    first, ind = "0", 2 if len(parts) == 1 else 3
     for k, em in enumerate(parts):
         if len(parts) > 1:  # the part of block gx: a range of grid x per part
             w0(2, "else:" if k == len(parts) - 1
-               else f"{'if' if k == 0 else 'elif'} gx < {first + mp.blocks[k]}:")
-        em.w(ind, f"bx = gx - {first}  # part {k}")
+               else f"{'if' if k == 0 else 'elif'} gx < {first} + BLOCKS_{k}:")
+        em.w(ind, f"bx = gx - ({first})  # part {k}")
         em.body(ind)
-        first += mp.blocks[k]
+        first = f"BLOCKS_{k}" if k == 0 else f"{first} + BLOCKS_{k}"
     return "\n".join(lines) + "\n"
 
 
+def tilelang_source(pl: BlockSparsePlan, target: str = "cuda") -> str:
+    """The program of one list kind (a one-part :func:`multi_source`)."""
+    return multi_source(MultiPlan(((pl, 0),), 1), target)
+
+
 # --------------------------------------------------------------------------------------------
-# compile (cached)
+# compile (cached: in process here, across processes by TileLang's disk cache)
 # --------------------------------------------------------------------------------------------
 
-# (plan, target) -> compiled kernel; TileLang compiles run one at a time (see preprocess.py)
+# (plan, target) -> compiled kernel; TileLang compiles run one at a time
 _KERNELS = CompileCache("block_sparse", serial=True)
 
 
 def compile_count() -> int:
-    """How many block-sparse kernels this process has compiled (tests: no recompile)."""
+    """How many block-sparse programs this process has compiled (tests: no recompile)."""
     return _KERNELS.builds
 
 
-def _load_prim_func(source: str, tag: str):
-    from compilemask.codegen.preprocess import _load_prim_func as load
-
-    return load(source, f"blocksparse_{tag}", "block_sparse")
-
-
-def block_sparse_kernel(pl: BlockSparsePlan, target: str):
-    """The compiled kernel for (plan, target); compiled once per process."""
-    key = (pl, _check_target(target))
+def multi_kernel(mp: MultiPlan, target: str):
+    """The compiled program for (plan, target); compiled once per process."""
+    key = (mp, check_target(target))
 
     def build():
-        import tilelang
-
-        func = _load_prim_func(tilelang_source(pl, target), target)
-        return tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
+        return compile_program(multi_source(mp, target), f"blocksparse_multi_{target}",
+                               "block_sparse_multi", target, "the tile-list program")
 
     return _KERNELS.get(key, build)
+
+
+_LAUNCHERS: dict = {}
+
+
+def _launcher(mp: MultiPlan, device_type: str):
+    """The compiled program's entry point (CUDA: without TileLang's per-call wrapper)."""
+    key = (mp, device_type)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"block-sparse lists: unsupported device {device_type}")
+        kern = multi_kernel(mp, "cuda" if device_type == "cuda" else "c")
+        fn = _LAUNCHERS[key] = raw_launch(kern) if device_type == "cuda" else kern
+    return fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -624,101 +563,69 @@ def block_sparse_kernel(pl: BlockSparsePlan, target: str):
 # --------------------------------------------------------------------------------------------
 
 
+def block_sparse_multi(bitmaps, mp: MultiPlan, dims) -> torch.Tensor:
+    """Run ``mp`` on ``bitmaps`` (int32 ``[B, rows, words]`` each, on one device) for ``dims``
+    (list rows, column tiles) per part: the flat output buffer (``MultiPlan`` layout;
+    ``compilemask.blocksparse.PackedLists`` views it). One allocation, one launch, no host
+    sync."""
+    dims = tuple((int(r), int(c)) for r, c in dims)
+    if len(dims) != len(mp.parts) or any(r < 1 or c < 1 for r, c in dims):
+        raise ValueError(f"need (rows >= 1, cols >= 1) for each of {len(mp.parts)} parts, "
+                         f"got {dims}")
+    dev, B = bitmaps[0].device, bitmaps[0].shape[0]
+    n = B * mp.per_sequence(dims)
+    if n >= 1 << 31:
+        raise ValueError(f"block-sparse lists of {n} entries: int32 offsets overflow")
+    buf = torch.empty(n, dtype=torch.int32, device=dev)
+    args = [t if t.is_contiguous() else t.contiguous() for t in bitmaps]
+    _launcher(mp, dev.type)(*args, buf, *(x for rc in dims for x in rc))
+    return buf
+
+
+@functools.lru_cache(maxsize=8)
+def _one_kind(transpose: bool, fill: bool) -> MultiPlan:
+    return MultiPlan(((plan(transpose, fill), 0),), 1)
+
+
 def block_sparse_lists(bitmap: torch.Tensor, packed_tiles: int, transpose: bool = False, *,
-                       fill: bool = False) -> BlockSparseLists:
-    """Block-sparse lists from a Tile-State Bitmap in one TileLang launch on its device (CUDA
-    target for a CUDA tensor, the C target on CPU); the arguments are those of
+                       fill: bool = False):
+    """Block-sparse lists of one kind from a Tile-State Bitmap in one TileLang launch on its
+    device (CUDA target for a CUDA tensor, the C target on CPU); the arguments are those of
     ``compilemask.blocksparse.lists_from_bitmap``. Entries past a row's count are left as they
     were allocated unless ``fill`` (then 0, as the torch reference). No host sync."""
     if bitmap.dim() != 3 or bitmap.dtype != torch.int32:
         raise ValueError(f"bitmap must be int32 [B, rows, words], got {bitmap.dtype} "
                          f"{tuple(bitmap.shape)}")
-    _, N, W = bitmap.shape
+    B, N, W = bitmap.shape
     if packed_tiles < 1 or W != -(-packed_tiles // TILES_PER_WORD):
         raise ValueError(f"packed_tiles={packed_tiles} needs {-(-packed_tiles // 16)} words per "
                          f"row, the bitmap has {W}")
     rows, cols = (packed_tiles, N) if transpose else (N, packed_tiles)
-    return _launch(bitmap, _default_plan(rows, cols, transpose, fill))
+    buf = block_sparse_multi((bitmap,), _one_kind(transpose, fill), ((rows, cols),))
+    n, m = B * rows, B * rows * cols
+    return BlockSparseLists(buf[:n].view(B, 1, rows), buf[n:n + m].view(B, 1, rows, cols),
+                            buf[n + m:2 * n + m].view(B, 1, rows),
+                            buf[2 * n + m:].view(B, 1, rows, cols))
 
 
-@functools.lru_cache(maxsize=256)
-def _default_plan(rows: int, cols: int, transpose: bool, fill: bool) -> BlockSparsePlan:
-    return plan(rows, cols, transpose, fill)  # once per shape: this runs in every preprocess
+def packed_lists(fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, fwd_tiles, bwd_tiles,
+                 seqlen_q: int, seqlen_k: int, kinds=("fwd", "bwd64", "bwd128"),
+                 config: ListsConfig = DEFAULT_LISTS_CONFIG) -> PackedLists:
+    """``kinds`` of a descriptor's lists in one launch on the bitmaps' device. The program is
+    the same for every length (its shapes are run-time arguments): compiled once per (kinds,
+    config, target)."""
+    passes = [list_pass(k, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k) for k in kinds]
+    reads = tuple(dict.fromkeys(which for which, *_ in passes))  # the bitmaps, in order
+    mp = _multi_for(tuple((reads.index(which), t) for which, _, _, t in passes), len(reads),
+                    config)
+    dims = tuple((r, c) for _, r, c, _ in passes)
+    bitmaps = {"fwd": fwd_bitmap, "bwd": bwd_bitmap}
+    buf = block_sparse_multi(tuple(bitmaps[r] for r in reads), mp, dims)
+    layout = {k: (offs, r, c) for k, offs, (r, c) in zip(kinds, mp.offsets(dims), dims)}
+    return PackedLists(buf, fwd_bitmap.shape[0], layout)
 
 
-def _launch(bitmap: torch.Tensor, pl: BlockSparsePlan) -> BlockSparseLists:
-    """Allocate the lists and run the kernel of ``pl`` on the bitmap's device."""
-    dev = bitmap.device
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"block_sparse_lists: unsupported device {dev}")
-    B, R, C = bitmap.shape[0], pl.rows, pl.cols
-    # one allocation, four contiguous views: this runs in every preprocess, host time counts
-    buf = torch.empty(2 * B * R * (C + 1), dtype=torch.int32, device=dev)
-    n, m = B * R, B * R * C
-    out = BlockSparseLists(buf[:n].view(B, 1, R), buf[n:n + m].view(B, 1, R, C),
-                           buf[n + m:2 * n + m].view(B, 1, R), buf[2 * n + m:].view(B, 1, R, C))
-    _launcher(pl, dev.type)(bitmap if bitmap.is_contiguous() else bitmap.contiguous(), *out)
-    return out
-
-
-_LAUNCHERS: dict = {}
-
-
-def _launcher(pl: BlockSparsePlan, device_type: str):
-    """The compiled kernel's raw entry point (CUDA: without TileLang's per-call wrapper)."""
-    key = (pl, device_type)
-    fn = _LAUNCHERS.get(key)
-    if fn is None:
-        kern = block_sparse_kernel(pl, "cuda" if device_type == "cuda" else "c")
-        if device_type == "cuda":
-            from compilemask.codegen.preprocess import _raw_launch
-
-            fn = _raw_launch(kern)
-        else:
-            fn = kern
-        _LAUNCHERS[key] = fn
-    return fn
-
-
-# --------------------------------------------------------------------------------------------
-# several list kinds in one launch
-# --------------------------------------------------------------------------------------------
-
-
-def multi_kernel(mp: MultiPlan, target: str):
-    """The compiled multi-part kernel for (plan, target); compiled once per process."""
-    key = ("multi", mp, _check_target(target))
-
-    def build():
-        import tilelang
-
-        from compilemask.codegen.preprocess import _load_prim_func as load
-
-        func = load(multi_source(mp, target), f"blocksparse_multi_{target}", "block_sparse_multi")
-        return tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
-
-    return _KERNELS.get(key, build)
-
-
-def block_sparse_multi(bitmaps, mp: MultiPlan) -> torch.Tensor:
-    """Run ``mp`` on ``bitmaps`` (int32 ``[B, rows, words]`` each, on one device): the flat
-    output buffer (``MultiPlan`` layout; ``PackedLists`` views it). One allocation, one launch,
-    no host sync."""
-    dev, B = bitmaps[0].device, bitmaps[0].shape[0]
-    n = B * mp.per_sequence
-    if n >= 1 << 31:
-        raise ValueError(f"block-sparse lists of {n} entries: int32 offsets overflow")
-    buf = torch.empty(n, dtype=torch.int32, device=dev)
-    key = (mp, dev.type)
-    fn = _LAUNCHERS.get(key)
-    if fn is None:
-        if dev.type not in ("cuda", "cpu"):
-            raise ValueError(f"block_sparse_multi: unsupported device {dev}")
-        kern = multi_kernel(mp, "cuda" if dev.type == "cuda" else "c")
-        if dev.type == "cuda":
-            from compilemask.codegen.preprocess import _raw_launch
-
-            kern = _raw_launch(kern)
-        fn = _LAUNCHERS[key] = kern
-    fn(*bitmaps, buf)
-    return buf
+@functools.lru_cache(maxsize=64)
+def _multi_for(parts: tuple[tuple[int, bool], ...], num_bitmaps: int,
+               config: ListsConfig) -> MultiPlan:
+    return multi_plan([(t, i) for i, t in parts], num_bitmaps, config)

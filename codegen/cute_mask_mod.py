@@ -26,6 +26,7 @@ import sympy
 from sympy.core.function import AppliedUndef
 
 from compilemask.cache import CompileCache
+from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate"]
 
@@ -33,7 +34,6 @@ _CACHE = CompileCache("mask_mod")
 
 
 def _fallback_sources(mask):
-    from compilemask.codegen.cute_predicate import predicate_source
 
     return [(r.index, predicate_source(r.rule, mask.scalar_params, mask.array_params,
                                        name=f"predicate_{r.index}"))
@@ -71,7 +71,6 @@ def _whole_mask_predicate(mask):
 
 
 def _whole_source(mask, expr) -> list[str]:
-    from compilemask.codegen.cute_predicate import predicate_source
 
     P, R = len(mask.scalar_params), len(mask.array_params)
     out = [predicate_source(expr, mask.scalar_params, mask.array_params,
@@ -150,7 +149,6 @@ def _select() -> list[str]:
 
 def mask_mod(mask):
     """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key."""
-    from compilemask.codegen.cute_predicate import compile_predicate
 
     # a real module file: the CuTe DSL reads a jit function's source to build its AST
     return _CACHE.get(mask.key, lambda: compile_predicate(mask_mod_source(mask), "mask_mod"))

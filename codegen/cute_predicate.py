@@ -33,6 +33,8 @@ from typing import Iterable, Sequence
 
 import sympy
 
+from compilemask.env import cache_dir
+
 __all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]
 
 
@@ -286,7 +288,6 @@ def compile_predicate(src: str, name: str = "fallback_predicate"):
     import importlib.util
     import os
 
-    from compilemask.env import cache_dir
 
     d = cache_dir("predicates")
     mod_name = f"cm_pred_{source_hash(src)}"

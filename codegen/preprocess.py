@@ -62,10 +62,6 @@ Seqlens and batch size are dynamic (``T.dynamic``): new lengths and metadata nev
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 
 import sympy as sp
@@ -73,6 +69,8 @@ import torch
 
 from compilemask.cache import CompileCache
 from compilemask.descriptor import (
+    DEFAULT_BWD_TILES,
+    DEFAULT_FWD_TILES,
     TILE_BITS,
     TILE_EMPTY,
     TILE_FULL,
@@ -80,30 +78,36 @@ from compilemask.descriptor import (
     TILES_PER_WORD,
     TileConfig,
     descriptor_shapes,
-    make_descriptor,
 )
-from compilemask.env import cache_dir
-from compilemask.native import finish_descriptor
-from compilemask.segments import derive_run_arrays
 
+from .tilelang_build import ProgramEmitter, check_target, compile_program, raw_launch
 from .tl_printer import TileLangPrinter
 
-__all__ = ["tilelang_source", "tilelang_kernel", "tilelang_preprocess", "compile_count",
-           "PreprocessPlan", "plan", "Preprocessor"]
-
-_THREADS = 512  # per block (the bench sweeps 256 / 512 / 1024)
-_ROW_MAP = "linear"  # or "interleaved" (slower, see the module docstring)
-# Interval Table rows as 16-byte (K even) or 8-byte vector stores instead of 2K scalar ones
-# (faster for large K, never slower); the C target checks it bit for bit in CI.
-_VECTOR_STORES = True
-_SMEM_BUDGET = 40 * 1024  # bytes of shared memory for the counters (under the 48 KiB default)
-_CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+__all__ = ["PreprocessConfig", "DEFAULT_PREPROCESS_CONFIG", "tilelang_source",
+           "tilelang_kernel", "tilelang_preprocess", "launcher", "compile_count",
+           "PreprocessPlan", "plan"]
 
 
-def _default_tiles():
-    from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Launch shape and variants of the preprocess program (``bench/preprocess.py`` sweeps them;
+    ``docs/decisions/preprocess.md`` records the choices): ``threads`` per block; ``row_map``
+    of stage 1, "linear" or "interleaved" (slower, see the module docstring); Interval Table rows
+    as 16-byte (K even) or 8-byte ``vector_stores`` instead of 2K scalar ones (faster for large
+    K, never slower; the C target checks it bit for bit in CI); the shared-memory budget of the
+    counters (under the 48 KiB default)."""
 
-    return DEFAULT_FWD_TILES, DEFAULT_BWD_TILES
+    threads: int = 512
+    row_map: str = "linear"
+    vector_stores: bool = True
+    smem_budget: int = 40 * 1024
+
+    def __post_init__(self):
+        if self.row_map not in ("linear", "interleaved"):
+            raise ValueError(f"row_map must be 'linear' or 'interleaved', got {self.row_map!r}")
+
+
+DEFAULT_PREPROCESS_CONFIG = PreprocessConfig()
 
 
 # a tile's state from its counts: partial if some row does not cover it, else full; empty if
@@ -163,17 +167,19 @@ def _nested(fwd: TileConfig, bwd: TileConfig) -> bool:
     return fwd.tile_n == bwd.tile_n and fwd.tile_m % bwd.tile_m == 0
 
 
-def plan(K: int, fwd: TileConfig, bwd: TileConfig, threads: int | None = None) -> PreprocessPlan:
+def plan(K: int, fwd: TileConfig, bwd: TileConfig,
+         config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> PreprocessPlan:
     rows = max(fwd.tile_m, TILES_PER_WORD * bwd.tile_m)
-    threads = min(threads or _THREADS, rows)
+    threads = min(config.threads, rows)
     counters = (0 if _nested(fwd, bwd) else 2 * (rows // fwd.tile_m)) + 2 * (rows // bwd.tile_m)
     chunk = TILES_PER_WORD
-    while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / TILES_PER_WORD) <= _SMEM_BUDGET:
+    while chunk < 512 and counters * (2 * chunk) * 4 * (1 + 1 / TILES_PER_WORD) \
+            <= config.smem_budget:
         chunk *= 2
     m_bwd = rows // bwd.tile_m
-    interleaved = (_ROW_MAP == "interleaved" and threads % m_bwd == 0
+    interleaved = (config.row_map == "interleaved" and threads % m_bwd == 0
                    and bwd.tile_m % (threads // m_bwd) == 0)
-    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk, interleaved, _VECTOR_STORES)
+    return PreprocessPlan(K, fwd, bwd, rows, threads, chunk, interleaved, config.vector_stores)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,23 +197,17 @@ rows_in x n_tile mb a z counter lo_tile hi_tile
 """.split())
 
 
-def _check_target(target: str) -> str:
-    if target not in ("cuda", "c"):
-        raise ValueError(f"target must be 'cuda' or 'c', got {target!r}")
-    return target
-
-
 def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = None,
-                    bwd_tiles: TileConfig | None = None, threads: int | None = None,
+                    bwd_tiles: TileConfig | None = None,
+                    config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG,
                     meta_dtype: str = "int64") -> str:
     """The generated TileLang program (module text defining ``preprocess``) for ``mask``;
     ``meta_dtype`` is the metadata's integer type (int32 values are widened on load)."""
-    _check_target(target)
-    dfwd, dbwd = _default_tiles()
-    fwd = fwd_tiles or dfwd
-    bwd = bwd_tiles or dbwd
+    check_target(target)
+    fwd = fwd_tiles or DEFAULT_FWD_TILES
+    bwd = bwd_tiles or DEFAULT_BWD_TILES
     _check_meta_dtype(meta_dtype)
-    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, threads), target,
+    return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, config), target,
                     meta_dtype).source()
 
 
@@ -217,14 +217,12 @@ def _check_meta_dtype(meta_dtype: str) -> str:
     return meta_dtype
 
 
-class _Emitter:
+class _Emitter(ProgramEmitter):
     def __init__(self, mask, pl: PreprocessPlan, target: str, meta_dtype: str = "int64"):
+        super().__init__(target)
         self.mask = mask
         self.pl = pl
-        self.target = target
-        self.cuda = target == "cuda"
         self.meta_dtype = meta_dtype
-        self.lines: list[str] = []
         # metadata buffers are named after their params, unless that clashes with a name of
         # the program (then ``<name>_param``)
         self.buf = {}
@@ -242,20 +240,6 @@ class _Emitter:
     def _load(self, ref: str) -> str:
         # endpoints are evaluated in int64 whatever the metadata's type
         return ref if self.meta_dtype == "int64" else f'T.Cast("int64", {ref})'
-
-    def w(self, indent: int, text: str = ""):
-        self.lines.append(("    " * indent + text) if text else "")
-
-    # a stage: CUDA runs the body once per thread then syncs; C loops it over the threads
-    def stage(self, ind: int, comment: str, body, sync: bool = True):
-        self.w(ind, f"# {comment}")
-        if self.cuda:
-            body(ind)
-            if sync:
-                self.w(ind, "T.sync_threads()")
-        else:
-            self.w(ind, "for tx in T.serial(THREADS):")
-            body(ind + 1)
 
     def bump(self, ind: int, ref: str, delta: str):
         if self.cuda:
@@ -482,18 +466,28 @@ class _Emitter:
                    "(end[k] - 1) // TN_BWD + 1, c)")
         w(ind, "# covered: the n-tiles inside one component of the union of the slots")
         d = ind
-        if fb:
-            cond = f"region != {fb[0]}"
-            for x in fb[1:]:  # T.And takes two operands
-                cond = f"T.And({cond}, region != {x})"
+        # a full tile runs with no interval test and no predicate: only exact slots cover; a
+        # fallback region's over-approximating slots add visibility only
+        none = [x for x in fb if not any(iv.exact for iv in m.regions[x].intervals)]
+        mixed = [m.regions[x] for x in fb
+                 if x not in none and not all(iv.exact for iv in m.regions[x].intervals)]
+        if none:
+            cond = self._fold("T.And", [f"region != {x}" for x in none])
             w(ind, "# fallback rows add no coverage: their tiles are never full")
             w(ind, f"if {cond}:")
             d += 1
         w(d, "# sort the slots by start (empty slots last), then sweep: a slot that starts at or")
         w(d, "# before the end of the current component extends it, else closes it")
+        if mixed:
+            w(d, "# (over-approximating slots of fallback regions count as empty here)")
+        keep = "end[k] > start[k]"
+        for r in mixed:
+            covers = self._fold("T.And", [f"k != {k}" for k, iv in enumerate(r.intervals)
+                                          if not iv.exact])
+            keep = f"T.And({keep}, T.Or(region != {r.index}, {covers}))"
         w(d, "for k in T.unroll(K):")
-        w(d + 1, "ss[k] = T.if_then_else(end[k] > start[k], start[k], EMPTY)")
-        w(d + 1, "ee[k] = T.if_then_else(end[k] > start[k], end[k], EMPTY)")
+        w(d + 1, f"ss[k] = T.if_then_else({keep}, start[k], EMPTY)")
+        w(d + 1, f"ee[k] = T.if_then_else({keep}, end[k], EMPTY)")
         if self.pl.K > 1:
             w(d, "for a in T.unroll(K - 1):")
             w(d + 1, "for j in T.unroll(K - 1):")
@@ -526,6 +520,14 @@ class _Emitter:
                         "T.if_then_else(ce >= seqlen_k, nn_fwd, ce // TN_FWD), c)")
         self.w(ind, "add_range(count, COV_BWD + r // TM_BWD, (cs + TN_BWD - 1) // TN_BWD, "
                     "T.if_then_else(ce >= seqlen_k, NN_BWD, ce // TN_BWD), c)")
+
+    @staticmethod
+    def _fold(op: str, terms: list[str]) -> str:
+        """``terms`` joined by a two-operand ``T.And`` / ``T.Or``: ``op(op(a, b), c)``."""
+        out = terms[0]
+        for t in terms[1:]:
+            out = f"{op}({out}, {t})"
+        return out
 
     def _stage_word_sums(self, ind):
         w = self.w
@@ -598,7 +600,7 @@ class _Emitter:
 
 
 # --------------------------------------------------------------------------------------------
-# compile (cached)
+# compile (cached: in process here, across processes by TileLang's disk cache)
 # --------------------------------------------------------------------------------------------
 
 # TileLang compiles run one at a time (its compiler is not known to be thread-safe)
@@ -610,44 +612,39 @@ def compile_count() -> int:
     return _KERNELS.builds
 
 
-def _source_dir() -> str:
-    return cache_dir("tilelang")
-
-
-def _load_prim_func(source: str, tag: str, attr: str = "preprocess"):
-    """exec the generated module from a real file (TileLang's parser reads the source back);
-    returns its ``attr``."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(_source_dir(), f"{tag}_{digest}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    modname = f"_compilemask_tl_{tag}_{digest}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
-    return getattr(mod, attr)
-
-
 def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,
-                    meta_dtype: str = "int64"):
-    """The compiled kernel for (spec key, tiles, target, K, metadata dtype); compiled once per
-    process."""
-    _check_target(target)
-    key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles), target,
+                    meta_dtype: str = "int64",
+                    config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG):
+    """The compiled program for (spec key, plan, target, metadata dtype): compiled once per
+    process, loaded from TileLang's disk cache in the next."""
+    check_target(target)
+    key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles, config), target,
            _check_meta_dtype(meta_dtype))
 
     def build():
-        import tilelang
-
-        src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, key[1].threads, meta_dtype)
-        func = _load_prim_func(src, f"{target}_{mask.key}")
-        return tilelang.compile(func, target=_CUDA_TARGET if target == "cuda" else "c")
+        src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, config, meta_dtype)
+        return compile_program(src, f"{target}_{mask.key}", "preprocess", target,
+                               f"the preprocess program of mask {mask.name!r}")
 
     return _KERNELS.get(key, build)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, device_type: str,
+             meta_dtype: str = "int64", config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG):
+    """The compiled program's entry point for ``device_type`` ("cuda": the raw TVM-FFI function,
+    without TileLang's per-call wrapper; "cpu": the C target)."""
+    key = (mask.key, fwd_tiles, bwd_tiles, device_type, meta_dtype, config)
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"tilelang preprocess: unsupported device {device_type}")
+        target = "cuda" if device_type == "cuda" else "c"
+        kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target, meta_dtype, config)
+        fn = _LAUNCHERS[key] = raw_launch(kern) if target == "cuda" else kern
+    return fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,142 +653,33 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
 
 
 def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, *,
-                        device=None):
-    """Run the generated kernel: CUDA for CUDA metadata, the C target on CPU. No host sync."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    target = "cuda" if dev.type == "cuda" else "c"
-    if target == "c" and dev.type != "cpu":
-        raise ValueError(f"tilelang preprocess: unsupported device {dev}")
-    kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target)
+                        device, config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> dict:
+    """Run the generated program (CUDA for a CUDA device, the C target on CPU): the descriptor's
+    tensors by field name. ``scal``: int64 ``[B, 1]`` per scalar param; ``arrs``: ``[B, Sq]``
+    per array param (the derived run bounds included). No host sync."""
+    dev = torch.device(device)
     K = mask.num_intervals
     P, R = len(mask.scalar_params), len(mask.array_params)
     shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, fwd_tiles, bwd_tiles)
     out = {f: torch.empty(s, dtype=torch.int32, device=dev) for f, s in shapes.items()}
-    intervals, region, fwd, bwd = (out[f] for f in ("intervals", "row_region", "fwd_bitmap",
-                                                    "bwd_bitmap"))
-    params, row_params = out["params"], out["row_params"]
     args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
     args += [_as_i64(arrs[a], dev) for a in mask.array_params]
-    args += [intervals, region, fwd, bwd]
-    if P:
-        args.append(params)
-    if R:
-        args.append(row_params)
+    args += launch_outputs(out, P, R)
     args.append(int(seqlen_k))
-    kern(*args)
-    return make_descriptor(mask, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, **out)
+    launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config)(*args)
+    return out
+
+
+def launch_outputs(out: dict, num_params: int, num_arrays: int) -> list:
+    """The program's output arguments, in its signature's order."""
+    args = [out["intervals"], out["row_region"], out["fwd_bitmap"], out["bwd_bitmap"]]
+    if num_params:
+        args.append(out["params"])
+    if num_arrays:
+        args.append(out["row_params"])
+    return args
 
 
 def _as_i64(t, dev):
     t = t.to(device=dev, dtype=torch.int64)
     return t if t.is_contiguous() else t.contiguous()
-
-
-# --------------------------------------------------------------------------------------------
-# bound fast path
-# --------------------------------------------------------------------------------------------
-
-
-class Preprocessor:
-    """Per-batch preprocess bound to one shape (``CompiledMask.preprocessor``).
-
-    ``preprocess`` validates and converts its arguments on every call, which costs more host time
-    than the kernels take on the device. A training loop calls it with the same shapes
-    every step, so everything that does not depend on the metadata values is done once here:
-    argument checks, the kernel lookup (compiling if needed), the output shapes, TileLang's
-    argument marshalling (the raw TVM-FFI function is called). A call then checks only what can
-    change at no cost (the params present, each tensor's dtype, device, shape and layout) and
-    launches. int32 and int64 metadata are read as they are (one compiled kernel per dtype, the
-    endpoints are computed in int64 either way). Metadata that does not match (ints for scalar
-    params, mixed dtypes, another device or shape) takes the general ``preprocess`` path, which
-    converts it or raises the usual error.
-
-    Metadata values are not checked on the fast path (checking would synchronize a GPU stream):
-    it is used only where ``preprocess`` would not check them either, i.e. on CUDA, unless
-    ``check_values=False`` asks for it on CPU too."""
-
-    def __init__(self, mask, seqlen_q: int, seqlen_k: int, batch_size: int, device,
-                 fwd_tiles: TileConfig, bwd_tiles: TileConfig, check_values: bool | None = None):
-        # the general path validates the shape arguments (and raises its errors) once, here
-        probe = {p: torch.zeros((batch_size, seqlen_q) if p in mask.array_params
-                                else (batch_size,), dtype=torch.int64)
-                 for p in mask.spec.params}
-        B, _, _, dev = mask.normalize_meta(probe, seqlen_q, seqlen_k, batch_size, device,
-                                           check_values=False)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.mask, self.seqlen_q, self.seqlen_k, self.batch_size = mask, seqlen_q, seqlen_k, B
-        self.device, self.fwd_tiles, self.bwd_tiles = dev, fwd_tiles, bwd_tiles
-        self.fast = (dev.type == "cuda") if check_values is None else not check_values
-        self._target = "cuda" if dev.type == "cuda" else "c"
-        self._launches = {}  # metadata dtype -> launch function
-        if not mask.spec.params:
-            self._launch_for(torch.int64)
-        K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
-        self._out_shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, fwd_tiles,
-                                             bwd_tiles)
-        self._with_params, self._with_rows = bool(P), bool(R)
-        self._keys = set(mask.spec.params)
-        self._inputs = [(p, (B,)) for p in mask.scalar_params] + [
-            (a, (B, seqlen_q)) for a in mask.array_params if a in self._keys]
-        # run bounds of compared ids: derived from the metadata in torch, read as arrays
-        self._derived = mask.derived_arrays
-
-    def _launch_for(self, dtype):
-        launch = self._launches.get(dtype)
-        if launch is None:
-            kern = tilelang_kernel(self.mask, self.fwd_tiles, self.bwd_tiles, self._target,
-                                   "int64" if dtype is torch.int64 else "int32")
-            launch = _raw_launch(kern) if self._target == "cuda" else kern
-            self._launches[dtype] = launch
-        return launch
-
-    def _matches(self, meta):
-        """The metadata dtype when the fast path applies, else None."""
-        if type(meta) is not dict or meta.keys() != self._keys:
-            return None
-        dtype = torch.int64
-        for n, (p, shape) in enumerate(self._inputs):
-            v = meta[p]
-            if n == 0 and type(v) is torch.Tensor:
-                dtype = v.dtype
-            if not (type(v) is torch.Tensor and v.dtype is dtype and v.device == self.device
-                    and v.shape == shape and v.is_contiguous()):
-                return None
-        return dtype if dtype is torch.int64 or dtype is torch.int32 else None
-
-    def __call__(self, meta=None):
-        meta = {} if meta is None else meta
-        dtype = self._matches(meta) if self.fast else None
-        if dtype is None:
-            return self.mask.preprocess(
-                meta, self.seqlen_q, self.seqlen_k, batch_size=self.batch_size,
-                fwd_tiles=self.fwd_tiles, bwd_tiles=self.bwd_tiles, device=self.device,
-                backend="tilelang")
-        i32, dev = torch.int32, self.device
-        out = {f: torch.empty(s, dtype=i32, device=dev) for f, s in self._out_shapes.items()}
-        intervals, region, fwd, bwd = (out[f] for f in ("intervals", "row_region", "fwd_bitmap",
-                                                        "bwd_bitmap"))
-        args = [meta[p] for p, _ in self._inputs]
-        if self._derived:
-            runs = derive_run_arrays(self._derived, meta, check=False)
-            args += [runs[n] for d in self._derived for n in d[:2]]
-        args += [intervals, region, fwd, bwd]
-        if self._with_params:
-            args.append(out["params"])
-        if self._with_rows:
-            args.append(out["row_params"])
-        args.append(self.seqlen_k)
-        self._launch_for(dtype)(*args)
-        return finish_descriptor(make_descriptor(self.mask, self.seqlen_q, self.seqlen_k,
-                                                 self.fwd_tiles, self.bwd_tiles, **out))
-
-
-def _raw_launch(kern):
-    """TileLang's compiled TVM-FFI function without its Python wrapper (which re-derives output
-    shapes per call); the wrapper where this TileLang version does not expose it."""
-    get = getattr(getattr(kern, "adapter", None), "_get_executable", None)
-    try:
-        return get() if get is not None else kern
-    except Exception:  # noqa: BLE001 - any failure: the public call path still works
-        return kern

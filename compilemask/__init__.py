@@ -11,6 +11,8 @@ from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl import MaskSpec, Region
 from compilemask.flex import from_mask_mod
 from compilemask.options import KernelOptions, default_options
+from compilemask.pipeline import PipelineConfig
+from compilemask.warmup import warmup
 
 __all__ = [
     "MaskSpec",
@@ -23,6 +25,8 @@ __all__ = [
     "attention",
     "KernelOptions",
     "default_options",
+    "PipelineConfig",
+    "warmup",
     "packing",
     "distributed",
     "visualize",
@@ -33,6 +37,6 @@ __version__ = "0.1.0"
 
 def visualize(desc, batch: int = 0, path: str = "mask.png", **kw):
     """Picture one sequence's mask with its tile states (needs matplotlib: the [viz] extra)."""
-    from compilemask.viz import visualize as _visualize
+    from compilemask.viz import visualize as _visualize  # needs matplotlib (the [viz] extra)
 
     return _visualize(desc, batch=batch, path=path, **kw)

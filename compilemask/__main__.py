@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
+import compilemask as cm
+from compilemask.cli import run
+from compilemask.masks import hstu, random_meta
+
 __all__ = ["main"]
 
 
@@ -25,11 +31,6 @@ def demo(argv=None) -> int:
         return 2
     if "--train" in argv:
         return _demo_train()
-    import torch
-
-    import compilemask as cm
-    from compilemask.masks import hstu, random_meta
-
     spec = hstu()
     mask = cm.compile_mask(spec)
     print(mask.explain(show_code=False))
@@ -62,7 +63,7 @@ def _demo_train() -> int:
         print("compilemask demo --train: error: needs transformers; install the [hf] extra: "
               "pip install -e \".[hf]\"", file=sys.stderr)
         return 2
-    from compilemask.integrations.demo import train
+    from compilemask.integrations.demo import train  # needs transformers (the [hf] extra)
 
     return train()
 
@@ -71,16 +72,15 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m compilemask {demo [--train]|explain FILE.py:NAME|"
-              "show FILE.py:NAME ...}")
+              "show FILE.py:NAME ...|warmup FILE.py:NAME --seqlens ...}")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         return demo(rest)
-    if cmd in ("explain", "show"):
-        from compilemask.cli import run
-
+    if cmd in ("explain", "show", "warmup"):
         return run(cmd, rest)
-    print(f"compilemask: unknown command {cmd!r} (demo, explain, show)", file=sys.stderr)
+    print(f"compilemask: unknown command {cmd!r} (demo, explain, show, warmup)",
+          file=sys.stderr)
     return 2
 
 

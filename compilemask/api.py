@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.kernels.autograd import attention_op
+from compilemask.kernels.fa4 import why_unavailable
+from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
+from compilemask.pipeline import on_device
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
-log = logging.getLogger("compilemask")
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str):
-    if torch.compiler.is_compiling():  # dynamo does not trace logging; eager calls say it
-        return
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
+_SAID = said  # the said-once messages under their older name here, which callers clear
 
 
 def _validate(q, k, v, desc):
@@ -41,6 +34,18 @@ def _validate(q, k, v, desc):
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} disagree on batch or head dim")
+    # [B, H, S, D] tensors (SDPA's and FlexAttention's layout) show the sequence at axis 2:
+    # say so before the head count or the lengths disagree in terms of the wrong axes
+    swapped = [(names, t, S) for names, t, S in (("q", q, desc.seqlen_q),
+                                                  ("k v", k, desc.seqlen_k))
+               if t.shape[1] != S and t.shape[2] == S]
+    if swapped:
+        seen = "; ".join(f"{names[0]} {list(t.shape)} has desc's seqlen_{names[0]} ({S}) at "
+                         "axis 2" for names, t, S in swapped)
+        fix = ", ".join(f"{n}.transpose(1, 2)" for names, _, _ in swapped for n in names.split())
+        raise ValueError(
+            f"cm.attention takes [B, S, H, D] tensors (FlashAttention layout), and {seen}, not "
+            f"at axis 1: these look like [B, H, S, D]; pass {fix} (the output is [B, S, H, D])")
     if H % Hkv:
         raise ValueError(f"num heads of q ({H}) must be a multiple of those of k/v ({Hkv})")
     if (desc.batch_size, desc.seqlen_q, desc.seqlen_k) != (B, Sq, Sk):
@@ -59,7 +64,7 @@ BACKENDS = ("auto", "fa4", "native", "cute", "reference")
 
 
 def _cute_reason(q, desc):
-    try:
+    try:  # the CuTe kernels' module needs the CUTLASS DSL, an optional dependency
         from compilemask.kernels import kernel_available
     except ImportError as e:
         return f"the CuTe kernels are not importable ({e})"
@@ -71,8 +76,6 @@ def _engine_reason(q, desc, engine: str, deterministic: bool):
         return _cute_reason(q, desc)
     if deterministic and engine == "fa4":
         return "FA4's deterministic block-sparse backward needs dQ write orders (not built)"
-    from compilemask.kernels.fa4 import why_unavailable
-
     return why_unavailable(q, desc, engine)
 
 
@@ -92,8 +95,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
         if backend != "auto":
             raise NotImplementedError(f"backend={backend!r} needs CUDA tensors, got "
                                       f"{q.device.type}; use backend='reference' or 'auto'")
-        _say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
-                  "GPU engines need CUDA)")
+        say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
+                 "GPU engines need CUDA)")
         return "reference"
     if backend != "auto":
         why = _engine_reason(q, desc, backend, deterministic)
@@ -135,8 +138,7 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
         raise TypeError(f"options must be a compilemask.KernelOptions or None, got "
                         f"{type(options).__name__}")
     _validate(q, k, v, desc)
+    desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic)
-    from compilemask.kernels.autograd import attention_op
-
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options)

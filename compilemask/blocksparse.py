@@ -26,36 +26,22 @@ launch on the bitmap's device.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from compilemask.descriptor import TILE_FULL, TILE_PARTIAL, bitmap_words
-from compilemask.tiles import unpack_bitmap
+from compilemask.descriptor import (
+    LIST_KINDS,
+    TILE_FULL,
+    TILE_PARTIAL,
+    BlockSparseLists,
+    PackedLists,
+    bitmap_words,
+    pack_bitmap,
+    unpack_bitmap,
+)
 
 __all__ = ["BlockSparseLists", "PackedLists", "lists_from_bitmap", "lists_from_states",
-           "to_dense_states", "descriptor_lists", "descriptor_packed_lists", "attach_lists",
-           "TILE_FULL",
-           "TILE_PARTIAL"]
-
-class BlockSparseLists(NamedTuple):
-    """Per row of tiles, the partial (``mask_*``) and full (``full_*``) column tiles.
-
-    ``*_cnt`` int32 ``[B, 1, R]``; ``*_idx`` int32 ``[B, 1, R, C]``, the first ``cnt`` entries
-    of a row ascending, the rest unspecified (0 from the torch reference)."""
-
-    mask_cnt: torch.Tensor
-    mask_idx: torch.Tensor
-    full_cnt: torch.Tensor
-    full_idx: torch.Tensor
-
-    @property
-    def num_rows(self) -> int:
-        return self.mask_idx.shape[2]
-
-    @property
-    def num_cols(self) -> int:
-        return self.mask_idx.shape[3]
+           "to_dense_states", "list_pass", "descriptor_lists", "pack_bitmap", "unpack_bitmap",
+           "TILE_FULL", "TILE_PARTIAL"]
 
 
 def _compact(sel: torch.Tensor):
@@ -133,109 +119,30 @@ def to_dense_states(lists: BlockSparseLists) -> torch.Tensor:
     return dense
 
 
-def _pass(backward: bool, forward_tiling: bool, fwd_tiles, bwd_tiles, seqlen_q: int,
-          seqlen_k: int) -> tuple[str, int, int, bool]:
-    """Which bitmap a pass's lists read, their rows and columns, and whether by columns."""
+def list_pass(kind: str, fwd_tiles, bwd_tiles, seqlen_q: int, seqlen_k: int
+              ) -> tuple[str, int, int, bool]:
+    """Which bitmap (``"fwd"`` | ``"bwd"``) the lists of ``kind`` read, their rows and columns,
+    and whether the bitmap is read by columns."""
+    if kind not in LIST_KINDS:
+        raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
+    backward, forward_tiling = LIST_KINDS[kind]
     fwd_m, fwd_n = fwd_tiles.num_blocks(seqlen_q, seqlen_k)
     if not backward:
         return "fwd", fwd_m, fwd_n, False
     if forward_tiling:
         return "fwd", fwd_n, fwd_m, True
+    if kind == "bwd64" and (bwd_tiles.tile_m, bwd_tiles.tile_n) != (64, 128):
+        raise ValueError(f"bwd64 lists need 64x128 backward tiles, got {bwd_tiles}")
     bwd_m, bwd_n = bwd_tiles.num_blocks(seqlen_q, seqlen_k)
     return "bwd", bwd_n, bwd_m, False
 
 
-def descriptor_lists(desc, backward: bool = False, *, forward_tiling: bool = False,
-                     backend: str = "torch") -> BlockSparseLists:
-    """The lists of one pass of an ``ExecutionDescriptor``.
-
-    ``backward=False``: forward lists, rows the q tiles of ``desc.fwd_tiles``.
-    ``backward=True``: rows the kv tiles of ``desc.bwd_tiles``, columns its q tiles; with
-    ``forward_tiling=True`` the same over ``desc.fwd_tiles`` (the forward bitmap by columns).
-    backend: ``"torch"`` (this module) or ``"tilelang"`` (one kernel launch on the
-    descriptor's device)."""
-    if forward_tiling and not backward:
-        raise ValueError("forward_tiling applies to the backward lists")
-    which, rows, cols, transpose = _pass(backward, forward_tiling, desc.fwd_tiles,
-                                         desc.bwd_tiles, desc.seqlen_q, desc.seqlen_k)
+def descriptor_lists(desc, kind: str = "fwd") -> BlockSparseLists:
+    """The lists of one kind of an ``ExecutionDescriptor`` (torch reference, on its device):
+    ``"fwd"`` rows the q tiles of ``desc.fwd_tiles``; ``"bwd64"`` rows the kv tiles of
+    ``desc.bwd_tiles``, columns its q tiles; ``"bwd128"`` the same over ``desc.fwd_tiles`` (the
+    forward bitmap by columns)."""
+    which, rows, cols, transpose = list_pass(kind, desc.fwd_tiles, desc.bwd_tiles,
+                                             desc.seqlen_q, desc.seqlen_k)
     bitmap = desc.fwd_bitmap if which == "fwd" else desc.bwd_bitmap
-    packed = rows if transpose else cols  # tiles along each bitmap row
-    if backend == "torch":
-        return lists_from_bitmap(bitmap, packed, transpose=transpose)
-    if backend == "tilelang":
-        from compilemask.codegen.blocksparse import block_sparse_lists
-
-        return block_sparse_lists(bitmap, packed, transpose=transpose)
-    raise ValueError(f"backend must be 'torch' or 'tilelang', got {backend!r}")
-
-
-class PackedLists:
-    """Several kinds' lists in one flat int32 buffer, as one TileLang launch writes them
-    (``compilemask.codegen.blocksparse.MultiPlan``): per kind, ``mask_cnt``, ``mask_idx``,
-    ``full_cnt``, ``full_idx`` back to back. ``view(kind)`` makes the four tensors (views, no
-    copy), so the preprocess allocates and launches once whichever kinds a model reads."""
-
-    def __init__(self, buffer: torch.Tensor, batch_size: int, layout: dict):
-        self.buffer = buffer
-        self.batch_size = batch_size
-        self.layout = layout  # kind -> (offsets per sequence of the four outputs, rows, cols)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(self.layout)
-
-    def view(self, kind: str) -> BlockSparseLists:
-        offs, R, C = self.layout[kind]
-        B, buf = self.batch_size, self.buffer
-        shapes = ((B, 1, R), (B, 1, R, C), (B, 1, R), (B, 1, R, C))
-        return BlockSparseLists(*(buf[B * o:B * o + B * R * (C if j % 2 else 1)].view(shape)
-                                  for j, (o, shape) in enumerate(zip(offs, shapes))))
-
-    def to(self, device) -> PackedLists:
-        return PackedLists(self.buffer.to(device), self.batch_size, self.layout)
-
-
-def descriptor_packed_lists(desc, kinds=("fwd", "bwd64", "bwd128")) -> PackedLists:
-    """``kinds`` of a descriptor's lists in one TileLang launch on its device (the tilelang
-    backend of ``descriptor_lists`` for several kinds at once)."""
-    from compilemask.codegen.blocksparse import block_sparse_multi
-
-    key = (desc.fwd_tiles, desc.bwd_tiles, desc.seqlen_q, desc.seqlen_k, tuple(kinds))
-    got = _PACKED_PLANS.get(key)  # this runs in every preprocess: plan once per shape
-    if got is None:
-        got = _PACKED_PLANS[key] = _packed_plan(*key)
-    mp, layout, reads = got
-    bitmaps = {"fwd": desc.fwd_bitmap, "bwd": desc.bwd_bitmap}
-    buf = block_sparse_multi(tuple(bitmaps[r] for r in reads), mp)
-    return PackedLists(buf, desc.batch_size, layout)
-
-
-_PACKED_PLANS: dict = {}
-
-
-def _packed_plan(fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, kinds):
-    from compilemask.codegen.blocksparse import multi_plan
-    from compilemask.descriptor import LIST_KINDS
-
-    for kind in kinds:
-        if kind not in LIST_KINDS:
-            raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
-    passes = [_pass(*LIST_KINDS[k], fwd_tiles, bwd_tiles, seqlen_q, seqlen_k) for k in kinds]
-    reads = tuple(dict.fromkeys(which for which, *_ in passes))  # the bitmaps, in order
-    mp = multi_plan([(r, c, t, reads.index(which)) for which, r, c, t in passes], len(reads))
-    layout = {k: (offs, pl.rows, pl.cols) for k, offs, (pl, _) in zip(kinds, mp.offsets(),
-                                                                        mp.parts)}
-    return mp, layout, reads
-
-
-def attach_lists(desc):
-    """On CUDA, with flash-attn-4's tilings (forward 128x128, backward 64x128), the lists of
-    every kind FA4's kernels read, in one launch, into ``desc.block_lists`` (viewed on first
-    use); elsewhere nothing (lists are computed when first asked for)."""
-    f, b = desc.fwd_tiles, desc.bwd_tiles
-    if desc.device.type == "cuda" and (f.tile_m, f.tile_n, b.tile_m, b.tile_n) == (128, 128, 64,
-                                                                                   128):
-        # bwd128: FA4's head-dim-64 backward runs on the forward's tiles
-        packed = descriptor_packed_lists(desc)
-        desc.block_lists.update(dict.fromkeys(packed.kinds, packed))
-    return desc
+    return lists_from_bitmap(bitmap, rows if transpose else cols, transpose=transpose)

@@ -17,7 +17,7 @@ __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "chec
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 INDEX_MAX = INT32_MAX  # rows, keys and lengths are int32 indices
-META_MAX = INT32_MAX // 2  # the metadata range preprocess accepts (sums of two stay int32)
+META_MAX = 2**30  # the largest metadata value preprocess accepts
 
 _INDEX_NAMES = ("i", "j", "seqlen_q", "seqlen_k")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Hashable
 
-__all__ = ["CompileCache"]
+__all__ = ["CompileCache", "register_mask", "mask_for_key"]
 
 
 class CompileCache:
@@ -62,3 +62,24 @@ class CompileCache:
 
     def __repr__(self) -> str:
         return f"CompileCache({self.name!r}, {len(self)} entries, {self.builds} builds)"
+
+
+# The one registry of compiled masks: semantic key -> the first CompiledMask compiled with it
+# (equal keys compile to equal code). ``compile_mask`` registers; the custom ops, which carry
+# the key (a string), find the mask here, also when a traced graph replays them.
+_MASKS: dict = {}
+
+
+def register_mask(mask) -> str:
+    """Keep ``mask`` reachable from its semantic key; returns the key."""
+    key = str(mask.key)
+    _MASKS.setdefault(key, mask)
+    return key
+
+
+def mask_for_key(key: str):
+    """The compiled mask of a semantic key."""
+    try:
+        return _MASKS[key]
+    except KeyError:
+        raise KeyError(f"no compiled mask with key {key!r} in this process") from None

@@ -1,8 +1,11 @@
-"""``python -m compilemask explain|show FILE.py[:NAME] ...``: inspect a MaskSpec from a file.
+"""``python -m compilemask explain|show|warmup FILE.py[:NAME] ...``: inspect a MaskSpec from a
+file, or compile what it needs ahead of time.
 
     python -m compilemask explain masks.py:hstu [--meta k=v,...] [--row I] [--seqlen S] [--code]
     python -m compilemask show masks.py:hstu --seqlen 4096 [--seqlen-k N] \\
         --meta ctx_end=1024,hist_end=3000,seq_end=4000,group_size=256 --out mask.png
+    python -m compilemask warmup masks.py:hstu --seqlens 8192,32768 [--head-dims 64,128] \\
+        [--heads 32 --kv-heads 8] [--no-backward]
 
 ``NAME`` is a MaskSpec defined at the top level of ``FILE.py``, or a function of no arguments
 returning one. Without ``:NAME`` the file's ``SPEC`` is used, or its only MaskSpec. Metadata
@@ -22,6 +25,10 @@ import os
 import sys
 import uuid
 
+import compilemask as cm
+from compilemask.dsl import MaskSpec
+from compilemask.render import descriptor_to_string
+
 __all__ = ["run", "load_spec", "parse_meta", "CliError"]
 
 
@@ -40,8 +47,6 @@ def _one_line(text: str) -> str:
 
 def load_spec(target: str):
     """``FILE.py[:NAME]`` -> the MaskSpec (raises CliError with a one-line reason)."""
-    from compilemask.dsl import MaskSpec
-
     path, sep, name = target.rpartition(":")
     if not sep or not path or os.sep in name or name.endswith(".py"):
         path, name = target, ""
@@ -163,7 +168,43 @@ _SHOW_HELP = ("Print the tile grid of sequence 0, one character per tile ('#' fu
               "'.' all empty, '~' mixed), then draw the mask to --out.")
 
 
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"bad {what} {text!r}: expected ints separated by commas") from None
+    if not vals or min(vals) < 1:
+        raise CliError(f"{what} needs positive ints, got {text!r}")
+    return vals
+
+
+def _warmup_parser() -> _Parser:
+    p = _Parser(prog="python -m compilemask warmup", add_help=True,
+                description="Compile the mask's preprocess, tile-list and attention programs "
+                            "for these lengths and head dims, into the cache folder "
+                            "(COMPILEMASK_CACHE_DIR): later processes load them.")
+    p.add_argument("target", metavar="FILE.py:NAME")
+    p.add_argument("--seqlens", required=True, help="lengths, e.g. 4096,32768")
+    p.add_argument("--head-dims", default="128", help="head dims (default 128)")
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--no-backward", action="store_true", help="forward kernels only")
+    p.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    return p
+
+
+def _warmup(args) -> int:
+    mask = _compile(load_spec(args.target))
+    took = cm.warmup(mask, _ints(args.seqlens, "--seqlens"), _ints(args.head_dims, "--head-dims"),
+                  args.heads, args.kv_heads, backward=not args.no_backward, device=args.device,
+                  verbose=True)
+    print(f"warmed up {mask.name!r}: {len(took)} step(s), {sum(took.values()):.1f} s")
+    return 0
+
+
 def _parser(cmd: str) -> _Parser:
+    if cmd == "warmup":
+        return _warmup_parser()
     p = _Parser(prog=f"python -m compilemask {cmd}", add_help=True,
                 description=_SHOW_HELP if cmd == "show" else None)
     p.add_argument("target", metavar="FILE.py:NAME")
@@ -189,8 +230,6 @@ def _parser(cmd: str) -> _Parser:
 
 
 def _compile(spec):
-    import compilemask as cm
-
     try:
         return cm.compile_mask(spec)
     except (ValueError, TypeError, NotImplementedError, SyntaxError) as e:
@@ -220,8 +259,6 @@ def _explain(args) -> int:
 
 
 def _show(args) -> int:
-    import compilemask as cm
-
     spec = load_spec(args.target)
     mask = _compile(spec)
     meta = parse_meta(args.meta)
@@ -248,8 +285,6 @@ def _show(args) -> int:
         desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk, check=True, **kw)
     except (ValueError, TypeError) as e:
         raise CliError(f"preprocess: {e}") from e
-    from compilemask.render import descriptor_to_string
-
     # no legend here: the header line stays fixed for scripts that read it (--help has it)
     print(descriptor_to_string(desc, batch=0, backward=args.backward,
                                max_size=args.max_chars if args.max_chars > 0 else None,
@@ -265,12 +300,13 @@ def _show(args) -> int:
 
 
 def run(cmd: str, argv) -> int:
-    """Run ``explain`` or ``show`` with the given arguments; returns the exit code."""
+    """Run ``explain``, ``show`` or ``warmup`` with the given arguments; returns the exit
+    code."""
     try:
-        if cmd not in ("explain", "show"):
-            raise CliError(f"unknown command {cmd!r} (explain, show)")
+        if cmd not in ("explain", "show", "warmup"):
+            raise CliError(f"unknown command {cmd!r} (explain, show, warmup)")
         args = _parser(cmd).parse_args(list(argv))
-        return _explain(args) if cmd == "explain" else _show(args)
+        return {"explain": _explain, "show": _show, "warmup": _warmup}[cmd](args)
     except CliError as e:
         print(f"compilemask {cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 2

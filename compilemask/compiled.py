@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import linecache
 import logging
 import threading
 import types
@@ -12,7 +11,12 @@ from dataclasses import dataclass, field
 import sympy as sp
 import torch
 
-from compilemask.bounds import INT64_MAX, check_fits
+from compilemask import pipeline
+from compilemask.blocksparse import descriptor_lists
+from compilemask.bounds import INT64_MAX, META_MAX, check_fits
+from compilemask.cache import mask_for_key, register_mask
+from compilemask.codegen.preprocess import tilelang_source
+from compilemask.codegen.torch_reference import exec_source, torch_source
 from compilemask.compiler import (
     Interval,
     Term,
@@ -23,22 +27,26 @@ from compilemask.compiler import (
     run_arrays,
     to_dnf_terms,
 )
-from compilemask.descriptor import ExecutionDescriptor, TileConfig, make_descriptor
+from compilemask.descriptor import (
+    DEFAULT_BWD_TILES,
+    DEFAULT_FWD_TILES,
+    ExecutionDescriptor,
+    TileConfig,
+)
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
-from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
 from compilemask.fingerprint import Uncacheable, Walk
-from compilemask.native import finish_descriptor
+from compilemask.native import native_pattern
 from compilemask.prover import Prover
-from compilemask.segments import derive_run_arrays, run_facts
+from compilemask.reference import brute_force_mask, descriptor_dense_mask
+from compilemask.render import descriptor_to_string, explain
+from compilemask.segments import run_facts
 
-__all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "DEFAULT_FWD_TILES",
+__all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "mask_for_key", "DEFAULT_FWD_TILES",
            "DEFAULT_BWD_TILES"]
 
 log = logging.getLogger("compilemask")
 
-DEFAULT_FWD_TILES = TileConfig(128, 128)
-DEFAULT_BWD_TILES = TileConfig(64, 128)
 _INT32_MAX = 2**31 - 1
 
 
@@ -84,9 +92,6 @@ class _IR:
 
 _IR_CACHE: dict[str, _IR] = {}
 _SPEC_CACHE: dict = {}  # what the rule functions read -> _IR (skips reading the source)
-# key -> the first CompiledMask compiled with it (equal keys compile to equal code); registered
-# when compiled, so that a traced model's custom ops find it without a side effect at trace time
-_BY_KEY: dict = {}
 _LOCK = threading.Lock()
 
 
@@ -121,7 +126,9 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
                     _SPEC_CACHE.clear()
                 _SPEC_CACHE[fkey] = ir
     mask = CompiledMask(spec, ir)
-    _BY_KEY.setdefault(ir.key, mask)
+    # registered when compiled, so that a traced model's custom ops find it without a side
+    # effect at trace time
+    register_mask(mask)
     return mask
 
 
@@ -152,14 +159,6 @@ def _compile_spec(spec: MaskSpec) -> _IR:
             ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
             _IR_CACHE[key] = ir
     return ir
-
-
-def mask_for_key(key: str) -> CompiledMask:
-    """The compiled mask of a semantic key (how the custom ops, which take the key, find it)."""
-    try:
-        return _BY_KEY[key]
-    except KeyError:
-        raise KeyError(f"no compiled mask with key {key!r} in this process") from None
 
 
 def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
@@ -201,8 +200,8 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     # run bounds are per-row arrays the preprocess derives from the metadata
     arrays = tuple(p for p in spec.params if p in ctx.array_params) + tuple(
         n for d in derived for n in d[:2])
-    source = _torch_source(spec.name, key, regions, scalar, arrays, K)
-    fns = _exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
+    source = torch_source(spec.name, key, regions, scalar, arrays, K)
+    fns = exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
     return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived)
 
 
@@ -217,67 +216,6 @@ def _check_int64(r: CompiledRegion) -> None:
         parts.append(("rule", r.rule))
     for what, e in parts:
         check_fits(e, INT64_MAX, f"Region {r.name!r}, {what}")
-
-
-def _exec_source(source: str, filename: str) -> dict:
-    """exec generated code under a linecache entry, so tracebacks show the generated lines."""
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    ns: dict = {}
-    exec(compile(source, filename, "exec"), ns)
-    return ns
-
-
-def _torch_source(name, key, regions, scalar, arrays, K) -> str:
-    # params are spelled p_<name> / a_<name>_i|j, so that no param can shadow a name of the
-    # generated code (region, guard, lo, torch...); the lengths are read as 0-d tensors, so that
-    # a condition on them alone is a tensor too (~ on a Python bool is an int)
-    pr = TorchPrinter({"seqlen_q": "sq", "seqlen_k": "sk", **{p: f"p_{p}" for p in scalar}},
-                      array_prefix="a_")
-    args = (["i", "seqlen_q", "seqlen_k"] + [f"p_{p}" for p in scalar]
-            + [f"a_{a}_i" for a in arrays])
-    out = [f"# Reference preprocess for mask {name!r} (canonical hash {key}), generated.",
-           TORCH_PRELUDE,
-           f"NUM_INTERVALS = {K}", "", "",
-           f"def interval_table({', '.join(args)}, *, batch_size):",
-           '    """Rows: i int64 [1, Sq]; scalar params int64 [B, 1]; arrays int64 [B, Sq].',
-           '    Returns starts, lens (int64 [B, Sq, K], clipped to [0, seqlen_k)) and the row\'s',
-           '    region (int64 [B, Sq], -1: none): the first region whose guard holds."""',
-           "    shape = (batch_size, i.shape[-1])",
-           "    dev = i.device",
-           "    sq, sk = _t(seqlen_q).to(dev), _t(seqlen_k).to(dev)",
-           f"    lo = torch.zeros(shape + ({K},), dtype=torch.int64, device=dev)",
-           "    hi = torch.zeros_like(lo)",
-           "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)"]
-    for r in regions:
-        out.append("")
-        out.append(f"    # region {r.index} {r.name!r}: rows where {r.guard}")
-        out.append(f"    guard = torch.broadcast_to(_t({pr(r.guard)}).to(dev), shape)")
-        out.append("    take = guard & (region < 0)")
-        out.append(f"    region = torch.where(take, {r.index}, region)")
-        for k, iv in enumerate(r.intervals):
-            tag = "" if iv.exact else "  (over-approximation: fallback)"
-            out.append(f"    # slot {k}: [{iv.lower}, {iv.upper})"
-                       + (f" if {iv.cond}" if iv.cond is not sp.true else "") + tag)
-            ok = "take" if iv.cond is sp.true else f"take & {pr(iv.cond)}"
-            out.append(f"    ok = torch.broadcast_to({ok}, shape)")
-            out.append(f"    lo[..., {k}] = torch.where(ok, {pr(iv.lower)}, lo[..., {k}])")
-            out.append(f"    hi[..., {k}] = torch.where(ok, {pr(iv.upper)}, hi[..., {k}])")
-    out += ["",
-            "    # clip to the keys that exist; empty slots are (0, 0)",
-            "    starts = torch.clamp(lo, 0, seqlen_k)",
-            "    lens = torch.clamp(torch.clamp(hi, 0, seqlen_k) - starts, min=0)",
-            "    starts = torch.where(lens > 0, starts, 0)",
-            "    return starts, lens, region", ""]
-    # Element predicates of fallback regions (the residual check), on [B, Sq, Sk] grids.
-    fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + [f"p_{p}" for p in scalar] + [
-        f"a_{a}_{x}" for a in arrays for x in "ij"]
-    for r in regions:
-        if r.fallback:
-            out += ["", f"def predicate_{r.index}({', '.join(fb_args)}):",
-                    f'    """Region {r.name!r}: {r.rule}"""',
-                    "    sq, sk = _t(seqlen_q).to(i.device), _t(seqlen_k).to(i.device)",
-                    f"    return {pr(r.rule)}", ""]
-    return "\n".join(out)
 
 
 class CompiledMask:
@@ -330,8 +268,6 @@ class CompiledMask:
         """The FA4-native pattern z3 proves this mask equal to, or None (``compilemask.native``);
         proved once per compiled form."""
         if not hasattr(self._ir, "native"):
-            from compilemask.native import native_pattern
-
             self._ir.native = native_pattern(self)
         return self._ir.native
 
@@ -361,16 +297,12 @@ class CompiledMask:
 
     def preprocess_source(self, target: str = "cuda") -> str:
         """The generated TileLang preprocess program (see compilemask.codegen)."""
-        from compilemask.codegen import tilelang_source
-
         return tilelang_source(self, target=target)
 
     def explain(self, meta=None, row: int | None = None, *, show_code: bool = False,
                 **kw) -> str:
         """How the mask compiled (``compilemask.render.explain``); ``show_code=True`` appends
         the generated code."""
-        from compilemask.render import explain
-
         return explain(self, meta=meta, row=row, show_code=show_code, **kw)
 
     def __repr__(self):
@@ -386,48 +318,43 @@ class CompiledMask:
     def preprocess(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None, *,
                    batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False, device=None,
-                   backend: str = "auto") -> ExecutionDescriptor:
-        """Metadata of one batch -> Execution Descriptor (forward and backward).
+                   backend: str = "auto", config: pipeline.PipelineConfig | None = None,
+                   max_segments: int | None = None) -> ExecutionDescriptor:
+        """Metadata of one batch -> Execution Descriptor (forward and backward), with what its
+        engines read (``compilemask.pipeline``).
 
         ``backend``: "torch" (the generated reference), "tilelang" (the generated TileLang
         kernel: CUDA on GPU metadata, the C target on CPU) or "auto" (TileLang on CUDA when
         available, the torch reference on CPU). ``check=True`` validates the metadata values
-        (non-negative, divisors positive, runs of equal ids contiguous) on any device, which
-        synchronizes with it. Guards may overlap: a row belongs to the first region whose guard
-        holds."""
+        (non-negative, divisors positive) on any device, which synchronizes with it. ``device``:
+        where to build it (default: the metadata tensors' device, else the CPU; a descriptor on
+        the CPU is copied to the GPU once by ``cm.attention``). ``config``: the generated
+        programs' launch shapes (``pipeline.PipelineConfig``; its tilings replace ``fwd_tiles``
+        / ``bwd_tiles``). ``max_segments``: for masks proved causal within segments, an upper
+        bound on the segments of a batch, so that FA4's varlen path needs no host
+        synchronization (see ``compilemask.native.segments``). Guards may overlap: a row
+        belongs to the first region whose guard holds."""
         if seqlen_q is None:
             raise ValueError("preprocess: seqlen_q is required")
         seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-        fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
-        bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
-        B, scal, arrs, dev = self.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
-                                                 check_values=None if not check else True)
-        if self._ir.derived:
-            arrs = {**arrs, **derive_run_arrays(self._ir.derived, arrs, check or dev.type == "cpu")}
-        if backend not in ("auto", "torch", "tilelang"):
-            raise ValueError(f"preprocess: backend must be auto, torch or tilelang, "
-                             f"got {backend!r}")
-        if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and _has_tilelang()):
-            from compilemask.codegen.preprocess import tilelang_preprocess
-
-            desc = tilelang_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
-                                       bwd_tiles, device=dev)
-        else:
-            desc = self._torch_preprocess(B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles,
-                                          bwd_tiles, dev)
-        return finish_descriptor(desc)
+        cfg = _config_arg(config, fwd_tiles, bwd_tiles)
+        return pipeline.preprocess(self, meta, seqlen_q, seqlen_k, batch_size=batch_size,
+                                   device=device, backend=backend, check=check, config=cfg,
+                                   max_segments=max_segments)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
                      device=None, fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
-                     check_values: bool | None = None):
-        """``preprocess`` bound to one shape, for the per-step loop: ``pre = mask.preprocessor(S,
-        batch_size=B)`` once, then ``desc = pre(meta)`` per batch. Validation, kernel lookup and
-        output shapes happen once; a call launches the TileLang kernel directly when the
-        metadata are int64 contiguous tensors on the device, and otherwise takes the general
-        path (see ``compilemask.codegen.preprocess.Preprocessor``). ``device``: CUDA where
-        available, else the CPU (TileLang's C target). Needs TileLang."""
-        from compilemask.codegen.preprocess import Preprocessor
-
+                     check_values: bool | None = None,
+                     config: pipeline.PipelineConfig | None = None,
+                     max_segments: int | None = None) -> pipeline.Preprocessor:
+        """``preprocess`` bound to a batch size and device, for the per-step loop: ``pre =
+        mask.preprocessor(S, batch_size=B)`` once, then ``desc = pre(meta)`` per batch, or
+        ``pre(meta, seqlen_q=S2)`` at another length (no compile: the programs take the lengths
+        at run time). Validation, program lookup and output shapes happen once per length; a
+        call launches the TileLang program directly when the metadata are int32/int64
+        contiguous tensors on the device, and otherwise takes the general path (see
+        ``compilemask.pipeline.Preprocessor``). ``device``: CUDA where available, else the CPU
+        (TileLang's C target). Needs TileLang."""
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -439,50 +366,27 @@ class CompiledMask:
             raise ValueError(f"preprocessor: batch_size must be a positive int, got "
                              f"{batch_size!r}")
         seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-        return Preprocessor(self, seqlen_q, seqlen_k, batch_size, device,
-                            _tiles_arg(fwd_tiles, "fwd_tiles"), _tiles_arg(bwd_tiles, "bwd_tiles"),
-                            check_values=check_values)
+        return pipeline.Preprocessor(self, seqlen_q, seqlen_k, batch_size, device,
+                                     _config_arg(config, fwd_tiles, bwd_tiles),
+                                     check_values=check_values, max_segments=max_segments)
 
-    def _torch_preprocess(self, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles,
-                          dev) -> ExecutionDescriptor:
-        from compilemask.tiles import bitmaps
+    # ---- what the descriptors of this mask are asked for ---------------------------------------
+    def block_sparse(self, desc: ExecutionDescriptor, kind: str = "fwd"):
+        """A descriptor's tile lists of ``kind`` when its producer did not write them: the
+        torch reference on its device (``compilemask.blocksparse``)."""
+        return descriptor_lists(desc, kind)
 
-        i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
-        args = [i, seqlen_q, seqlen_k] + [scal[p] for p in self.scalar_params] + [
-            arrs[a] for a in self.array_params]
-        starts, lens, region = self._ir.torch_fns["interval_table"](*args, batch_size=B)
-        always = self._fallback_rows(region)
-        fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k)
-        return self._descriptor(B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region,
-                                fwd_tiles, fwd, bwd_tiles, bwd)
+    def dense_mask(self, desc: ExecutionDescriptor) -> torch.Tensor:
+        """bool ``[B, Sq, Sk]``: the mask a descriptor of this mask encodes."""
+        return descriptor_dense_mask(desc)
 
-    def _fallback_rows(self, region):
-        always = torch.zeros_like(region, dtype=torch.bool)
-        for r in self.fallback_regions:
-            always |= region == r.index
-        return always
-
-    def _descriptor(self, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd_tiles, fwd,
-                    bwd_tiles, bwd) -> ExecutionDescriptor:
-        dev = starts.device
-        intervals = torch.stack([starts, lens], dim=-1).to(torch.int32).contiguous()
-        params = (torch.cat([scal[p].view(B, 1) for p in self.scalar_params], dim=1)
-                  if self.scalar_params else torch.zeros(B, 0, dtype=torch.int64, device=dev))
-        row_params = (torch.stack([arrs[a] for a in self.array_params], dim=-1)
-                      if self.array_params
-                      else torch.zeros(B, seqlen_q, 0, dtype=torch.int64, device=dev))
-        return make_descriptor(
-            self, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, intervals=intervals,
-            row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
-            params=params.to(torch.int32).contiguous(),
-            row_params=row_params.to(torch.int32).contiguous(),
-        )
+    def descriptor_string(self, desc: ExecutionDescriptor, **kw) -> str:
+        """A descriptor's tiles as text (``compilemask.render.descriptor_to_string``)."""
+        return descriptor_to_string(desc, **kw)
 
     def reference_mask(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None,
                        *, batch_size: int | None = None) -> torch.Tensor:
         """bool [B, Sq, Sk] by calling the user's Python rules on every (i, j): the oracle."""
-        from compilemask.reference import brute_force_mask
-
         if seqlen_q is None:
             raise ValueError("reference_mask: seqlen_q is required")
         seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
@@ -490,12 +394,17 @@ class CompiledMask:
         return brute_force_mask(self, B, scal, arrs, seqlen_q, seqlen_k)
 
 
-def _has_tilelang() -> bool:
-    try:
-        import tilelang  # noqa: F401
-    except Exception:
-        return False
-    return True
+def _config_arg(config, fwd_tiles, bwd_tiles) -> pipeline.PipelineConfig:
+    if config is not None:
+        if not isinstance(config, pipeline.PipelineConfig):
+            raise TypeError(f"config must be a compilemask.pipeline.PipelineConfig, got "
+                            f"{type(config).__name__}")
+        return config
+    fwd = _tiles_arg(fwd_tiles, "fwd_tiles")
+    bwd = _tiles_arg(bwd_tiles, "bwd_tiles")
+    if (fwd, bwd) == (DEFAULT_FWD_TILES, DEFAULT_BWD_TILES):
+        return pipeline.DEFAULT_CONFIG
+    return pipeline.PipelineConfig(fwd, bwd)
 
 
 def _tiles_arg(t, name) -> TileConfig:
@@ -512,6 +421,7 @@ def _tiles_arg(t, name) -> TileConfig:
 
 
 _META_KINDS = "metadata are non-negative ints (Python ints or integer tensors)"
+_META_MAX = META_MAX  # the largest metadata value accepted (the README's contract)
 
 
 def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_values):
@@ -538,7 +448,7 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                          f"seqlen_q ({seqlen_q})")
     # batch size and device from the tensors
     B = batch_size
-    dev = None
+    dev = dev0 = None  # 0-d tensors give the device only where no [B] or [B, Sq] tensor does
     for p in spec.params:
         v = meta[p]
         if isinstance(v, torch.Tensor):
@@ -546,8 +456,12 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                 raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}; "
                                  f"{_META_KINDS}")
             want = 2 if p in mask.array_params else 1
+            if want == 1 and v.dim() == 0:
+                # a 0-d tensor is one value for every sequence, as a Python int is
+                dev0 = v.device if dev0 is None else dev0
+                continue
             if v.dim() != want:
-                shape = "[B, Sq]" if want == 2 else "[B]"
+                shape = "[B, Sq]" if want == 2 else "[B] (or 0-d)"
                 raise ValueError(f"param {p!r}: expected shape {shape}, got {list(v.shape)}")
             if B is None:
                 B = v.shape[0]
@@ -560,6 +474,14 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         elif isinstance(v, int) and not isinstance(v, bool):
             if p in mask.array_params:
                 raise ValueError(f"param {p!r} is a per-row array: pass a [B, Sq] tensor")
+            # a host value: checked on any device, at no cost
+            lo = 1 if p in mask._ir.divisor_params else 0
+            if v < lo:
+                what = "positive (it is a divisor)" if lo else "non-negative"
+                raise ValueError(f"param {p!r} must be {what}; got {v}")
+            if v > _META_MAX:
+                raise ValueError(f"param {p!r} is {v}, past the largest metadata value 2**30 "
+                                 f"({_META_MAX}); pass a value <= 2**30")
         elif isinstance(v, (float, bool)):
             # a value of the wrong kind, as in a float or bool tensor: the same ValueError
             raise ValueError(f"param {p!r}: got the {type(v).__name__} {v!r}; {_META_KINDS}")
@@ -569,7 +491,7 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
     B = 1 if B is None else B
     if not isinstance(B, int) or B < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    dev = torch.device(device) if device is not None else (dev or torch.device("cpu"))
+    dev = torch.device(device) if device is not None else (dev or dev0 or torch.device("cpu"))
     if check_values is None:
         check_values = dev.type == "cpu"  # value checks would synchronize a GPU stream
     scal, arrs = {}, {}
@@ -582,8 +504,10 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
             if bool((t < lo).any()):
                 what = "positive (it is a divisor)" if lo else "non-negative"
                 raise ValueError(f"param {p!r} must be {what}; got min {int(t.min())}")
-            if bool((t > _INT32_MAX // 2).any()):
-                raise ValueError(f"param {p!r} is out of the int32 range: max {int(t.max())}")
+            if bool((t > _META_MAX).any()):
+                raise ValueError(f"param {p!r} is out of range: max {int(t.max())}, past the "
+                                 f"largest metadata value 2**30 ({_META_MAX}); pass values "
+                                 "<= 2**30")
         if p in mask.array_params:
             arrs[p] = t
         else:

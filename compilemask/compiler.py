@@ -3,8 +3,9 @@
 Each pass is a pure function:
 
 * ``normalize`` + ``to_dnf_terms`` (pass 2): push ``abs/min/max`` that contain ``j`` out of
-  comparisons, split ``!=``, turn ``ids[i] == ids[j]`` into the run of equal ids around i, and
-  return the rule as a list of conjunctions of atoms.
+  comparisons, split ``!=``, turn ``ids[i] == ids[j]`` into the run of equal ids around i (exact)
+  or the span of i's id under the comparison (compilemask.segments), and return the rule as a
+  list of conjunctions of atoms.
 * ``extract_intervals`` (pass 3): per conjunction, atoms in ``i`` only become a row condition,
   atoms linear in ``j`` become bounds, ``j // c`` atoms are solved through the quotient, a ``j % c``
   with a bounded quotient is split into one conjunction per quotient value; anything else in ``j``
@@ -24,7 +25,7 @@ import sympy as sp
 from compilemask.dsl.frontend import array_function, bool_xor
 from compilemask.exprprint import ExprPrinter
 from compilemask.prover import Prover
-from compilemask.segments import RUN_START, run_names
+from compilemask.segments import RUN_END, RUN_START, SPAN_END, SPAN_START, run_names, span_names
 
 __all__ = [
     "Interval",
@@ -34,12 +35,16 @@ __all__ = [
     "extract_intervals",
     "canonicalize",
     "MAX_QUOTIENT_SPLIT",
+    "CANONICALIZE_BUDGET",
     "python_str",
     "run_arrays",
 ]
 
 # A `j % c` atom is split into one interval per quotient value only up to this many values.
 MAX_QUOTIENT_SPLIT = 64
+# Solver work (``Prover.work``: runs, timeouts weighted) canonicalization may spend on one
+# region's pairs of slots and their order: seconds; 52 slots from 104 terms take some 160 runs.
+CANONICALIZE_BUDGET = 1000
 
 _REL = (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)
 
@@ -145,9 +150,9 @@ def _normalize(expr, j):
     return expr
 
 
-def _run_atom(rel, j):
-    """``ids[i] == ids[j]`` (or ``!=``) -> bounds on j by the run of equal ids around i (see
-    compilemask.segments); None for any other atom."""
+def _same_array_at_i_and_j(rel, j):
+    """``ids(i) == ids(j)`` (or ``!=``, either side first) -> (ids(i), the array's name); else
+    None."""
     if not isinstance(rel, (sp.Eq, sp.Ne)):
         return None
     a, b = rel.lhs, rel.rhs
@@ -160,27 +165,49 @@ def _run_atom(rel, j):
     i = a.args[0]
     if b.args[0] != j or not (i.is_Symbol and i.name == "i"):
         return None
-    start, end = run_names(type(a).__name__)
-    lo, hi = array_function(start)(i), array_function(end)(i)
+    return a, type(a).__name__
+
+
+def _run_atom(rel, j):
+    """``ids[i] == ids[j]`` (or ``!=``) -> bounds on j by the run and the span of row i's id
+    (see compilemask.segments); None for any other atom.
+
+    The run terms are exact; the span terms keep the comparison as a residual atom, so the
+    region keeps it as its predicate. The rewrite is an equivalence: the run holds only keys
+    with row i's id and the span holds all of them."""
+    found = _same_array_at_i_and_j(rel, j)
+    if found is None:
+        return None
+    app, ids = found
+    i = app.args[0]
+    rs, re_ = (array_function(n)(i) for n in run_names(ids))
+    ss, se = (array_function(n)(i) for n in span_names(ids))
     if isinstance(rel, sp.Eq):
-        return sp.And(sp.Ge(j, lo), sp.Lt(j, hi))
-    return sp.Or(sp.Lt(j, lo), sp.Ge(j, hi))
+        return sp.Or(sp.And(sp.Ge(j, rs), sp.Lt(j, re_)),
+                     sp.And(sp.Ge(j, ss), sp.Lt(j, se), rel))
+    return sp.Or(sp.Lt(j, ss), sp.Ge(j, se),
+                 sp.And(sp.Ge(j, ss), sp.Lt(j, rs), rel),
+                 sp.And(sp.Ge(j, re_), sp.Lt(j, se), rel))
+
+
+_DERIVED = ((RUN_START, run_names), (RUN_END, run_names), (SPAN_START, span_names),
+            (SPAN_END, span_names))
 
 
 def run_arrays(terms) -> list[tuple[str, str, str]]:
-    """(start, end, ids) of the run-bound arrays that DNF terms read, in a stable order."""
+    """(start, end, ids) of the run- and span-bound arrays that DNF terms read, in a stable
+    order."""
     names = set()
     for t in terms:
         for atom in t:
             names |= {type(f).__name__ for f in atom.atoms(sp.core.function.AppliedUndef)}
-    out = []
-    for n in sorted(names):
-        if n.endswith(RUN_START):
-            ids = n[: -len(RUN_START)]
-            start, end = run_names(ids)
-            if end in names or start in names:
-                out.append((start, end, ids))
-    return out
+    out = set()
+    for n in names:
+        for suffix, names_of in _DERIVED:
+            if n.endswith(suffix):
+                ids = n[: -len(suffix)]
+                out.add((*names_of(ids), ids))
+    return sorted(out)
 
 
 def to_dnf_terms(expr) -> list[list]:
@@ -455,6 +482,9 @@ def _split_quotient(atoms, j):
 
 
 def _why_fallback(atom, j) -> str:
+    if _same_array_at_i_and_j(atom, j) is not None:
+        return (f"{atom}: an id may recur outside the run around i (the run is exact, the "
+                "span from its first to its last occurrence is checked by the predicate)")
     if any(isinstance(s, sp.core.function.AppliedUndef) and s.has(j)
            for s in sp.preorder_traversal(atom)):
         return f"{atom}: a per-row array subscripted by j"
@@ -548,9 +578,17 @@ def _term_interval(t: Term, prover: Prover, seqlen_k) -> Interval | None:
     return Interval(lower=lower, upper=upper, cond=cond, exact=not t.residual)
 
 
-def canonicalize(terms: list[Term], prover: Prover, seqlen_k) -> tuple[list[Interval], list[str]]:
-    """Pass 4: Terms -> canonical interval slots, plus a log of what was proven."""
+def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
+                 budget: int | None = None) -> tuple[list[Interval], list[str]]:
+    """Pass 4: Terms -> canonical interval slots, plus a log of what was proven.
+
+    Pairs are scanned in order and the scan restarts after each drop or merge; what a pair
+    proved is kept (by the pair's slots), so a restart proves only pairs with the new slot.
+    ``budget`` caps the solver work of the pair scan and the ordering (default
+    ``CANONICALIZE_BUDGET``): past it the slots are kept as they are, which is sound since
+    canonicalization only drops and merges."""
     log: list[str] = []
+    stop = prover.work + (CANONICALIZE_BUDGET if budget is None else budget)
     ivs = []
     for t in terms:
         iv = _term_interval(t, prover, seqlen_k)
@@ -558,25 +596,52 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k) -> tuple[list[Inte
             log.append(f"dropped provably empty interval from term {_term_str(t)}")
         else:
             ivs.append(iv)
+    tokens = list(range(len(ivs)))  # a slot's identity for the memo (a merge makes a new one)
+    fresh = itertools.count(len(ivs))
+    inside: dict = {}  # (A, B) -> B adds nothing to A
+    joins: dict = {}  # (A, B) -> A and B merge
+
+    # Each test first asks whether a recent counterexample falsifies the whole test, built
+    # without sympy's evaluation (which costs more than the check); most pairs end there.
+    def contained(a, b):
+        key = (tokens[a], tokens[b])
+        if key not in inside:
+            A, B = ivs[a], ivs[b]
+            quick = _implies(B.cond, [A.cond, _rel(sp.Le, A.lower, B.lower),
+                                      _rel(sp.Ge, A.upper, B.upper)])
+            inside[key] = not prover.refutes(quick) and prover.proves(
+                sp.Implies(B.cond, A.cond)) and prover.proves(
+                sp.Implies(B.cond, sp.And(sp.Le(A.lower, B.lower), sp.Ge(A.upper, B.upper))))
+        return inside[key]
+
+    def mergeable(a, b):
+        key = (tokens[a], tokens[b])
+        if key not in joins:
+            A, B = ivs[a], ivs[b]
+            quick = sp.And(_implies(A.cond, [B.cond]), _implies(B.cond, [A.cond]),
+                           _implies(A.cond, [_rel(sp.Le, A.lower, B.upper),
+                                             _rel(sp.Le, B.lower, A.upper)]), evaluate=False)
+            joins[key] = not prover.refutes(quick) and prover.proves(
+                sp.Equivalent(A.cond, B.cond)) and prover.proves(
+                sp.Implies(A.cond, sp.And(sp.Le(A.lower, B.upper), sp.Le(B.lower, A.upper))))
+        return joins[key]
+
     changed = True
     while changed:
         changed = False
         for a, b in itertools.permutations(range(len(ivs)), 2):
+            if prover.work >= stop:
+                log.append("stopped at the proof budget: the remaining intervals are kept as "
+                           "they are")
+                break
             A, B = ivs[a], ivs[b]
             # B inside A on every row where B's condition holds: B adds nothing.
-            if A.exact or not B.exact:
-                implies = prover.proves(sp.Implies(B.cond, A.cond))
-                if implies and prover.proves(
-                    sp.Implies(B.cond, sp.And(sp.Le(A.lower, B.lower), sp.Ge(A.upper, B.upper)))
-                ):
-                    log.append(f"dropped {B} as contained in {A}")
-                    del ivs[b]
-                    changed = True
-                    break
-            same_cond = prover.proves(sp.Equivalent(A.cond, B.cond))
-            if same_cond and A.exact == B.exact and prover.proves(
-                sp.Implies(A.cond, sp.And(sp.Le(A.lower, B.upper), sp.Le(B.lower, A.upper)))
-            ):
+            if (A.exact or not B.exact) and contained(a, b):
+                log.append(f"dropped {B} as contained in {A}")
+                del ivs[b], tokens[b]
+                changed = True
+                break
+            if A.exact == B.exact and mergeable(a, b):
                 lo = _prune([A.lower, B.lower], prover, keep_larger=False)
                 hi = _prune([A.upper, B.upper], prover, keep_larger=True)
                 merged = Interval(
@@ -586,7 +651,9 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k) -> tuple[list[Inte
                     exact=A.exact,
                 )
                 log.append(f"merged {A} and {B} (proved overlapping or adjacent) into {merged}")
-                ivs = [iv for k, iv in enumerate(ivs) if k not in (a, b)] + [merged]
+                keep = [k for k in range(len(ivs)) if k not in (a, b)]
+                ivs = [ivs[k] for k in keep] + [merged]
+                tokens = [tokens[k] for k in keep] + [next(fresh)]
                 changed = True
                 break
     # Order by lower end where provable (a stable insertion sort on proofs).
@@ -594,11 +661,23 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k) -> tuple[list[Inte
     for iv in ivs:
         pos = len(ordered)
         for k, o in enumerate(ordered):
+            if prover.work >= stop:
+                break
             if prover.proves(sp.Lt(iv.lower, o.lower)):
                 pos = k
                 break
         ordered.insert(pos, iv)
     return ordered, log
+
+
+def _rel(cls, a, b):
+    return cls(a, b, evaluate=False)
+
+
+def _implies(cond, parts):
+    """``cond -> And(parts)`` as ``Or(Not(cond), And(parts))`` (which the prover translates),
+    unevaluated (for ``Prover.refutes``)."""
+    return sp.Or(sp.Not(cond), sp.And(*parts, evaluate=False), evaluate=False)
 
 
 def _term_str(t: Term) -> str:

@@ -50,23 +50,24 @@ The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
 constructor, and ``DescriptorArgs`` is the descriptor as the ``compilemask::attention_*`` custom
 ops carry it (tensors, then static ints).
+This module is the contract's one home and a leaf: it imports nothing of the project. What
+is computed *from* a descriptor (its dense mask, its picture, lists on demand) belongs to the
+modules that do that work; the descriptor's methods for them ask its mask, which owns them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from compilemask.compiled import CompiledMask
-
-__all__ = ["TileConfig", "ExecutionDescriptor", "DescriptorArgs", "make_descriptor",
+__all__ = ["TileConfig", "DEFAULT_FWD_TILES", "DEFAULT_BWD_TILES", "ExecutionDescriptor",
+           "DescriptorArgs", "BlockSparseLists", "PackedLists", "make_descriptor",
            "descriptor_shapes", "LIST_KINDS", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED",
            "TILE_FULL", "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD",
            "TILE_WORD_SHIFT", "bitmap_words", "bitmap_shape", "tile_word", "tile_shift",
-           "state_in_word", "is_partial", "in_interval"]
+           "state_in_word", "is_partial", "in_interval", "pack_bitmap", "unpack_bitmap"]
 
 # ----------------------------------------------------------------------------------------------
 # Layout: tile states, bitmap words and the interval test. Every producer and reader (torch,
@@ -125,6 +126,25 @@ def in_interval(j, start, length):
 LIST_KINDS = {"fwd": (False, False), "bwd64": (True, False), "bwd128": (True, True)}
 
 
+def pack_bitmap(states: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[B, R, T]`` states -> int32 ``bitmap_shape(B, R, T)`` words, 2 bits per tile."""
+    B, R, T = states.shape
+    W = bitmap_words(T)
+    padded = torch.nn.functional.pad(states.to(torch.int64), (0, W * TILES_PER_WORD - T))
+    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=states.device, dtype=torch.int64)
+    words = (padded.view(B, R, W, TILES_PER_WORD) << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_bitmap(words: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitmap`: uint8 ``[B, R, num_tiles]``."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=words.device, dtype=torch.int64)
+    st = (w.unsqueeze(-1) >> shifts) & TILE_STATE_MASK
+    return st.flatten(-2)[..., :num_tiles].to(torch.uint8)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """A tiling of the [Sq, Sk] score matrix: ``tile_m`` query rows by ``tile_n`` key columns."""
@@ -136,11 +156,66 @@ class TileConfig:
         return -(-seqlen_q // self.tile_m), -(-seqlen_k // self.tile_n)
 
 
+# The default tilings, and the ones flash-attn-4's sm90 kernels read lists for: forward 128x128,
+# backward 64x128 (head dim 128; head dim 64 runs its backward on the forward's tiles)
+DEFAULT_FWD_TILES = TileConfig(128, 128)
+DEFAULT_BWD_TILES = TileConfig(64, 128)
+
+
+class BlockSparseLists(NamedTuple):
+    """Per row of tiles, the partial (``mask_*``) and full (``full_*``) column tiles, in
+    flash-attn-4's format. ``*_cnt`` int32 ``[B, 1, R]``; ``*_idx`` int32 ``[B, 1, R, C]``, the
+    first ``cnt`` entries of a row ascending, the rest unspecified (0 from the torch
+    reference). The head dimension is 1: one mask for every head (FA4 broadcasts it)."""
+
+    mask_cnt: torch.Tensor
+    mask_idx: torch.Tensor
+    full_cnt: torch.Tensor
+    full_idx: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.mask_idx.shape[2]
+
+    @property
+    def num_cols(self) -> int:
+        return self.mask_idx.shape[3]
+
+
+class PackedLists(NamedTuple):
+    """Several kinds' lists in one flat int32 buffer, as one launch writes them: per kind,
+    ``mask_cnt``, ``mask_idx``, ``full_cnt``, ``full_idx`` back to back. ``layout``: kind ->
+    (offsets per sequence of the four outputs, rows, cols). ``view(kind)`` makes the four
+    tensors (views, no copy)."""
+
+    buffer: torch.Tensor
+    batch_size: int
+    layout: dict
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.layout)
+
+    def view(self, kind: str) -> BlockSparseLists:
+        offs, R, C = self.layout[kind]
+        B, buf = self.batch_size, self.buffer
+        shapes = ((B, 1, R), (B, 1, R, C), (B, 1, R), (B, 1, R, C))
+        return BlockSparseLists(*(buf[B * o:B * o + B * R * (C if j % 2 else 1)].view(shape)
+                                  for j, (o, shape) in enumerate(zip(offs, shapes))))
+
+    def to(self, device) -> PackedLists:
+        return PackedLists(self.buffer.to(device), self.batch_size, self.layout)
+
+
 @dataclass(frozen=True, eq=False)
 class ExecutionDescriptor:
-    """Per-batch output of ``CompiledMask.preprocess`` (see the module docstring for layouts)."""
+    """Per-batch output of ``CompiledMask.preprocess`` (see the module docstring for layouts).
 
-    mask: CompiledMask
+    ``mask`` is the ``CompiledMask`` it was made for (typed loosely: the contract imports
+    nothing of the project). ``lists``: FA4's tile lists of every kind, written with the
+    descriptor on CUDA (``PackedLists``), else None (``block_sparse`` computes them)."""
+
+    mask: Any
     seqlen_q: int
     seqlen_k: int
     intervals: torch.Tensor
@@ -152,10 +227,7 @@ class ExecutionDescriptor:
     params: torch.Tensor
     row_params: torch.Tensor
     segments: tuple | None = None
-    # kind -> BlockSparseLists, or the PackedLists that holds it (viewed on first use): filled
-    # by the producer on CUDA in one launch (a compiled model then runs no kernel for it), else
-    # computed on first use
-    block_lists: dict = field(default_factory=dict, compare=False, repr=False)
+    lists: PackedLists | None = None
 
     @property
     def batch_size(self) -> int:
@@ -178,75 +250,53 @@ class ExecutionDescriptor:
         """The native pattern the compiler proved for the mask (``compilemask.native``)."""
         return self.mask.native_pattern
 
-    def block_sparse(self, kind: str = "fwd"):
-        """flash-attn-4 tile lists (see the module docstring), computed once per descriptor."""
-        cache = self.block_lists
-        got = cache.get(kind)
-        if got is not None and not isinstance(got, tuple):  # PackedLists: view it
-            from torch.compiler import is_compiling
-
-            got = got.view(kind)
-            if not is_compiling():  # no side effects while dynamo traces
-                cache[kind] = got
-            return got
-        if kind not in cache:
-            from compilemask.blocksparse import descriptor_lists
-
-            if kind not in LIST_KINDS:
-                raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
-            backward, forward_tiling = LIST_KINDS[kind]
-            if kind == "bwd64" and (self.bwd_tiles.tile_m, self.bwd_tiles.tile_n) != (64, 128):
-                raise ValueError(f"bwd64 lists need 64x128 backward tiles, got {self.bwd_tiles}")
-            backend = "tilelang" if self.device.type == "cuda" else "torch"
-            cache[kind] = descriptor_lists(self, backward, forward_tiling=forward_tiling,
-                                           backend=backend)
-        return cache[kind]
+    def block_sparse(self, kind: str = "fwd") -> BlockSparseLists:
+        """flash-attn-4 tile lists (see the module docstring): views of ``lists`` when the
+        producer wrote them, else computed now (``CompiledMask.block_sparse``)."""
+        if kind not in LIST_KINDS:
+            raise ValueError(f"kind must be one of {sorted(LIST_KINDS)}, got {kind!r}")
+        if self.lists is not None and kind in self.lists.layout:
+            return self.lists.view(kind)
+        return self.mask.block_sparse(self, kind)
 
     def tile_states(self, backward: bool = False) -> torch.Tensor:
         """Unpacked 2-bit states, uint8 ``[B, n_m, n_n]`` (forward) or ``[B, n_n, n_m]``."""
-        from compilemask.tiles import unpack_bitmap
-
         if backward:
-            n_m, n_n = self.bwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
+            n_m, _ = self.bwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
             return unpack_bitmap(self.bwd_bitmap, n_m)
-        n_m, n_n = self.fwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
+        _, n_n = self.fwd_tiles.num_blocks(self.seqlen_q, self.seqlen_k)
         return unpack_bitmap(self.fwd_bitmap, n_n)
 
     def dense_mask(self) -> torch.Tensor:
         """bool ``[B, Sq, Sk]``: the mask this descriptor encodes (for tests and pictures)."""
-        from compilemask.reference import descriptor_dense_mask
-
-        return descriptor_dense_mask(self)
+        return self.mask.dense_mask(self)
 
     def to_string(self, batch: int = 0, backward: bool = False, **kw) -> str:
         """One character per tile ('#' full, '~' partial, '.' empty), counts, FLOPs skipped;
         the header line ends with that legend (``legend=False``: without it)."""
-        from compilemask.render import descriptor_to_string
-
-        return descriptor_to_string(self, batch=batch, backward=backward, **kw)
+        return self.mask.descriptor_string(self, batch=batch, backward=backward, **kw)
 
     def to(self, device: Any) -> ExecutionDescriptor:
+        """The descriptor on ``device`` (its lists too, when it has them)."""
         moved = {k: getattr(self, k).to(device) for k in DescriptorArgs.tensor_fields()}
         segments = self.segments
         if segments is not None:
             segments = (segments[0].to(device), segments[1])
-        packed = {id(v): v.to(device) for v in self.block_lists.values()
-                  if not isinstance(v, tuple)}  # a PackedLists serves several kinds
-        lists = {k: packed[id(v)] if id(v) in packed else type(v)(*(t.to(device) for t in v))
-                 for k, v in self.block_lists.items()}
-        return replace(self, **moved, segments=segments, block_lists=lists)
+        lists = None if self.lists is None else self.lists.to(device)
+        return replace(self, **moved, segments=segments, lists=lists)
 
 
-def make_descriptor(mask: CompiledMask, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConfig,
+def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConfig,
                     bwd_tiles: TileConfig, *, intervals: torch.Tensor, row_region: torch.Tensor,
                     fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, params: torch.Tensor,
-                    row_params: torch.Tensor, segments: tuple | None = None
-                    ) -> ExecutionDescriptor:
+                    row_params: torch.Tensor, segments: tuple | None = None,
+                    lists: PackedLists | None = None) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
-        bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments)
+        bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
+        lists=lists)
 
 
 def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,
@@ -317,8 +367,7 @@ class DescriptorArgs(NamedTuple):
         """These fields as a ``torch.library`` schema fragment."""
         return ", ".join(f"{_kind(cls.__annotations__[f])} {f}" for f in cls._fields)
 
-    def descriptor(self, mask: CompiledMask, segments: tuple | None = None
-                   ) -> ExecutionDescriptor:
+    def descriptor(self, mask: Any, segments: tuple | None = None) -> ExecutionDescriptor:
         return make_descriptor(
             mask, self.seqlen_q, self.seqlen_k, TileConfig(self.fwd_tile_m, self.fwd_tile_n),
             TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,

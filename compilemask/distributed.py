@@ -42,10 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from compilemask.blocksparse import attach_lists
+from compilemask import pipeline
+from compilemask.api import attention
 from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, _tiles_arg
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.segments import derive_run_arrays
+from compilemask.tiles import bitmaps
 
 __all__ = ["CPPlan", "make_plan", "shard_descriptor", "shard", "unshard", "cp_attention",
            "PLAN_KINDS"]
@@ -180,8 +182,6 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     list is not written yet. Masks with fallback regions are refused: their predicates read the
     row index from the descriptor's local row, which is not the global row here. The descriptor
     carries no segments (FA4's varlen path needs rows in global order)."""
-    from compilemask.tiles import bitmaps
-
     if mask.has_fallback:
         raise NotImplementedError(
             f"shard_descriptor: mask {mask.name!r} has fallback region(s) "
@@ -198,9 +198,9 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
     always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused above)
     fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
-    desc = mask._descriptor(B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
-                            bwd_tiles, bwd)
-    return attach_lists(desc)  # FA4's tile lists, as finish_descriptor does
+    desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
+                             bwd_tiles, bwd)
+    return pipeline.with_lists(desc)  # no segments: FA4's varlen needs rows in global order
 
 
 # ---- tensors ----------------------------------------------------------------------------------
@@ -254,7 +254,6 @@ def cp_attention(q_local, k_local, v_local, desc_local: ExecutionDescriptor, pla
     local row index as the global one."""
     import torch.distributed as dist
 
-    from compilemask.api import attention
 
     W = dist.get_world_size(group)
     if W != plan.world_size:

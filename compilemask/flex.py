@@ -20,13 +20,17 @@ and the source line. The translated rule is generated Python source (``mask.expl
 split into one region per case of its row conditions (``torch.where(q_idx < n, ...)``): fewer
 interval slots than one region holding every case.
 
-The conversion is cached by the code objects and captured constants of the mask_mod, so calling
-it again for a rebuilt mask_mod (same code, new tensors) only collects the new tensors.
+The conversion is cached by everything the mask_mod reads apart from tensor values (code,
+constants, defaults, attributes of captured objects: ``compilemask.fingerprint``), so calling it
+again for a rebuilt mask_mod (same code, new tensors) only collects the new tensors, and a changed
+value converts again. What cannot be keyed (the object itself passed on, a property) converts on
+every call.
 """
 
 from __future__ import annotations
 
 import builtins
+import inspect
 import itertools
 import linecache
 import os
@@ -52,6 +56,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
 _COUNTER = itertools.count()
 _LOCK = threading.Lock()
+
+
+_CAPTURE_IT = ("make it a variable outside the mask_mod (t = module.t, or build it there) and "
+               "read that: a captured tensor becomes metadata")
 
 
 def _every_row(i):
@@ -140,7 +148,7 @@ class _Ops:
             if any(isinstance(a, torch.Tensor) for a in args):
                 raise tr.fail(f"a tensor that is not captured by the mask_mod as a closure "
                               f"variable or global (an attribute, or one made inside it) "
-                              f"in '{name}'")
+                              f"in '{name}'; {_CAPTURE_IT}")
             raise tr.fail(f"torch function '{name}'")
         return fn(tr, *args, **kwargs)
 
@@ -148,6 +156,36 @@ class _Ops:
         if name.startswith("_") or name in ("tr", "e", "tag", "leaf", "name", "ndim", "is_bool"):
             raise AttributeError(name)
         raise self.tr.fail(f"tensor method or attribute '.{name}'")
+
+    @property
+    def device(self):
+        return _TracedDevice(self.tr)
+
+
+class _TracedDevice:
+    """``x.device`` of a traced value: passed on to ``new_ones(..., device=)`` and the like (as
+    FlexAttention's ``noop_mask`` does), where it does not change the mask; reading it is refused
+    rather than answered with a guessed device."""
+
+    __slots__ = ("tr",)
+
+    def __init__(self, tr):
+        self.tr = tr
+
+    def _refuse(self, *_):
+        raise self.tr.fail("the device of a traced value read (a mask_mod may only pass "
+                           "x.device on to new_ones/new_zeros/new_full/new_tensor/*_like)")
+
+    __eq__ = __ne__ = __bool__ = __str__ = _refuse
+    __hash__ = object.__hash__
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self):
+        return "<device of a traced value>"
 
 
 def _find_trace(args):
@@ -178,7 +216,7 @@ def _val(tr, x):
         return sp.Integer(x)
     if isinstance(x, torch.Tensor):
         raise tr.fail("a tensor that is not captured by the mask_mod as a closure variable or "
-                      "global (an attribute, or one made inside it)")
+                      f"global (an attribute, or one made inside it); {_CAPTURE_IT}")
     if isinstance(x, float):
         raise tr.fail(f"float constant {x!r} (only ints)")
     if isinstance(x, sp.Basic):  # already converted (torch.logical_* convert their operands)
@@ -282,12 +320,24 @@ def _convert(tr, x, dtype):
     raise tr.fail(f"conversion to {dtype}")
 
 
-def _const_like(tr, value, dtype=None):
-    if dtype is torch.bool or (dtype is None and isinstance(value, bool)):
+def _is_bool_value(x) -> bool:
+    """Whether a traced value is a bool tensor (what torch's ``*_like`` / ``new_*`` inherit)."""
+    if isinstance(x, _Captured):
+        return x.is_bool
+    return isinstance(x, _Sym) and x.tag is None and _is_bool(x.e)
+
+
+def _const_like(tr, like, value, dtype=None):
+    """A constant as ``like.new_full((), value, dtype=dtype)`` makes it: without a dtype it has
+    ``like``'s (bool or integer), and the value is converted to that dtype."""
+    if dtype is None:
+        dtype = torch.bool if _is_bool_value(like) else torch.int64
+    if dtype is torch.bool and isinstance(value, (bool, int)):
         return sp.true if value else sp.false
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise tr.fail(f"constant {value!r} of dtype {dtype}")
-    return sp.Integer(value)
+    if (isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
+            and isinstance(value, (bool, int))):
+        return sp.Integer(int(value))
+    raise tr.fail(f"constant {value!r} of dtype {dtype}")
 
 
 def _method_min_max(tr, kind, a, b=None):
@@ -335,10 +385,8 @@ _TORCH_FUNCS = {
     torch.le: _s(lambda tr, a, b: _compare(tr, "<=", a, b)),
     torch.gt: _s(lambda tr, a, b: _compare(tr, ">", a, b)),
     torch.ge: _s(lambda tr, a, b: _compare(tr, ">=", a, b)),
-    torch.ones_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, True if dtype is
-                                                                   torch.bool else 1, dtype)),
-    torch.zeros_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, False if dtype is
-                                                                    torch.bool else 0, dtype)),
+    torch.ones_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 1, dtype)),
+    torch.zeros_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 0, dtype)),
 }
 
 
@@ -430,6 +478,9 @@ class _Sym(_Ops):
 
     def to(self, *args, dtype=None, **kwargs):
         dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
+        other = next((a for a in args if isinstance(a, _Ops)), None)
+        if dtype is None and other is not None:  # .to(tensor): that tensor's dtype
+            dtype = torch.bool if _is_bool_value(other) else torch.int64
         return self if dtype is None else _Sym(self.tr, _convert(self.tr, self, dtype))
 
     def bool(self):
@@ -441,16 +492,16 @@ class _Sym(_Ops):
     int = long
 
     def new_ones(self, *size, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, True if dtype is torch.bool else 1, dtype))
+        return _Sym(self.tr, _const_like(self.tr, self, 1, dtype))
 
     def new_zeros(self, *size, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, False if dtype is torch.bool else 0, dtype))
+        return _Sym(self.tr, _const_like(self.tr, self, 0, dtype))
 
     def new_full(self, size, fill_value, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, fill_value, dtype))
+        return _Sym(self.tr, _const_like(self.tr, self, fill_value, dtype))
 
     def new_tensor(self, value, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, value, dtype))
+        return _Sym(self.tr, _const_like(self.tr, self, value, dtype))
 
     def eq(self, other):
         return self == other
@@ -589,17 +640,16 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. Per-token tensors must
     have ``seqlen_q`` entries, and those read at ``kv_idx`` need ``seqlen_k <= seqlen_q``.
 
-    ``mask = cm.compile_mask(spec); desc = mask.preprocess(meta, seqlen_q=S)``. Calls with the
-    same code and constants return the same spec; only the tensors are collected again."""
-    if not isinstance(mask_mod, types.FunctionType):
-        raise TypeError(f"from_mask_mod expects a Python function mask_mod(b, h, q_idx, kv_idx), "
-                        f"got {type(mask_mod).__name__}")
-    if mask_mod.__code__.co_argcount != 4:
-        raise TypeError(f"mask_mod {mask_mod.__name__!r} must take (b, h, q_idx, kv_idx), takes "
-                        f"{mask_mod.__code__.co_argcount} arguments")
+    ``mask_mod`` is a function or a bound method; arguments after the four need defaults, which
+    it reads as FlexAttention would call it. ``mask = cm.compile_mask(spec); desc =
+    mask.preprocess(meta, seqlen_q=S)``. Calls with the same code and the same values read
+    (constants, defaults, attributes of captured objects) return the same spec; only the tensors
+    are collected again."""
+    _check_signature(mask_mod)
     walk = _Walk()
     try:
-        key = (walk.function(mask_mod)[0], name)
+        # the name labels the spec (and its errors): functions of one code may be renamed
+        key = (walk.value(mask_mod, "mask_mod")[0], name, mask_mod.__name__)
         entry = _CACHE.get(key)
     except _Uncacheable:
         key, entry = None, None
@@ -612,6 +662,26 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
                     _CACHE.clear()
                 _CACHE[key] = entry
     return entry.spec, _meta(entry, leaves, batch_size)
+
+
+def _check_signature(mask_mod):
+    """Refuse what FlexAttention could not call as ``mask_mod(b, h, q_idx, kv_idx)``."""
+    fn, nself = mask_mod, 0
+    if type(mask_mod) is types.MethodType and type(mask_mod.__func__) is types.FunctionType:
+        fn, nself = mask_mod.__func__, 1
+    if type(fn) is not types.FunctionType:
+        raise TypeError(f"from_mask_mod expects a Python function (or bound method) "
+                        f"mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
+    code = fn.__code__
+    npos = code.co_argcount - nself
+    required = npos - len(fn.__defaults__ or ())
+    kwonly = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+    no_default = [n for n in kwonly if n not in (fn.__kwdefaults__ or {})]
+    if (npos < 4 and not code.co_flags & inspect.CO_VARARGS) or required > 4 or no_default:
+        what = (f"keyword-only argument(s) {no_default} without defaults" if no_default else
+                f"{npos} positional argument(s), {max(required, 0)} without defaults")
+        raise TypeError(f"mask_mod {mask_mod.__name__!r} must take (b, h, q_idx, kv_idx) (further "
+                        f"arguments need defaults), takes {what}")
 
 
 def _meta(entry: _Entry, leaves, batch_size):
@@ -653,7 +723,7 @@ def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
     fname = mask_mod.__name__
     tr = _Trace(fname)
     walk = _Walk(tr)
-    _, copy = walk.function(mask_mod)
+    _, copy = walk.value(mask_mod, "mask_mod")
     b, h = _Sym(tr, None, "b"), _Sym(tr, None, "h")
     try:
         out = copy(b, h, _Sym(tr, _I), _Sym(tr, _J))

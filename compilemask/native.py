@@ -20,16 +20,16 @@ metadata, so a pattern is never taken on the strength of the intervals alone.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
 
-from compilemask.dsl.frontend import rule_symbols
+from compilemask.dsl.frontend import array_function, rule_symbols
 from compilemask.prover import Prover
+from compilemask.segments import derived_kind, run_names, span_names
 
-__all__ = ["NativePattern", "native_pattern", "segments", "finish_descriptor"]
+__all__ = ["NativePattern", "native_pattern", "segments"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class NativePattern:
     bottom_right: bool = True  # False: proven top-left only (native when seqlen_q == seqlen_k)
     segment_param: str | None = None
     proof: str = ""
+    # compared id arrays whose tokens must be contiguous in the batch for the proof to hold
+    # (an ``ids[i] == ids[j]`` mask): checked per batch by ``segments``
+    contiguous_ids: tuple[str, ...] = ()
 
     @property
     def causal(self) -> bool:
@@ -59,7 +62,10 @@ class NativePattern:
             return "full attention"
         w = f"window_size=({self.window_left}, {self.window_right})"
         if self.kind == "segments":
-            return f"causal within segments starting at {self.segment_param}[i], {w} (varlen)"
+            when = (f"; for batches whose {', '.join(self.contiguous_ids)} are contiguous "
+                    "(checked per batch)" if self.contiguous_ids else "")
+            return (f"causal within segments starting at {self.segment_param}[i], {w} "
+                    f"(varlen){when}")
         name = "causal" if self.causal else "sliding window"
         align = "bottom-right" if self.bottom_right else "top-left (native when Sq == Sk)"
         return f"{name}, {w}, {align}"
@@ -89,14 +95,16 @@ def _offset(e, bases, clip_to) -> int | None:
     return None
 
 
-def _candidates(mask, syms):
-    """(kind, left, right, segment array) guesses from a single-interval mask."""
-    if len(mask.regions) != 1 or mask.has_fallback:
+def _candidates(mask, syms, exact_only: bool = False):
+    """(kind, left, right, segment array) guesses from a single-interval mask (``exact_only``:
+    from its one exact slot, the over-approximating ones aside)."""
+    if len(mask.regions) != 1 or (mask.has_fallback and not exact_only):
         return
     reg = mask.regions[0]
-    if len(reg.intervals) != 1 or reg.intervals[0].cond is not sp.true:
+    ivs = [iv for iv in reg.intervals if iv.exact or not exact_only]
+    if len(ivs) != 1 or ivs[0].cond is not sp.true:
         return
-    iv = reg.intervals[0]
+    iv = ivs[0]
     i, sk = syms["i"], syms["seqlen_k"]
     bases = (i, i + sk - syms["seqlen_q"])
     lo, hi = iv.lower, iv.upper
@@ -143,32 +151,64 @@ def _pattern_expr(kind, left, right, app, syms, bottom_right):
 
 
 def _run_axioms(mask, syms) -> list:
-    """For each compared per-token array ``ids`` (``ids[i] == ids[j]``): the preprocess checks
-    that equal ids form one run and derives its bounds, so ``ids[j] == ids[i]`` iff ``j`` is in
-    ``[run_start[i], run_end[i])``."""
-    from compilemask.dsl.frontend import array_function
-
+    """What the preprocess guarantees of the arrays it derives for a compared per-token array
+    ``ids`` (``ids[i] == ids[j]``, compilemask.segments), for any ids: every key of the run
+    ``[run_start[i], run_end[i])`` has row i's id, and every key with row i's id lies in the span
+    ``[span_start[i], span_end[i])``. Nothing ties the id to the run alone (ids may recur), so
+    no proof takes an id-equality mask for causal-within-segments."""
     i, j = syms["i"], syms["j"]
     facts = []
     for start, end, ids in mask.derived_arrays:
         a, s0, e0 = array_function(ids), array_function(start)(i), array_function(end)(i)
         inside = sp.And(sp.Le(s0, j), sp.Lt(j, e0))
         same = sp.Eq(a(j), a(i))
-        facts.append(sp.Or(sp.And(same, inside), sp.And(sp.Not(same), sp.Not(inside))))
+        if derived_kind(start, ids) == "run":
+            facts.append(sp.Or(sp.Not(inside), same))
+        else:
+            facts.append(sp.Or(sp.Not(same), inside))
         facts += [sp.Le(s0, i), sp.Lt(i, e0)]
     return facts
 
 
+def _contiguity_axioms(mask, syms) -> tuple[list, tuple[str, ...]]:
+    """For each compared id array: its tokens are contiguous, i.e. an id's span is its run (so
+    equal ids are exactly the run). ``segments`` checks this per batch."""
+    i, j = syms["i"], syms["j"]
+    facts, names = [], []
+    for start, end, ids in mask.derived_arrays:
+        if derived_kind(start, ids) != "run":
+            continue
+        a, s0, e0 = array_function(ids), array_function(start)(i), array_function(end)(i)
+        inside = sp.And(sp.Le(s0, j), sp.Lt(j, e0))
+        facts.append(sp.Or(sp.Not(sp.Eq(a(j), a(i))), inside))
+        names.append(ids)
+    return facts, tuple(names)
+
+
 def native_pattern(mask) -> NativePattern | None:
     """The native pattern z3 proves the mask equal to, or None (see the module docstring)."""
+    pat = _native_pattern(mask, contiguous=False)
+    if pat is None and mask.derived_arrays:
+        # an ids[i] == ids[j] mask: native on the batches whose ids are contiguous
+        pat = _native_pattern(mask, contiguous=True)
+    return pat
+
+
+def _native_pattern(mask, contiguous: bool) -> NativePattern | None:
     syms = rule_symbols(mask.spec.params)
     try:
         vis = _visible_expr(mask)
     except (TypeError, ValueError):
         return None
     divisors = mask.divisor_params
-    prover = Prover(_run_axioms(mask, syms), syms, divisors)
-    for kind, left, right, app in _candidates(mask, syms):
+    axioms, names = _run_axioms(mask, syms), ()
+    if contiguous:
+        extra, names = _contiguity_axioms(mask, syms)
+        axioms += extra
+    prover = Prover(axioms, syms, divisors)
+    for kind, left, right, app in _candidates(mask, syms, exact_only=contiguous):
+        if contiguous and kind != "segments":
+            continue
         if (left is not None and left < 0) or (right is not None and right < 0):
             continue  # FA4 reads a negative window size as unbounded: never hand it one
         for bottom_right in (True, False):
@@ -177,16 +217,27 @@ def native_pattern(mask) -> NativePattern | None:
                 seg = type(app).__name__ if app is not None else None
                 proof = (f"z3: for all 0 <= i < seqlen_q, 0 <= j < seqlen_k and all metadata, "
                          f"visible(i, j) <=> {sp.sstr(pat)}")
+                if contiguous:
+                    proof += f", when {', '.join(names)} are contiguous in the batch"
                 if kind == "full":
                     return NativePattern("full", proof=proof)
-                return NativePattern(kind, left, right, bottom_right, seg, proof)
+                return NativePattern(kind, left, right, bottom_right, seg, proof, names)
     return None
 
 
-def segments(mask, desc):
+_FA4_MANY_SEGMENTS = 256  # flash_attn.cute.interface.BIN_BATCH_SEARCH_THRESH
+
+
+def segments(mask, desc, max_segments: int | None = None):
     """``(cu_seqlens int32 [n + 1], max_seqlen)`` over the batch's ``B * Sq`` flattened rows for
-    a segments pattern, or None when this batch's starts are not a segmentation (or the pattern
-    does not apply). Synchronizes once: FA4's varlen grid needs the count and the longest."""
+    a segments pattern, or None when the pattern does not apply.
+
+    ``max_segments=None``: the exact segments, or None when this batch's starts are not a
+    segmentation (the block-sparse engine then runs it); one host synchronization (FA4's varlen
+    grid needs the count). ``max_segments=n``: no host synchronization (CUDA-graph capturable):
+    ``cu_seqlens`` has ``n + 1`` entries, the segments then empty ones at ``B * Sq``, and
+    ``max_seqlen`` is ``Sq`` (a segment never crosses a sequence); a batch with more segments,
+    or whose starts are not a segmentation, fails a device-side assertion."""
     pat = mask.native_pattern
     if pat is None or pat.kind != "segments" or desc.seqlen_q != desc.seqlen_k:
         return None
@@ -197,6 +248,17 @@ def segments(mask, desc):
     # a segmentation: row 0 starts a segment, every later row starts one or continues its
     # predecessor's (then by induction every row's start is the first row of its run)
     ok = first[:, 0].all() & (first[:, 1:] | (start[:, 1:] == start[:, :-1])).all()
+    if pat.contiguous_ids:
+        if max_segments is not None:
+            # telling contiguous ids would need the host: without synchronizing, such a mask
+            # runs on the block-sparse engine
+            return None
+        for ids in pat.contiguous_ids:  # the proof needs each id's span to be its run
+            run0, span0 = mask.array_params.index(run_names(ids)[0]), \
+                mask.array_params.index(span_names(ids)[0])
+            ok = ok & (desc.row_params[:, :, run0] == desc.row_params[:, :, span0]).all()
+    if max_segments is not None:
+        return _fixed_segments(first.reshape(-1), ok, int(max_segments), B * S), S
     # one transfer: the segment starts, and index B * S when the check failed
     flags = torch.cat([first.reshape(-1), (~ok).reshape(1)])
     begins = torch.nonzero(flags).reshape(-1).cpu()
@@ -204,18 +266,28 @@ def segments(mask, desc):
         return None
     cu = torch.cat([begins, begins.new_full((1,), B * S)])
     longest = int((cu[1:] - cu[:-1]).max())
+    # FA4 picks its varlen kernels by the segment count (a batch-lookup aid above
+    # _FA4_MANY_SEGMENTS): empty segments up to past it keep one variant for every batch, so a
+    # batch with other counts compiles nothing
+    if len(cu) <= _FA4_MANY_SEGMENTS + 1:
+        cu = torch.cat([cu, cu.new_full((_FA4_MANY_SEGMENTS + 1 - len(cu) + 1,), B * S)])
     return cu.to(device=start.device, dtype=torch.int32), longest
 
 
-def finish_descriptor(desc):
-    """What every producer adds after the Interval Table and bitmaps: the segments of a
-    segments-pattern mask, and on CUDA the FA4 block-sparse lists of a non-native mask."""
-    mask = desc.mask
-    pat = mask.native_pattern
-    if pat is not None and pat.kind == "segments":
-        desc = dataclasses.replace(desc, segments=segments(mask, desc))
-    elif pat is None:
-        from compilemask.blocksparse import attach_lists
-
-        desc = attach_lists(desc)
-    return desc
+def _fixed_segments(first: torch.Tensor, ok: torch.Tensor, cap: int, total: int):
+    """``cu_seqlens`` of ``cap + 1`` entries from the flattened segment-start flags, on the
+    device: each start goes to its rank, the rest stays ``total`` (empty segments)."""
+    if cap < 1:
+        raise ValueError(f"max_segments must be a positive int, got {cap}")
+    cap = max(cap, _FA4_MANY_SEGMENTS + 1)  # one FA4 variant for every count (see above)
+    count = first.sum()
+    torch._assert_async(ok, "compilemask: the segment starts of this batch are not a "
+                            "segmentation; preprocess without max_segments")
+    torch._assert_async(count <= cap, "compilemask: this batch has more segments than "
+                                      "max_segments")
+    rank = torch.cumsum(first, 0, dtype=torch.int64) - 1
+    slot = torch.where(first & (rank < cap), rank, cap + 1)  # cap + 1: a discarded slot
+    cu = torch.full((cap + 2,), total, dtype=torch.int64, device=first.device)
+    pos = torch.arange(total, device=first.device, dtype=torch.int64)
+    cu.scatter_(0, slot, pos)
+    return cu[:cap + 1].to(torch.int32)

@@ -2,6 +2,11 @@
 
 ``Prover.proves(claim)`` is sound: it answers True only when z3 shows that no integer assignment
 satisfying the assumptions falsifies the claim. Unknown (timeout, nonlinear) counts as not proven.
+
+Canonicalization asks thousands of claims of one prover, most of them false and built from the
+same endpoints, so answers are cached by claim, translations by subexpression, and a claim that
+one of the last counterexamples z3 found falsifies is answered without a solver run (the answer
+z3 would give: a model of the assumptions and the negated claim means it is not provable).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import z3
 __all__ = ["Prover", "to_z3"]
 
 _TIMEOUT_MS = 500
+_MODELS = 8  # counterexamples kept per prover, tried before each solver run
+# a timed-out run, in ordinary runs (about 500 ms against a few ms), for the work count
+_TIMEOUT_WORK = 50
 
 
 class _Z3Env:
@@ -19,6 +27,7 @@ class _Z3Env:
         self.vars: dict[str, z3.ArithRef] = {}
         self.funcs: dict[str, z3.FuncDeclRef] = {}
         self.side: list = []  # facts about function applications (non-negative metadata)
+        self.memo: dict = {}  # sympy subexpression -> its translation (and side fact, once)
 
     def var(self, name):
         if name not in self.vars:
@@ -27,6 +36,13 @@ class _Z3Env:
 
 
 def to_z3(e, env: _Z3Env):
+    hit = env.memo.get(e)
+    if hit is None:
+        hit = env.memo[e] = _to_z3(e, env)
+    return hit
+
+
+def _to_z3(e, env: _Z3Env):
     if e is sp.true or e == sp.true:
         return z3.BoolVal(True)
     if e is sp.false or e == sp.false:
@@ -126,28 +142,61 @@ class Prover:
         except TypeError:
             self.ok = False  # unknown construct: prove nothing rather than something wrong
         self.facts = facts
-        self._cache: dict = {}
+        self._cache: dict = {}  # claim (sympy, compared structurally) -> answer
+        self._models: list = []  # the latest counterexamples, newest first
+        self._context = None  # (number of side facts, their conjunction with the facts)
+        self.work = 0  # solver runs so far, timeouts weighted (callers budget it)
 
     def proves(self, claim) -> bool:
         if claim is sp.true or claim == sp.true:
             return True
         if not self.ok:
             return False
-        key = sp.srepr(claim)
-        if key in self._cache:
-            return self._cache[key]
+        hit = self._cache.get(claim)
+        if hit is not None:
+            return hit
         try:
             c = to_z3(claim, self.env)
         except TypeError:
-            self._cache[key] = False
+            self._cache[claim] = False
+            return False
+        res = self._valid(c)
+        self._cache[claim] = res
+        return res
+
+    def refutes(self, claim) -> bool:
+        """Whether one of the recent counterexamples falsifies ``claim``, without a solver run;
+        then ``proves`` of any claim equivalent to it is False. A cheap first test for claims
+        built without sympy's evaluation (``evaluate=False``)."""
+        if not self.ok or claim is sp.true or claim == sp.true:
+            return False
+        try:
+            return self._refuted(to_z3(claim, self.env))
+        except TypeError:
+            return False
+
+    def _refuted(self, c) -> bool:
+        """A recent counterexample, completed to every name, satisfies the assumptions and
+        falsifies ``c``."""
+        if self._context is None or self._context[0] != len(self.env.side):
+            self._context = (len(self.env.side), z3.And(*self.facts, *self.env.side))
+        refute = z3.And(self._context[1], z3.Not(c))
+        return any(z3.is_true(m.eval(refute, model_completion=True)) for m in self._models)
+
+    def _valid(self, c) -> bool:
+        """No assignment satisfies the assumptions and falsifies ``c``: first tried against the
+        recent counterexamples, then z3."""
+        if self._refuted(c):
             return False
         s = z3.Solver()
         s.set("timeout", _TIMEOUT_MS)
         s.add(*self.facts, *self.env.side)
         s.add(z3.Not(c))
-        res = s.check() == z3.unsat
-        self._cache[key] = res
-        return res
+        res = s.check()
+        self.work += _TIMEOUT_WORK if res == z3.unknown else 1
+        if res == z3.sat:
+            self._models = [s.model(), *self._models[: _MODELS - 1]]
+        return res == z3.unsat
 
     def satisfiable(self, claim) -> bool:
         """False only if the claim provably never holds under the assumptions."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from compilemask.codegen.cute_predicate import predicate_source
+from compilemask.compiler import _quotients, extract_intervals
 from compilemask.descriptor import TILE_EMPTY, TILE_FULL, TILE_MASKED, TILE_PARTIAL, TILE_VISIBLE
 
 __all__ = ["explain", "descriptor_to_string", "row_intervals"]
@@ -85,13 +87,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             out.append(f"    (not available: {type(e).__name__}: {e})")
         if mask.has_fallback:
             out.append("")
-            try:
-                from compilemask.codegen.cute_predicate import predicate_source
-            except Exception as e:
-                predicate_source = None
-                out.append("  generated CuTe fallback predicate:")
-                out.append(f"    (not available: {type(e).__name__}: {e})")
-            for r in mask.fallback_regions if predicate_source else ():
+            for r in mask.fallback_regions:
                 out.append(f"  generated CuTe fallback predicate (region {r.index} {r.name!r}; "
                            f"the kernel ANDs it with the interval test in partial tiles):")
                 try:  # as kernels.fallback.Fallback.from_mask builds it
@@ -111,8 +107,6 @@ def _split_notes(region) -> list[str]:
     if len(region.terms) <= len(region.dnf):
         return []
     try:
-        from compilemask.compiler import _quotients, extract_intervals
-
         syms = {s.name: s for t in region.dnf for a in t for s in a.free_symbols}
         i, j = syms.get("i"), syms.get("j")
         if j is None:

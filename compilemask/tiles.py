@@ -5,6 +5,11 @@ intervals do not cover it. Coverage of a column range by a row's (possibly overl
 is decided by a reach iteration: start at the tile's first column and jump to the end of any
 interval that contains the current position; after K rounds the range is covered iff the reach
 passed its last column. The TileLang preprocess computes the same thing the same way.
+
+Coverage makes a tile *full*: the kernels run it with no interval test and no predicate, so only
+slots whose every key is visible may add it. Those are the exact slots; the over-approximating
+slots of a fallback region (``Interval.exact`` False: its predicate decides within them) add
+visibility only (``visibility_only_slots``).
 """
 
 from __future__ import annotations
@@ -12,23 +17,35 @@ from __future__ import annotations
 import torch
 
 from compilemask.descriptor import (
-    TILE_BITS,
     TILE_MASKED,
-    TILE_STATE_MASK,
     TILE_VISIBLE,
-    TILES_PER_WORD,
     TileConfig,
-    bitmap_words,
+    pack_bitmap,
+    unpack_bitmap,
 )
 
-__all__ = ["tile_states", "pack_bitmap", "unpack_bitmap", "bitmaps"]
+__all__ = ["tile_states", "pack_bitmap", "unpack_bitmap", "bitmaps", "visibility_only_slots"]
+
+
+def visibility_only_slots(mask, region: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, Sq, K]``: the slots of each row that add visibility but no coverage (the
+    over-approximating slots of the row's region), from the row's region (int ``[B, Sq]``, -1:
+    none); the ``always_masked`` argument of ``tile_states`` and ``bitmaps``."""
+    R, K = len(mask.regions), mask.num_intervals
+    table = torch.zeros(R + 1, K, dtype=torch.bool)  # row R: rows under no guard (empty slots)
+    for r in mask.regions:
+        for k, iv in enumerate(r.intervals):
+            table[r.index, k] = not iv.exact
+    idx = torch.where(region < 0, R, region).to(torch.int64)
+    return table.to(region.device)[idx]
 
 
 def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, seqlen_k: int):
     """uint8 ``[B, n_m, n_n]`` of ``TILE_VISIBLE | TILE_MASKED`` bits.
 
-    starts, lens: int64 ``[B, Sq, K]`` (clipped to [0, Sk)); always_masked: bool ``[B, Sq]``
-    (rows of fallback regions, whose tiles are never full)."""
+    starts, lens: int64 ``[B, Sq, K]`` (clipped to [0, Sk)); always_masked: bool ``[B, Sq, K]``,
+    the slots that add no coverage (``visibility_only_slots``), or bool ``[B, Sq]``, rows none of
+    whose slots add coverage."""
     B, Sq, K = starts.shape
     n_m, n_n = tiles.num_blocks(seqlen_q, seqlen_k)
     dev = starts.device
@@ -38,13 +55,17 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
     e = (starts + lens).unsqueeze(-1)
     nonempty = (lens > 0).unsqueeze(-1)
     overlap = (nonempty & (s < col1) & (e > col0)).any(dim=2)  # [B, Sq, n_n]
+    per_slot = always_masked.dim() == 3
     reach = col0.expand(B, Sq, n_n).clone()
     for _ in range(K):
         for k in range(K):
             sk, ek = s[:, :, k], e[:, :, k]
-            reach = torch.where((sk <= reach) & (reach < ek), ek.expand_as(reach), reach)
+            jump = (sk <= reach) & (reach < ek)
+            if per_slot:
+                jump &= ~always_masked[:, :, k : k + 1]
+            reach = torch.where(jump, ek.expand_as(reach), reach)
     covered = reach >= col1
-    masked = ~covered | always_masked.unsqueeze(-1)
+    masked = ~covered if per_slot else ~covered | always_masked.unsqueeze(-1)
     pad = n_m * tiles.tile_m - Sq
     row_ok = torch.ones(B, Sq, 1, dtype=torch.bool, device=dev)
     if pad:
@@ -55,25 +76,6 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
     vis = overlap.view(B, n_m, tiles.tile_m, n_n).any(dim=2)
     msk = masked.view(B, n_m, tiles.tile_m, n_n).any(dim=2) & vis  # '10' never occurs
     return vis.to(torch.uint8) * TILE_VISIBLE + msk.to(torch.uint8) * TILE_MASKED
-
-
-def pack_bitmap(states: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, R, T]`` states -> int32 ``bitmap_shape(B, R, T)`` words, 2 bits per tile."""
-    B, R, T = states.shape
-    W = bitmap_words(T)
-    padded = torch.nn.functional.pad(states.to(torch.int64), (0, W * TILES_PER_WORD - T))
-    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=states.device, dtype=torch.int64)
-    words = (padded.view(B, R, W, TILES_PER_WORD) << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
-
-
-def unpack_bitmap(words: torch.Tensor, num_tiles: int) -> torch.Tensor:
-    """Inverse of ``pack_bitmap``: uint8 ``[B, R, num_tiles]``."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=words.device, dtype=torch.int64)
-    st = (w.unsqueeze(-1) >> shifts) & TILE_STATE_MASK
-    return st.flatten(-2)[..., :num_tiles].to(torch.uint8)
 
 
 def bitmaps(starts, lens, always_masked, fwd: TileConfig, bwd: TileConfig, seqlen_q, seqlen_k):

@@ -1,8 +1,10 @@
-"""CuTe DSL attention kernels driven by the Execution Descriptor.
+"""The attention engines driven by the Execution Descriptor.
 
-``cm.attention`` calls :func:`kernel_available` / :func:`attention_cuda`, which runs the
-``compilemask::attention_fwd`` custom op; autograd runs ``compilemask::attention_bwd`` (the CuTe
-backward kernel), so ``torch.compile`` traces both without graph breaks.
+A call goes ``cm.attention`` -> ``compilemask.api.select_engine`` (which asks
+:func:`kernel_available` for the ``cute`` engine) -> ``autograd.attention_op`` -> the
+``compilemask::attention_fwd`` custom op (autograd: ``compilemask::attention_bwd``, so
+``torch.compile`` traces both without graph breaks) -> ``fa4`` for the ``native`` and ``fa4``
+engines, ``interface`` (this package's CuTe kernels) for ``cute``, or the dense reference.
 
 Modules: one kernel class each in ``flash_fwd`` (the forward, mma.sync and single-role wgmma),
 ``flash_fwd_sm90`` (the warp-specialized wgmma forward), ``flash_bwd`` (the mma.sync backward)
@@ -18,24 +20,27 @@ and ``fa4`` (the flash-attn-4 engines).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 if __name__ == "compilemask.kernels":
     from .autograd import attention_op
-
-    # the kernel modules need the CUTLASS DSL; without it the custom ops and their CPU
-    # reference still import
-    if importlib.util.find_spec("cutlass") is not None:
-        from .config import FlashBwdConfig, FlashFwdConfig
-        from .fallback import Fallback
-        from .flash_bwd import FlashBwd
-        from .flash_bwd_sm90 import FlashBwdSm90
-        from .flash_fwd import FlashFwd
-        from .flash_fwd_sm90 import FlashFwdSm90
-        from .interface import compile_flash_bwd, compile_flash_fwd, flash_bwd, flash_fwd
 # else: this folder imported as a top-level ``kernels`` (the repository root on sys.path, where
 # transformers probes for the Hugging Face package of that name): registering the custom ops a
 # second time, with an empty mask registry, would break ``compilemask.kernels``'s
+
+# The CuTe kernel modules need the CUTLASS DSL, whose import takes seconds: they load on first
+# use (the fa4 and native engines never need them)
+_LAZY = {"FlashFwdConfig": "config", "FlashBwdConfig": "config", "Fallback": "fallback",
+         "FlashBwd": "flash_bwd", "FlashBwdSm90": "flash_bwd_sm90", "FlashFwd": "flash_fwd",
+         "FlashFwdSm90": "flash_fwd_sm90", "compile_flash_bwd": "interface",
+         "compile_flash_fwd": "interface", "flash_bwd": "interface", "flash_fwd": "interface"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Fallback",
@@ -51,7 +56,6 @@ __all__ = [
     "flash_bwd",
     "attention_op",
     "kernel_available",
-    "attention_cuda",
 ]
 
 
@@ -70,8 +74,9 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
     major, _ = torch.cuda.get_device_capability(q.device)
     if major < 8:
         return False
+    # the CuTe kernels need the CUTLASS DSL (checked above)
     from .config import FlashFwdConfig
-    from .flash_fwd import FlashFwd
+    from .flash_fwd import FlashFwd  # (as the line above)
 
     tiles = desc.fwd_tiles
     arch = 90 if major == 9 else 80
@@ -84,11 +89,3 @@ def kernel_available(q, desc, k=None, v=None) -> bool:
         arch=arch,
     )
     return FlashFwd.can_implement(cfg)
-
-
-def attention_cuda(q, k, v, desc, *, softmax_scale=None, return_lse=False, deterministic=False,
-                   options=None):
-    """Attention on the GPU for an ExecutionDescriptor, differentiable (custom op pair);
-    ``options``: ``KernelOptions`` of the CuTe kernels."""
-    return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic, engine="cute", options=options)

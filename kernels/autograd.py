@@ -24,42 +24,25 @@ Implementations
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
+from compilemask.blocksparse import BlockSparseLists
 from compilemask.bounds import check_kernel_predicates
+from compilemask.cache import mask_for_key, register_mask
+from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
+from compilemask.log import say_once
+from compilemask.options import KernelOptions
+from compilemask.reference import attention_reference, descriptor_dense_mask
+
+from . import fa4
 
 __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attention_bwd_reference"]
 
-log = logging.getLogger("compilemask")
-_SAID: set = set()
-_MASKS: dict = {}  # CompiledMask.key -> CompiledMask
 _FALLBACKS: dict = {}  # CompiledMask.key -> kernels.fallback.Fallback | None
-
-
-def _say_once(msg: str):
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.warning(msg)
-
-
-def register_mask(mask) -> str:
-    """Keep ``mask`` reachable from its semantic key (equal keys compile to equal code)."""
-    key = str(mask.key)
-    _MASKS.setdefault(key, mask)
-    return key
-
-
-def _mask(key):
-    if key in _MASKS:
-        return _MASKS[key]
-    from compilemask.compiled import mask_for_key
-
-    return mask_for_key(key)
 
 
 class _Call(NamedTuple):
@@ -88,14 +71,12 @@ def _unpack(args) -> tuple[DescriptorArgs, _Call]:
 def _descriptor(d: DescriptorArgs, call: _Call):
     # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
     segments = (call.extra[0], call.max_seqlen) if len(call.extra) == 1 else None
-    return d.descriptor(_mask(call.mask_key), segments)
+    return d.descriptor(mask_for_key(call.mask_key), segments)
 
 
 def _lists(extra, backward: bool):
     """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
     else None."""
-    from compilemask.blocksparse import BlockSparseLists
-
     n = len(BlockSparseLists._fields)
     if len(extra) != 2 * n:
         return None
@@ -115,10 +96,10 @@ def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
 
 def _fallback(mask_key):
     if mask_key not in _FALLBACKS:
-        mask = _mask(mask_key)
+        mask = mask_for_key(mask_key)
         fb = None
         if mask.has_fallback:
-            from .fallback import Fallback
+            from .fallback import Fallback  # the CuTe kernels' module: needs the CUTLASS DSL
 
             fb = Fallback.from_mask(mask)
         _FALLBACKS[mask_key] = fb
@@ -129,8 +110,6 @@ def _fallback(mask_key):
 # Reference implementations (CPU path, and the CUDA fallback)
 # ----------------------------------------------------------------------------------------------
 def attention_fwd_reference(q, k, v, dense_mask, softmax_scale):
-    from compilemask.reference import attention_reference
-
     with torch.no_grad():
         out, lse = attention_reference(q, k, v, dense_mask, softmax_scale=softmax_scale,
                                        return_lse=True)
@@ -180,15 +159,13 @@ def _kernel_dtype_ok(q) -> bool:
 
 
 def _kernel_options(options: str):
-    from compilemask.options import KernelOptions
-
     return KernelOptions.from_str(options) if options else None
 
 
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
     if _kernel_dtype_ok(q):
         try:
-            from .interface import flash_fwd
+            from .interface import flash_fwd  # the CuTe kernels: need the CUTLASS DSL
 
             out, lse = flash_fwd(q, k, v, desc.intervals, desc.fwd_bitmap, desc.row_region,
                                  desc.params, desc.row_params, tile_m=desc.fwd_tiles.tile_m,
@@ -197,19 +174,19 @@ def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
                                  options=_kernel_options(options))
             return out.contiguous(), lse.contiguous()  # the strides the fake kernel promises
         except (NotImplementedError, ImportError) as e:
-            _say_once(f"compilemask::attention_fwd: CuTe forward unavailable ({e}); using the "
-                      f"dense reference")
+            say_once(f"compilemask::attention_fwd: CuTe forward unavailable ({e}); using the "
+                     f"dense reference")
     else:
-        _say_once(f"compilemask::attention_fwd: no CuTe forward for {q.dtype}, head dim "
-                  f"{q.shape[-1]}; using the dense reference")
-    return attention_fwd_reference(q, k, v, desc.dense_mask(), scale)
+        say_once(f"compilemask::attention_fwd: no CuTe forward for {q.dtype}, head dim "
+                 f"{q.shape[-1]}; using the dense reference")
+    return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale)
 
 
 def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministic=False,
               options=""):
     if _kernel_dtype_ok(q):
         try:
-            from .interface import flash_bwd
+            from .interface import flash_bwd  # the CuTe kernels: need the CUTLASS DSL
 
             grads = flash_bwd(dout, q, k, v, out, lse, desc.intervals, desc.bwd_bitmap,
                               desc.row_region, desc.params, desc.row_params,
@@ -219,12 +196,13 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
                               options=_kernel_options(options))
             return tuple(g.contiguous() for g in grads)
         except (NotImplementedError, ImportError) as e:
-            _say_once(f"compilemask::attention_bwd: CuTe backward unavailable ({e}); using the "
-                      f"dense reference")
+            say_once(f"compilemask::attention_bwd: CuTe backward unavailable ({e}); using the "
+                     f"dense reference")
     else:
-        _say_once(f"compilemask::attention_bwd: no CuTe backward for {q.dtype}, head dim "
-                  f"{q.shape[-1]}; using the dense reference")
-    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(), scale)
+        say_once(f"compilemask::attention_bwd: no CuTe backward for {q.dtype}, head dim "
+                 f"{q.shape[-1]}; using the dense reference")
+    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
+                                   scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,8 +225,6 @@ def _check_predicates(mask, length: int) -> None:
     if (mask.key, length) in _CHECKED:
         return
     check_kernel_predicates(mask, length)
-    from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
-
     for r in mask.fallback_regions:
         try:
             predicate_source(r.rule, mask.scalar_params, mask.array_params)
@@ -268,14 +244,12 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
         # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
         _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     if engine in ("fa4", "native"):
-        from . import fa4
-
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists)
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
-    return attention_fwd_reference(q, k, v, desc.dense_mask(), scale)
+    return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale)
 
 
 @attention_fwd.register_fake
@@ -293,15 +267,14 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     desc = _descriptor(d, call)
     scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "native"):
-        from . import fa4
-
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=call.deterministic, lists=_lists(call.extra, backward=True))
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
                          call.deterministic, call.options)
-    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, desc.dense_mask(), scale)
+    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
+                                   scale)
 
 
 @attention_bwd.register_fake
@@ -349,11 +322,8 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     ``KernelOptions`` (None: the defaults)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
-        if not torch.compiler.is_compiling():
-            _say_once(f"cm.attention: the descriptor is on {desc.device} and q on {q.device}: it "
-                      f"is copied (and its tile lists rebuilt) on every call; preprocess on "
-                      f"{q.device} (device= or metadata there)")
-        desc = desc.to(q.device)
+        raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
+                         "(cm.attention moves it once: compilemask.pipeline.on_device)")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
     call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,

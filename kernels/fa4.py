@@ -22,6 +22,9 @@ import functools
 
 import torch
 
+from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
+from compilemask.env import configure_compile_caches
+
 __all__ = ["why_unavailable", "fwd", "bwd", "BWD_TILE_M", "FWD_TILES"]
 
 FWD_TILES = (128, 128)  # FA4 sm90 forward tile for head dim 64 and 128 with 128-row sparse blocks
@@ -30,6 +33,7 @@ BWD_TILE_M = {64: 128, 128: 64}  # FA4 sm90 backward q tile per head dim (kv til
 
 @functools.lru_cache(maxsize=None)
 def _fa4_importable() -> str | None:
+    configure_compile_caches()  # before FA4's first import: its kernel cache is set up then
     try:
         import flash_attn.cute  # noqa: F401
     except Exception as e:  # ImportError, or a CUDA/cutlass mismatch at import time
@@ -107,7 +111,6 @@ def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, return_lse=True,
                                **_native_kwargs(pat))
-    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
 
     lists = desc.block_sparse("fwd") if lists is None else lists
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod(desc.mask),
@@ -147,7 +150,6 @@ def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=N
         return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,
                         window_size_left=wl, window_size_right=wr, deterministic=deterministic,
                         dlse=dlse)
-    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
 
     kind = "bwd64" if D == 128 else "bwd128"
     lists = desc.block_sparse(kind) if lists is None else lists

@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from compilemask.cache import CompileCache
-from compilemask.descriptor import bitmap_shape
+from compilemask.descriptor import bitmap_shape, unpack_bitmap
 from compilemask.env import cute_dsl_arch
 from compilemask.options import KernelOptions, bitmap_fits_smem, device_arch
 
@@ -303,7 +303,6 @@ def flash_bwd(
     ``bwd_bitmap``; None: ``default_options`` for this device, K and length)."""
     import torch
 
-    from compilemask.tiles import unpack_bitmap
 
     B, Sq, H, D = q.shape
     _, Sk, Hkv, _ = k.shape

@@ -13,7 +13,7 @@ import pytest
 from compilemask.cli import parse_meta, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HSTU = os.path.join(ROOT, "examples", "hstu.py")
+HSTU = os.path.join(ROOT, "compilemask", "masks", "hstu.py")  # its factory hstu() is NAME
 HSTU_META = "ctx_end=1024,hist_end=3000,seq_end=4000,group_size=256"
 
 try:
@@ -63,14 +63,14 @@ def _err(capsys, cmd, argv):
 
 # ---- success -----------------------------------------------------------------------------------
 def test_explain_example(capsys):
-    assert run("explain", [f"{HSTU}:SPEC", "--no-code"]) == 0
+    assert run("explain", [f"{HSTU}:hstu", "--no-code"]) == 0
     out = capsys.readouterr().out
     assert "region 2 'target'" in out and "K = 2" in out and "DNF" in out
     assert "def target_sees(i, j):" in out  # the rule as written
 
 
-def test_explain_default_name_and_row(capsys):
-    assert run("explain", [HSTU, "--row", "3100", "--seqlen", "4096", "--meta", HSTU_META,
+def test_explain_row_with_code(capsys):
+    assert run("explain", [f"{HSTU}:hstu", "--row", "3100", "--seqlen", "4096", "--meta", HSTU_META,
                            "--code"]) == 0
     out = capsys.readouterr().out
     assert "generated TileLang preprocess" in out
@@ -97,7 +97,7 @@ def test_show_in_process(capsys, tmp_path, specs):
 def test_show_subprocess(tmp_path):
     png = tmp_path / "mask.png"
     res = subprocess.run(
-        [sys.executable, "-m", "compilemask", "show", f"{HSTU}:SPEC", "--seqlen", "4096",
+        [sys.executable, "-m", "compilemask", "show", f"{HSTU}:hstu", "--seqlen", "4096",
          "--meta", HSTU_META, "--out", str(png)],
         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert res.returncode == 0, res.stderr
@@ -118,7 +118,7 @@ def test_show_subprocess(tmp_path):
 
 @needs_mpl
 def test_show_prints_blocks_for_long_sequences(capsys, tmp_path):
-    rc = run("show", [f"{HSTU}:SPEC", "--seqlen", "32768", "--meta",
+    rc = run("show", [f"{HSTU}:hstu", "--seqlen", "32768", "--meta",
                       "ctx_end=4000,hist_end=20000,seq_end=30000,group_size=1500",
                       "--out", str(tmp_path / "long.png"), "--max-chars", "64"])
     lines = capsys.readouterr().out.splitlines()
@@ -204,10 +204,10 @@ def test_unknown_meta(capsys, specs, tmp_path):
 
 
 def test_missing_meta(capsys, tmp_path):
-    line = _err(capsys, "show", [f"{HSTU}:SPEC", "--seqlen", "64", "--meta", "ctx_end=3",
+    line = _err(capsys, "show", [f"{HSTU}:hstu", "--seqlen", "64", "--meta", "ctx_end=3",
                                  "--out", str(tmp_path / "x.png")])
     assert "needs --meta for hist_end, seq_end, group_size" in line
-    line = _err(capsys, "explain", [f"{HSTU}:SPEC", "--row", "3", "--seqlen", "64"])
+    line = _err(capsys, "explain", [f"{HSTU}:hstu", "--row", "3", "--seqlen", "64"])
     assert "needs --meta for ctx_end" in line
 
 
@@ -330,7 +330,7 @@ def test_show_writes_what_matplotlib_writes(capsys, specs, tmp_path, ext, magic)
 @needs_mpl
 def test_show_unsupported_extension_is_one_line(tmp_path):
     res = subprocess.run(
-        [sys.executable, "-m", "compilemask", "show", f"{HSTU}:SPEC", "--seqlen", "256",
+        [sys.executable, "-m", "compilemask", "show", f"{HSTU}:hstu", "--seqlen", "256",
          "--meta", HSTU_META, "--out", str(tmp_path / "mask.foo")],
         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert res.returncode == 2 and res.stdout == "", res.stderr
@@ -342,12 +342,12 @@ def test_show_unsupported_extension_is_one_line(tmp_path):
 
 # ---- explain: the generated code on request ----------------------------------------------------
 def test_explain_code_is_opt_in(capsys):
-    assert run("explain", [f"{HSTU}:SPEC"]) == 0
+    assert run("explain", [f"{HSTU}:hstu"]) == 0
     short = capsys.readouterr().out
     assert "K = 2" in short and "generated" not in short
-    assert run("explain", [f"{HSTU}:SPEC", "--code"]) == 0
+    assert run("explain", [f"{HSTU}:hstu", "--code"]) == 0
     assert "generated TileLang preprocess" in capsys.readouterr().out
-    assert run("explain", [f"{HSTU}:SPEC", "--code", "--no-code"]) == 0  # the last one wins
+    assert run("explain", [f"{HSTU}:hstu", "--code", "--no-code"]) == 0  # the last one wins
     assert "generated" not in capsys.readouterr().out
 
 

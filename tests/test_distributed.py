@@ -68,6 +68,37 @@ def test_shard_descriptor_is_the_global_mask_at_the_rows(name):
             assert torch.equal(d.tile_states(), dense_tile_states(dense, 32, 16))
             assert torch.equal(d.tile_states(backward=True),
                                dense_tile_states(dense, 16, 32).transpose(1, 2))
+            assert d.lists is None  # FA4's lists are written on CUDA only, for its tilings
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["hstu", "packed_documents"])
+def test_gpu_shard_descriptor_writes_the_lists(name):
+    """On CUDA a rank's descriptor carries FA4's tile lists of its rows (one TileLang launch),
+    equal to the torch reference from its bitmaps, which equal the CPU shard's."""
+    from compilemask.blocksparse import descriptor_lists
+    from compilemask.pipeline import LIST_KINDS_FA4
+
+    mask = cm.compile_mask(_spec(name))
+    S, B, W = 1000, 2, 4
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(7))
+    plan = cp.make_plan(mask, meta, S, W, batch_size=B)
+    for r in range(W):
+        cpu = cp.shard_descriptor(mask, meta, plan, r, batch_size=B)
+        d = cp.shard_descriptor(mask, {k: v.cuda() for k, v in meta.items()}, plan, r,
+                                batch_size=B)
+        assert d.device.type == "cuda"
+        assert torch.equal(d.fwd_bitmap.cpu(), cpu.fwd_bitmap)
+        assert torch.equal(d.bwd_bitmap.cpu(), cpu.bwd_bitmap)
+        assert d.lists is not None and d.lists.kinds == LIST_KINDS_FA4
+        for kind in LIST_KINDS_FA4:
+            ref, got = descriptor_lists(d, kind), d.block_sparse(kind)
+            for cnt, a, oc, b in ((ref.mask_cnt, ref.mask_idx, got.mask_cnt, got.mask_idx),
+                                  (ref.full_cnt, ref.full_idx, got.full_cnt, got.full_idx)):
+                assert torch.equal(cnt, oc), (name, r, kind)
+                live = torch.arange(a.shape[-1], device=a.device) < cnt.unsqueeze(-1)
+                assert torch.equal(a[live], b[live]), (name, r, kind)
 
 
 def test_shard_descriptor_refuses_fallback_masks():

@@ -1,21 +1,22 @@
-"""Every example's main() runs: compile, explain, check against the brute-force mask, picture."""
+"""The examples run: each mask module's main() (compilemask/masks/<name>.py), the end-to-end
+scripts in examples/ at small sizes, and the README's ``show`` command."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
+import re
+import shlex
 
 import pytest
+import torch
 
 import compilemask as cm
 from compilemask import masks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ["causal", "sliding_window", "prefix_lm", "packed_documents", "hstu",
-         "shared_prompt_rm", "clear", "dilated_causal"]
-
-pytest.importorskip("matplotlib")
 
 
 def load(name):
@@ -26,65 +27,78 @@ def load(name):
     return mod
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_example_main_runs(name, tmp_path, capsys):
-    mod = load(name)
-    assert isinstance(mod.SPEC, cm.MaskSpec)
-    desc = mod.main(seqlen=150, batch=2, seed=1, out_dir=str(tmp_path), show_code=False)
+# ---- each mask module's main(): explain, preprocess random metadata, print the tiles ----------
+@pytest.mark.parametrize("name", sorted(masks.EXAMPLES))
+def test_mask_module_main(name, capsys):
+    module = importlib.import_module(f"compilemask.masks.{name}")
+    desc = module.main(seqlen=150, batch=2, seed=1)
     out = capsys.readouterr().out
-    assert (tmp_path / f"{name}.png").stat().st_size > 1000
-    assert "descriptor mask == reference mask of the Python rules" in out
-    assert desc.to_string(batch=0) in out  # the tile rendering is printed
-    assert f"K = {desc.num_intervals} interval slot(s)" in out  # the explanation is printed
+    assert f"K = {desc.num_intervals} interval slot(s)" in out  # the explanation
+    assert desc.to_string(batch=0) in out  # the tiles
+    # the descriptor main() printed is the mask of the Python rules on the same metadata
+    meta = masks.random_meta(desc.mask.spec, 2, 150, torch.Generator().manual_seed(1))
+    ref = desc.mask.reference_mask(meta, seqlen_q=150, seqlen_k=150, batch_size=2)
+    assert torch.equal(desc.dense_mask(), ref)
 
 
-def test_example_main_with_generated_code(tmp_path, capsys):
-    load("hstu").main(seqlen=64, batch=1, out_dir=str(tmp_path))
+def test_clear_main_explains_k(capsys):
+    from compilemask.masks import clear
+
+    module = importlib.import_module("compilemask.masks.clear")
+    module.main(seqlen=120, radius=1, width=8)
     out = capsys.readouterr().out
-    assert "generated TileLang preprocess" in out and "generated torch reference" in out
+    assert cm.compile_mask(clear(1, 8)).num_intervals == 4
+    assert "K = 4 = 2R + 2 with R = 1" in out and "2R + 1 = 3 values" in out
+    assert "quotient ranges enumerated" in out and "-> 3 intervals" in out
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_example_uses_its_mask_module(name):
-    """The example is the library mask: its SPEC is built by compilemask/masks/<name>.py."""
-    mod = load(name)
-    assert masks.recipes_for(mod.SPEC).module == f"compilemask.masks.{name}"
-    assert getattr(mod, name) is getattr(importlib.import_module(f"compilemask.masks.{name}"), name)
-
-
-def test_hstu_example_mirrors_the_library_mask():
-    """Written out inline as a user would; compiles to the same rules as masks.hstu()."""
-    mask = cm.compile_mask(load("hstu").SPEC)
-    assert mask.key == cm.compile_mask(masks.hstu()).key
-    assert mask.num_intervals == 2 and [r.num_intervals for r in mask.regions] == [1, 1, 2]
-
-
-def test_clear_explains_k(capsys, tmp_path):
-    mod = load("clear")
-    mod.main(seqlen=120, batch=1, out_dir=str(tmp_path), show_code=False)
-    out = capsys.readouterr().out
-    R = mod.RADIUS
-    assert cm.compile_mask(mod.SPEC).num_intervals == 2 * R + 2
-    assert f"K = {2 * R + 2} = 2R + 2 with R = {R}" in out
-    assert f"2R + 1 = {2 * R + 1} values" in out
-    assert "quotient ranges enumerated" in out and f"-> {2 * R + 1} intervals" in out
-
-
-def test_dilated_causal_is_the_fallback_one(capsys, tmp_path):
-    mod = load("dilated_causal")
-    desc = mod.main(seqlen=100, batch=1, out_dir=str(tmp_path), show_code=True)
+def test_dilated_causal_is_the_fallback_one(capsys):
+    module = importlib.import_module("compilemask.masks.dilated_causal")
+    desc = module.main(seqlen=100)
     out = capsys.readouterr().out
     assert desc.has_fallback and "FALLBACK" in out and "fallback regions: all" in out
     assert "without a bounded quotient range" in out  # the reason
-    # the generated CuTe predicate of the fallback region is shown
-    assert "generated CuTe fallback predicate (region 0 'all'" in out
-    assert "@cute.jit" in out and "def fallback_predicate(q_idx, kv_idx" in out
+    # with the code: the generated CuTe predicate of the fallback region
+    code = desc.mask.explain(show_code=True)
+    assert "generated CuTe fallback predicate (region 0 'all'" in code
+    assert "@cute.jit" in code and "def fallback_predicate(q_idx, kv_idx" in code
 
 
-def test_examples_show_from_the_command_line(tmp_path, capsys):
+# ---- examples/ ---------------------------------------------------------------------------------
+def test_train_loop(capsys):
+    res = load("train_loop").main(["--steps", "8", "--min-len", "24", "--max-len", "80",
+                                   "--lr", "1e-2"])
+    out = capsys.readouterr().out
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(steps) == len(res["losses"]) == 8
+    assert len(set(res["seqlens"])) > 1 and all(24 <= s <= 80 for s in res["seqlens"])
+    assert all(f"S {s:4d}" in ln for s, ln in zip(res["seqlens"], steps))  # per-step lengths
+    assert all(math.isfinite(x) for x in res["losses"])
+    assert sum(res["losses"][-3:]) < sum(res["losses"][:3])  # it learns the counting tokens
+    assert all(t > 0 for t in res["preprocess_ms"] + res["step_ms"])
+    assert "median step" in out and "NON-FINITE" not in out
+
+
+def test_transformers_model_matches_sdpa(capsys):
+    pytest.importorskip("transformers")
+    res = load("transformers_model").main(["--seqlen", "48"])
+    out = capsys.readouterr().out
+    assert res["max_logit_diff"] < 1e-4 and res["max_grad_diff"] < 1e-4
+    assert res["loss_diff"] < 1e-5 and math.isfinite(res["loss"])
+    assert "attn_implementation='compilemask'" in out and "max |logits - sdpa logits|" in out
+
+
+# ---- the README's show command -----------------------------------------------------------------
+def test_readme_show_command_runs(tmp_path, capsys):
     from compilemask.cli import run
 
-    assert run("show", [os.path.join(ROOT, "examples", "clear.py"), "--seqlen", "200",
-                        "--meta", "text_end=40,img_rows=12", "--tiles", "32x32",
-                        "--out", str(tmp_path / "c.png")]) == 0
-    assert "clear_r1_w8: seqlen_q=200" in capsys.readouterr().out
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    line = re.search(r"`python -m compilemask (show [^`]*\.py:\w+ [^`]*)`", readme).group(1)
+    cmd, *argv = shlex.split(line)
+    argv[0] = os.path.join(ROOT, argv[0])  # the file, relative to the repository root
+    argv[argv.index("--out") + 1] = str(tmp_path / "mask.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("needs matplotlib (the [viz] extra)")
+    assert run(cmd, argv) == 0
+    assert (tmp_path / "mask.png").stat().st_size > 1000
+    assert capsys.readouterr().out.startswith("hstu: seqlen_q=4096")

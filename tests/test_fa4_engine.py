@@ -238,17 +238,44 @@ def test_gpu_fa4_rectangular_and_mha(name):
 
 @pytest.mark.gpu
 def test_gpu_lists_tilelang_equal_torch():
+    """The lists a CUDA preprocess writes (one TileLang launch, ``desc.lists``) equal the torch
+    reference of every kind; ``block_sparse`` views them."""
     from compilemask.blocksparse import descriptor_lists
+    from compilemask.pipeline import LIST_KINDS_FA4
 
     for name in ("hstu", "clear", "dilated_causal"):
         _, desc, *_ = _gpu_case(name, 3, 3000, 1, 1, 64, seed=5)
-        for backward, ft in ((False, False), (True, False), (True, True)):
-            a = descriptor_lists(desc, backward, forward_tiling=ft, backend="torch")
-            b = descriptor_lists(desc, backward, forward_tiling=ft, backend="tilelang")
+        assert desc.lists is not None and desc.lists.kinds == LIST_KINDS_FA4
+        for kind in LIST_KINDS_FA4:
+            a = descriptor_lists(desc, kind)  # torch
+            b = desc.block_sparse(kind)  # TileLang, views of desc.lists
+            assert b.mask_idx.untyped_storage().data_ptr() == \
+                desc.lists.buffer.untyped_storage().data_ptr()
             for cnt_a, idx_a, cnt_b, idx_b in ((a[0], a[1], b[0], b[1]), (a[2], a[3], b[2], b[3])):
                 assert torch.equal(cnt_a, cnt_b)
                 live = torch.arange(idx_a.shape[-1], device=idx_a.device) < cnt_a[..., None]
                 assert torch.equal(idx_a[live], idx_b[live])
+
+
+@pytest.mark.gpu
+def test_gpu_cpu_descriptor_on_device_gets_lists():
+    """A descriptor made on the CPU (no lists there) gets, on the GPU attention runs on, one copy
+    with the device's lists, made once and kept; attention on either gives the same output."""
+    from compilemask import pipeline
+
+    mask = cm.compile_mask(masks.hstu())
+    meta = masks.random_meta(mask.spec, 2, 1000, torch.Generator().manual_seed(4))
+    desc = mask.preprocess(meta, seqlen_q=1000)  # CPU metadata: the torch reference on the CPU
+    assert desc.device.type == "cpu" and desc.lists is None
+    moved = pipeline.on_device(desc, "cuda")
+    assert moved.device.type == "cuda" and moved.lists is not None
+    assert pipeline.on_device(desc, "cuda") is moved  # kept with the descriptor
+    assert pipeline.on_device(moved, "cuda") is moved
+    assert torch.equal(moved.dense_mask().cpu(), desc.dense_mask())
+    q, k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    torch.testing.assert_close(cm.attention(q, k, v, desc), cm.attention(q, k, v, moved),
+                               atol=0, rtol=0)
 
 
 @pytest.mark.gpu
@@ -261,6 +288,7 @@ def test_gpu_native_and_fa4_under_torch_compile_and_graphs():
     pre = mask.preprocessor(1024, batch_size=2)
     gen = torch.Generator().manual_seed(9)
     meta = {k_: t.cuda().contiguous() for k_, t in masks.random_meta(spec, 2, 1024, gen).items()}
+    assert pre(meta).lists is not None  # written by the bound call, captured with it below
     for _ in range(2):
         out = cm.attention(q, k, v, pre(meta))
     g = torch.cuda.CUDAGraph()
@@ -290,7 +318,8 @@ def test_flex_document_mask_runs_natively():
     flat = ids.reshape(-1)
     starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), flat[1:] != flat[:-1]])
                            | (torch.arange(200) % 100 == 0)).reshape(-1)
-    assert cu[:-1].tolist() == starts.tolist() and int(cu[-1]) == 200
+    n = len(starts)  # then empty segments: FA4's many-segments kernels for every batch
+    assert cu[:n].tolist() == starts.tolist() and bool((cu[n:] == 200).all())
     from torch.nn.attention.flex_attention import create_mask
 
     assert torch.equal(desc.dense_mask(), create_mask(document_causal, 2, 1, 100, 100,

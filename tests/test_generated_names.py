@@ -62,7 +62,9 @@ def test_param_named_like_generated_code(n, array):
     assert not torch.equal(ref, mask.reference_mask(zero, seqlen_q=S))
 
 
-@pytest.mark.parametrize("n", ["region", "guard", "ok", "lo", "b", "row", "T", "intervals"])
+@pytest.mark.parametrize("n", [n if n == "T" else pytest.param(n, marks=pytest.mark.slow)
+                               for n in ["region", "guard", "ok", "lo", "b", "row", "T",
+                                         "intervals"]])  # two programs each
 def test_param_named_like_generated_code_tilelang(n):
     pytest.importorskip("tilelang")
     for array in (False, True):
@@ -117,7 +119,8 @@ CONNECTIVE_RULES = [
 ]
 
 
-@pytest.mark.parametrize("when,rule", CONNECTIVE_RULES)
+@pytest.mark.parametrize("when,rule", [c if n < 2 else pytest.param(*c, marks=pytest.mark.slow)
+                                       for n, c in enumerate(CONNECTIVE_RULES)])  # a program each
 def test_boolean_connectives_in_guards_and_predicates(when, rule):
     mask = _rule_mask(when, rule, ("a", "b"), lambda i, j: j == i)
     g = torch.Generator().manual_seed(0)

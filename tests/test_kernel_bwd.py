@@ -92,7 +92,8 @@ def test_dq_fragment_order(hdim):
     assert rc[32 * hdim: 32 * hdim + 2] == [(0, hdim // 2), (0, hdim // 2 + 1)]
 
 
-@pytest.mark.parametrize("dtype,hdim,K", [("bf16", 128, 2), ("fp16", 64, 1), ("bf16", 64, 4)])
+@sweep("dtype,hdim,K", [("bf16", 128, 2), ("fp16", 64, 1), ("bf16", 64, 4)],
+       default=[("bf16", 128, 2)])
 def test_sm90_kernel_structure(dtype, hdim, K, tmp_path):
     """The sm90 backward kernel, from its PTX:
 
@@ -136,7 +137,7 @@ def test_compile_sm90_bf16(hdim, K, arch):
     assert compile_flash_bwd(cfg, gpu_arch=SM90) is not None
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [pytest.param(80, marks=pytest.mark.slow), 90])
 def test_compile_sm90_fp16_k4(arch):
     cfg = FlashBwdConfig(dtype="fp16", head_dim=128, tile_m=64, tile_n=128, num_intervals=4,
                          arch=arch)
@@ -157,7 +158,8 @@ def test_compile_sm90_fallback_logs_once(caplog):
     assert len(msgs) == 1
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+# arch 80 with a fallback: test_compile_sm90_fallback_logs_once
+@pytest.mark.parametrize("arch", [pytest.param(80, marks=pytest.mark.slow), 90])
 def test_compile_sm90_fallback_row_params(arch):
     import sympy as sp
 

@@ -50,7 +50,7 @@ def test_flex_mask_mod_equals_compiled_mask(name):
         assert torch.equal(ours, flex[:, 0]), (name, S, meta)
 
 
-@pytest.mark.parametrize("name", ["hstu", "clear"])
+@pytest.mark.parametrize("name", ["hstu", pytest.param("clear", marks=pytest.mark.slow)])
 def test_module_main_runs(name):
     out = subprocess.run([sys.executable, "-m", f"compilemask.masks.{name}"], check=True,
                          capture_output=True, text=True)

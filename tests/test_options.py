@@ -134,14 +134,27 @@ def test_compile_cache_builds_once_per_key():
     assert cache.get("b", build("b")) is not None
 
 
-def test_one_cache_dir_for_generated_sources():
+def test_one_cache_dir_for_generated_sources(monkeypatch):
     import os
 
-    from compilemask.codegen import cute_predicate, preprocess
-    from compilemask.env import cache_dir
+    from compilemask.codegen import cute_predicate
+    from compilemask.env import cache_dir, cache_root, configure_compile_caches
 
-    assert preprocess._source_dir() == cache_dir("tilelang")
     assert os.path.dirname(cache_dir("tilelang")) == os.path.dirname(cache_dir("predicates"))
+    # the compilers' own caches (TileLang builds, FA4 kernels) live there too, unless the user
+    # chose a folder for them
+    variables = ("TILELANG_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+    for var in variables:
+        monkeypatch.delenv(var, raising=False)
+    configure_compile_caches.cache_clear()
+    configure_compile_caches()
+    for var in variables:
+        assert os.environ[var].startswith(cache_root()), var
+    monkeypatch.setenv("TILELANG_CACHE_DIR", "/elsewhere")
+    configure_compile_caches.cache_clear()
+    configure_compile_caches()
+    assert os.environ["TILELANG_CACHE_DIR"] == "/elsewhere"
+    configure_compile_caches.cache_clear()
     pytest.importorskip("cutlass")
     src = "import cutlass.cute as cute\n\n\n@cute.jit\ndef f(x):\n    return x\n"
     cute_predicate.compile_predicate(src, "f")

@@ -1,6 +1,7 @@
-"""Segment ids: ``ids[i] == ids[j]`` compiles to the run of equal ids around i (no predicate),
-exact against the brute-force oracle, with contiguity checked and the predicate form kept for
-scattered ids."""
+"""Segment ids: ``ids[i] == ids[j]`` compiles to the run of equal ids around i (an exact slot)
+and the span from the id's first to its last token (a slot under the equality as predicate),
+exact against the brute-force oracle for any ids, with exact tile states for contiguous ones
+(``tests/test_segment_ids.py`` has the scattered cases)."""
 
 import pytest
 import torch
@@ -31,10 +32,10 @@ def _ids(gen, B, S, max_docs=5):
 
 
 RULES = {
-    "same_doc": (lambda i, j: doc_id[i] == doc_id[j], 1),  # noqa: F821
+    "same_doc": (lambda i, j: doc_id[i] == doc_id[j], 2),  # noqa: F821
     "causal_doc": (lambda i, j: j <= i and doc_id[j] == doc_id[i]),  # noqa: F821
     "doc_window": (lambda i, j: (doc_id[i] == doc_id[j]) & (i - 4 <= j) & (j <= i)),  # noqa: F821
-    "other_docs": (lambda i, j: doc_id[i] != doc_id[j], 2),  # noqa: F821
+    "other_docs": (lambda i, j: doc_id[i] != doc_id[j], 4),  # noqa: F821
     "doc_or_prefix": (lambda i, j: doc_id[i] == doc_id[j] or j < 3),  # noqa: F821
 }
 
@@ -44,7 +45,8 @@ def test_run_intervals_equal_brute_force(name):
     rule = RULES[name]
     rule, k = rule if isinstance(rule, tuple) else (rule, None)
     mask = _mask(rule)
-    assert not mask.has_fallback, mask.explain(show_code=False)
+    # the equality is kept as the predicate of the over-approximating slots only
+    assert any(iv.exact for r in mask.regions for iv in r.intervals), mask.explain()
     if k is not None:
         assert mask.num_intervals == k
     gen = torch.Generator().manual_seed(len(name))
@@ -59,19 +61,20 @@ def test_run_intervals_equal_brute_force(name):
             assert torch.equal(desc.tile_states(), dense_tile_states(ref, 8, 8))
 
 
-def test_causal_doc_is_one_slot_from_the_run_start():
+def test_causal_doc_is_the_run_slot_and_the_span_slot():
     mask = _mask(RULES["causal_doc"])
-    assert [str(iv) for iv in mask.regions[0].intervals] == ["[doc_id_run_start[i], i + 1)"]
-    assert mask.array_params == ("doc_id", "doc_id_run_start", "doc_id_run_end")
-    assert "the run of equal doc_id around each row" in mask.explain(show_code=False)
+    ivs = mask.regions[0].intervals
+    assert str(ivs[0]) == "[doc_id_run_start[i], i + 1)" and ivs[0].exact
+    assert not ivs[1].exact and "doc_id_span_start" in str(ivs[1])
+    assert mask.array_params == ("doc_id", "doc_id_run_start", "doc_id_run_end",
+                                 "doc_id_span_start", "doc_id_span_end")
 
 
-def test_scattered_ids_are_an_error_and_the_predicate_form_stays_exact():
+def test_scattered_ids_are_exact_and_so_is_the_predicate_form():
     mask = _mask(RULES["causal_doc"])
     scattered = {"doc_id": torch.tensor([[0, 0, 1, 1, 0, 2, 2, 2]])}
-    with pytest.raises(ValueError, match=r"param 'doc_id': id 0 occurs in more than one run of "
-                       r"sequence 0.*predicate form, doc_id\[i\] <= doc_id\[j\] <= doc_id\[i\]"):
-        mask.preprocess(scattered, seqlen_q=8)
+    desc = mask.preprocess(scattered, seqlen_q=8)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(scattered, seqlen_q=8))
     pred = _mask(lambda i, j: j <= i and doc_id[i] <= doc_id[j] <= doc_id[i])  # noqa: F821
     assert pred.has_fallback
     desc = pred.preprocess(scattered, seqlen_q=8)
@@ -92,7 +95,7 @@ def test_param_clashing_with_a_run_bound_is_an_error():
                       visible=lambda i, j: doc_id[i] == doc_id[j])]))  # noqa: F821
 
 
-def test_from_mask_mod_document_mask_compiles_to_intervals():
+def test_from_mask_mod_document_mask_runs_natively_on_contiguous_ids():
     doc_ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 2, [7] * 30 + [3] * 2])
 
     def document(b, h, q_idx, kv_idx):
@@ -102,8 +105,9 @@ def test_from_mask_mod_document_mask_compiles_to_intervals():
 
     spec, meta = cm.from_mask_mod(document)
     mask = cm.compile_mask(spec)
-    assert not mask.has_fallback and mask.num_intervals == 1
+    assert mask.num_intervals == 2 and mask.native_pattern.kind == "segments"
     desc = mask.preprocess(meta, seqlen_q=32)
+    assert desc.segments is not None  # contiguous ids: FA4's varlen path
     assert torch.equal(desc.dense_mask(), create_mask(document, 2, 1, 32, 32, "cpu")[:, 0])
 
 
@@ -117,9 +121,10 @@ def test_tilelang_preprocess_reads_the_derived_arrays():
     for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "row_params"):
         assert torch.equal(getattr(ref, f), getattr(out, f)), f
     pre = mask.preprocessor(300, 290, batch_size=2, device="cpu", check_values=False)
+    _, inputs = pre._shapes_for(300, 290)  # what the direct launch takes at the bound lengths
     for dtype in (torch.int64, torch.int32):
         m = {"doc_id": meta["doc_id"].to(dtype).contiguous()}
-        assert pre._matches(m) is dtype
+        assert pre._matches(m, inputs) is dtype  # the direct launch, not the general path
         fast = pre(m)
         for f in ("intervals", "fwd_bitmap", "bwd_bitmap"):
             assert torch.equal(getattr(ref, f), getattr(fast, f)), (f, dtype)

@@ -151,9 +151,9 @@ def test_dict_of_descriptors_by_layer_type(name):
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(2))
     ref_run = _loss_and_grads(ref, ids)
     _assert_same(ref_run, _loss_and_grads(mod, ids, compilemask_desc=descs))
-    # the sliding layer really takes its own descriptor: causal everywhere differs
-    wrong = _loss_and_grads(mod, ids, compilemask_desc=descs["full_attention"])
-    assert not torch.allclose(wrong[0], ref_run[0], **TOL)
+    # causal everywhere would run the sliding layer unwindowed: refused, not a different model
+    with pytest.raises(ValueError, match="layer 1 .*sliding window of 9"):
+        mod(ids, compilemask_desc=descs["full_attention"])
     with pytest.raises(ValueError, match="sliding_attention"):
         mod(ids, compilemask_desc={"full_attention": descs["full_attention"]})
 

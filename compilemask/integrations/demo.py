@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import time
 
+import compilemask as cm
+from compilemask.integrations.transformers import register
+from compilemask.masks import hstu
+
 __all__ = ["train"]
 
 
@@ -13,10 +17,6 @@ def train(steps: int = 5, seed: int = 0) -> int:
     Returns 0 when every loss is finite and the last is below the first."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
-
-    import compilemask as cm
-    from compilemask.integrations.transformers import register
-    from compilemask.masks import hstu
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)

@@ -7,10 +7,21 @@
 The model's forward passes unknown keyword arguments down to its attention function (the
 ``**kwargs`` of transformers' attention interface), so the descriptor travels with the call: one
 ``ExecutionDescriptor`` for every layer, or a dict keyed by layer type (``"full_attention"``,
-``"sliding_attention"``, ...) for models whose layers attend differently. The mask comes only from
-the descriptor: transformers builds no mask for an implementation it has no mask function for,
-so a 2-D padding ``attention_mask`` is dropped before it gets here (put padding in the mask's
-metadata, e.g. HSTU's ``seq_end``), and a 4-D one is refused.
+``"sliding_attention"``, ...) for models whose layers attend differently.
+
+The mask is the descriptor's, with two things the model has a say in:
+
+* padding: ``register`` also registers a mask function, so a tokenizer's 2-D ``attention_mask``
+  reaches every layer as a ``[B, Sk]`` key validity. The reference path (CPU) hides the padded
+  keys from every row; the GPU engines read the mask from the descriptor alone, so there padding
+  is refused (put it in the mask's metadata, e.g. HSTU's ``seq_end``). An all-ones mask is
+  dropped before any layer (one look on the host, as transformers' own masks take; under
+  tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
+* sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
+  the call, or of a ``"sliding_attention"`` layer's config) only takes a descriptor whose mask
+  is proven to stay within that window (``within_window``: its native pattern, else z3 over its
+  rules), unless the sequence is no longer than the window; anything else is refused, naming
+  the layer.
 
 Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.distributed``
 plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
@@ -29,22 +40,29 @@ from collections.abc import Mapping
 
 import torch
 
-from compilemask.api import attention
+from compilemask.api import _validate, attention, select_engine
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.distributed import CPPlan, cp_attention, shard
+from compilemask.dsl.frontend import rule_symbols
+from compilemask.native import _run_axioms, _visible_expr
+from compilemask.prover import Prover
+from compilemask.reference import attention_reference
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
-           "shard_inputs", "DESC_KWARG", "CP_KWARG"]
+           "key_padding_mask", "layer_window", "within_window", "shard_inputs", "DESC_KWARG",
+           "CP_KWARG"]
 
 DESC_KWARG = "compilemask_desc"
 CP_KWARG = "compilemask_cp"
 
 
 def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
-    """Register CompileMask with ``transformers.AttentionInterface`` under ``name``; returns
-    ``name``, for ``attn_implementation=``. ``deterministic``: as in ``cm.attention``."""
+    """Register CompileMask with ``transformers.AttentionInterface`` under ``name``, and
+    ``key_padding_mask`` with ``AttentionMaskInterface`` (so a 2-D padding mask reaches the
+    layers instead of being dropped); returns ``name``, for ``attn_implementation=``.
+    ``deterministic``: as in ``cm.attention``."""
     try:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as e:
         raise ImportError("compilemask.integrations.transformers needs transformers: "
                           "pip install -e \".[hf]\"") from e
@@ -52,7 +70,52 @@ def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     fn = attention_forward_deterministic if deterministic else attention_forward
     AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, key_padding_mask)
     return name
+
+
+def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                     mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask-function signature (``AttentionMaskInterface``): the padding of the
+    call's 2-D ``attention_mask`` as bool ``[B, kv_length]`` (True: a real key), or None when
+    there is none. The pattern (``mask_function``: causal, sliding, packed) is not read: the
+    descriptor is the mask.
+
+    An all-ones mask gives None, so the layers run as without it; telling that costs one look
+    on the host per model call (as transformers' SDPA and FlashAttention masks take), and under
+    tracing (torch.compile, CUDA-graph capture), where the host cannot look, the mask is
+    returned as it is."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask  # 4-D masks never get here: transformers passes them on as given
+    keep = attention_mask.to(torch.bool)
+    # keys past the mask's end are padding, as transformers' own masks read them
+    short = kv_offset + kv_length - keep.shape[-1]
+    if short > 0:
+        keep = torch.nn.functional.pad(keep, (0, short))
+    keep = keep[:, kv_offset:kv_offset + kv_length]
+    from transformers.utils.import_utils import is_tracing
+
+    if not is_tracing(keep) and bool(keep.all()):
+        return None
+    return keep
+
+
+def layer_window(module, kwargs: Mapping | None = None) -> int | None:
+    """The sliding window a layer attends within (row ``i`` sees keys ``> i - window``), from
+    wherever the model says it: the attention call's ``sliding_window`` (Mistral passes its
+    config's there), the module's ``sliding_window``, or the config's for a layer of type
+    ``"sliding_attention"``. None: no window."""
+    window = (kwargs or {}).get("sliding_window")
+    if window is None:
+        window = getattr(module, "sliding_window", None)
+    if window is None and layer_type(module) == "sliding_attention":
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"compilemask attention: cannot read the sliding window {window!r} of "
+                        f"layer {getattr(module, 'layer_idx', '?')}: expected an int or None")
+    return window if window > 0 else None  # FlashAttention's convention: -1 is no window
 
 
 def layer_type(module) -> str:
@@ -130,16 +193,107 @@ def _cp_arg(cp):
                     f"(or the plan alone for the default group), got {type(cp).__name__}")
 
 
+def _key_validity(attention_mask) -> torch.Tensor | None:
+    """bool ``[B, Sk]`` from the 2-D padding mask ``key_padding_mask`` passes on (or a model
+    passes as FlashAttention takes it), None without one; any other mask is refused."""
+    if attention_mask is None:
+        return None
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            and not attention_mask.is_floating_point()):
+        return attention_mask.to(torch.bool)
+    what = (f"{attention_mask.dtype} attention_mask of shape {list(attention_mask.shape)}"
+            if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+    raise ValueError(f"compilemask attention takes its mask from {DESC_KWARG}, and besides it "
+                     f"only a 2-D 0/1 padding attention_mask [B, S]; got a {what} (leave it "
+                     "out, or put it in the mask's rules)")
+
+
+_WITHIN: dict = {}  # (mask key, window, square) -> proven
+
+
+# dynamo runs it while tracing and keeps the answer (z3 cannot be traced): a fixed property of
+# the compiled mask, the window and the shape's kind
+@torch.compiler.assume_constant_result
+def within_window(mask, window: int, square: bool) -> bool:
+    """Whether ``mask`` shows row ``i`` only keys ``j > i - window`` (``i`` aligned to the last
+    keys, ``i + seqlen_k - seqlen_q``, when not ``square``, as transformers aligns a cache), for
+    every row, key and metadata value: from its native pattern, else a z3 proof over its rules.
+    Unknown counts as not proven."""
+    got = _WITHIN.get((mask.key, window, square))
+    if got is None:
+        got = _within_window(mask, window, square)
+        _WITHIN[(mask.key, window, square)] = got
+    return got
+
+
+def _within_window(mask, window, square) -> bool:
+    pat = mask.native_pattern
+    if (pat is not None and pat.kind in ("window", "segments") and pat.window_left is not None
+            and pat.window_left < window):
+        if square or (pat.kind == "window" and pat.bottom_right):
+            return True
+    import sympy as sp
+
+    syms = rule_symbols(mask.spec.params)
+    row = syms["i"] if square else syms["i"] + syms["seqlen_k"] - syms["seqlen_q"]
+    try:
+        vis = _visible_expr(mask)
+        prover = Prover(_run_axioms(mask, syms), syms, mask.divisor_params)
+        return prover.proves(sp.Or(sp.Not(vis), sp.Gt(syms["j"], row - window)))
+    except (TypeError, ValueError):  # a rule z3 cannot take: not proven
+        return False
+
+
+def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int) -> None:
+    """Refuse a descriptor that lets a row of a sliding-window layer see past the window: the
+    model would silently run as another model. Accepted only where it is proven."""
+    if window is None or max(seqlen_q, seqlen_k) <= window:
+        return  # no key is ``window`` or more away from any row
+    if within_window(desc.mask, window, seqlen_q == seqlen_k):
+        return
+    kind = layer_type(module)
+    pat = desc.mask.native_pattern
+    how = pat.describe() if pat is not None else "not a native pattern"
+    raise ValueError(
+        f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} ({kind!r}) attends "
+        f"within a sliding window of {window} keys (row i sees keys > i - {window}), and its "
+        f"descriptor's mask {desc.mask.name!r} ({how}) is not proven to stay within it. Give "
+        f"this layer a descriptor whose mask includes the window, e.g. {DESC_KWARG}="
+        f"{{'{kind}': compile_mask(sliding_window({window})).preprocess(meta, seqlen_q=S), "
+        f"...}} (one descriptor per layer type; sliding_window from compilemask.masks; a "
+        f"custom mask takes the window as a rule, e.g. `and j > i - {window}`)")
+
+
+def _padded_reference(query, key, value, desc, keep, scaling, deterministic):
+    """Attention with the padded keys hidden from every row: the descriptor's dense mask and
+    the padding combined, on the reference path only (the GPU engines read the descriptor
+    alone, and a dense mask per layer there is what they exist to avoid)."""
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    _validate(q, k, v, desc)
+    if keep.shape != (q.shape[0], k.shape[1]):
+        raise ValueError(f"attention_mask: the padding mask is {list(keep.shape)}, the keys "
+                         f"[B, Sk] = {[q.shape[0], k.shape[1]]}")
+    engine = select_engine(q, desc, "auto", deterministic)
+    if engine != "reference":
+        raise NotImplementedError(
+            f"compilemask attention: the attention_mask has padding, and the {engine!r} engine "
+            f"reads the mask from {DESC_KWARG} alone. Put the padding in the mask's rules and "
+            "metadata (e.g. HSTU's seq_end, or a per-sequence first real key `start` with "
+            "`start <= j`) and leave attention_mask out. (Without padding an all-ones "
+            "attention_mask is dropped before the layers, except under torch.compile or "
+            "CUDA-graph capture, where it cannot be looked at: leave it out there.)")
+    dense = desc.dense_mask()
+    dense = dense & keep.to(dense.device)[:, None, :]
+    return attention_reference(q, k, v, dense, softmax_scale=scaling)
+
+
 def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, deterministic):
     cp = kwargs.get(CP_KWARG)
     if cp is not None and kwargs.get(DESC_KWARG) is None:
         raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
                          f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
     desc = _descriptor(module, kwargs.get(DESC_KWARG))
-    if attention_mask is not None:
-        raise ValueError("compilemask attention takes its mask from compilemask_desc; got an "
-                         f"attention_mask of shape {list(attention_mask.shape)} as well (leave it "
-                         "out, or put it in the mask's rules)")
+    keep = _key_validity(attention_mask)
     if dropout and getattr(module, "training", True):
         raise NotImplementedError(f"compilemask attention has no attention dropout (the model "
                                   f"asks for {dropout}): set the config's attention_dropout to 0")
@@ -147,8 +301,15 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
     for name in ("softcap", "s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"compilemask attention does not support {name!r}")
+    window = layer_window(module, kwargs)
     if cp is not None:
         plan, group = _cp_arg(cp)
+        if keep is not None:
+            raise NotImplementedError(
+                f"{CP_KWARG}: the attention_mask has padding, and context parallelism reads the "
+                f"mask from {DESC_KWARG} alone: put the padding in the mask's rules and metadata "
+                "and leave attention_mask out")
+        _check_window(module, desc, window, plan.seqlen, plan.seqlen)
         n = query.shape[2]
         if n != plan.local_len:
             raise ValueError(f"{CP_KWARG}: the model got {n} tokens, the plan gives each rank "
@@ -160,6 +321,9 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                            desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
         return out, None
+    _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
+    if keep is not None:
+        return _padded_reference(query, key, value, desc, keep, scaling, deterministic), None
     # [B, H, S, D] -> [B, S, H, D] as views: the layout cm.attention and FlashAttention take
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), desc,
                     softmax_scale=scaling, deterministic=deterministic)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from compilemask.compiled import compile_mask
 from compilemask.dsl import MaskSpec
 
 __all__ = ["Recipes", "register", "recipes_for", "show"]
@@ -48,8 +49,6 @@ def show(spec: MaskSpec, seqlen: int = 256, batch: int = 1, seed: int = 0,
     """A mask module's ``main()``: compile and explain ``spec``, preprocess random metadata,
     print the tiles; ``before(mask)`` prints more after the explanation."""
     import torch
-
-    from compilemask.compiled import compile_mask
 
     mask = compile_mask(spec)
     print(mask.explain(show_code=False))

@@ -1,0 +1,302 @@
+"""The per-batch pipeline: metadata -> generated programs -> Execution Descriptor and tile lists.
+
+One place owns every step a batch takes before attention:
+
+1. metadata: validated and converted (``CompiledMask.normalize_meta``); the run bounds of
+   compared ids derived on the metadata's device (``compilemask.segments``);
+2. the Interval Table and both Tile-State Bitmaps: the generated TileLang program (CUDA, or its
+   C target on CPU) or the generated torch reference;
+3. what the engines read besides: a native segments mask's ``cu_seqlens``
+   (``compilemask.native.segments``), and for every other mask on CUDA flash-attn-4's tile lists
+   of every kind, written by one generated program into one buffer (``desc.lists``).
+
+Every generated program takes the batch size, the lengths and the tile counts at run time, so a
+program compiles once per (mask, tilings, target, :class:`PipelineConfig`) and never again for a
+new sequence length; TileLang keeps the builds on disk for the next process.
+
+:func:`on_device` gives a descriptor made elsewhere (a mask without params preprocesses on the
+CPU by default) its copy on the device attention runs on, made once and kept with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from compilemask.codegen.blocksparse import DEFAULT_LISTS_CONFIG, ListsConfig, packed_lists
+from compilemask.codegen.preprocess import (
+    DEFAULT_PREPROCESS_CONFIG,
+    PreprocessConfig,
+    launch_outputs,
+    launcher,
+    tilelang_preprocess,
+)
+from compilemask.descriptor import (
+    DEFAULT_BWD_TILES,
+    DEFAULT_FWD_TILES,
+    ExecutionDescriptor,
+    TileConfig,
+    descriptor_shapes,
+    make_descriptor,
+)
+from compilemask.env import configure_compile_caches
+from compilemask.native import segments
+from compilemask.segments import derive_run_arrays
+from compilemask.tiles import bitmaps, visibility_only_slots
+
+__all__ = ["PipelineConfig", "DEFAULT_CONFIG", "LIST_KINDS_FA4", "preprocess", "torch_tables",
+           "assemble", "finish", "with_lists", "on_device", "Preprocessor", "has_tilelang"]
+
+# the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
+# head-dim-64 backward (on the forward's 128x128 tiles)
+LIST_KINDS_FA4 = ("fwd", "bwd64", "bwd128")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The tilings and the generated programs' launch shapes: one object that tests and
+    benchmarks pass, and part of every compiled program's key."""
+
+    fwd_tiles: TileConfig = DEFAULT_FWD_TILES
+    bwd_tiles: TileConfig = DEFAULT_BWD_TILES
+    preprocess: PreprocessConfig = field(default=DEFAULT_PREPROCESS_CONFIG)
+    lists: ListsConfig = field(default=DEFAULT_LISTS_CONFIG)
+
+    @property
+    def fa4_tiles(self) -> bool:
+        """Whether FA4's lists exist for these tilings (forward 128x128, backward 64x128)."""
+        return (self.fwd_tiles, self.bwd_tiles) == (DEFAULT_FWD_TILES, DEFAULT_BWD_TILES)
+
+
+DEFAULT_CONFIG = PipelineConfig()
+
+
+@functools.cache
+def has_tilelang() -> bool:
+    configure_compile_caches()  # before TileLang's first import: it reads its cache folder then
+    try:
+        import tilelang  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, device=None,
+               backend: str = "auto", check: bool = False, config: PipelineConfig = DEFAULT_CONFIG,
+               max_segments: int | None = None) -> ExecutionDescriptor:
+    """Metadata of one batch -> Execution Descriptor with what its engines read (see the module
+    docstring). ``backend``: "torch", "tilelang" or "auto" (TileLang on CUDA when available, the
+    torch reference on CPU)."""
+    if backend not in ("auto", "torch", "tilelang"):
+        raise ValueError(f"preprocess: backend must be auto, torch or tilelang, got {backend!r}")
+    B, scal, arrs, dev = mask.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
+                                             check_values=None if not check else True)
+    if mask.derived_arrays:
+        arrs = {**arrs, **derive_run_arrays(mask.derived_arrays, arrs,
+                                            check or dev.type == "cpu")}
+    fwd, bwd = config.fwd_tiles, config.bwd_tiles
+    if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and has_tilelang()):
+        out = tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd, bwd, device=dev,
+                                  config=config.preprocess)
+        desc = make_descriptor(mask, seqlen_q, seqlen_k, fwd, bwd, **out)
+    else:
+        starts, lens, region = torch_tables(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
+        always = visibility_only_slots(mask, region)
+        fwd_bm, bwd_bm = bitmaps(starts, lens, always, fwd, bwd, seqlen_q, seqlen_k)
+        desc = assemble(mask, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd,
+                        fwd_bm, bwd, bwd_bm)
+    return finish(desc, config, max_segments)
+
+
+def torch_tables(mask, B, scal, arrs, seqlen_q, seqlen_k, dev):
+    """The generated torch reference's Interval Table: (starts, lens, region) int64."""
+    i = torch.arange(seqlen_q, device=dev, dtype=torch.int64).unsqueeze(0)
+    args = [i, seqlen_q, seqlen_k] + [scal[p] for p in mask.scalar_params] + [
+        arrs[a] for a in mask.array_params]
+    return mask.torch_function("interval_table")(*args, batch_size=B)
+
+
+def assemble(mask, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd_tiles, fwd,
+             bwd_tiles, bwd) -> ExecutionDescriptor:
+    """A descriptor from torch-computed tables and bitmaps (the reference producers)."""
+    dev = starts.device
+    intervals = torch.stack([starts, lens], dim=-1).to(torch.int32).contiguous()
+    params = (torch.cat([scal[p].view(B, 1) for p in mask.scalar_params], dim=1)
+              if mask.scalar_params else torch.zeros(B, 0, dtype=torch.int64, device=dev))
+    row_params = (torch.stack([arrs[a] for a in mask.array_params], dim=-1)
+                  if mask.array_params
+                  else torch.zeros(B, seqlen_q, 0, dtype=torch.int64, device=dev))
+    return make_descriptor(
+        mask, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, intervals=intervals,
+        row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
+        params=params.to(torch.int32).contiguous(),
+        row_params=row_params.to(torch.int32).contiguous())
+
+
+def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
+           max_segments: int | None = None) -> ExecutionDescriptor:
+    """What every producer adds after the tables and bitmaps: a segments-pattern mask's
+    ``cu_seqlens``, and on CUDA, with FA4's tilings, the tile lists of a non-native mask (one
+    launch; a compiled model then runs no kernel for them)."""
+    pat = desc.mask.native_pattern
+    if pat is not None and pat.kind == "segments":
+        desc = _replace(desc, segments=segments(desc.mask, desc, max_segments))
+    native = (pat is not None and pat.applies(desc.seqlen_q, desc.seqlen_k)
+              and (pat.kind != "segments" or desc.segments is not None))
+    # where the native path cannot run this batch, the block-sparse engine reads the lists
+    return desc if native else with_lists(desc, config)
+
+
+def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG
+               ) -> ExecutionDescriptor:
+    """On CUDA, with FA4's tilings, ``desc`` with FA4's tile lists of every kind (one launch);
+    elsewhere ``desc`` as it is (lists are then computed when asked for)."""
+    if desc.device.type != "cuda" or not _config_of(desc, config).fa4_tiles:
+        return desc
+    lists = packed_lists(desc.fwd_bitmap, desc.bwd_bitmap, desc.fwd_tiles, desc.bwd_tiles,
+                         desc.seqlen_q, desc.seqlen_k, LIST_KINDS_FA4, config.lists)
+    return _replace(desc, lists=lists)
+
+
+def _config_of(desc, config: PipelineConfig) -> PipelineConfig:
+    if (desc.fwd_tiles, desc.bwd_tiles) == (config.fwd_tiles, config.bwd_tiles):
+        return config
+    return PipelineConfig(desc.fwd_tiles, desc.bwd_tiles, config.preprocess, config.lists)
+
+
+def _replace(desc, **kw) -> ExecutionDescriptor:
+    fields = {f: getattr(desc, f) for f in desc.__dataclass_fields__}
+    fields.update(kw)
+    return ExecutionDescriptor(**fields)
+
+
+# ---- descriptors on the device that runs attention -------------------------------------------
+
+_ON_DEVICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def on_device(desc: ExecutionDescriptor, device) -> ExecutionDescriptor:
+    """``desc`` on ``device``: itself when it is there, else its copy there, made once per
+    (descriptor, device) with the device's own lists (as a preprocess there would write them)
+    and kept while ``desc`` lives, so a layer loop copies nothing per call."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one copy per physical device
+        device = torch.device("cuda", torch.cuda.current_device())
+    if desc.device == device:
+        return desc
+    per_desc = _ON_DEVICE.setdefault(desc, {})
+    moved = per_desc.get(device)
+    if moved is None:
+        moved = desc.to(device)
+        if desc.lists is None:  # as a preprocess there would write them
+            moved = with_lists(moved)
+        per_desc[device] = moved
+    return moved
+
+
+# ---- the bound fast path ---------------------------------------------------------------------
+
+
+class Preprocessor:
+    """Per-batch preprocess bound to a mask, batch size and device (``CompiledMask.preprocessor``).
+
+    ``preprocess`` validates and converts its arguments on every call, which costs more host time
+    than the kernels take on the device. A training loop calls it with the same kinds of
+    metadata every step, so what does not depend on the metadata values is done once per length
+    pair and kept: argument checks, the program lookup, the output shapes, TileLang's argument
+    marshalling (the raw TVM-FFI function is called). A call then checks only what can change at
+    no cost (the params present, each tensor's dtype, device, shape and layout) and launches.
+    ``pre(meta)`` runs at the bound lengths, ``pre(meta, seqlen_q=S)`` at another: the programs
+    take the lengths at run time, so a new length costs a shape computation, never a compile.
+    int32 and int64 metadata are read as they are (one program per dtype). Metadata that does
+    not match (ints for scalar params, mixed dtypes, another device or shape) takes the general
+    path, which converts it or raises the usual error.
+
+    Metadata values are not checked on the fast path (checking would synchronize a GPU stream):
+    it is used only where ``preprocess`` would not check them either, i.e. on CUDA, unless
+    ``check_values=False`` asks for it on CPU too."""
+
+    def __init__(self, mask, seqlen_q: int, seqlen_k: int, batch_size: int, device,
+                 config: PipelineConfig = DEFAULT_CONFIG, check_values: bool | None = None,
+                 max_segments: int | None = None):
+        self.mask, self.batch_size, self.config = mask, batch_size, config
+        self.max_segments = max_segments
+        self.fwd_tiles, self.bwd_tiles = config.fwd_tiles, config.bwd_tiles
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.fast = (dev.type == "cuda") if check_values is None else not check_values
+        self._launches = {}  # metadata dtype -> launch function
+        self._shapes = {}  # (seqlen_q, seqlen_k) -> output shapes
+        self._keys = set(mask.spec.params)
+        self._derived = mask.derived_arrays  # run bounds of compared ids, derived in torch
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self._shapes_for(seqlen_q, seqlen_k)
+        if not mask.spec.params:
+            self._launch_for(torch.int64)
+
+    def _shapes_for(self, seqlen_q: int, seqlen_k: int):
+        got = self._shapes.get((seqlen_q, seqlen_k))
+        if got is None:
+            mask, B = self.mask, self.batch_size
+            # the general path validates the shape arguments (and raises its errors) once
+            probe = {p: torch.zeros((B, seqlen_q) if p in mask.array_params else (B,),
+                                    dtype=torch.int64) for p in mask.spec.params}
+            mask.normalize_meta(probe, seqlen_q, seqlen_k, B, self.device, check_values=False)
+            K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
+            shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, self.fwd_tiles,
+                                       self.bwd_tiles)
+            inputs = [(p, (B,)) for p in mask.scalar_params] + [
+                (a, (B, seqlen_q)) for a in mask.array_params if a in self._keys]
+            got = self._shapes[(seqlen_q, seqlen_k)] = (shapes, inputs)
+        return got
+
+    def _launch_for(self, dtype):
+        launch = self._launches.get(dtype)
+        if launch is None:
+            launch = self._launches[dtype] = launcher(
+                self.mask, self.fwd_tiles, self.bwd_tiles, self.device.type,
+                "int64" if dtype is torch.int64 else "int32", self.config.preprocess)
+        return launch
+
+    def _matches(self, meta, inputs):
+        """The metadata dtype when the fast path applies, else None."""
+        if type(meta) is not dict or meta.keys() != self._keys:
+            return None
+        dtype = torch.int64
+        for n, (p, shape) in enumerate(inputs):
+            v = meta[p]
+            if n == 0 and type(v) is torch.Tensor:
+                dtype = v.dtype
+            if not (type(v) is torch.Tensor and v.dtype is dtype and v.device == self.device
+                    and v.shape == shape and v.is_contiguous()):
+                return None
+        return dtype if dtype is torch.int64 or dtype is torch.int32 else None
+
+    def __call__(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None):
+        meta = {} if meta is None else meta
+        if seqlen_q is None:
+            sq, sk = self.seqlen_q, self.seqlen_k if seqlen_k is None else seqlen_k
+        else:
+            sq, sk = seqlen_q, seqlen_q if seqlen_k is None else seqlen_k
+        shapes, inputs = self._shapes_for(sq, sk)
+        dtype = self._matches(meta, inputs) if self.fast else None
+        if dtype is None:
+            return preprocess(self.mask, meta, sq, sk, batch_size=self.batch_size,
+                              device=self.device, backend="tilelang", config=self.config,
+                              max_segments=self.max_segments)
+        i32, dev = torch.int32, self.device
+        out = {f: torch.empty(s, dtype=i32, device=dev) for f, s in shapes.items()}
+        args = [meta[p] for p, _ in inputs]
+        if self._derived:  # the derived arrays follow the declared ones
+            runs = derive_run_arrays(self._derived, meta, check=False)
+            args += [runs[a] for a in self.mask.array_params if a not in self._keys]
+        args += launch_outputs(out, len(self.mask.scalar_params), len(self.mask.array_params))
+        args.append(sk)
+        self._launch_for(dtype)(*args)
+        desc = make_descriptor(self.mask, sq, sk, self.fwd_tiles, self.bwd_tiles, **out)
+        return finish(desc, self.config, self.max_segments)
