@@ -29,11 +29,12 @@ if __name__ == "compilemask.kernels":
 # second time, with an empty mask registry, would break ``compilemask.kernels``'s
 
 # The CuTe kernel modules need the CUTLASS DSL, whose import takes seconds: they load on first
-# use (the fa4 and native engines never need them)
+# use (the fa4 and native engines never need them); the launch functions are
+# ``kernels.interface.flash_fwd / flash_bwd`` (here those names are the kernel modules)
 _LAZY = {"FlashFwdConfig": "config", "FlashBwdConfig": "config", "Fallback": "fallback",
          "FlashBwd": "flash_bwd", "FlashBwdSm90": "flash_bwd_sm90", "FlashFwd": "flash_fwd",
          "FlashFwdSm90": "flash_fwd_sm90", "compile_flash_bwd": "interface",
-         "compile_flash_fwd": "interface", "flash_bwd": "interface", "flash_fwd": "interface"}
+         "compile_flash_fwd": "interface"}
 
 
 def __getattr__(name):
@@ -48,12 +49,10 @@ __all__ = [
     "FlashFwdSm90",
     "FlashFwdConfig",
     "compile_flash_fwd",
-    "flash_fwd",
     "FlashBwd",
     "FlashBwdConfig",
     "FlashBwdSm90",
     "compile_flash_bwd",
-    "flash_bwd",
     "attention_op",
     "kernel_available",
 ]

@@ -19,8 +19,9 @@ cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
 from compilemask.descriptor import TileConfig  # noqa: E402
-from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd, flash_fwd  # noqa: E402
+from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd  # noqa: E402
 from compilemask.kernels.config import default_tiles  # noqa: E402
+from compilemask.kernels.interface import flash_fwd  # noqa: E402
 from compilemask.tiles import pack_bitmap, tile_states  # noqa: E402
 
 from helpers import sweep  # noqa: E402

@@ -61,6 +61,7 @@ def test_descriptor_moves_once_per_device():
     assert a is b and a.device == meta and a.seqlen_q == 200
 
 
+@pytest.mark.slow  # inductor compiles (torch.compile, dynamic shapes)
 def test_compiled_model_changing_lengths_compiles_once(monkeypatch):
     """torch.compile with dynamic shapes: new lengths reuse the first graph. Dynamo specializes
     sizes 0 and 1 (every length here has 2+ bitmap words) and, by default, sizes that happen to
@@ -145,8 +146,8 @@ def test_gpu_no_host_sync(name):
         for general in (False, True):  # the bound fast path, then preprocess's general path
             torch.cuda.set_sync_debug_mode("error")
             try:
-                desc = (mask.preprocess(meta, S, batch_size=B, max_segments=B * S) if general
-                        else pre(meta))
+                desc = (mask.preprocess(meta, S, batch_size=B, max_segments=B * S,
+                                        device="cuda") if general else pre(meta))
                 out = cm.attention(q, k, v, desc, backend=engine)
                 out.sum().backward()
             finally:

@@ -23,6 +23,7 @@ def smoke(tmp_path_factory):
     return out, rows
 
 
+@pytest.mark.slow  # the bench's smoke run: 4 masks x 2 backends of a tiny Qwen3
 def test_smoke_losses_agree_and_table_has_rows(smoke):
     out, rows = smoke
     assert [(r["mask"], r["backend"]) for r in rows] == [
