@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.kernels import kernel_available
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.fa4 import why_unavailable
 from compilemask.log import said, say_once
@@ -64,10 +65,6 @@ BACKENDS = ("auto", "fa4", "native", "cute", "reference")
 
 
 def _cute_reason(q, desc):
-    try:  # the CuTe kernels' module needs the CUTLASS DSL, an optional dependency
-        from compilemask.kernels import kernel_available
-    except ImportError as e:
-        return f"the CuTe kernels are not importable ({e})"
     return None if kernel_available(q, desc) else "no CuTe kernel for this device/dtype/head dim"
 
 

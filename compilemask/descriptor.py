@@ -26,7 +26,8 @@ Shapes and dtypes (``B`` batch, ``Sq``/``Sk`` query/key lengths, ``K`` interval 
     ``2 * (t % 16) + 1`` (``TILE_MASKED``: some element masked). So ``00`` empty (skip, do not
     load K/V), ``01`` full (no masking code), ``11`` partial (interval test), ``10`` never
     occurs. Rows past ``Sq`` and columns past ``Sk`` of edge tiles are ignored (neither visible
-    nor masked). Tiles of fallback rows are never full.
+    nor masked). Only exact slots cover a tile: a fallback region's over-approximating slots
+    add visibility, never a full tile.
 ``params``  int32 ``[B, P]``: per-sequence scalar metadata, in ``CompiledMask.scalar_params`` order.
 ``segments``  ``(cu_seqlens int32 [n + 1], max_seqlen)`` or None
     Only for masks proven causal within segments (``compilemask.native``): the segments of all

@@ -7,6 +7,7 @@ import torch
 from compilemask.codegen.cute_predicate import predicate_source
 from compilemask.compiler import _quotients, extract_intervals
 from compilemask.descriptor import TILE_EMPTY, TILE_FULL, TILE_MASKED, TILE_PARTIAL, TILE_VISIBLE
+from compilemask.segments import derived_kind
 
 __all__ = ["explain", "descriptor_to_string", "row_intervals"]
 
@@ -23,8 +24,9 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
     for start, end, ids in mask.derived_arrays:
-        out.append(f"  {start}, {end}: the run of equal {ids} around each row, derived from "
-                   f"the metadata (each id's tokens must be contiguous)")
+        what = "span of the id" if derived_kind(start, ids) == "span" else "run of equal ids"
+        out.append(f"  {start}, {end}: the {what} of {ids} around each row, derived from the "
+                   f"metadata")
     for r in mask.regions:
         out.append("")
         out.append(f"  region {r.index} {r.name!r}")
