@@ -19,11 +19,13 @@ that private call is confined to :func:`_fa4_bwd` and tested on the GPU.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
 from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
 from compilemask.env import configure_compile_caches
+from compilemask.log import say_once
 
 __all__ = ["why_unavailable", "fwd", "bwd", "BWD_TILE_M", "FWD_TILES"]
 
@@ -94,8 +96,38 @@ def _native_kwargs(pat):
     return {"window_size": _window(pat)}
 
 
+def _timed(what: str, desc, engine: str, q):
+    """Time a call into FA4 on the host: its launches return at once, so a call that takes
+    seconds compiled a kernel (FA4 keeps it on disk for the next process); say so once."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            result = fn(*args, **kwargs)
+            took = time.perf_counter() - t0
+            if took > 1.0 and not torch.compiler.is_compiling():
+                say_once(f"compilemask: flash-attn-4 compiled its {what} kernel for mask "
+                         f"{desc.mask.name!r} ({engine} engine, head dim {q.shape[-1]}, "
+                         f"{q.dtype}) in {took:.1f} s: its first use on this machine")
+            return result
+        return run
+    return wrap
+
+
 def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
     """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4."""
+    return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists)
+
+
+def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
+        deterministic: bool = False, lists=None):
+    """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
+    return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
+                                                     softmax_scale, engine, dlse, deterministic,
+                                                     lists)
+
+
+def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     if engine == "native":
@@ -124,9 +156,8 @@ def _fa4_bwd(*args, **kwargs):
     return _flash_attn_bwd(*args, **kwargs)
 
 
-def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-        deterministic: bool = False, lists=None):
-    """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
+def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
+         deterministic: bool = False, lists=None):
     D = q.shape[-1]
     if engine == "native":
         pat = desc.native
