@@ -119,7 +119,7 @@ CONNECTIVE_RULES = [
 ]
 
 
-@pytest.mark.parametrize("when,rule", [c if n < 2 else pytest.param(*c, marks=pytest.mark.slow)
+@pytest.mark.parametrize("when,rule", [c if n == 1 else pytest.param(*c, marks=pytest.mark.slow)
                                        for n, c in enumerate(CONNECTIVE_RULES)])  # a program each
 def test_boolean_connectives_in_guards_and_predicates(when, rule):
     mask = _rule_mask(when, rule, ("a", "b"), lambda i, j: j == i)
@@ -144,6 +144,7 @@ def test_boolean_connectives_in_guards_and_predicates(when, rule):
         assert torch.equal(getattr(a, f), getattr(b, f)), (when, rule, f)
 
 
+@pytest.mark.slow  # a program of its own; fallback regions compile in the default run too
 def test_three_fallback_regions_tilelang():
     """The preprocess skips coverage on every fallback region's rows (one condition each)."""
     pytest.importorskip("tilelang")

@@ -111,6 +111,7 @@ def test_from_mask_mod_document_mask_runs_natively_on_contiguous_ids():
     assert torch.equal(desc.dense_mask(), create_mask(document, 2, 1, 32, 32, "cpu")[:, 0])
 
 
+@pytest.mark.slow  # two programs; derived arrays compile by default in test_segment_ids
 def test_tilelang_preprocess_reads_the_derived_arrays():
     pytest.importorskip("tilelang")
     mask = _mask(RULES["doc_window"])
