@@ -62,7 +62,7 @@ def test_descriptor_moves_once_per_device():
 
 
 @pytest.mark.slow  # inductor compiles (torch.compile, dynamic shapes)
-def test_compiled_model_changing_lengths_compiles_once(monkeypatch):
+def test_compiled_model_changing_lengths_compiles_once():
     """torch.compile with dynamic shapes: new lengths reuse the first graph. Dynamo specializes
     sizes 0 and 1 (every length here has 2+ bitmap words) and, by default, sizes that happen to
     be equal (duck sizing: the batch and a bitmap's word count, say), which is turned off here
@@ -70,7 +70,6 @@ def test_compiled_model_changing_lengths_compiles_once(monkeypatch):
     from torch._dynamo.utils import counters
     from torch.fx.experimental import _config as fx_config
 
-    monkeypatch.setattr(fx_config, "use_duck_shape", False)
     mask = cm.compile_mask(EXAMPLES["hstu"]())
 
     def layer(q, k, v, desc):
@@ -80,15 +79,17 @@ def test_compiled_model_changing_lengths_compiles_once(monkeypatch):
     counters.clear()
     f = torch.compile(layer, dynamic=True)
     gen = torch.Generator().manual_seed(1)
-    for n, S in enumerate((2200, 2500, 3100, 2333, 4000)):
-        meta = random_meta(mask.spec, 3, S, gen)
-        d = mask.preprocess(meta, S, batch_size=3)
-        q = torch.randn(3, S, 1, 32, generator=gen)
-        out = f(q, q, q, d)
-        assert torch.allclose(out, layer(q, q, q, d), atol=1e-5)
-        if n == 0:
-            first = counters["stats"]["unique_graphs"]
+    with fx_config.patch(use_duck_shape=False):
+        for n, S in enumerate((2200, 2500, 3100, 2333, 4000)):
+            meta = random_meta(mask.spec, 3, S, gen)
+            d = mask.preprocess(meta, S, batch_size=3)
+            q = torch.randn(3, S, 1, 32, generator=gen)
+            out = f(q, q, q, d)
+            assert torch.allclose(out, layer(q, q, q, d), atol=1e-5)
+            if n == 0:
+                first = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == first
+    torch._dynamo.reset()  # the graphs were made under a config the next test does not have
 
 
 def test_warmup_builds_the_preprocess_program_on_cpu():
