@@ -20,6 +20,7 @@ CPU by default) its copy on the device attention runs on, made once and kept wit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
     launch; a compiled model then runs no kernel for them)."""
     pat = desc.mask.native_pattern
     if pat is not None and pat.kind == "segments":
-        desc = _replace(desc, segments=segments(desc.mask, desc, max_segments))
+        desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
     native = (pat is not None and pat.applies(desc.seqlen_q, desc.seqlen_k)
               and (pat.kind != "segments" or desc.segments is not None))
     # where the native path cannot run this batch, the block-sparse engine reads the lists
@@ -158,19 +159,13 @@ def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFI
         return desc
     lists = packed_lists(desc.fwd_bitmap, desc.bwd_bitmap, desc.fwd_tiles, desc.bwd_tiles,
                          desc.seqlen_q, desc.seqlen_k, LIST_KINDS_FA4, config.lists)
-    return _replace(desc, lists=lists)
+    return dataclasses.replace(desc, lists=lists)
 
 
 def _config_of(desc, config: PipelineConfig) -> PipelineConfig:
     if (desc.fwd_tiles, desc.bwd_tiles) == (config.fwd_tiles, config.bwd_tiles):
         return config
     return PipelineConfig(desc.fwd_tiles, desc.bwd_tiles, config.preprocess, config.lists)
-
-
-def _replace(desc, **kw) -> ExecutionDescriptor:
-    fields = {f: getattr(desc, f) for f in desc.__dataclass_fields__}
-    fields.update(kw)
-    return ExecutionDescriptor(**fields)
 
 
 # ---- descriptors on the device that runs attention -------------------------------------------
