@@ -68,12 +68,25 @@ def metadata(spec, B, S, seed):
     return {k: v.to(device="cuda", dtype=torch.int32) for k, v in meta.items()}
 
 
-def step(mask, meta, S, B, qkv):
+def step(mask, meta, S, B, qkv, phases=None):
+    """One step; with ``phases`` (a list), synchronizes after each part and appends its time."""
+    def part(t0):
+        if phases is None:
+            return t0
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        phases.append(now - t0)
+        return now
+
+    t0 = part(time.perf_counter())
     q, k, v = (t[:B * S].view(B, S, H, D) for t in qkv)
     q.requires_grad_(True)
     desc = mask.preprocess(meta, S, batch_size=B, device="cuda")
+    t0 = part(t0)
     out = cm.attention(q, k, v, desc)
+    t0 = part(t0)
     out.backward(torch.ones_like(out))
+    part(t0)
     return out
 
 
@@ -116,7 +129,7 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def loop(name, steps, seed):
+def loop(name, steps, seed, phases=False):
     rng = random.Random(seed)
     spec = SPECS[name]()
     t0 = time.perf_counter()
@@ -129,11 +142,16 @@ def loop(name, steps, seed):
         B = max(1, TOKENS // S)
         meta = metadata(spec, B, S, seed + n)
         before = _keys()
-        cold = timed(lambda: step(mask, meta, S, B, qkv))
+        cold_parts, warm_parts = ([] if phases else None), ([] if phases else None)
+        cold = timed(lambda: step(mask, meta, S, B, qkv, cold_parts))
         compiled = _new_keys(before, _keys())
         warm = min(timed(lambda: step(mask, meta, S, B, qkv)) for _ in range(2))
+        if phases:  # preprocess, forward, backward, each synchronized, cold then warm
+            timed(lambda: step(mask, meta, S, B, qkv, warm_parts))
         rows.append({"step": n, "S": S, "B": B, "cold_s": cold, "warm_s": warm,
-                     "ratio": cold / warm, "compiled": compiled})
+                     "ratio": cold / warm, "compiled": compiled,
+                     "cold_phases": cold_parts and cold_parts[1:],
+                     "warm_phases": warm_parts and warm_parts[-3:]})
         if compiled and n:
             print(f"  {name} step {n} (S={S}, B={B}) compiled {len(compiled)}: "
                   + " | ".join(compiled), flush=True)
@@ -147,24 +165,76 @@ def loop(name, steps, seed):
 
 SECOND = """
 import time; t0 = time.perf_counter()
+marks = []
+def mark(what):
+    torch.cuda.synchronize() if "torch" in globals() and torch.cuda.is_initialized() else None
+    marks.append((what, time.perf_counter() - t0))
 import torch, compilemask as cm
 from compilemask import masks
 from bench.workloads import make_meta
+mark("import")
 S, B = 32768, 4
 mask = cm.compile_mask(masks.hstu())
+mark("compile_mask")
 meta = make_meta("hstu", B, S, device="cuda")
 q, k, v = (torch.randn(B, S, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))
-out = cm.attention(q, k, v, mask.preprocess(meta, S, batch_size=B))
+mark("cuda_init_inputs")
+desc = mask.preprocess(meta, S, batch_size=B)
+mark("preprocess")
+out = cm.attention(q, k, v, desc)
+mark("forward")
 out.backward(torch.ones_like(out)); torch.cuda.synchronize()
+mark("backward")
 print("FIRST_STEP_S", time.perf_counter() - t0)
+print("PHASES", " ".join(f"{w}={t:.2f}" for w, t in marks))
 """
 
 
+# the peer: flash-attn-4 alone, its first causal 32K train step in a process (its own cache)
+PEER = """
+import time; t0 = time.perf_counter()
+import torch
+from flash_attn.cute import flash_attn_func
+t1 = time.perf_counter()
+q, k, v = (torch.randn(4, 32768, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+out = flash_attn_func(q, k, v, causal=True)
+out = out[0] if isinstance(out, tuple) else out
+out.backward(torch.ones_like(out)); torch.cuda.synchronize()
+print("FIRST_STEP_S", time.perf_counter() - t0)
+print("PHASES", f"import={t1 - t0:.2f} step={time.perf_counter() - t1:.2f}")
+"""
+
+# what importing costs on its own, each in a fresh process
+IMPORTS = ("import torch", "import torch, compilemask", "import tilelang",
+           "import flash_attn.cute")
+
+
+def _import_times():
+    out = {}
+    for stmt in IMPORTS:
+        code = f"import time; t0 = time.perf_counter(); {stmt}; print(time.perf_counter() - t0)"
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True)
+        out[stmt] = float(r.stdout.split()[-1]) if r.returncode == 0 else None
+    return out
+
+
 def second_process():
-    times = []
+    res = {"imports_s": _import_times()}
+    print("imports:", res["imports_s"], flush=True)
+    for who, script in (("peer_fa4_causal", PEER), ("compilemask_hstu", SECOND)):
+        times, phases = _twice(script)
+        res[who] = {"first_process_s": times[0], "second_process_s": times[1],
+                    "first_process_phases": phases[0], "second_process_phases": phases[1]}
+    return res
+
+
+def _twice(script):
+    times, phases = [], []
     for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", SECOND], cwd=ROOT, capture_output=True,
+        r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep))})
         line = [x for x in r.stdout.splitlines() if x.startswith("FIRST_STEP_S")]
@@ -172,7 +242,9 @@ def second_process():
             print(r.stdout[-2000:], r.stderr[-4000:])
             raise SystemExit("second-process run failed")
         times.append(float(line[-1].split()[1]))
-    return {"first_process_s": times[0], "second_process_s": times[1]}
+        phases.append([x for x in r.stdout.splitlines() if x.startswith("PHASES")][-1][7:])
+        print("second-process run:", times[-1], phases[-1], flush=True)
+    return times, phases
 
 
 def main(argv=None):
@@ -181,6 +253,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--second-process", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time preprocess, forward and backward of each step apart")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -192,14 +266,17 @@ def main(argv=None):
         (out / f"second_process_{stamp}.json").write_text(json.dumps(res, indent=1))
         return res
     results = []
-    lines = ["| mask | first step (s) | worst later cold/warm | at S | loop compile (s) |",
-             "|---|---|---|---|---|"]
+    lines = ["| mask | first step (s) | worst later cold/warm | at S | median | over 1.2x "
+             "| loop compile (s) |", "|---|---|---|---|---|---|---|"]
     for name in args.masks.split(","):
-        r = loop(name, args.steps, args.seed)
+        r = loop(name, args.steps, args.seed, args.phases)
         results.append(r)
         w = r["worst_step"] or {}
+        later = sorted(x["ratio"] for x in r["steps"][1:]) or [float("nan")]
+        over = sum(x > 1.2 for x in later)
         lines.append(f"| {name} | {r['first_step_s']:.2f} | {r['max_ratio_after_first']:.2f}x "
-                     f"| {w.get('S')} | {r['loop_compile_s']:.1f} |")
+                     f"| {w.get('S')} | {later[len(later) // 2]:.2f}x | {over} "
+                     f"| {r['loop_compile_s']:.1f} |")
         print(lines[-1], flush=True)
     (out / f"dynamic_loop_{stamp}.json").write_text(json.dumps(results, indent=1))
     (out / f"dynamic_loop_{stamp}.md").write_text("\n".join(lines) + "\n")

@@ -224,12 +224,14 @@ for r in rows:
     L=/tmp/loop-out; mkdir -p $L
     for m in $(echo "${MASKS:-hstu,shared_prompt_rm,clear,causal,packed_documents,sink_window}" | tr , " "); do
       COMPILEMASK_CACHE_DIR=$(mktemp -d) OUT=$L step "loop_$m" "${SECS:-150}" \
-        python3 bench/dynamic_loop.py --masks "$m" --steps "${STEPS:-50}" --out "$L/$m"
+        python3 bench/dynamic_loop.py --masks "$m" --steps "${STEPS:-50}" --out "$L/$m" ${LOOP_ARGS:-}
       grep -E "^\| $m" "$L/$m"/dynamic_loop_*.md
     done
-    COMPILEMASK_CACHE_DIR=$(mktemp -d) OUT=$L step second_process 200 python3 bench/dynamic_loop.py \
-      --second-process --out "$L"
-    cat "$L"/second_process_*.json
+    if [ "${SECOND:-1}" = 1 ]; then
+      COMPILEMASK_CACHE_DIR=$(mktemp -d) OUT=$L step second_process 200 python3 \
+        bench/dynamic_loop.py --second-process --out "$L"
+      cat "$L"/second_process_*.json
+    fi
     tar czf "$OUT/loop.tar.gz" -C "$L" .
     ;;
   *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop"; exit 2 ;;

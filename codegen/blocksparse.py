@@ -52,6 +52,8 @@ import torch
 from compilemask.blocksparse import BlockSparseLists, PackedLists, list_pass
 from compilemask.cache import CompileCache
 from compilemask.descriptor import (
+    DEFAULT_BWD_TILES,
+    DEFAULT_FWD_TILES,
     TILE_BITS,
     TILE_FULL,
     TILE_PARTIAL,
@@ -59,11 +61,18 @@ from compilemask.descriptor import (
     TILES_PER_WORD,
 )
 
-from .tilelang_build import ProgramEmitter, check_target, compile_program, raw_launch
+from .tilelang_build import (
+    Program,
+    ProgramEmitter,
+    check_target,
+    compile_program,
+    raw_launch,
+)
 
 __all__ = ["ListsConfig", "DEFAULT_LISTS_CONFIG", "BlockSparsePlan", "plan", "MultiPlan",
            "multi_plan", "multi_source", "multi_kernel", "block_sparse_multi",
-           "block_sparse_lists", "packed_lists", "tilelang_source", "compile_count"]
+           "block_sparse_lists", "packed_lists", "list_programs", "tilelang_source",
+           "compile_count"]
 
 
 @dataclass(frozen=True)
@@ -538,7 +547,7 @@ def multi_kernel(mp: MultiPlan, target: str):
 
     def build():
         return compile_program(multi_source(mp, target), f"blocksparse_multi_{target}",
-                               "block_sparse_multi", target, "the tile-list program")
+                               "block_sparse_multi", target, "a tile-list program")
 
     return _KERNELS.get(key, build)
 
@@ -563,11 +572,12 @@ def _launcher(mp: MultiPlan, device_type: str):
 # --------------------------------------------------------------------------------------------
 
 
-def block_sparse_multi(bitmaps, mp: MultiPlan, dims) -> torch.Tensor:
+def block_sparse_multi(bitmaps, mp: MultiPlan, dims, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """Run ``mp`` on ``bitmaps`` (int32 ``[B, rows, words]`` each, on one device) for ``dims``
     (list rows, column tiles) per part: the flat output buffer (``MultiPlan`` layout;
-    ``compilemask.blocksparse.PackedLists`` views it). One allocation, one launch, no host
-    sync."""
+    ``compilemask.blocksparse.PackedLists`` views it), allocated unless ``out`` (a contiguous
+    int32 tensor of that size) is given. One launch, no host sync."""
     dims = tuple((int(r), int(c)) for r, c in dims)
     if len(dims) != len(mp.parts) or any(r < 1 or c < 1 for r, c in dims):
         raise ValueError(f"need (rows >= 1, cols >= 1) for each of {len(mp.parts)} parts, "
@@ -576,7 +586,13 @@ def block_sparse_multi(bitmaps, mp: MultiPlan, dims) -> torch.Tensor:
     n = B * mp.per_sequence(dims)
     if n >= 1 << 31:
         raise ValueError(f"block-sparse lists of {n} entries: int32 offsets overflow")
-    buf = torch.empty(n, dtype=torch.int32, device=dev)
+    if out is None:
+        buf = torch.empty(n, dtype=torch.int32, device=dev)
+    elif out.numel() != n or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be {n} contiguous int32 entries, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    else:
+        buf = out
     args = [t if t.is_contiguous() else t.contiguous() for t in bitmaps]
     _launcher(mp, dev.type)(*args, buf, *(x for rc in dims for x in rc))
     return buf
@@ -608,21 +624,57 @@ def block_sparse_lists(bitmap: torch.Tensor, packed_tiles: int, transpose: bool 
                             buf[2 * n + m:].view(B, 1, rows, cols))
 
 
+def _list_groups(kinds, fwd_tiles, bwd_tiles, seqlen_q: int, seqlen_k: int,
+                 config: ListsConfig):
+    """``kinds`` grouped into one program per read (by rows, by columns): per group, its
+    ``MultiPlan``, the bitmaps it reads, and (kind, rows, cols) per part. Two programs of one
+    read each compile in about half the time of one program of both, and in parallel
+    (``tilelang_build.prebuild``)."""
+    passes = [(k, *list_pass(k, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k)) for k in kinds]
+    groups = []
+    for transpose in dict.fromkeys(t for *_, t in passes):
+        part = [p for p in passes if p[4] == transpose]
+        reads = tuple(dict.fromkeys(which for _, which, *_ in part))
+        mp = _multi_for(tuple((reads.index(which), transpose) for _, which, *_ in part),
+                        len(reads), config)
+        groups.append((mp, reads, tuple((k, r, c) for k, _, r, c, _ in part)))
+    return groups
+
+
+def list_programs(kinds=("fwd", "bwd64", "bwd128"), fwd_tiles=None, bwd_tiles=None,
+                  target: str = "cuda", config: ListsConfig = DEFAULT_LISTS_CONFIG):
+    """The programs :func:`packed_lists` runs for ``kinds`` (the same at every length), as
+    ``tilelang_build.Program`` values for ``prebuild``."""
+    fwd_tiles, bwd_tiles = fwd_tiles or DEFAULT_FWD_TILES, bwd_tiles or DEFAULT_BWD_TILES
+    S = max(fwd_tiles.tile_m, fwd_tiles.tile_n, bwd_tiles.tile_m, bwd_tiles.tile_n)
+    return [Program(multi_source(mp, target), f"blocksparse_multi_{target}",
+                    "block_sparse_multi", target, "a tile-list program")
+            for mp, _, _ in _list_groups(kinds, fwd_tiles, bwd_tiles, S, S, config)]
+
+
 def packed_lists(fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, fwd_tiles, bwd_tiles,
                  seqlen_q: int, seqlen_k: int, kinds=("fwd", "bwd64", "bwd128"),
                  config: ListsConfig = DEFAULT_LISTS_CONFIG) -> PackedLists:
-    """``kinds`` of a descriptor's lists in one launch on the bitmaps' device. The program is
-    the same for every length (its shapes are run-time arguments): compiled once per (kinds,
-    config, target)."""
-    passes = [list_pass(k, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k) for k in kinds]
-    reads = tuple(dict.fromkeys(which for which, *_ in passes))  # the bitmaps, in order
-    mp = _multi_for(tuple((reads.index(which), t) for which, _, _, t in passes), len(reads),
-                    config)
-    dims = tuple((r, c) for _, r, c, _ in passes)
+    """``kinds`` of a descriptor's lists in one buffer on the bitmaps' device, one launch per
+    read (by rows, by columns). The programs are the same for every length (their shapes are
+    run-time arguments): compiled once per (kinds, config, target)."""
+    B, dev = fwd_bitmap.shape[0], fwd_bitmap.device
     bitmaps = {"fwd": fwd_bitmap, "bwd": bwd_bitmap}
-    buf = block_sparse_multi(tuple(bitmaps[r] for r in reads), mp, dims)
-    layout = {k: (offs, r, c) for k, offs, (r, c) in zip(kinds, mp.offsets(dims), dims)}
-    return PackedLists(buf, fwd_bitmap.shape[0], layout)
+    groups = _list_groups(kinds, fwd_tiles, bwd_tiles, seqlen_q, seqlen_k, config)
+    sizes = [mp.per_sequence(tuple((r, c) for _, r, c in parts)) for mp, _, parts in groups]
+    if B * sum(sizes) >= 1 << 31:
+        raise ValueError(f"block-sparse lists of {B * sum(sizes)} entries: int32 offsets "
+                         "overflow")
+    buf = torch.empty(B * sum(sizes), dtype=torch.int32, device=dev)
+    layout, base = {}, 0
+    for (mp, reads, parts), size in zip(groups, sizes):
+        dims = tuple((r, c) for _, r, c in parts)
+        block_sparse_multi(tuple(bitmaps[w] for w in reads), mp, dims,
+                           out=buf[B * base:B * (base + size)])
+        for (kind, r, c), offs in zip(parts, mp.offsets(dims)):
+            layout[kind] = (tuple(base + o for o in offs), r, c)
+        base += size
+    return PackedLists(buf, B, {k: layout[k] for k in kinds})
 
 
 @functools.lru_cache(maxsize=64)

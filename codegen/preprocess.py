@@ -80,7 +80,13 @@ from compilemask.descriptor import (
     descriptor_shapes,
 )
 
-from .tilelang_build import ProgramEmitter, check_target, compile_program, raw_launch
+from .tilelang_build import (
+    Program,
+    ProgramEmitter,
+    check_target,
+    compile_program,
+    raw_launch,
+)
 from .tl_printer import TileLangPrinter
 
 __all__ = ["PreprocessConfig", "DEFAULT_PREPROCESS_CONFIG", "tilelang_source",
@@ -622,11 +628,19 @@ def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: 
            _check_meta_dtype(meta_dtype))
 
     def build():
-        src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, config, meta_dtype)
-        return compile_program(src, f"{target}_{mask.key}", "preprocess", target,
-                               f"the preprocess program of mask {mask.name!r}")
+        return compile_program(*preprocess_program(mask, fwd_tiles, bwd_tiles, target,
+                                                   meta_dtype, config))
 
     return _KERNELS.get(key, build)
+
+
+def preprocess_program(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,
+                       meta_dtype: str = "int64",
+                       config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> Program:
+    """What :func:`tilelang_kernel` compiles, as a ``tilelang_build.Program`` (``prebuild``)."""
+    src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, config, meta_dtype)
+    return Program(src, f"{target}_{mask.key}", "preprocess", target,
+                   f"the preprocess program of mask {mask.name!r}")
 
 
 _LAUNCHERS: dict = {}

@@ -1,20 +1,23 @@
 """What every generated TileLang program shares: the text emitter's skeleton, loading the text as
-a module, compiling it (logged, cached on disk by TileLang under the compilemask cache folder)
-and calling the compiled function without TileLang's per-call wrapper."""
+a module, compiling it (logged, cached on disk by TileLang under the compilemask cache folder),
+compiling several first-use programs at once in worker processes (:func:`prebuild`), and calling
+the compiled function without TileLang's per-call wrapper."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
+import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 from compilemask.env import cache_dir, configure_compile_caches
 from compilemask.log import log
 
-__all__ = ["CUDA_TARGET", "check_target", "ProgramEmitter", "load_prim_func", "compile_program",
-           "raw_launch"]
+__all__ = ["CUDA_TARGET", "check_target", "ProgramEmitter", "Program", "load_prim_func",
+           "compile_program", "prebuild", "raw_launch"]
 
 CUDA_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -57,16 +60,41 @@ class ProgramEmitter:
             body(ind + 1)
 
 
-def load_prim_func(source: str, tag: str, attr: str):
-    """exec the generated module from a real file (TileLang's parser reads the source back);
-    returns its ``attr``."""
+class Program(NamedTuple):
+    """One generated program to compile: its text, a file tag, the prim_func's name, the target
+    and what it is (for the log)."""
+
+    source: str
+    tag: str
+    attr: str
+    target: str
+    what: str
+
+
+def _source_path(source: str, tag: str) -> tuple[str, str]:
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir("tilelang"), f"{tag}_{digest}.py")
+    return os.path.join(cache_dir("tilelang"), f"{tag}_{digest}.py"), digest
+
+
+def _built_marker(source: str, tag: str, target: str) -> str:
+    """A file that says this machine's TileLang disk cache holds the build of (text, target)."""
+    return f"{_source_path(source, tag)[0][:-3]}.{target}.built"
+
+
+def _write_source(source: str, tag: str) -> tuple[str, str]:
+    path, digest = _source_path(source, tag)
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
+    return path, digest
+
+
+def load_prim_func(source: str, tag: str, attr: str):
+    """exec the generated module from a real file (TileLang's parser reads the source back);
+    returns its ``attr``."""
+    path, digest = _write_source(source, tag)
     modname = f"_compilemask_tl_{tag}_{digest}"
     spec = importlib.util.spec_from_file_location(modname, path)
     mod = importlib.util.module_from_spec(spec)
@@ -88,7 +116,44 @@ def compile_program(source: str, tag: str, attr: str, target: str, what: str):
     if took > 1.0:
         log.warning("compilemask: compiled %s (%s target) in %.1f s: its first use on this "
                     "machine; later processes load it from the cache folder", what, target, took)
+    marker = _built_marker(source, tag, target)
+    if not os.path.exists(marker):
+        open(marker, "w").close()
     return kern
+
+
+def prebuild(programs, timeout: float = 1800.0) -> int:
+    """Compile, at the same time in worker processes, the ``programs`` that this machine has not
+    built yet, so that a first use waits for the slowest compile rather than their sum (each
+    takes 10-30 s, nearly all of it single-threaded lowering). The builds land in TileLang's
+    disk cache, from which :func:`compile_program` then loads them. A program whose worker fails
+    is left to :func:`compile_program`, which raises its error in this process. Returns how many
+    compiled."""
+    configure_compile_caches()  # the workers inherit the cache folders
+    todo = {}
+    for p in programs:
+        if not os.path.exists(_built_marker(p.source, p.tag, p.target)):
+            todo.setdefault(_built_marker(p.source, p.tag, p.target), p)
+    if len(todo) < 2:  # one compile gains nothing from a worker
+        return 0
+    t0 = time.perf_counter()
+    log.warning("compilemask: compiling %d programs at once (%s): their first use on this "
+                "machine", len(todo), "; ".join(f"{p.what}, {p.target} target"
+                                                for p in todo.values()))
+    procs = []
+    for p in todo.values():
+        path, _ = _write_source(p.source, p.tag)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", __name__, path, p.tag, p.attr, p.target, p.what],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    log.warning("compilemask: %d programs compiled in %.1f s", len(todo),
+                time.perf_counter() - t0)
+    return sum(os.path.exists(m) for m in todo)
 
 
 def raw_launch(kern):
@@ -99,3 +164,15 @@ def raw_launch(kern):
         return get() if get is not None else kern
     except Exception:  # noqa: BLE001 - any failure: the public call path still works
         return kern
+
+
+def _main(argv) -> int:
+    """Worker of :func:`prebuild`: compile one program file into TileLang's disk cache."""
+    path, tag, attr, target, what = argv
+    with open(path) as f:
+        compile_program(f.read(), tag, attr, target, what)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -27,14 +27,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compilemask.codegen.blocksparse import DEFAULT_LISTS_CONFIG, ListsConfig, packed_lists
+from compilemask.codegen.blocksparse import (
+    DEFAULT_LISTS_CONFIG,
+    ListsConfig,
+    list_programs,
+    packed_lists,
+)
 from compilemask.codegen.preprocess import (
     DEFAULT_PREPROCESS_CONFIG,
     PreprocessConfig,
     launch_outputs,
     launcher,
+    preprocess_program,
     tilelang_preprocess,
 )
+from compilemask.codegen.tilelang_build import prebuild
 from compilemask.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
@@ -48,8 +55,9 @@ from compilemask.native import segments
 from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps, visibility_only_slots
 
-__all__ = ["PipelineConfig", "DEFAULT_CONFIG", "LIST_KINDS_FA4", "preprocess", "torch_tables",
-           "assemble", "finish", "with_lists", "on_device", "Preprocessor", "has_tilelang"]
+__all__ = ["PipelineConfig", "DEFAULT_CONFIG", "LIST_KINDS_FA4", "first_use", "preprocess",
+           "torch_tables", "assemble", "finish", "with_lists", "on_device", "Preprocessor",
+           "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -85,6 +93,28 @@ def has_tilelang() -> bool:
     return True
 
 
+_FIRST_USES: set = set()
+
+
+def first_use(mask, device_type: str, meta_dtype: str = "int64",
+              config: PipelineConfig = DEFAULT_CONFIG) -> None:
+    """Before a mask's first batch on ``device_type``: every TileLang program its batches run
+    (its preprocess program and, on CUDA for a mask that is not native, the tile-list programs)
+    compiles at once in worker processes where this machine has not built it yet, so the first
+    step waits for the slowest compile, not their sum."""
+    key = (mask.key, device_type, meta_dtype, config)
+    if key in _FIRST_USES or torch.compiler.is_compiling():
+        return
+    _FIRST_USES.add(key)
+    target = "cuda" if device_type == "cuda" else "c"
+    programs = [preprocess_program(mask, config.fwd_tiles, config.bwd_tiles, target,
+                                   meta_dtype, config.preprocess)]
+    if device_type == "cuda" and config.fa4_tiles and mask.native_pattern is None:
+        programs += list_programs(LIST_KINDS_FA4, config.fwd_tiles, config.bwd_tiles, target,
+                                  config.lists)
+    prebuild(programs)
+
+
 def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, device=None,
                backend: str = "auto", check: bool = False, config: PipelineConfig = DEFAULT_CONFIG,
                max_segments: int | None = None) -> ExecutionDescriptor:
@@ -100,6 +130,7 @@ def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, dev
                                             check or dev.type == "cpu")}
     fwd, bwd = config.fwd_tiles, config.bwd_tiles
     if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and has_tilelang()):
+        first_use(mask, dev.type, "int64", config)
         out = tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd, bwd, device=dev,
                                   config=config.preprocess)
         desc = make_descriptor(mask, seqlen_q, seqlen_k, fwd, bwd, **out)
@@ -253,6 +284,8 @@ class Preprocessor:
     def _launch_for(self, dtype):
         launch = self._launches.get(dtype)
         if launch is None:
+            first_use(self.mask, self.device.type,
+                      "int64" if dtype is torch.int64 else "int32", self.config)
             launch = self._launches[dtype] = launcher(
                 self.mask, self.fwd_tiles, self.bwd_tiles, self.device.type,
                 "int64" if dtype is torch.int64 else "int32", self.config.preprocess)

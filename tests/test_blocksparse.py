@@ -477,7 +477,22 @@ def test_cuda_source_compiles_sm90a(transpose):
 
 
 @nvcc
-@sweep("config", [tlb.ListsConfig(), GUARDED], default=[tlb.ListsConfig()])
+def test_cuda_list_programs_compile_sm90a():
+    """The programs ``packed_lists`` runs for FA4's kinds at every length (one per read), compiled
+    at once by ``prebuild`` as a descriptor's first use does; loading them compiles nothing
+    more."""
+    from compilemask.codegen import tilelang_build as tb
+
+    progs = tlb.list_programs()
+    assert len(progs) == 2
+    tb.prebuild(progs)
+    for p in progs:
+        src = tb.compile_program(*p).get_kernel_source()
+        assert "__global__" in src and "__syncthreads" in src
+
+
+@nvcc
+@sweep("config", [tlb.ListsConfig(), GUARDED], default=[])
 def test_cuda_multi_source_compiles_sm90a(config):
     """The three kinds of one FA4 descriptor in one kernel, the one ``packed_lists`` runs at
     every length (with ``GUARDED``: parts of fewer threads than the launch)."""

@@ -73,7 +73,7 @@ def _cfg(dtype, hdim, K, arch=90, fallback=None, warp_specialized=True):
 
 
 @sweep("dtype,hdim,K", [(d, h, k) for d in ("bf16", "fp16") for h in (64, 128) for k in (1, 2, 4)],
-       default=[("bf16", 128, 2), ("fp16", 64, 4)])
+       default=[("bf16", 128, 2)])  # fp16 and hdim 64 compile in the other tests
 def test_compile_sm90(sm90_env, dtype, hdim, K):
     fn = compile_flash_fwd(_cfg(dtype, hdim, K), gpu_arch=sm90_env)
     assert fn is not None
