@@ -68,6 +68,9 @@ def metadata(spec, B, S, seed):
     return {k: v.to(device="cuda", dtype=torch.int32) for k, v in meta.items()}
 
 
+MAX_SEGMENTS = None  # --max-segments: fixed-size cu_seqlens for segments masks (no host sync)
+
+
 def step(mask, meta, S, B, qkv, phases=None):
     """One step; with ``phases`` (a list), synchronizes after each part and appends its time."""
     def part(t0):
@@ -81,7 +84,7 @@ def step(mask, meta, S, B, qkv, phases=None):
     t0 = part(time.perf_counter())
     q, k, v = (t[:B * S].view(B, S, H, D) for t in qkv)
     q.requires_grad_(True)
-    desc = mask.preprocess(meta, S, batch_size=B, device="cuda")
+    desc = mask.preprocess(meta, S, batch_size=B, device="cuda", max_segments=MAX_SEGMENTS)
     t0 = part(t0)
     out = cm.attention(q, k, v, desc)
     t0 = part(t0)
@@ -129,7 +132,46 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def loop(name, steps, seed, phases=False):
+class _Profiles:
+    """--profile: host time by function over the cold steps and over as many warm ones."""
+
+    def __init__(self, on):
+        import cProfile
+
+        self.cold, self.warm = (cProfile.Profile(), cProfile.Profile()) if on else (None, None)
+
+    def run(self, prof, fn):
+        if prof is None:
+            return fn()
+        prof.enable()
+        try:
+            return fn()
+        finally:
+            prof.disable()
+
+    def report(self, path, top=30):
+        import io
+        import pstats
+
+        if self.cold is None:
+            return
+        stats = {}
+        for which, prof in (("cold", self.cold), ("warm", self.warm)):
+            st = pstats.Stats(prof, stream=io.StringIO())
+            for (f, ln, fn), (_cc, _nc, tt, ct, _callers) in st.stats.items():
+                stats.setdefault(f"{f}:{ln}({fn})", {})[which] = (tt, ct)
+        rows = sorted(stats.items(), key=lambda kv: -(kv[1].get("cold", (0, 0))[1]
+                                                      - kv[1].get("warm", (0, 0))[1]))
+        lines = ["cumulative s cold - warm | cold | warm | tottime cold - warm | function"]
+        for name, v in rows[:top]:
+            c, w = v.get("cold", (0, 0)), v.get("warm", (0, 0))
+            lines.append(f"{c[1] - w[1]:8.4f} | {c[1]:8.4f} | {w[1]:8.4f} | "
+                         f"{c[0] - w[0]:8.4f} | {name[-110:]}")
+        Path(path).write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:16]), flush=True)
+
+
+def loop(name, steps, seed, phases=False, profiles=None):
     rng = random.Random(seed)
     spec = SPECS[name]()
     t0 = time.perf_counter()
@@ -143,9 +185,13 @@ def loop(name, steps, seed, phases=False):
         meta = metadata(spec, B, S, seed + n)
         before = _keys()
         cold_parts, warm_parts = ([] if phases else None), ([] if phases else None)
-        cold = timed(lambda: step(mask, meta, S, B, qkv, cold_parts))
+        prof = profiles or _Profiles(False)
+        cold = prof.run(prof.cold if n else None,
+                        lambda: timed(lambda: step(mask, meta, S, B, qkv, cold_parts)))
         compiled = _new_keys(before, _keys())
         warm = min(timed(lambda: step(mask, meta, S, B, qkv)) for _ in range(2))
+        if n:  # as many warm steps profiled as cold ones
+            prof.run(prof.warm, lambda: timed(lambda: step(mask, meta, S, B, qkv)))
         if phases:  # preprocess, forward, backward, each synchronized, cold then warm
             timed(lambda: step(mask, meta, S, B, qkv, warm_parts))
         rows.append({"step": n, "S": S, "B": B, "cold_s": cold, "warm_s": warm,
@@ -253,6 +299,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--second-process", action="store_true")
+    ap.add_argument("--max-segments", type=int, default=None,
+                    help="preprocess(max_segments=N): segments masks without host sync")
+    ap.add_argument("--profile", action="store_true",
+                    help="host profile of the cold steps against as many warm ones")
     ap.add_argument("--phases", action="store_true",
                     help="also time preprocess, forward and backward of each step apart")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -269,7 +319,11 @@ def main(argv=None):
     lines = ["| mask | first step (s) | worst later cold/warm | at S | median | over 1.2x "
              "| loop compile (s) |", "|---|---|---|---|---|---|---|"]
     for name in args.masks.split(","):
-        r = loop(name, args.steps, args.seed, args.phases)
+        global MAX_SEGMENTS
+        MAX_SEGMENTS = args.max_segments
+        profiles = _Profiles(args.profile)
+        r = loop(name, args.steps, args.seed, args.phases, profiles)
+        profiles.report(out / f"profile_{name}.txt")
         results.append(r)
         w = r["worst_step"] or {}
         later = sorted(x["ratio"] for x in r["steps"][1:]) or [float("nan")]
