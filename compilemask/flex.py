@@ -9,8 +9,10 @@ is indexed:
 * ``t[b, q_idx]`` / ``t[q_idx]`` (``[B, S]`` or ``[S]``): a per-row array read at ``i``;
 * ``t[b, kv_idx]`` / ``t[kv_idx]``: the same array read at ``j`` (exact, through the fallback
   predicate or, for ``t[i] == t[j]``, a run interval);
-* ``s[t[q_idx]]`` / ``s[b, t[b, q_idx]]``: a gathered per-row array ``s_at_t`` (computed in torch
-  with the metadata).
+* ``s[t[q_idx]]`` / ``s[b, t[b, q_idx]]``, and any index computed from one of ``q_idx`` /
+  ``kv_idx`` with constants, per-sequence values and arrays read at it (``t[kv_idx // 16]``,
+  ``s[u[t[q_idx]] + 1]``): a gathered per-row array (``s_at_t``, ``t_at_index``), computed in
+  torch with the metadata by torch's indexing rules, read where its index is.
 
 Python ints (captured or global) are compile-time constants. The operations read are
 ``& | ^ ~``, comparisons, ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``,
@@ -44,7 +46,7 @@ import torch
 
 from compilemask.dsl.frontend import array_function, bool_xor
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
-from compilemask.exprprint import ExprPrinter
+from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
 
@@ -52,6 +54,7 @@ __all__ = ["from_mask_mod"]
 
 _I = sp.Symbol("i", integer=True, nonnegative=True)
 _J = sp.Symbol("j", integer=True, nonnegative=True)
+_X = sp.Symbol("_x", integer=True, nonnegative=True)  # the index variable of a gather's recipe
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
 _COUNTER = itertools.count()
@@ -92,7 +95,9 @@ class _Trace:
         self.fname = fname
         self.stand_ins: dict[int, _Captured] = {}
         self.used_names: set[str] = set()
-        self.derived: dict[str, tuple] = {}  # gathered array -> (source leaf, index array name)
+        # gathered array -> (source leaf, source ndim, index expression in _X)
+        self.derived: dict[str, tuple] = {}
+        self.gathers: dict[tuple, str] = {}  # the inverse: one array per (source, index)
         self.array_leaf: dict[str, int] = {}  # array param -> leaf
         self.scalar_leaf: dict[str, int] = {}  # scalar param -> leaf
         self.array_ndim: dict[str, int] = {}
@@ -222,6 +227,23 @@ def _val(tr, x):
     if isinstance(x, sp.Basic):  # already converted (torch.logical_* convert their operands)
         return x
     raise tr.fail(f"value of type {type(x).__name__}")
+
+
+def _gather_var(tr, x):
+    """``i`` or ``j`` when the index ``x`` is computed from that one index variable, constants,
+    per-sequence scalars and arrays read at it; else None."""
+    if not isinstance(x, sp.Expr) or _is_bool(x):
+        return None
+    at = x.free_symbols & {_I, _J}
+    if len(at) != 1:
+        return None
+    v = at.pop()
+    arrays = x.atoms(sp.core.function.AppliedUndef)
+    if any(a.args != (v,) for a in arrays):
+        return None
+    if any(s.name not in tr.scalar_leaf for s in x.free_symbols - {v}):
+        return None
+    return v
 
 
 def _int(tr, e, what):
@@ -562,17 +584,21 @@ class _Captured(_Sym):
         x = _val(tr, idx)
         if x == _I or x == _J:
             return array_function(name)(x)
-        src = x.func.__name__ if isinstance(x, sp.core.function.AppliedUndef) else None
-        if src is not None and x.args[0] in (_I, _J) and src not in tr.derived:
-            # s[t[q_idx]]: the gathered array s_at_t, read where t is read
-            dname = f"{name}_at_{src}"
-            if dname not in tr.array_leaf:
-                dname = tr.fresh(dname)
-                tr.derived[dname] = (self.leaf, src, ndim)
-                tr.array_leaf[dname] = self.leaf
-            return array_function(dname)(x.args[0])
-        raise tr.fail(f"index {name}[{x}]: a captured tensor is indexed by b, q_idx, kv_idx or "
-                      "another captured array at q_idx/kv_idx")
+        at = _gather_var(tr, x)
+        if at is None:
+            raise tr.fail(f"index {name}[{x}]: a captured tensor is indexed by b, q_idx, kv_idx "
+                          "or an integer expression of one of them (constants, per-sequence "
+                          "values and captured arrays read at that same index)")
+        # t[f(q_idx)]: the gathered array t_at_... (computed in torch with the metadata, read
+        # where its index is): s[t[q_idx]], t[kv_idx // 16], s[u[t[q_idx]] + 1]
+        recipe = (self.leaf, ndim, x.xreplace({at: _X}))
+        dname = tr.gathers.get(recipe)
+        if dname is None:
+            src = x.func.__name__ if isinstance(x, sp.core.function.AppliedUndef) else "index"
+            dname = tr.gathers[recipe] = tr.fresh(f"{name}_at_{src}")
+            tr.derived[dname] = recipe
+            tr.array_leaf[dname] = self.leaf
+        return array_function(dname)(at)
 
     def __getitem__(self, idx):
         tr = self.tr
@@ -624,21 +650,29 @@ class _Entry:
     spec: MaskSpec
     scalars: tuple  # (param, leaf)
     arrays: tuple  # (param, leaf, ndim)
-    derived: tuple  # (param, source leaf, index array, source ndim)
-    index_arrays: tuple  # (array, leaf, ndim): read only as the index of a gather
+    # gathered arrays in the order they are computed: (name, source leaf, source ndim, index
+    # expression in _X); ``params`` says which the rules read (the rest are inner gathers)
+    derived: tuple
+    index_arrays: tuple  # (array, leaf, ndim): read only inside a gather's index
+    index_scalars: tuple  # (scalar, leaf): likewise
+    params: tuple
 
 
 _CACHE: dict = {}
 
 
-def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None):
+def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None,
+                  seqlen: int | None = None):
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` as ``(MaskSpec, meta)``.
 
     ``meta`` maps each param to the captured tensor it reads, as it is now: ``[B]`` for
     ``t[b]``, ``[B, S]`` for ``t[b, idx]``; a 1-D ``t[idx]`` (or a 0-d ``t``) is the same for every
     sequence and is expanded (a view, no copy) to the batch: ``batch_size``, else the batch of
     the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. Per-token tensors must
-    have ``seqlen_q`` entries, and those read at ``kv_idx`` need ``seqlen_k <= seqlen_q``.
+    have ``seqlen_q`` entries, and those read at ``kv_idx`` need ``seqlen_k <= seqlen_q``. A
+    tensor read at an index computed from ``q_idx`` or ``kv_idx`` (``t[kv_idx // 16]``,
+    ``s[t[q_idx] + 1]``) becomes a per-token array gathered here, by torch's indexing rules;
+    ``seqlen`` (its number of tokens) is needed where no per-token tensor in that index says it.
 
     ``mask_mod`` is a function or a bound method; arguments after the four need defaults, which
     it reads as FlexAttention would call it. ``mask = cm.compile_mask(spec); desc =
@@ -661,7 +695,7 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
                 if len(_CACHE) > 1024:
                     _CACHE.clear()
                 _CACHE[key] = entry
-    return entry.spec, _meta(entry, leaves, batch_size)
+    return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
 
 def _check_signature(mask_mod):
@@ -684,35 +718,66 @@ def _check_signature(mask_mod):
                         f"arguments need defaults), takes {what}")
 
 
-def _meta(entry: _Entry, leaves, batch_size):
+def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
     B = batch_size
     if B is None:
         B = 1
-        for _, leaf in entry.scalars:
+        for _, leaf in (*entry.scalars, *entry.index_scalars):
             if leaves[leaf].dim() == 1:
                 B = max(B, leaves[leaf].shape[0])
         for _, leaf, ndim in (*entry.arrays, *entry.index_arrays):
-            if ndim == 2:  # b-indexed, read directly or as a gather's index
+            if ndim == 2:  # b-indexed, read directly or in a gather's index
                 B = max(B, leaves[leaf].shape[0])
-    meta = {}
-    for p, leaf in entry.scalars:
+        for _, leaf, ndim, _ in entry.derived:
+            if ndim == 2:
+                B = max(B, leaves[leaf].shape[0])
+    values = {}
+    for p, leaf in (*entry.scalars, *entry.index_scalars):
         t = _as_int(leaves[leaf])
-        meta[p] = t.reshape(1).expand(B) if t.dim() == 0 else t
-    for p, leaf, ndim in entry.arrays:
+        values[p] = t.reshape(1).expand(B) if t.dim() == 0 else t
+    for p, leaf, ndim in (*entry.arrays, *entry.index_arrays):
         t = _as_int(leaves[leaf])
-        meta[p] = t.unsqueeze(0).expand(B, -1) if ndim == 1 else t
-    for p, leaf, index, ndim in entry.derived:
-        src, idx = _as_int(leaves[leaf]), meta.get(index)
-        if idx is None:  # the index array is read only through the gather
-            idx = _as_int(leaves[_index_leaf(entry, index)])
-            idx = idx.unsqueeze(0).expand(B, -1) if idx.dim() == 1 else idx
-        idx = idx.long()
-        meta[p] = src[idx] if ndim == 1 else torch.gather(src, 1, idx)
-    return meta
+        values[p] = t.unsqueeze(0).expand(B, -1) if ndim == 1 else t
+    if seqlen is None:  # the tokens of every per-token tensor read at q_idx / kv_idx
+        lengths = {values[p].shape[-1] for p, *_ in (*entry.arrays, *entry.index_arrays)}
+        seqlen = lengths.pop() if len(lengths) == 1 else None
+    for p, leaf, ndim, index in entry.derived:
+        values[p] = _gather(entry, p, _as_int(leaves[leaf]), ndim, index, values, B, seqlen)
+    return {p: values[p] for p in entry.params}
 
 
-def _index_leaf(entry, name):
-    return next(leaf for p, leaf, _ in entry.index_arrays if p == name)
+_TORCH_NS: dict = {}
+
+
+def _gather(entry, name, src, ndim, index, values, B, seqlen):
+    """``src`` at ``index`` (an expression in _X) for every token: ``[B, S]``, indexed as torch
+    indexes (so as FlexAttention's ``create_mask`` reads the mask_mod)."""
+    if not _TORCH_NS:
+        exec(TORCH_PRELUDE, _TORCH_NS)
+    e = index.xreplace({_X: _I})
+    arrays = sorted({type(f).__name__ for f in e.atoms(sp.core.function.AppliedUndef)})
+    lengths = {values[a].shape[-1] for a in arrays}
+    if len(lengths) > 1:
+        raise ValueError(f"mask_mod {entry.spec.name!r}: the index of {name} reads per-token "
+                         f"tensors of different lengths {sorted(lengths)}")
+    S = lengths.pop() if lengths else seqlen
+    if S is None:
+        raise ValueError(f"mask_mod {entry.spec.name!r}: a tensor is read at "
+                         f"{ExprPrinter()(e)} (q_idx or kv_idx as i), whose number of tokens no "
+                         "per-token tensor says: pass from_mask_mod(..., seqlen=S)")
+    ns = dict(_TORCH_NS, i=torch.arange(S).view(1, S))
+    ns.update({f"{a}_i": values[a].long() for a in arrays})
+    ns.update({sym.name: values[sym.name].long().reshape(-1, 1)
+               for sym in e.free_symbols if sym is not _I})
+    idx = torch.broadcast_to(eval(TorchPrinter()(e), ns), (B, S))  # noqa: S307 - generated
+    try:
+        if ndim == 1:
+            return src[idx]
+        return src[torch.arange(B).view(B, 1), idx]
+    except IndexError as err:
+        raise ValueError(f"mask_mod {entry.spec.name!r}: reading a captured tensor of shape "
+                         f"{tuple(src.shape)} at {ExprPrinter()(e)} (i = q_idx or kv_idx): {err}"
+                         ) from err
 
 
 def _as_int(t):
@@ -746,17 +811,27 @@ def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
     order = {leaf: n for n, leaf in enumerate(tr.stand_ins)}
     scalars = tuple(sorted(((p, leaf) for p, leaf in tr.scalar_leaf.items()
                             if p in used_scalars), key=lambda t: order[t[1]]))
-    arrays, derived, index_arrays = [], [], []
-    for p, leaf in tr.array_leaf.items():
-        if p in tr.derived:
-            if p in used_arrays:
-                src_leaf, index, ndim = tr.derived[p]
-                derived.append((p, src_leaf, index, ndim))
-                if index not in used_arrays:
-                    index_arrays.append((index, tr.array_leaf[index], tr.array_ndim[index]))
-        elif p in used_arrays:
-            arrays.append((p, leaf, tr.array_ndim[p]))
-    params = [p for p, _ in scalars] + [p for p, _, _ in arrays] + [p for p, *_ in derived]
+    # the gathers the rules read and, inner first, the gathers and arrays their indices read
+    needed, todo = set(), [p for p in tr.derived if p in used_arrays]
+    while todo:
+        p = todo.pop()
+        if p not in needed:
+            needed.add(p)
+            todo += [type(f).__name__ for f in tr.derived[p][2].atoms(
+                sp.core.function.AppliedUndef) if type(f).__name__ in tr.derived]
+    derived = tuple((p, *tr.derived[p]) for p in tr.derived if p in needed)
+    in_index = {type(f).__name__ for *_, e in derived
+                for f in e.atoms(sp.core.function.AppliedUndef)}
+    index_names = {s.name for *_, e in derived for s in e.free_symbols} - {"_x"}
+    arrays = tuple((p, leaf, tr.array_ndim[p]) for p, leaf in tr.array_leaf.items()
+                   if p not in tr.derived and p in used_arrays)
+    index_arrays = tuple((p, leaf, tr.array_ndim[p]) for p, leaf in tr.array_leaf.items()
+                         if p not in tr.derived and p in in_index - used_arrays)
+    index_scalars = tuple(sorted(((p, leaf) for p, leaf in tr.scalar_leaf.items()
+                                  if p in index_names - used_scalars),
+                                 key=lambda t: order[t[1]]))
+    params = tuple([p for p, _ in scalars] + [p for p, _, _ in arrays]
+                   + [p for p, *_ in derived if p in used_arrays])
     label = name or f"flex_{fname.strip('<>')}"
     regions = []
     for k, (guard, rule) in enumerate(cases):
@@ -765,8 +840,9 @@ def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
         regions.append(Region("all" if guard is sp.true else f"rows_{k}", when, visible))
     if not regions:  # the mask_mod sees nothing anywhere
         regions = [Region("all", _every_row, _generated("visible", "i, j", sp.false, fname))]
-    spec = MaskSpec(label, params=params, regions=regions)
-    return _Entry(spec, scalars, tuple(arrays), tuple(derived), tuple(index_arrays)), walk.leaves
+    spec = MaskSpec(label, params=list(params), regions=regions)
+    return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params),
+            walk.leaves)
 
 
 _MAX_ROW_ATOMS = 3  # up to 8 row cases
