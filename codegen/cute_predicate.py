@@ -18,7 +18,8 @@ Supported expression nodes: And / Or / Not / BooleanTrue / BooleanFalse, relatio
 (<, <=, >, >=, ==, !=), integers, symbols ``i`` (q_idx), ``j`` (kv_idx) and scalar params,
 ``Function(name)(i)`` for per-row arrays, Add, Mul with integer (or rational, see below)
 coefficients, non-negative integer powers, ``floor(a/b)`` (floor division; the divisor must be
-positive at run time), ``Mod(a, b)`` (Python semantics, non-negative divisor), Min, Max, Abs.
+positive at run time), ``Mod(a, b)`` (Python semantics, non-negative divisor), Min, Max, Abs,
+and the integer bit operations ``& | ^`` (``IntBitOp``).
 
 Rational coefficients (e.g. ``i/2 < j``) are cleared in relationals by multiplying both sides
 by the (positive) common denominator; inside ``floor`` the argument is split with
@@ -33,6 +34,7 @@ from typing import Iterable, Sequence
 
 import sympy
 
+from compilemask.dsl.frontend import IntBitOp
 from compilemask.env import cache_dir
 
 __all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]
@@ -166,6 +168,9 @@ class _Emitter:
             a = self.int_expr(e.args[0])
             neg = self.tmp(f"cutlass.Int32(0) - {a}")
             return self.tmp(f"cutlass.max({a}, {neg})")
+        if isinstance(e, IntBitOp):  # two's complement Int32, as torch's int64 below 2**31
+            a, b = self.int_expr(e.args[0]), self.int_expr(e.args[1])
+            return self.tmp(f"{a} {e.op} {b}")
         if isinstance(e, sympy.Piecewise):
             raise UnsupportedExpression("Piecewise is not supported")
         raise UnsupportedExpression(f"unsupported integer node {type(e).__name__}: {e}")

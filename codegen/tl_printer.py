@@ -44,6 +44,10 @@ class TileLangPrinter(ExprPrinter):
     def select(self, c, a, b):
         return f"T.if_then_else({c}, {a}, {b})"
 
+    def bitop(self, op, a, b):  # in int64, as the endpoints are
+        fn = {"&": "bitwise_and", "|": "bitwise_or", "^": "bitwise_xor"}[op]
+        return f'T.{fn}(T.Cast("int64", {a}), T.Cast("int64", {b}))'
+
     def array(self, name, index):
         if index.is_Symbol and index.name == "i":
             return self.arrays.get(name, f"{name}[b, row]")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sympy as sp
 
+from compilemask.dsl.frontend import IntBitOp
 from compilemask.exprprint import split_floor
 
 __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
@@ -42,6 +43,8 @@ def magnitude(e, index_max: int = INDEX_MAX, meta_max: int = META_MAX) -> int:
             return abs(int(x.p))
         if isinstance(x, sp.Symbol):
             return index_max if x.name in _INDEX_NAMES else meta_max
+        if isinstance(x, IntBitOp):  # |a op b| < 2**n for |a|, |b| < 2**n (two's complement)
+            return 1 << max(walk(a) for a in x.args).bit_length()
         if isinstance(x, sp.core.function.AppliedUndef):
             walk(x.args[0])  # the subscript
             return meta_max

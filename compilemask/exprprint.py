@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sympy as sp
 
+from compilemask.dsl.frontend import IntBitOp
+
 __all__ = ["ExprPrinter", "TorchPrinter", "split_floor"]
 
 
@@ -76,6 +78,8 @@ class ExprPrinter:
             for val, cond in reversed(e.args):
                 out = self.p(val) if out is None else self.select(self.p(cond), self.p(val), out)
             return out
+        if isinstance(e, IntBitOp):
+            return self.bitop(e.op, self.p(e.args[0]), self.p(e.args[1]))
         if isinstance(e, sp.core.function.AppliedUndef):
             return self.array(type(e).__name__, e.args[0])
         if isinstance(e, (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)):
@@ -133,6 +137,9 @@ class ExprPrinter:
     def select(self, c, a, b):
         return f"({a} if {c} else {b})"
 
+    def bitop(self, op, a, b):  # & | ^ of integers
+        return f"({a} {op} {b})"
+
     def array(self, name, index):
         return f"{name}[{self.p(index)}]"
 
@@ -186,6 +193,9 @@ class TorchPrinter(ExprPrinter):
 
     def select(self, c, a, b):
         return f"_where({c}, {a}, {b})"
+
+    def bitop(self, op, a, b):
+        return f"(_t({a}) {op} _t({b}))"
 
     def array(self, name, index):
         if index.is_Symbol and index.name in ("i", "j"):

@@ -15,8 +15,9 @@ is indexed:
   torch with the metadata by torch's indexing rules, read where its index is.
 
 Python ints (captured or global) are compile-time constants. The operations read are
-``& | ^ ~``, comparisons, ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``,
-``torch.minimum/maximum`` and the ``torch.logical_*`` functions. The head index ``h``, data-
+``& | ^ ~`` (of booleans and of integers), ``>> <<`` by constants, comparisons,
+``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``, ``torch.minimum/maximum`` and
+the ``torch.logical_*`` functions. The head index ``h``, data-
 dependent Python control flow and anything else are a NotImplementedError naming the construct
 and the source line. The translated rule is generated Python source (``mask.explain()`` shows it),
 split into one region per case of its row conditions (``torch.where(q_idx < n, ...)``): fewer
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.dsl.frontend import array_function, bool_xor
+from compilemask.dsl.frontend import array_function, bool_xor, int_bit_op, shift
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
@@ -278,6 +279,11 @@ def _arith(tr, op, a, b):
         return sp.floor(a / _divisor(tr, b, op))
     if op == "%":
         return sp.Mod(a, _divisor(tr, b, op))
+    if op in (">>", "<<"):
+        out = shift(op, a, b)
+        if isinstance(out, str):
+            raise tr.fail(out)
+        return out
     raise AssertionError(op)
 
 
@@ -296,8 +302,10 @@ def _compare(tr, op, a, b):
 
 def _logic(tr, op, a, b):
     a, b = _val(tr, a), _val(tr, b)
+    if not _is_bool(a) and not _is_bool(b):  # integers: the bit operation
+        return int_bit_op(op, a, b)
     if not (_is_bool(a) and _is_bool(b)):
-        raise tr.fail(f"'{op}' on integers (bitwise); '{op}' combines booleans only")
+        raise tr.fail(f"'{op}' of a boolean and an integer")
     if op == "&":
         return sp.And(a, b)
     if op == "|":
@@ -436,6 +444,8 @@ class _Sym(_Ops):
     __mul__, __rmul__ = _binop("*", _arith)
     __floordiv__, __rfloordiv__ = _binop("//", _arith)
     __mod__, __rmod__ = _binop("%", _arith)
+    __rshift__, __rrshift__ = _binop(">>", _arith)
+    __lshift__, __rlshift__ = _binop("<<", _arith)
     __and__, __rand__ = _binop("&", _logic)
     __or__, __ror__ = _binop("|", _logic)
     __xor__, __rxor__ = _binop("^", _logic)
@@ -461,7 +471,7 @@ class _Sym(_Ops):
     def __invert__(self):
         e = _val(self.tr, self)
         if not _is_bool(e):
-            raise self.tr.fail("'~' on an integer (bitwise not); '~' negates booleans only")
+            return _Sym(self.tr, -e - 1)  # bitwise not of an integer
         return _Sym(self.tr, sp.Not(e))
 
     def abs(self):

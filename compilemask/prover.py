@@ -14,6 +14,8 @@ from __future__ import annotations
 import sympy as sp
 import z3
 
+from compilemask.dsl.frontend import IntBitOp
+
 __all__ = ["Prover", "to_z3"]
 
 _TIMEOUT_MS = 500
@@ -94,6 +96,22 @@ def _to_z3(e, env: _Z3Env):
             v = to_z3(val, env)
             out = v if out is None else z3.If(to_z3(cond, env), v, out)
         return out
+    if isinstance(e, IntBitOp):
+        # uninterpreted (a claim proved for every function is true of the bit operation), with
+        # what holds for non-negative operands: a & b <= min(a, b), max(a, b) <= a | b <= a + b
+        name = f"int_{type(e).__name__}"
+        if name not in env.funcs:
+            env.funcs[name] = z3.Function(name, z3.IntSort(), z3.IntSort(), z3.IntSort())
+        a, b = (to_z3(x, env) for x in e.args)
+        r = env.funcs[name](a, b)
+        if e.op == "&":
+            held = z3.And(r >= 0, r <= a, r <= b)
+        elif e.op == "|":
+            held = z3.And(r >= a, r >= b, r <= a + b)
+        else:
+            held = z3.And(r >= 0, r <= a + b)
+        env.side.append(z3.Implies(z3.And(a >= 0, b >= 0), held))
+        return r
     if isinstance(e, sp.core.function.AppliedUndef):
         name = type(e).__name__
         if name not in env.funcs:

@@ -27,6 +27,12 @@ __all__ = [
     "rule_symbols",
     "array_function",
     "bool_xor",
+    "IntBitOp",
+    "BitAnd",
+    "BitOr",
+    "BitXor",
+    "int_bit_op",
+    "shift",
 ]
 
 _MAX_INLINE_DEPTH = 16
@@ -36,6 +42,64 @@ def bool_xor(a, b):
     """``a ^ b`` of booleans with And / Or / Not: sympy's Xor breaks inside a Piecewise
     condition, and the printers spell only those three."""
     return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
+
+
+class IntBitOp(sp.Function):
+    """``a & b``, ``a | b``, ``a ^ b`` of integers, as Python and torch's int64 compute them
+    (two's complement): opaque to the interval passes (an atom reading one in ``j`` stays a
+    predicate; one in ``i`` only is a row term the preprocess evaluates), spelled by every
+    printer, uninterpreted (with true bounds for non-negative operands) in the prover."""
+
+    is_integer = True
+    nargs = 2
+    op = ""
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_Integer and b.is_Integer:
+            return sp.Integer(cls.py(int(a), int(b)))
+        return None
+
+
+class BitAnd(IntBitOp):
+    op = "&"
+
+    @staticmethod
+    def py(a, b):
+        return a & b
+
+
+class BitOr(IntBitOp):
+    op = "|"
+
+    @staticmethod
+    def py(a, b):
+        return a | b
+
+
+class BitXor(IntBitOp):
+    op = "^"
+
+    @staticmethod
+    def py(a, b):
+        return a ^ b
+
+
+_INT_BIT_OPS = {"&": BitAnd, "|": BitOr, "^": BitXor}
+
+
+def int_bit_op(sym: str, a, b):
+    """The integer bit operation ``a sym b`` (``&``, ``|``, ``^``)."""
+    return _INT_BIT_OPS[sym](a, b)
+
+
+def shift(sym: str, a, k):
+    """``a >> k`` / ``a << k`` for a constant ``k`` in [0, 62]: exactly ``a // 2**k`` and
+    ``a * 2**k`` for every integer (Python's and torch's int64 rule), which the interval passes
+    read like any other quotient or product; the error message (a str) otherwise."""
+    if not (isinstance(k, sp.Integer) or isinstance(k, int)) or not 0 <= int(k) <= 62:
+        return f"shift by {k}: a constant in [0, 62]"
+    return sp.floor(a / 2 ** int(k)) if sym == ">>" else a * 2 ** int(k)
 
 
 _BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", bool_xor)}
@@ -356,8 +420,7 @@ class _Translator:
                 # logical not on booleans, as on torch bool tensors; on an int it is bitwise
                 if _is_bool(v):
                     return sp.Not(v)
-                raise self.unsupported(node, "'~' on an integer (bitwise not): '~' negates "
-                                             "booleans only, e.g. ~(j < i)")
+                return -self.integer(v, node) - 1  # on an integer: bitwise not, -v - 1
             if isinstance(node.op, ast.USub):
                 return -self.integer(v, node)
             if isinstance(node.op, ast.UAdd):
@@ -392,8 +455,10 @@ class _Translator:
         sym, combine = _BOOL_OPS_SYM[type(node.op)]
         if _is_bool(a) and _is_bool(b):
             return combine(a, b)
-        raise self.unsupported(node, f"'{sym}' on integers (bitwise): '{sym}' combines booleans "
-                                     f"only; parenthesize comparisons, e.g. (j < i) {sym} (j > 2)")
+        if not _is_bool(a) and not _is_bool(b):  # integers: the bit operation
+            return int_bit_op(sym, self.integer(a, node.left), self.integer(b, node.right))
+        raise self.unsupported(node, f"'{sym}' of a boolean and an integer: parenthesize "
+                                     f"comparisons, e.g. (j < i) {sym} (j > 2)")
 
     def binop(self, op, a, b, node):
         if isinstance(op, ast.Add):
@@ -407,6 +472,11 @@ class _Translator:
             return sp.floor(a / b) if isinstance(op, ast.FloorDiv) else sp.Mod(a, b)
         if isinstance(op, ast.Div):
             raise self.unsupported(node, "true division '/' (use '//')")
+        if isinstance(op, (ast.RShift, ast.LShift)):
+            out = shift(">>" if isinstance(op, ast.RShift) else "<<", a, b)
+            if isinstance(out, str):
+                raise self.unsupported(node, out)
+            return out
         raise self.unsupported(node, f"operator '{type(op).__name__}'")
 
     def check_divisor(self, b, node):

@@ -16,6 +16,7 @@ import pytest
 import sympy
 
 from compilemask.codegen.cute_predicate import predicate_source
+from compilemask.dsl.frontend import BitAnd, BitOr, BitXor
 
 i, j, p = sympy.symbols("i j p", integer=True)
 
@@ -28,6 +29,9 @@ EXPRS = [
     sympy.Eq(sympy.Mod(i - j, 3), 1),  # not a divisibility test: the floor remainder
     sympy.And(j <= i, sympy.Eq(sympy.Mod(i - j, 2), 0)),
     sympy.Or(j < p, sympy.floor((i - j) / p) >= 1),
+    sympy.Eq(BitAnd(i - j, 3), 0),  # integer bit operations, negative operands included
+    sympy.Lt(BitXor(i, j), p),
+    sympy.And(j <= i, sympy.Ge(BitOr(i, 2 * j), 5)),
 ]
 
 

@@ -169,16 +169,32 @@ def _fa4_fake_env():
 @sweep("name,head_dim", [("hstu", 64), ("hstu", 128), ("clear", 128), ("dilated_causal", 128)],
        default=[("hstu", 128)])
 def test_mask_mod_compiles_in_fa4_forward_and_backward(name, head_dim):
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    gen = torch.Generator().manual_seed(0)
+    _compiles_in_fa4(mask, masks.random_meta(mask.spec, 2, 300, gen), head_dim)
+
+
+@pytest.mark.slow  # kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_bit_operation_predicate_compiles_in_fa4():
+    """A predicate with integer bit operations (Int32 & | ^ in the generated mask_mod)."""
+    def sees(i, j):
+        return j <= i and ((i ^ j) & 3) != (i | 1) % 4
+
+    spec = cm.MaskSpec("bit_predicate", params=[], regions=[
+        cm.Region("all", when=lambda i: i >= 0, visible=sees)])
+    _compiles_in_fa4(cm.compile_mask(spec), {}, 128)
+
+
+def _compiles_in_fa4(mask, meta, head_dim):
     _fa4_fake_env()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compilemask.codegen.cute_mask_mod import mask_mod
     from compilemask.kernels import fa4
 
-    mask = cm.compile_mask(masks.EXAMPLES[name]())
     B, S, H, D = 2, 300, 4, head_dim
-    gen = torch.Generator().manual_seed(0)
-    desc = mask.preprocess(masks.random_meta(mask.spec, B, S, gen), seqlen_q=S)
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
     lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64" if D == 128 else "bwd128")}
     mm = mask_mod(mask)
     assert mm is mask_mod(mask)  # cached by the mask's key
