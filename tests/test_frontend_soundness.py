@@ -202,19 +202,38 @@ def test_bitwise_operators_on_booleans_are_logical():
         _assert_exact(mask, {"a": a}, sq=20)
 
 
-def test_bitwise_operators_on_integers_are_errors():
+def test_bitwise_operators_on_integers_are_bit_operations():
+    """On integers ``& | ^ ~`` are Python's bit operations and ``>> <<`` by constants shifts;
+    a boolean mixed with an integer, or a shift by a variable, is an error naming it."""
+    for rule in (lambda i, j: j < (i & 3), lambda i, j: (j | 1) < i, lambda i, j: j < ~i + 9,
+                 lambda i, j: (j >> 1) == (i >> 1)):
+        mask = _compile(rule)
+        desc = mask.preprocess({}, seqlen_q=20, seqlen_k=20)
+        assert torch.equal(desc.dense_mask()[0], _grid(rule, 20, 20))
     with pytest.raises(NotImplementedError, match=r"test_frontend_soundness.py:\d+\): "
-                       r"unsupported '&' on integers \(bitwise\)"):
-        _compile(lambda i, j: j < (i & 3))
-    with pytest.raises(NotImplementedError, match=r"unsupported '\|' on integers"):
-        _compile(lambda i, j: (j | 1) < i)
-    with pytest.raises(NotImplementedError, match=r"unsupported '~' on an integer \(bitwise not\)"):
-        _compile(lambda i, j: j < ~i)
-    # precedence: & binds tighter than <=, so this is j <= (i & j) > 2
-    with pytest.raises(NotImplementedError, match="parenthesize comparisons"):
-        _compile(lambda i, j: j <= i & j > 2)
-    with pytest.raises(NotImplementedError, match=r"unsupported '&' on integers"):
+                       r"unsupported '&' of a boolean and an integer"):
         _compile(lambda i, j: (j < i) & 1)
+    with pytest.raises(NotImplementedError, match=r"shift by j: a constant in \[0, 62\]"):
+        _compile(lambda i, j: (i >> j) == 0)
+
+
+_int_term = st.sampled_from(["j", "(j & 5)", "(i ^ j)", "(j | i)", "(j >> 1)", "(j << 2)",
+                             "(~j + 40)", "((i - j) & 7)"])
+_int_atom = st.tuples(_int_term, st.sampled_from(["<", "<=", ">", ">=", "==", "!="]),
+                      st.sampled_from(["i", "a", "3", "(i & a)", "(i >> 2)"])).map(
+    lambda t: f"({t[0]} {t[1]} {t[2]})")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=st.recursive(_int_atom, lambda b: st.tuples(b, st.sampled_from(["&", "|", "^"]), b)
+                         .map(lambda t: f"({t[0]} {t[1]} {t[2]})"), max_leaves=3),
+       sq=st.integers(1, 30), sk=st.integers(1, 30), a=st.integers(0, 30))
+def test_random_integer_bit_rules_match_torch_semantics(rule, sq, sk, a):
+    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
+    mask = _compile(ns["visible"], params=["a"])
+    desc = mask.preprocess({"a": a}, seqlen_q=sq, seqlen_k=sk)
+    want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
+    assert torch.equal(desc.dense_mask()[0], want), rule
 
 
 _cmp_atom = st.tuples(st.sampled_from(["j", "j + 2", "2 * j", "j // 3"]), _cmp, _rhs).map(

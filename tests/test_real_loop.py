@@ -83,34 +83,6 @@ def test_first_use_compiles_the_programs_at_once(tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
-def test_grouped_lists_equal_the_reference_on_cpu():
-    """The descriptor's kinds, one program per read (by rows: fwd and bwd64; by columns:
-    bwd128), laid out in one buffer: each kind's view equals the torch reference."""
-    pytest.importorskip("tilelang")
-    from compilemask.blocksparse import descriptor_lists
-
-    mask = cm.compile_mask(EXAMPLES["hstu"]())
-    cfg = tlb.ListsConfig(threads=32, tpr=8, tpr_transposed=8)
-    for B, S in ((2, 700), (1, 129)):
-        d = mask.preprocess(random_meta(mask.spec, B, S, torch.Generator().manual_seed(S)), S,
-                            batch_size=B, backend="torch")
-        packed = tlb.packed_lists(d.fwd_bitmap, d.bwd_bitmap, d.fwd_tiles, d.bwd_tiles, S, S,
-                                  config=cfg)
-        assert packed.kinds == pipeline.LIST_KINDS_FA4
-        assert packed.buffer.numel() == B * sum(2 * r * (c + 1)
-                                                for _, r, c in packed.layout.values())
-        for kind in packed.kinds:
-            want, got = descriptor_lists(d, kind), packed.view(kind)
-            for w, g in zip((want.mask_cnt, want.full_cnt), (got.mask_cnt, got.full_cnt)):
-                assert torch.equal(w, g), (kind, B, S)
-            for cnt, w, g in ((want.mask_cnt, want.mask_idx, got.mask_idx),
-                              (want.full_cnt, want.full_idx, got.full_idx)):
-                n = cnt.reshape(-1)
-                w, g = w.reshape(n.numel(), -1), g.reshape(n.numel(), -1)
-                for r in range(n.numel()):
-                    assert torch.equal(w[r, :n[r]], g[r, :n[r]]), (kind, B, S, r)
-
-
 def test_descriptor_moves_once_per_device():
     """A descriptor made on one device is copied to another once (kept with it), not per call."""
     mask = cm.compile_mask(sink_window())
