@@ -171,7 +171,42 @@ class _Profiles:
         print("\n".join(lines[:16]), flush=True)
 
 
-def loop(name, steps, seed, phases=False, profiles=None):
+class _KernelProfiles:
+    """--kernel-profile: device time per kernel (torch.profiler's CUDA activity) over the cold
+    steps against as many warm ones, to tell which kernel a cold step spends longer in."""
+
+    def __init__(self, on):
+        self.on = on
+        self.totals = {"cold": {}, "warm": {}}
+
+    def run(self, which, fn):
+        if not self.on:
+            return fn()
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()  # (the CPU's activity only to try this out there)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            out = fn()
+        for ev in prof.key_averages():
+            t = (getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                 if cuda else ev.cpu_time_total)
+            if t:
+                self.totals[which][ev.key] = self.totals[which].get(ev.key, 0.0) + t
+        return out
+
+    def report(self, path, top=25):
+        if not self.on:
+            return
+        cold, warm = self.totals["cold"], self.totals["warm"]
+        rows = sorted(set(cold) | set(warm), key=lambda k: -(cold.get(k, 0) - warm.get(k, 0)))
+        lines = ["device us, cold - warm | cold | warm | kernel"]
+        lines += [f"{cold.get(k, 0) - warm.get(k, 0):10.1f} | {cold.get(k, 0):10.1f} | "
+                  f"{warm.get(k, 0):10.1f} | {k[:100]}" for k in rows[:top]]
+        Path(path).write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:16]), flush=True)
+
+
+def loop(name, steps, seed, phases=False, profiles=None, kernels=None):
     rng = random.Random(seed)
     spec = SPECS[name]()
     t0 = time.perf_counter()
@@ -188,8 +223,10 @@ def loop(name, steps, seed, phases=False, profiles=None):
         before = _keys()
         cold_parts, warm_parts = ([] if phases else None), ([] if phases else None)
         prof = profiles or _Profiles(False)
-        cold = prof.run(prof.cold if n else None,
-                        lambda: timed(lambda: step(mask, meta, S, B, qkv, cold_parts)))
+        kprof = kernels if (kernels is not None and n) else _KernelProfiles(False)
+        cold = kprof.run("cold", lambda: prof.run(
+            prof.cold if n else None,
+            lambda: timed(lambda: step(mask, meta, S, B, qkv, cold_parts))))
         compiled = _new_keys(before, _keys())
         # the same step at a now warm length, after the same host work (the GPU as idle as
         # before the cold step), and right after another step (the GPU busy)
@@ -201,6 +238,7 @@ def loop(name, steps, seed, phases=False, profiles=None):
         warm_busy = min(timed(lambda: step(mask, meta, S, B, qkv)) for _ in range(2))
         if n:  # as many warm steps profiled as cold ones
             prof.run(prof.warm, lambda: timed(lambda: step(mask, meta, S, B, qkv)))
+            kprof.run("warm", lambda: timed(lambda: step(mask, meta, S, B, qkv)))
         if phases:  # preprocess, forward, backward, each synchronized, cold then warm
             timed(lambda: step(mask, meta, S, B, qkv, warm_parts))
         rows.append({"step": n, "S": S, "B": B, "host_gap_s": gap, "cold_s": cold,
@@ -313,6 +351,8 @@ def main(argv=None):
                     help="preprocess(max_segments=N): segments masks without host sync")
     ap.add_argument("--profile", action="store_true",
                     help="host profile of the cold steps against as many warm ones")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="device time per kernel of the cold steps against as many warm ones")
     ap.add_argument("--phases", action="store_true",
                     help="also time preprocess, forward and backward of each step apart")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -333,8 +373,10 @@ def main(argv=None):
         global MAX_SEGMENTS
         MAX_SEGMENTS = args.max_segments
         profiles = _Profiles(args.profile)
-        r = loop(name, args.steps, args.seed, args.phases, profiles)
+        kernels = _KernelProfiles(args.kernel_profile)
+        r = loop(name, args.steps, args.seed, args.phases, profiles, kernels)
         profiles.report(out / f"profile_{name}.txt")
+        kernels.report(out / f"kernels_{name}.txt")
         results.append(r)
         w = r["worst_step"] or {}
         later = sorted(x["ratio"] for x in r["steps"][1:]) or [float("nan")]

@@ -241,11 +241,12 @@ for r in rows:
     M="--masks packed_documents --steps ${STEPS:-50}"
     OUT=$L step seg_plain 120 python3 bench/dynamic_loop.py $M --out "$L/plain"
     OUT=$L step seg_phases 120 python3 bench/dynamic_loop.py $M --phases --profile --out "$L/phases"
+    OUT=$L step seg_kernels 150 python3 bench/dynamic_loop.py $M --kernel-profile --out "$L/kernels"
     OUT=$L step seg_maxseg 120 python3 bench/dynamic_loop.py $M --max-segments 1024 --out "$L/maxseg"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OUT=$L step seg_expandable 120 \
       python3 bench/dynamic_loop.py $M --out "$L/expandable"
     for v in plain phases maxseg expandable; do echo "$v $(grep -h '^| packed' $L/$v/*.md)"; done
-    head -20 $L/phases/profile_packed_documents.txt
+    head -20 $L/phases/profile_packed_documents.txt; head -16 $L/kernels/kernels_packed_documents.txt
     tar czf "$OUT/loop_segments.tar.gz" -C "$L" .
     ;;
   *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments"; exit 2 ;;
