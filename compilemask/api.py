@@ -11,6 +11,7 @@ from compilemask.kernels.fa4 import why_unavailable
 from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
 from compilemask.pipeline import on_device
+from compilemask.reference import attention_reference, descriptor_dense_mask
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
@@ -114,7 +115,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
 
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
-              options: KernelOptions | None = None):
+              options: KernelOptions | None = None, score_mod=None):
     """Masked attention driven by an Execution Descriptor.
 
     Layouts follow FlashAttention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` with
@@ -128,7 +129,11 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     block-sparse kernels driven by the descriptor), ``"cute"`` (this package's CuTe kernels) or
     ``"reference"`` (dense float32, any device). ``deterministic=True``: gradients identical run
     to run. ``options``: variants of the ``cute`` kernels (:class:`compilemask.KernelOptions`;
-    None: ``default_options`` for the call); the other engines ignore them."""
+    None: ``default_options`` for the call); the other engines ignore them. ``score_mod``: a
+    FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled scores
+    before the mask, as written (``compilemask.reference.apply_score_mod``); it runs on the
+    reference engine, where gradients flow into what it captures too, and a GPU call with it
+    raises unless ``backend="reference"``."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if options is not None and not isinstance(options, KernelOptions):
@@ -137,5 +142,18 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     _validate(q, k, v, desc)
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic)
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
+                            f"kv_idx), got {type(score_mod).__name__}")
+        if engine != "reference":
+            raise NotImplementedError(
+                f"cm.attention: score_mod runs on the reference engine only (the {engine} "
+                "engine's generated score_mod is not built); pass backend='reference' for the "
+                "dense O(S^2) path")
+        out = attention_reference(q, k, v, descriptor_dense_mask(desc),
+                                  softmax_scale=softmax_scale, return_lse=return_lse,
+                                  score_mod=score_mod)
+        return out
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options)

@@ -140,8 +140,24 @@ def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
     return out
 
 
-def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False):
-    """Dense masked attention in float32: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], mask [B, Sq, Sk].
+def apply_score_mod(s, score_mod):
+    """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` on scaled scores ``s`` [B, H,
+    Sq, Sk]: called once with index tensors broadcast along their own axis (int64), so every
+    elementwise torch expression and gather of it computes what Flex computes per score."""
+    B, H, Sq, Sk = s.shape
+    dev = s.device
+    idx = [torch.arange(n, device=dev).view(shape) for n, shape in (
+        (B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (Sq, (1, 1, Sq, 1)), (Sk, (1, 1, 1, Sk)))]
+    out = score_mod(s, *idx)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
+    return torch.broadcast_to(out.to(s.dtype), s.shape)
+
+
+def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False,
+                        score_mod=None):
+    """Dense masked attention in float32: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], mask [B, Sq, Sk];
+    ``score_mod`` (FlexAttention's) applied to the scaled scores before the mask.
 
     Rows that see nothing give O = 0 and LSE = -inf (never NaN); differentiable."""
     B, Sq, H, D = q.shape
@@ -153,6 +169,8 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
         kf = kf.repeat_interleave(H // Hkv, dim=1)
         vf = vf.repeat_interleave(H // Hkv, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        s = apply_score_mod(s, score_mod)
     m = dense_mask.to(s.device).unsqueeze(1)
     s = s.masked_fill(~m, float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
