@@ -247,6 +247,7 @@ def run_plan(words, pl, rows: int, cols: int) -> BlockSparseLists:
     return PackedLists(buf, words.shape[0], {"k": (mp.offsets(dims)[0], rows, cols)}).view("k")
 
 
+@pytest.mark.slow  # one-kind programs of their own; the descriptor's are the packed test's
 @pytest.mark.parametrize("name", NAMES)
 def test_c_target_equals_reference(masks, name):
     for B, sq, sk in shapes_for(masks[name], TL_SHAPES):

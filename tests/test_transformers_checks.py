@@ -333,3 +333,32 @@ def test_windows_longer_than_the_sequence_change_nothing(name):
     real = torch.ones(B, S, dtype=torch.bool)
     _assert_same(_real_rows_run(ref, ids, real),
                  _real_rows_run(mod, ids, real, compilemask_desc=_desc(causal())))
+
+
+# ---- logit softcapping (Gemma 2) --------------------------------------------------------------
+
+def test_gemma2_softcap_and_sliding_layers_match_eager(name):
+    """Gemma 2: every layer softcaps its logits (``attn_logit_softcapping``, run as a score_mod
+    on the reference engine) and every other layer slides; logits and gradients as the model's
+    own eager attention."""
+    if not hasattr(transformers, "Gemma2Config"):
+        pytest.skip("this transformers has no Gemma 2")
+    config = transformers.Gemma2Config(
+        **{**BASE, "head_dim": 16}, sliding_window=W, attn_logit_softcapping=20.0,
+        final_logit_softcapping=30.0, query_pre_attn_scalar=16, attention_dropout=0.0)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                        attn_implementation="eager")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    assert {cm_hf.layer_type(m) for m in mod.modules() if hasattr(m, "sliding_window")} == {
+        "full_attention", "sliding_attention"}
+    ids = _ids(12)
+    real = torch.ones(B, S, dtype=torch.bool)
+    descs = {"full_attention": _desc(causal()), "sliding_attention": _desc(sliding_window(W))}
+    _assert_same(_real_rows_run(ref, ids, real),
+                 _real_rows_run(mod, ids, real, compilemask_desc=descs))
+    with pytest.raises(ValueError, match="sliding window"):  # each layer's window still checked
+        mod(ids, compilemask_desc={"full_attention": descs["full_attention"],
+                                   "sliding_attention": descs["full_attention"]})

@@ -17,6 +17,8 @@ The mask is the descriptor's, with two things the model has a say in:
   is refused (put it in the mask's metadata, e.g. HSTU's ``seq_end``). An all-ones mask is
   dropped before any layer (one look on the host, as transformers' own masks take; under
   tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
+* softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``,
+  which runs on the reference engine (a GPU call refuses it, naming the score_mod).
 * sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
   the call, or of a ``"sliding_attention"`` layer's config) only takes a descriptor whose mask
   is proven to stay within that window (``within_window``: its native pattern, else z3 over its
@@ -264,7 +266,7 @@ def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int) -> None:
         f"custom mask takes the window as a rule, e.g. `and j > i - {window}`)")
 
 
-def _padded_reference(query, key, value, desc, keep, scaling, deterministic):
+def _padded_reference(query, key, value, desc, keep, scaling, deterministic, score_mod=None):
     """Attention with the padded keys hidden from every row: the descriptor's dense mask and
     the padding combined, on the reference path only (the GPU engines read the descriptor
     alone, and a dense mask per layer there is what they exist to avoid)."""
@@ -284,7 +286,7 @@ def _padded_reference(query, key, value, desc, keep, scaling, deterministic):
             "CUDA-graph capture, where it cannot be looked at: leave it out there.)")
     dense = desc.dense_mask()
     dense = dense & keep.to(dense.device)[:, None, :]
-    return attention_reference(q, k, v, dense, softmax_scale=scaling)
+    return attention_reference(q, k, v, dense, softmax_scale=scaling, score_mod=score_mod)
 
 
 def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, deterministic):
@@ -298,9 +300,10 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         raise NotImplementedError(f"compilemask attention has no attention dropout (the model "
                                   f"asks for {dropout}): set the config's attention_dropout to 0")
     # features that change the scores: better an error than a silently different model
-    for name in ("softcap", "s_aux", "sinks", "position_bias"):
+    for name in ("s_aux", "sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"compilemask attention does not support {name!r}")
+    score_mod = _softcap(kwargs.get("softcap"))
     window = layer_window(module, kwargs)
     if cp is not None:
         plan, group = _cp_arg(cp)
@@ -323,8 +326,21 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         return out, None
     _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
-        return _padded_reference(query, key, value, desc, keep, scaling, deterministic), None
+        return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
+                                 score_mod), None
     # [B, H, S, D] -> [B, S, H, D] as views: the layout cm.attention and FlashAttention take
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), desc,
-                    softmax_scale=scaling, deterministic=deterministic)
+                    softmax_scale=scaling, deterministic=deterministic, score_mod=score_mod)
     return out, None
+
+
+def _softcap(cap):
+    """A layer's logit softcapping (Gemma 2) as the score_mod ``cap * tanh(score / cap)``."""
+    if cap is None:
+        return None
+    cap = float(cap)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return softcap
