@@ -151,9 +151,8 @@ def test_dict_of_descriptors_by_layer_type(name):
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(2))
     ref_run = _loss_and_grads(ref, ids)
     _assert_same(ref_run, _loss_and_grads(mod, ids, compilemask_desc=descs))
-    # causal everywhere would run the sliding layer unwindowed: refused, not a different model
-    with pytest.raises(ValueError, match="layer 1 .*sliding window of 9"):
-        mod(ids, compilemask_desc=descs["full_attention"])
+    # causal everywhere: the sliding layer combines it with its window, the same model
+    _assert_same(ref_run, _loss_and_grads(mod, ids, compilemask_desc=descs["full_attention"]))
     with pytest.raises(ValueError, match="sliding_attention"):
         mod(ids, compilemask_desc={"full_attention": descs["full_attention"]})
 

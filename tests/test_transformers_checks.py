@@ -209,22 +209,23 @@ def test_qwen2_layer_types_are_the_models(name):
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
-def test_causal_descriptor_on_a_sliding_layer_is_refused(name, family):
-    """A sliding layer given full causal attention would run a different model: refused, naming
-    the layer, its window and what to pass."""
+def test_causal_descriptor_on_a_sliding_layer_takes_the_layers_window(name, family):
+    """A sliding layer given a mask not proven within its window runs the mask and its window
+    combined (the descriptor made once per batch from the same metadata): the model's own
+    sliding masks, logits and gradients, without restating the window."""
     config = {"mistral": lambda: FAMILIES["mistral"](sliding_window=W),
               "qwen2": _qwen2_sliding,
               "qwen3": lambda: FAMILIES["qwen3"](use_sliding_window=True, sliding_window=W,
                                                  max_window_layers=1)}[family]()
-    _, mod = _models(name, config)
+    ref, mod = _models(name, config)
     ids, desc = _ids(8), _desc(causal())
-    layer = 0 if family == "mistral" else 1
-    kind = cm_hf.layer_type(mod.model.layers[layer].self_attn)
-    with pytest.raises(ValueError, match=rf"layer {layer} .*sliding window of {W} .*"
-                                         rf"compilemask_desc=.*'{kind}'.*sliding_window\({W}\)"):
-        mod(ids, compilemask_desc=desc)
-    with pytest.raises(ValueError, match="sliding window"):  # the dict form is checked as well
-        mod(ids, compilemask_desc={"full_attention": desc, "sliding_attention": desc})
+    real = torch.ones(B, S, dtype=torch.bool)
+    _assert_same(_real_rows_run(ref, ids, real),
+                 _real_rows_run(mod, ids, real, compilemask_desc=desc))
+    windowed = cm_hf.windowed_descriptor(desc, W)
+    assert windowed is cm_hf.windowed_descriptor(desc, W)  # once per descriptor and window
+    assert cm_hf.within_window(windowed.mask, W, True)
+    assert torch.equal(windowed.dense_mask(), _desc(sliding_window(W)).dense_mask())
 
 
 def test_mistral_with_a_window_descriptor_matches_sdpa(name):
@@ -281,18 +282,27 @@ def test_masks_within_the_window_are_accepted(name):
         assert cm_hf.within_window(desc.mask, W, True)
         _assert_same(_real_rows_run(ref, ids, real, attention_mask=desc.dense_mask()[:, None]),
                      _real_rows_run(mod, ids, real, compilemask_desc=desc))
-    with pytest.raises(ValueError, match="sliding window"):  # not windowed: sees the whole doc
-        mod(ids, compilemask_desc=_desc(docs, {"doc_start": starts.expand(B, S)}))
+    # not windowed (sees the whole document): the documents within the window
+    desc = _desc(docs, {"doc_start": starts.expand(B, S)})
+    assert not cm_hf.within_window(desc.mask, W, True)
+    dense = desc.dense_mask() & _desc(sliding_window(W)).dense_mask()
+    _assert_same(_real_rows_run(ref, ids, real, attention_mask=dense[:, None]),
+                 _real_rows_run(mod, ids, real, compilemask_desc=desc))
 
 
-def test_masks_beyond_the_window_are_refused(name):
-    _, mod = _models(name, FAMILIES["mistral"](sliding_window=W))
-    ids = _ids(13)
+def test_masks_beyond_the_window_take_the_window(name):
+    """A wider window and HSTU on a sliding layer: each mask within the layer's window, its
+    metadata read back from the descriptor (params and per-row arrays)."""
+    ref, mod = _models(name, FAMILIES["mistral"](sliding_window=W))
+    ids = _ids(13)[:1]
+    real = torch.ones(1, S, dtype=torch.bool)
     meta = {"ctx_end": torch.tensor([0]), "hist_end": torch.tensor([20]),
-            "seq_end": torch.tensor([29]), "group_size": torch.tensor([4])}
-    for desc in (_desc(sliding_window(W + 1)), _desc(hstu(), meta, batch=1)):
-        with pytest.raises(ValueError, match="sliding window of 9"):
-            mod(ids[:1], compilemask_desc=desc)
+            "seq_end": torch.tensor([27]), "group_size": torch.tensor([4])}
+    window = _desc(sliding_window(W), batch=1).dense_mask()
+    for desc in (_desc(sliding_window(W + 1), batch=1), _desc(hstu(), meta, batch=1)):
+        dense = desc.dense_mask() & window
+        _assert_same(_real_rows_run(ref, ids, real, attention_mask=dense[:, None]),
+                     _real_rows_run(mod, ids, real, compilemask_desc=desc))
 
 
 def test_window_proofs():
@@ -359,6 +369,6 @@ def test_gemma2_softcap_and_sliding_layers_match_eager(name):
     descs = {"full_attention": _desc(causal()), "sliding_attention": _desc(sliding_window(W))}
     _assert_same(_real_rows_run(ref, ids, real),
                  _real_rows_run(mod, ids, real, compilemask_desc=descs))
-    with pytest.raises(ValueError, match="sliding window"):  # each layer's window still checked
-        mod(ids, compilemask_desc={"full_attention": descs["full_attention"],
-                                   "sliding_attention": descs["full_attention"]})
+    # one causal descriptor: the sliding layers take their window from the model
+    _assert_same(_real_rows_run(ref, ids, real),
+                 _real_rows_run(mod, ids, real, compilemask_desc=descs["full_attention"]))

@@ -20,10 +20,13 @@ The mask is the descriptor's, with two things the model has a say in:
 * softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``,
   which runs on the reference engine (a GPU call refuses it, naming the score_mod).
 * sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
-  the call, or of a ``"sliding_attention"`` layer's config) only takes a descriptor whose mask
-  is proven to stay within that window (``within_window``: its native pattern, else z3 over its
-  rules), unless the sequence is no longer than the window; anything else is refused, naming
-  the layer.
+  the call, or of a ``"sliding_attention"`` layer's config) runs the descriptor as it is where
+  its mask is proven to stay within that window (``within_window``: its native pattern, else z3
+  over its rules) or the sequence is no longer than the window; otherwise the mask and the
+  window combined (``windowed_descriptor``: every rule also ``j > i - window``, preprocessed
+  once per batch from the descriptor's own metadata and kept with it). Under torch.compile, or
+  with queries and keys of different lengths, an unproven descriptor is refused, naming the
+  layer.
 
 Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.distributed``
 plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
@@ -38,21 +41,24 @@ model is per token, so feeding it the rank's tokens with their global positions 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import torch
 
 from compilemask.api import _validate, attention, select_engine
+from compilemask.compiled import compile_mask
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.distributed import CPPlan, cp_attention, shard
+from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
 from compilemask.native import _run_axioms, _visible_expr
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
-           "key_padding_mask", "layer_window", "within_window", "shard_inputs", "DESC_KWARG",
-           "CP_KWARG"]
+           "key_padding_mask", "layer_window", "within_window", "windowed_mask",
+           "windowed_descriptor", "shard_inputs", "DESC_KWARG", "CP_KWARG"]
 
 DESC_KWARG = "compilemask_desc"
 CP_KWARG = "compilemask_cp"
@@ -246,24 +252,71 @@ def _within_window(mask, window, square) -> bool:
         return False
 
 
-def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int) -> None:
-    """Refuse a descriptor that lets a row of a sliding-window layer see past the window: the
-    model would silently run as another model. Accepted only where it is proven."""
+def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int):
+    """The descriptor a sliding-window layer runs: ``desc`` where its mask is proven to stay
+    within the window, else the descriptor of the mask and the window combined (the same rules
+    and metadata, every region's rule also ``j > i - window``), made once per (descriptor,
+    window) and kept with the descriptor. Under torch.compile, where no descriptor can be made,
+    an unproven one is refused: the model would silently run as another model."""
     if window is None or max(seqlen_q, seqlen_k) <= window:
-        return  # no key is ``window`` or more away from any row
+        return desc  # no key is ``window`` or more away from any row
     if within_window(desc.mask, window, seqlen_q == seqlen_k):
-        return
+        return desc
+    if seqlen_q == seqlen_k and not torch.compiler.is_compiling():
+        return windowed_descriptor(desc, window)
     kind = layer_type(module)
     pat = desc.mask.native_pattern
     how = pat.describe() if pat is not None else "not a native pattern"
     raise ValueError(
         f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} ({kind!r}) attends "
         f"within a sliding window of {window} keys (row i sees keys > i - {window}), and its "
-        f"descriptor's mask {desc.mask.name!r} ({how}) is not proven to stay within it. Give "
-        f"this layer a descriptor whose mask includes the window, e.g. {DESC_KWARG}="
+        f"descriptor's mask {desc.mask.name!r} ({how}) is not proven to stay within it"
+        f"{' (under torch.compile no combined descriptor is made)' if seqlen_q == seqlen_k else ''}"
+        f". Give this layer a descriptor whose mask includes the window, e.g. {DESC_KWARG}="
         f"{{'{kind}': compile_mask(sliding_window({window})).preprocess(meta, seqlen_q=S), "
         f"...}} (one descriptor per layer type; sliding_window from compilemask.masks; a "
         f"custom mask takes the window as a rule, e.g. `and j > i - {window}`)")
+
+
+_WINDOWED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def windowed_mask(mask, window: int):
+    """``mask`` with every region's rule also ``j > i - window`` (compiled, cached by key)."""
+    def within(visible):
+        def visible_in_window(i, j):
+            return visible(i, j) and j > i - window
+        return visible_in_window
+
+    spec = mask.spec
+    return compile_mask(MaskSpec(f"{spec.name}_window{window}", params=list(spec.params),
+                                 regions=[Region(r.name, when=r.when, visible=within(r.visible))
+                                          for r in spec.regions]))
+
+
+def windowed_descriptor(desc, window: int):
+    """The descriptor of ``desc``'s mask within ``window`` for the same batch: its metadata
+    read back from ``desc`` (its params and per-row arrays, on its device: no host sync)."""
+    per = _WINDOWED.setdefault(desc, {})
+    got = per.get(window)
+    if got is None:
+        mask = desc.mask
+        meta = {p: desc.params[:, n] for n, p in enumerate(mask.scalar_params)
+                if p in mask.spec.params}
+        meta.update({a: desc.row_params[:, :, n] for n, a in enumerate(mask.array_params)
+                     if a in mask.spec.params})
+        got = per[window] = windowed_mask(mask, window).preprocess(
+            meta, desc.seqlen_q, desc.seqlen_k, batch_size=desc.batch_size, device=desc.device)
+    return got
+
+
+def _refuse_unproven_window(module, desc, window, seqlen):
+    """Under context parallelism the rank's shard descriptor cannot be rebuilt here."""
+    if window is not None and seqlen > window and not within_window(desc.mask, window, True):
+        raise ValueError(f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} "
+                         f"attends within a sliding window of {window} keys and the shard "
+                         f"descriptor's mask {desc.mask.name!r} is not proven to stay within it: "
+                         f"shard a mask that includes the window (e.g. `and j > i - {window}`)")
 
 
 def _padded_reference(query, key, value, desc, keep, scaling, deterministic, score_mod=None):
@@ -312,7 +365,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
                 f"{CP_KWARG}: the attention_mask has padding, and context parallelism reads the "
                 f"mask from {DESC_KWARG} alone: put the padding in the mask's rules and metadata "
                 "and leave attention_mask out")
-        _check_window(module, desc, window, plan.seqlen, plan.seqlen)
+        _refuse_unproven_window(module, desc, window, plan.seqlen)
         n = query.shape[2]
         if n != plan.local_len:
             raise ValueError(f"{CP_KWARG}: the model got {n} tokens, the plan gives each rank "
@@ -324,7 +377,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                            desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
         return out, None
-    _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
+    desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
         return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
                                  score_mod), None
