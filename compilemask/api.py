@@ -115,7 +115,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
 
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
-              options: KernelOptions | None = None, score_mod=None):
+              options: KernelOptions | None = None, score_mod=None, learnable_sink=None):
     """Masked attention driven by an Execution Descriptor.
 
     Layouts follow FlashAttention: ``q [B, Sq, H, D]``, ``k, v [B, Sk, Hkv, D]`` with
@@ -133,7 +133,9 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled scores
     before the mask, as written (``compilemask.reference.apply_score_mod``); it runs on the
     reference engine, where gradients flow into what it captures too, and a GPU call with it
-    raises unless ``backend="reference"``."""
+    raises unless ``backend="reference"``. ``learnable_sink``: a per-head logit ``[H]`` in every
+    row's softmax with no value (gpt-oss's sinks; LSE includes it), likewise on the reference
+    engine for now."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if options is not None and not isinstance(options, KernelOptions):
@@ -142,18 +144,21 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     _validate(q, k, v, desc)
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic)
-    if score_mod is not None:
-        if not callable(score_mod):
+    if score_mod is not None or learnable_sink is not None:
+        if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
                             f"kv_idx), got {type(score_mod).__name__}")
+        if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
+            raise TypeError(f"learnable_sink must be a [H] tensor, got "
+                            f"{type(learnable_sink).__name__}")
+        what = "score_mod" if score_mod is not None else "learnable_sink"
         if engine != "reference":
             raise NotImplementedError(
-                f"cm.attention: score_mod runs on the reference engine only (the {engine} "
-                "engine's generated score_mod is not built); pass backend='reference' for the "
-                "dense O(S^2) path")
-        out = attention_reference(q, k, v, descriptor_dense_mask(desc),
-                                  softmax_scale=softmax_scale, return_lse=return_lse,
-                                  score_mod=score_mod)
-        return out
+                f"cm.attention: {what} runs on the reference engine only (the {engine} "
+                f"engine's {what} is not wired yet); pass backend='reference' for the dense "
+                "O(S^2) path")
+        return attention_reference(q, k, v, descriptor_dense_mask(desc),
+                                   softmax_scale=softmax_scale, return_lse=return_lse,
+                                   score_mod=score_mod, learnable_sink=learnable_sink)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options)

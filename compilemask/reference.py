@@ -155,9 +155,11 @@ def apply_score_mod(s, score_mod):
 
 
 def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False,
-                        score_mod=None):
+                        score_mod=None, learnable_sink=None):
     """Dense masked attention in float32: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], mask [B, Sq, Sk];
-    ``score_mod`` (FlexAttention's) applied to the scaled scores before the mask.
+    ``score_mod`` (FlexAttention's) applied to the scaled scores before the mask;
+    ``learnable_sink`` [H]: a per-head logit in every row's softmax that no value goes with
+    (gpt-oss's sinks, FA4's ``learnable_sink``).
 
     Rows that see nothing give O = 0 and LSE = -inf (never NaN); differentiable."""
     B, Sq, H, D = q.shape
@@ -174,9 +176,17 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
     m = dense_mask.to(s.device).unsqueeze(1)
     s = s.masked_fill(~m, float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
+    if learnable_sink is not None:
+        if learnable_sink.shape != (H,):
+            raise ValueError(f"learnable_sink must be [H] = [{H}], got "
+                             f"{list(learnable_sink.shape)}")
+        sink = learnable_sink.to(acc).view(1, H, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max).detach()
     p = torch.exp(s - row_max)
     denom = p.sum(dim=-1, keepdim=True)
+    if learnable_sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     o = torch.matmul(p, vf) / torch.where(denom == 0, torch.ones_like(denom), denom)
     o = o.transpose(1, 2).to(q.dtype)
     if not return_lse:

@@ -168,3 +168,25 @@ def test_gpu_score_mod_raises_unless_reference():
         cm.attention(q, q, q, desc, score_mod=softcap)
     out = cm.attention(q, q, q, desc, score_mod=softcap, backend="reference")
     assert out.shape == q.shape and not out.isnan().any()
+
+
+def test_learnable_sink_equals_float64_reference():
+    """A per-head sink logit in every row's softmax (gpt-oss): the output, the LSE (sink
+    included) and the gradients into the sinks, against the softmax over [scores, sink]."""
+    S = 13
+    desc = cm.compile_mask(masks.sliding_window(5)).preprocess(None, S, batch_size=B)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    sink = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+    out, lse = cm.attention(q, k, v, desc, learnable_sink=sink, return_lse=True)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * D**-0.5
+    s = s.masked_fill(~desc.dense_mask().unsqueeze(1), float("-inf"))
+    full = torch.cat([s, sink.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+    p = full.softmax(-1)[..., :-1]
+    torch.testing.assert_close(out, torch.einsum("bhqk,bkhd->bqhd", p, v))
+    torch.testing.assert_close(lse, torch.logsumexp(full, -1))
+    assert torch.autograd.gradcheck(
+        lambda *xs: cm.attention(*xs[:3], desc, learnable_sink=xs[3]), (q, k, v, sink))
+    with pytest.raises(ValueError, match=r"learnable_sink must be \[H\]"):
+        cm.attention(q, k, v, desc, learnable_sink=torch.zeros(H + 1, dtype=torch.float64))

@@ -372,3 +372,50 @@ def test_gemma2_softcap_and_sliding_layers_match_eager(name):
     # one causal descriptor: the sliding layers take their window from the model
     _assert_same(_real_rows_run(ref, ids, real),
                  _real_rows_run(mod, ids, real, compilemask_desc=descs["full_attention"]))
+
+
+# ---- sinks (gpt-oss), Gemma 3's layers -------------------------------------------------------
+
+def _eager_pair(name, config):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                        attn_implementation="eager")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+def test_gpt_oss_sinks_and_sliding_layers_match_eager(name):
+    """gpt-oss: per-head learnable sinks in every layer (``s_aux``, the reference engine's
+    ``learnable_sink``; their gradients too) and alternating sliding layers, from one causal
+    descriptor."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no gpt-oss")
+    config = transformers.GptOssConfig(
+        **{**BASE, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=W, layer_types=["sliding_attention", "full_attention"],
+        attention_dropout=0.0)
+    ref, mod = _eager_pair(name, config)
+    for m in (ref, mod):  # sinks of a trained model, not the initial zeros
+        for layer in m.model.layers:
+            layer.self_attn.sinks.data = torch.linspace(-1, 2, config.num_attention_heads)
+    ids = _ids(16)
+    real = torch.ones(B, S, dtype=torch.bool)
+    got = _real_rows_run(mod, ids, real, compilemask_desc=_desc(causal()))
+    _assert_same(_real_rows_run(ref, ids, real), got)
+    assert got[1]["model.layers.0.self_attn.sinks"].abs().sum() > 0
+
+
+def test_gemma3_sliding_and_full_layers_match_eager(name):
+    """Gemma 3's pattern of sliding and full layers from one causal descriptor."""
+    if not hasattr(transformers, "Gemma3TextConfig"):
+        pytest.skip("this transformers has no Gemma 3")
+    config = transformers.Gemma3TextConfig(
+        **BASE, sliding_window=W, query_pre_attn_scalar=16, attention_dropout=0.0,
+        layer_types=["sliding_attention", "full_attention"])
+    ref, mod = _eager_pair(name, config)
+    ids = _ids(17)
+    real = torch.ones(B, S, dtype=torch.bool)
+    _assert_same(_real_rows_run(ref, ids, real),
+                 _real_rows_run(mod, ids, real, compilemask_desc=_desc(causal())))

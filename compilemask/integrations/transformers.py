@@ -17,8 +17,9 @@ The mask is the descriptor's, with two things the model has a say in:
   is refused (put it in the mask's metadata, e.g. HSTU's ``seq_end``). An all-ones mask is
   dropped before any layer (one look on the host, as transformers' own masks take; under
   tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
-* softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``,
-  which runs on the reference engine (a GPU call refuses it, naming the score_mod).
+* softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``;
+  gpt-oss's per-head sinks (``s_aux``): ``learnable_sink``. Both run on the reference engine
+  (a GPU call refuses them, naming which).
 * sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
   the call, or of a ``"sliding_attention"`` layer's config) runs the descriptor as it is where
   its mask is proven to stay within that window (``within_window``: its native pattern, else z3
@@ -319,7 +320,8 @@ def _refuse_unproven_window(module, desc, window, seqlen):
                          f"shard a mask that includes the window (e.g. `and j > i - {window}`)")
 
 
-def _padded_reference(query, key, value, desc, keep, scaling, deterministic, score_mod=None):
+def _padded_reference(query, key, value, desc, keep, scaling, deterministic, score_mod=None,
+                      sink=None):
     """Attention with the padded keys hidden from every row: the descriptor's dense mask and
     the padding combined, on the reference path only (the GPU engines read the descriptor
     alone, and a dense mask per layer there is what they exist to avoid)."""
@@ -339,7 +341,8 @@ def _padded_reference(query, key, value, desc, keep, scaling, deterministic, sco
             "CUDA-graph capture, where it cannot be looked at: leave it out there.)")
     dense = desc.dense_mask()
     dense = dense & keep.to(dense.device)[:, None, :]
-    return attention_reference(q, k, v, dense, softmax_scale=scaling, score_mod=score_mod)
+    return attention_reference(q, k, v, dense, softmax_scale=scaling, score_mod=score_mod,
+                               learnable_sink=sink)
 
 
 def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs, deterministic):
@@ -353,10 +356,11 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         raise NotImplementedError(f"compilemask attention has no attention dropout (the model "
                                   f"asks for {dropout}): set the config's attention_dropout to 0")
     # features that change the scores: better an error than a silently different model
-    for name in ("s_aux", "sinks", "position_bias"):
+    for name in ("sinks", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"compilemask attention does not support {name!r}")
     score_mod = _softcap(kwargs.get("softcap"))
+    sink = kwargs.get("s_aux")  # gpt-oss's per-head sinks
     window = layer_window(module, kwargs)
     if cp is not None:
         plan, group = _cp_arg(cp)
@@ -380,10 +384,11 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
     desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
         return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
-                                 score_mod), None
+                                 score_mod, sink), None
     # [B, H, S, D] -> [B, S, H, D] as views: the layout cm.attention and FlashAttention take
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), desc,
-                    softmax_scale=scaling, deterministic=deterministic, score_mod=score_mod)
+                    softmax_scale=scaling, deterministic=deterministic, score_mod=score_mod,
+                    learnable_sink=sink)
     return out, None
 
 
