@@ -778,7 +778,7 @@ def _gather(entry, name, src, ndim, index, values, B, seqlen):
     ns = dict(_TORCH_NS, i=torch.arange(S).view(1, S))
     ns.update({f"{a}_i": values[a].long() for a in arrays})
     ns.update({sym.name: values[sym.name].long().reshape(-1, 1)
-               for sym in e.free_symbols if sym is not _I})
+               for sym in e.free_symbols if sym != _I})
     idx = torch.broadcast_to(eval(TorchPrinter()(e), ns), (B, S))  # noqa: S307 - generated
     try:
         if ndim == 1:
