@@ -35,12 +35,12 @@ def name():
     return cm_hf.register()
 
 
-def _models(impl, config):
-    """Two models with the same weights: SDPA and ``impl`` (each gets its own config copy:
-    from_config writes the implementation into it)."""
+def _models(impl, config, ref_impl="sdpa"):
+    """Two models with the same weights: ``ref_impl`` and ``impl`` (each gets its own config
+    copy: from_config writes the implementation into it)."""
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                        attn_implementation="sdpa")
+                                                        attn_implementation=ref_impl)
     mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
                                                         attn_implementation=impl)
     mod.load_state_dict(ref.state_dict())
@@ -356,12 +356,7 @@ def test_gemma2_softcap_and_sliding_layers_match_eager(name):
     config = transformers.Gemma2Config(
         **{**BASE, "head_dim": 16}, sliding_window=W, attn_logit_softcapping=20.0,
         final_logit_softcapping=30.0, query_pre_attn_scalar=16, attention_dropout=0.0)
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                        attn_implementation="eager")
-    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                        attn_implementation=name)
-    mod.load_state_dict(ref.state_dict())
+    ref, mod = _models(name, config, "eager")
     assert {cm_hf.layer_type(m) for m in mod.modules() if hasattr(m, "sliding_window")} == {
         "full_attention", "sliding_attention"}
     ids = _ids(12)
@@ -376,16 +371,6 @@ def test_gemma2_softcap_and_sliding_layers_match_eager(name):
 
 # ---- sinks (gpt-oss), Gemma 3's layers -------------------------------------------------------
 
-def _eager_pair(name, config):
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                        attn_implementation="eager")
-    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                        attn_implementation=name)
-    mod.load_state_dict(ref.state_dict())
-    return ref, mod
-
-
 def test_gpt_oss_sinks_and_sliding_layers_match_eager(name):
     """gpt-oss: per-head learnable sinks in every layer (``s_aux``, the reference engine's
     ``learnable_sink``; their gradients too) and alternating sliding layers, from one causal
@@ -396,7 +381,7 @@ def test_gpt_oss_sinks_and_sliding_layers_match_eager(name):
         **{**BASE, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=W, layer_types=["sliding_attention", "full_attention"],
         attention_dropout=0.0)
-    ref, mod = _eager_pair(name, config)
+    ref, mod = _models(name, config, "eager")
     for m in (ref, mod):  # sinks of a trained model, not the initial zeros
         for layer in m.model.layers:
             layer.self_attn.sinks.data = torch.linspace(-1, 2, config.num_attention_heads)
@@ -414,7 +399,7 @@ def test_gemma3_sliding_and_full_layers_match_eager(name):
     config = transformers.Gemma3TextConfig(
         **BASE, sliding_window=W, query_pre_attn_scalar=16, attention_dropout=0.0,
         layer_types=["sliding_attention", "full_attention"])
-    ref, mod = _eager_pair(name, config)
+    ref, mod = _models(name, config, "eager")
     ids = _ids(17)
     real = torch.ones(B, S, dtype=torch.bool)
     _assert_same(_real_rows_run(ref, ids, real),
