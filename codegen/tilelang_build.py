@@ -132,8 +132,9 @@ def prebuild(programs, timeout: float = 1800.0) -> int:
     configure_compile_caches()  # the workers inherit the cache folders
     todo = {}
     for p in programs:
-        if not os.path.exists(_built_marker(p.source, p.tag, p.target)):
-            todo.setdefault(_built_marker(p.source, p.tag, p.target), p)
+        marker = _built_marker(p.source, p.tag, p.target)
+        if not os.path.exists(marker):
+            todo.setdefault(marker, p)
     if len(todo) < 2:  # one compile gains nothing from a worker
         return 0
     t0 = time.perf_counter()

@@ -757,37 +757,49 @@ def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
 
 
 _TORCH_NS: dict = {}
+_GATHER_CODE: dict = {}  # index expression -> (compiled torch code, arrays, scalars it reads)
+
+
+def _gather_code(index):
+    """The torch code of a gather's index (``i`` the token), compiled once per expression: a
+    mask_mod rebuilt per batch gathers without printing or compiling it again."""
+    got = _GATHER_CODE.get(index)
+    if got is None:
+        if not _TORCH_NS:
+            exec(TORCH_PRELUDE, _TORCH_NS)
+        e = index.xreplace({_X: _I})
+        arrays = tuple(sorted({type(f).__name__
+                               for f in e.atoms(sp.core.function.AppliedUndef)}))
+        scalars = tuple(sorted(sym.name for sym in e.free_symbols if sym != _I))
+        code = compile(TorchPrinter()(e), "<compilemask gather index>", "eval")
+        got = _GATHER_CODE[index] = (code, arrays, scalars, ExprPrinter()(e))
+    return got
 
 
 def _gather(entry, name, src, ndim, index, values, B, seqlen):
     """``src`` at ``index`` (an expression in _X) for every token: ``[B, S]``, indexed as torch
     indexes (so as FlexAttention's ``create_mask`` reads the mask_mod)."""
-    if not _TORCH_NS:
-        exec(TORCH_PRELUDE, _TORCH_NS)
-    e = index.xreplace({_X: _I})
-    arrays = sorted({type(f).__name__ for f in e.atoms(sp.core.function.AppliedUndef)})
+    code, arrays, scalars, shown = _gather_code(index)
     lengths = {values[a].shape[-1] for a in arrays}
     if len(lengths) > 1:
         raise ValueError(f"mask_mod {entry.spec.name!r}: the index of {name} reads per-token "
                          f"tensors of different lengths {sorted(lengths)}")
     S = lengths.pop() if lengths else seqlen
     if S is None:
-        raise ValueError(f"mask_mod {entry.spec.name!r}: a tensor is read at "
-                         f"{ExprPrinter()(e)} (q_idx or kv_idx as i), whose number of tokens no "
-                         "per-token tensor says: pass from_mask_mod(..., seqlen=S)")
+        raise ValueError(f"mask_mod {entry.spec.name!r}: a tensor is read at {shown} (q_idx or "
+                         "kv_idx as i), whose number of tokens no per-token tensor says: pass "
+                         "from_mask_mod(..., seqlen=S)")
     ns = dict(_TORCH_NS, i=torch.arange(S).view(1, S))
     ns.update({f"{a}_i": values[a].long() for a in arrays})
-    ns.update({sym.name: values[sym.name].long().reshape(-1, 1)
-               for sym in e.free_symbols if sym != _I})
-    idx = torch.broadcast_to(eval(TorchPrinter()(e), ns), (B, S))  # noqa: S307 - generated
+    ns.update({p: values[p].long().reshape(-1, 1) for p in scalars})
+    idx = torch.broadcast_to(eval(code, ns), (B, S))  # noqa: S307 - generated
     try:
         if ndim == 1:
             return src[idx]
         return src[torch.arange(B).view(B, 1), idx]
     except IndexError as err:
         raise ValueError(f"mask_mod {entry.spec.name!r}: reading a captured tensor of shape "
-                         f"{tuple(src.shape)} at {ExprPrinter()(e)} (i = q_idx or kv_idx): {err}"
-                         ) from err
+                         f"{tuple(src.shape)} at {shown} (i = q_idx or kv_idx): {err}") from err
 
 
 def _as_int(t):

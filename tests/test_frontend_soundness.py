@@ -229,11 +229,18 @@ _int_atom = st.tuples(_int_term, st.sampled_from(["<", "<=", ">", ">=", "==", "!
                          .map(lambda t: f"({t[0]} {t[1]} {t[2]})"), max_leaves=3),
        sq=st.integers(1, 30), sk=st.integers(1, 30), a=st.integers(0, 30))
 def test_random_integer_bit_rules_match_torch_semantics(rule, sq, sk, a):
+    _rule_matches_torch(rule, sq, sk, a)
+
+
+def _rule_matches_torch(rule, sq, sk, a):
+    """The rule text compiled (param ``a``) equals torch's evaluation of the same text, by the
+    descriptor and by the reference mask."""
     ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
     mask = _compile(ns["visible"], params=["a"])
     desc = mask.preprocess({"a": a}, seqlen_q=sq, seqlen_k=sk)
     want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
     assert torch.equal(desc.dense_mask()[0], want), rule
+    assert torch.equal(mask.reference_mask({"a": a}, seqlen_q=sq, seqlen_k=sk)[0], want), rule
 
 
 _cmp_atom = st.tuples(st.sampled_from(["j", "j + 2", "2 * j", "j // 3"]), _cmp, _rhs).map(
@@ -246,12 +253,7 @@ _bit_rule = st.recursive(_cmp_atom, lambda b: st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(rule=_bit_rule, sq=st.integers(1, 30), sk=st.integers(1, 30), a=st.integers(0, 30))
 def test_random_bitwise_rules_match_torch_semantics(rule, sq, sk, a):
-    ns, _ = _exec(f"def visible(i, j):\n    return {rule}\n")
-    mask = _compile(ns["visible"], params=["a"])
-    desc = mask.preprocess({"a": a}, seqlen_q=sq, seqlen_k=sk)
-    want = _grid(lambda i, j: eval(rule, {"a": a, "i": i, "j": j}), sq, sk)
-    assert torch.equal(desc.dense_mask()[0], want), rule
-    assert torch.equal(mask.reference_mask({"a": a}, seqlen_q=sq, seqlen_k=sk)[0], want), rule
+    _rule_matches_torch(rule, sq, sk, a)
 
 
 # Names Python would resolve otherwise than the rule language: refused, never guessed.

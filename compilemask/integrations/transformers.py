@@ -282,17 +282,26 @@ def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int):
 _WINDOWED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_WINDOWED_MASKS: dict = {}  # (mask key, window) -> the compiled windowed mask
+
+
 def windowed_mask(mask, window: int):
-    """``mask`` with every region's rule also ``j > i - window`` (compiled, cached by key)."""
+    """``mask`` with every region's rule also ``j > i - window``, compiled once per (mask key,
+    window)."""
+    got = _WINDOWED_MASKS.get((mask.key, window))
+    if got is not None:
+        return got
+
     def within(visible):
         def visible_in_window(i, j):
             return visible(i, j) and j > i - window
         return visible_in_window
 
     spec = mask.spec
-    return compile_mask(MaskSpec(f"{spec.name}_window{window}", params=list(spec.params),
-                                 regions=[Region(r.name, when=r.when, visible=within(r.visible))
-                                          for r in spec.regions]))
+    got = _WINDOWED_MASKS[(mask.key, window)] = compile_mask(MaskSpec(
+        f"{spec.name}_window{window}", params=list(spec.params),
+        regions=[Region(r.name, when=r.when, visible=within(r.visible)) for r in spec.regions]))
+    return got
 
 
 def windowed_descriptor(desc, window: int):
