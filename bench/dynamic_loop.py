@@ -206,6 +206,61 @@ class _KernelProfiles:
         print("\n".join(lines[:16]), flush=True)
 
 
+class _Timelines(_KernelProfiles):
+    """--timeline: where the GPU idles inside a step. Each profiled step (CPU and CUDA activity,
+    Python stacks) gives its wall time, GPU busy time and every idle gap of the GPU, charged to
+    the innermost host op running mid-gap and the first frame of ours or flash-attn's above it;
+    cold steps are summed against as many warm ones."""
+
+    OURS = ("compilemask", "kernels/", "codegen/", "flash_attn", "bench/")
+
+    def run(self, which, fn):
+        if not self.on:
+            return fn()
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                         else [])
+        with profile(activities=acts, with_stack=True) as prof:
+            out = fn()
+        self._add(which, prof.events())
+        return out
+
+    def _where(self, ev):
+        for frame in getattr(ev, "stack", None) or []:
+            if any(o in frame for o in self.OURS) and "dynamic_loop" not in frame:
+                return frame
+        return "(no frame of ours)"
+
+    def _add(self, which, events):
+        dev = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+        cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        if not cpu:
+            return
+        t0 = min(e.time_range.start for e in cpu)
+        t1 = max(e.time_range.end for e in events)
+        busy, gaps, end = 0.0, [], t0
+        for a, b in sorted((e.time_range.start, e.time_range.end) for e in dev):
+            if a > end:
+                gaps.append((end, a))
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        if t1 > end:
+            gaps.append((end, t1))
+        tot = self.totals[which]
+        tot["wall"] = tot.get("wall", 0.0) + (t1 - t0)
+        tot["gpu busy"] = tot.get("gpu busy", 0.0) + busy
+        for a, b in gaps:
+            mid = (a + b) / 2
+            inner = [e for e in cpu if e.time_range.start <= mid <= e.time_range.end]
+            if not inner:
+                key = "(host outside any op)"
+            else:
+                ev = min(inner, key=lambda e: e.time_range.end - e.time_range.start)
+                key = f"{ev.name[:40]} @ {self._where(ev)}"
+            tot["gap " + key] = tot.get("gap " + key, 0.0) + (b - a)
+
+
 def loop(name, steps, seed, phases=False, profiles=None, kernels=None):
     rng = random.Random(seed)
     spec = SPECS[name]()
@@ -353,6 +408,8 @@ def main(argv=None):
                     help="host profile of the cold steps against as many warm ones")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="device time per kernel of the cold steps against as many warm ones")
+    ap.add_argument("--timeline", action="store_true",
+                    help="where the GPU idles in the cold steps against as many warm ones")
     ap.add_argument("--phases", action="store_true",
                     help="also time preprocess, forward and backward of each step apart")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -373,7 +430,8 @@ def main(argv=None):
         global MAX_SEGMENTS
         MAX_SEGMENTS = args.max_segments
         profiles = _Profiles(args.profile)
-        kernels = _KernelProfiles(args.kernel_profile)
+        kernels = (_Timelines(True) if args.timeline
+                   else _KernelProfiles(args.kernel_profile))
         r = loop(name, args.steps, args.seed, args.phases, profiles, kernels)
         profiles.report(out / f"profile_{name}.txt")
         kernels.report(out / f"kernels_{name}.txt")
