@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,7 +47,43 @@ SPECS = {
     "shared_prompt_rm": masks.shared_prompt_rm,
     "clear": lambda: masks.clear(2, 64),
     "dilated_causal": masks.dilated_causal,
+    "sink_window": lambda: masks.sink_window(WINDOW, 4),
+    "chunked_causal": lambda: masks.chunked_causal(8192),
+    "block_causal": lambda: masks.block_causal(32),
 }
+# the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
+# lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
+# partial-tile test could gain at most)
+FA4_VARIANTS = {"fa4_rules": "rules", "fa4_intervals": "intervals", "fa4_true": None}
+
+
+@functools.lru_cache(maxsize=None)
+def _true_mask_mod():
+    from compilemask.codegen.cute_predicate import compile_predicate
+
+    return compile_predicate("\n".join([
+        "import cutlass", "import cutlass.cute as cute", "", "",
+        "@cute.jit",
+        "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
+        "    frag = cute.make_rmem_tensor(1, cutlass.Boolean)",
+        "    frag[0] = kv_idx[0] >= 0",
+        "    return frag.load()", ""]), "mask_mod")
+
+
+class _CeilingMaskMod:
+    """Within the block: FA4's block-sparse engine runs the always-True mask_mod."""
+
+    def __enter__(self):
+        from compilemask.kernels import fa4
+
+        self.saved = fa4.mask_mod, fa4.aux_tensors
+        fa4.mask_mod = lambda mask, variant=None: _true_mask_mod()
+        fa4.aux_tensors = lambda desc, variant=None: None
+
+    def __exit__(self, *exc):
+        from compilemask.kernels import fa4
+
+        fa4.mask_mod, fa4.aux_tensors = self.saved
 
 
 def doc_meta(B, S, seed=0):
@@ -63,7 +100,8 @@ def doc_meta(B, S, seed=0):
 
 
 def workload_meta(name, B, S, dev):
-    if name in ("causal", "sliding_window", "dilated_causal"):
+    if name in ("causal", "sliding_window", "dilated_causal", "sink_window", "chunked_causal",
+                "block_causal"):
         return {}
     if name == "packed_documents":
         return {k: v.to(dev, torch.int32) for k, v in doc_meta(B, S).items()}
@@ -78,6 +116,8 @@ def workload_mask_mod(name, meta, S):
     if name == "packed_documents":
         flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
         return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
+    if name in ("sink_window", "chunked_causal", "block_causal"):
+        return masks.flex_mask_mod(SPECS[name](), meta)
     return flex_mask_mod(name, meta)
 
 
@@ -157,6 +197,24 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
                 rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
                 rec(f"{method}+pre",
                     _bench(lambda: train_or_fwd(ours(pre(meta)), q, k, v, do), rep))
+            elif method in FA4_VARIANTS:
+                variant = FA4_VARIANTS[method]
+                if variant is not None:
+                    try:
+                        opts = replace(options or cm.KernelOptions(), mask_mod=variant)
+                        from compilemask.codegen.cute_mask_mod import mask_mod_source
+
+                        mask_mod_source(mask, variant)
+                    except ValueError as e:
+                        rec(method, None, f"n/a ({str(e)[:60]})")
+                        continue
+                    f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4",
+                                                       options=opts))
+                    rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+                else:
+                    with _CeilingMaskMod():
+                        f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4"))
+                        rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
             elif method == "preprocess":
                 rec("preprocess", _bench(lambda: pre(meta), rep))
             elif method in ("flex_flash", "flex_triton"):
@@ -183,7 +241,7 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
                 elif name == "sliding_window":
                     def f(a, b_, c):
                         return flash_attn_func(a, b_, c, window_size=(WINDOW - 1, 0))[0]
-                elif name == "packed_documents":
+                elif name in ("packed_documents", "chunked_causal"):
                     cu, mx = desc.segments
 
                     def f(a, b_, c):
@@ -212,8 +270,8 @@ def _ratio(row, a, b):
 
 
 def to_markdown(rows, header):
-    cols = ["native", "fa4", "cute", "fa4_native", "flex_flash", "flex_triton", "native+pre",
-            "fa4+pre", "flex_flash+bm", "preprocess", "block_mask"]
+    cols = ["native", "fa4", *FA4_VARIANTS, "cute", "fa4_native", "flex_flash", "flex_triton",
+            "native+pre", "fa4+pre", "flex_flash+bm", "preprocess", "block_mask"]
     out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
            "", "| mask | S | mode | " + " | ".join(cols)
            + " | default | default vs flex_flash kernel | vs FA4 native | pre+kernel vs "

@@ -249,5 +249,18 @@ for r in rows:
     head -20 $L/phases/profile_packed_documents.txt; head -16 $L/kernels/kernels_packed_documents.txt
     tar czf "$OUT/loop_segments.tar.gz" -C "$L" .
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments"; exit 2 ;;
+  timeline)  # packed documents' cold steps: where the GPU idles inside a step, cold vs warm
+    COMPILEMASK_CACHE_DIR=$(mktemp -d) step timeline "${SECS:-150}" python3 bench/dynamic_loop.py \
+      --masks packed_documents --steps "${STEPS:-30}" --timeline --out "$OUT/timeline"
+    head -24 "$OUT"/timeline/kernels_packed_documents.txt
+    ;;
+  partial)  # the fa4 engine's partial-tile test per mask: default, each mask_mod variant, the
+    # always-True ceiling and the peers, train at 8K and 32K (MASKS=, METHODS=)
+    step partial "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+      --seqlens "${SEQLENS:-8192,32768}" --tag "partial_${TAG:-a}" --out "$OUT" \
+      --masks "${MASKS:-sink_window,chunked_causal,block_causal}" \
+      --methods "${METHODS:-native,fa4,fa4_intervals,fa4_true,fa4_native,flex_flash}"
+    cat "$OUT/partial_${TAG:-a}.md"
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial"; exit 2 ;;
 esac

@@ -16,6 +16,11 @@ whose guard holds decides, by its rule, with no Interval Table or region reads (
 mask such as dilated causal is then index arithmetic only); its aux tensors are ``params`` and
 ``row_params`` where present.
 
+A mask whose rules read only constants, ``i`` and ``j`` (a window with sinks, chunks, blocks)
+gets the same single-predicate form over its rules instead of
+the interval test: index arithmetic costs less per score than ``2K`` Interval Table loads
+(``mask_mod_variant`` chooses; ``docs/decisions/engine.md`` has the measurements).
+
 FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
 clamped before any load (their results are discarded).
 """
@@ -28,7 +33,12 @@ from sympy.core.function import AppliedUndef
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
 
-__all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate"]
+__all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
+           "mask_mod_variant", "VARIANTS"]
+
+# "predicate": every region is a fallback region; "rules": the rules as one predicate (no
+# per-row arrays read); "intervals": the Interval Table test (and fallback predicates)
+VARIANTS = ("predicate", "rules", "intervals")
 
 _CACHE = CompileCache("mask_mod")
 
@@ -40,21 +50,49 @@ def _fallback_sources(mask):
             for r in mask.fallback_regions]
 
 
-_WHOLE: dict = {}  # mask key -> whole_mask_predicate (aux_tensors asks on every call)
+_WHOLE: dict = {}  # (mask key, all regions) -> predicate (aux_tensors asks on every call)
 
 
-def whole_mask_predicate(mask):
-    """The mask as one sympy boolean of (i, j, params) when every region is a fallback region:
-    ``Or`` over regions of (its guard, no earlier guard, its rule); None otherwise, or when a
-    rule reads ``seqlen_q`` / ``seqlen_k`` (not in a predicate's arguments)."""
-    if mask.key not in _WHOLE:
-        _WHOLE[mask.key] = _whole_mask_predicate(mask)
-    return _WHOLE[mask.key]
+def whole_mask_predicate(mask, any_region: bool = False):
+    """The mask as one sympy boolean of (i, j, params) when every region is a fallback region
+    (``any_region``: whatever its regions): ``Or`` over regions of (its guard, no earlier guard,
+    its rule); None otherwise, or when a rule reads ``seqlen_q`` / ``seqlen_k`` (not in a
+    predicate's arguments)."""
+    key = (mask.key, any_region)
+    if key not in _WHOLE:
+        _WHOLE[key] = _whole_mask_predicate(mask, any_region)
+    return _WHOLE[key]
 
 
-def _whole_mask_predicate(mask):
+_VARIANT: dict = {}
+
+
+def mask_mod_variant(mask) -> str:
+    """Which mask_mod a mask gets (the one place this is decided): the whole predicate when
+    every region is one; the rules when they read no per-row arrays and print; else the
+    Interval Table test."""
+    if mask.key not in _VARIANT:
+        if whole_mask_predicate(mask) is not None:
+            v = "predicate"
+        else:
+            expr = whole_mask_predicate(mask, any_region=True)
+            # constants, i and j only: per-sequence scalars are a load per score too, so
+            # those masks keep the table unless measured otherwise (engine.md)
+            v = "rules" if expr is not None and not (expr.atoms(AppliedUndef) or (
+                {s.name for s in expr.free_symbols} - {"i", "j"})) \
+                else "intervals"
+            if v == "rules":
+                try:
+                    _whole_source(mask, expr)
+                except Exception:  # a rule the CuTe printer cannot write: the table then
+                    v = "intervals"
+        _VARIANT[mask.key] = v
+    return _VARIANT[mask.key]
+
+
+def _whole_mask_predicate(mask, any_region: bool = False):
     regions = mask.regions
-    if not regions or not all(r.fallback for r in regions):
+    if not regions or not (any_region or all(r.fallback for r in regions)):
         return None
     terms, earlier = [], []
     for r in regions:
@@ -93,11 +131,14 @@ def _whole_source(mask, expr) -> list[str]:
     return out
 
 
-def mask_mod_source(mask) -> str:
-    """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles)."""
-    whole = whole_mask_predicate(mask)
-    if whole is not None:
-        out = [f"# mask_mod for {mask.name!r} (key {mask.key}): every region is a predicate",
+def mask_mod_source(mask, variant: str | None = None) -> str:
+    """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles);
+    ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice."""
+    variant = _check_variant(mask, variant)
+    if variant != "intervals":
+        whole = whole_mask_predicate(mask, any_region=variant == "rules")
+        what = "every region is a predicate" if variant == "predicate" else "its rules"
+        out = [f"# mask_mod for {mask.name!r} (key {mask.key}): {what}",
                "import cutlass", "import cutlass.cute as cute", "from cutlass import Int32, Uint32",
                "", *_whole_source(mask, whole)]
         return "\n".join(out + _select())
@@ -147,17 +188,33 @@ def _select() -> list[str]:
             "    return frag.load()", ""]
 
 
-def mask_mod(mask):
-    """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key."""
+def _check_variant(mask, variant):
+    if variant is None:
+        return mask_mod_variant(mask)
+    if variant not in VARIANTS:
+        raise ValueError(f"mask_mod variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "predicate" and whole_mask_predicate(mask) is None:
+        raise ValueError(f"mask {mask.name!r}: the 'predicate' mask_mod needs every region to "
+                         "be a fallback region")
+    if variant == "rules" and whole_mask_predicate(mask, any_region=True) is None:
+        raise ValueError(f"mask {mask.name!r}: its rules do not form one predicate (a rule "
+                         "reads seqlen_q / seqlen_k or a derived array)")
+    return variant
 
+
+def mask_mod(mask, variant: str | None = None):
+    """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key and the
+    variant."""
+    variant = _check_variant(mask, variant)
     # a real module file: the CuTe DSL reads a jit function's source to build its AST
-    return _CACHE.get(mask.key, lambda: compile_predicate(mask_mod_source(mask), "mask_mod"))
+    return _CACHE.get((mask.key, variant),
+                      lambda: compile_predicate(mask_mod_source(mask, variant), "mask_mod"))
 
 
-def aux_tensors(desc) -> list:
+def aux_tensors(desc, variant: str | None = None) -> list:
     """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
     B, Sq, K, _ = desc.intervals.shape
-    if whole_mask_predicate(desc.mask) is not None:
+    if _check_variant(desc.mask, variant) != "intervals":
         return [t for t in (desc.params, desc.row_params) if t.shape[-1]] or None
     tensors = [desc.intervals.view(B, Sq, 2 * K)]
     if desc.mask.has_fallback:

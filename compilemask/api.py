@@ -129,7 +129,8 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     block-sparse kernels driven by the descriptor), ``"cute"`` (this package's CuTe kernels) or
     ``"reference"`` (dense float32, any device). ``deterministic=True``: gradients identical run
     to run. ``options``: variants of the ``cute`` kernels (:class:`compilemask.KernelOptions`;
-    None: ``default_options`` for the call); the other engines ignore them. ``score_mod``: a
+    None: ``default_options`` for the call) and the ``fa4`` engine's ``mask_mod`` variant; the
+    other engines ignore them. ``score_mod``: a
     FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled scores
     before the mask, as written (``compilemask.reference.apply_score_mod``); it runs on the
     reference engine, where gradients flow into what it captures too, and a GPU call with it

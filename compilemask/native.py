@@ -11,7 +11,9 @@ then the region's rule) equal one of
   ``j >= i - left`` when windowed) for a per-row array ``A`` of segment starts (packed
   documents). FA4 runs it as varlen over ``cu_seqlens``; the preprocess derives ``cu_seqlens``
   from ``A`` and checks that ``A`` is a segmentation (each row's start is itself or its
-  predecessor's start).
+  predecessor's start). ``segments(chunk)``: the segments are fixed-size chunks, row ``i``
+  sees ``chunk * (i // chunk) <= j <= i`` (Llama 4's local layers); ``cu_seqlens`` is arithmetic
+  (made on the device, no check, no host synchronization).
 
 Candidates come from the compiled intervals (constant offsets from ``i``); the proof is over the
 rules themselves, for every ``0 <= i < seqlen_q``, ``0 <= j < seqlen_k`` and every value of the
@@ -45,6 +47,7 @@ class NativePattern:
     # compared id arrays whose tokens must be contiguous in the batch for the proof to hold
     # (an ``ids[i] == ids[j]`` mask): checked per batch by ``segments``
     contiguous_ids: tuple[str, ...] = ()
+    chunk: int | None = None  # segments of this constant size (segment_param is then None)
 
     @property
     def causal(self) -> bool:
@@ -61,6 +64,8 @@ class NativePattern:
         if self.kind == "full":
             return "full attention"
         w = f"window_size=({self.window_left}, {self.window_right})"
+        if self.kind == "segments" and self.chunk is not None:
+            return f"causal within chunks of {self.chunk}, {w} (varlen)"
         if self.kind == "segments":
             when = (f"; for batches whose {', '.join(self.contiguous_ids)} are contiguous "
                     "(checked per batch)" if self.contiguous_ids else "")
@@ -113,6 +118,11 @@ def _candidates(mask, syms, exact_only: bool = False):
         right -= 1
     elif hi != sk:
         return
+    chunk = _chunk_size(lo, i)
+    if chunk is not None:
+        if right == 0:
+            yield ("segments", None, 0, chunk)
+        return
     apps = [a for a in lo.atoms(sp.core.function.AppliedUndef) if a.args == (i,)]
     if apps and len(apps) == 1 and right == 0:
         app = apps[0]
@@ -135,13 +145,25 @@ def _candidates(mask, syms, exact_only: bool = False):
         yield ("window", left, right, None)
 
 
+def _chunk_size(lo, i) -> int | None:
+    """``c`` when the lower bound is ``c * (i // c)`` for an integer ``c > 1``."""
+    if not isinstance(lo, sp.Mul) or len(lo.args) != 2:
+        return None
+    c, fl = lo.args
+    if not (c.is_Integer and int(c) > 1 and isinstance(fl, sp.floor)):
+        return None
+    return int(c) if sp.simplify(fl.args[0] - i / c) == 0 else None
+
+
 def _pattern_expr(kind, left, right, app, syms, bottom_right):
     i, j = syms["i"], syms["j"]
     c = i + (syms["seqlen_k"] - syms["seqlen_q"] if bottom_right else 0)
     if kind == "full":
         return sp.true
     conds = []
-    if kind == "segments":
+    if kind == "segments" and isinstance(app, int):
+        conds.append(sp.Le(app * sp.floor(i / app), j))
+    elif kind == "segments":
         conds.append(sp.Le(app, j))
     if left is not None:
         conds.append(sp.Ge(j, c - left))
@@ -214,14 +236,15 @@ def _native_pattern(mask, contiguous: bool) -> NativePattern | None:
         for bottom_right in (True, False):
             pat = _pattern_expr(kind, left, right, app, syms, bottom_right)
             if prover.proves(sp.And(sp.Or(sp.Not(vis), pat), sp.Or(sp.Not(pat), vis))):
-                seg = type(app).__name__ if app is not None else None
+                chunk = app if isinstance(app, int) else None
+                seg = type(app).__name__ if app is not None and chunk is None else None
                 proof = (f"z3: for all 0 <= i < seqlen_q, 0 <= j < seqlen_k and all metadata, "
                          f"visible(i, j) <=> {sp.sstr(pat)}")
                 if contiguous:
                     proof += f", when {', '.join(names)} are contiguous in the batch"
                 if kind == "full":
                     return NativePattern("full", proof=proof)
-                return NativePattern(kind, left, right, bottom_right, seg, proof, names)
+                return NativePattern(kind, left, right, bottom_right, seg, proof, names, chunk)
     return None
 
 
@@ -242,6 +265,8 @@ def segments(mask, desc, max_segments: int | None = None):
     if pat is None or pat.kind != "segments" or desc.seqlen_q != desc.seqlen_k:
         return None
     B, S = desc.row_region.shape
+    if pat.chunk is not None:
+        return _chunk_segments(B, S, pat.chunk, desc.row_region.device), min(pat.chunk, S)
     col = mask.array_params.index(pat.segment_param)
     start = desc.row_params[:, :, col]
     first = start == torch.arange(S, device=start.device, dtype=start.dtype)
@@ -272,6 +297,16 @@ def segments(mask, desc, max_segments: int | None = None):
     if len(cu) <= _FA4_MANY_SEGMENTS + 1:
         cu = torch.cat([cu, cu.new_full((_FA4_MANY_SEGMENTS + 1 - len(cu) + 1,), B * S)])
     return cu.to(device=start.device, dtype=torch.int32), longest
+
+
+def _chunk_segments(B: int, S: int, chunk: int, device) -> torch.Tensor:
+    """``cu_seqlens`` of fixed-size chunks over ``B`` sequences of ``S`` rows, made on the device
+    (arithmetic only), padded with empty segments like the exact segments (one FA4 variant)."""
+    starts = (torch.arange(B, device=device, dtype=torch.int32).view(B, 1) * S
+              + torch.arange(0, S, chunk, device=device, dtype=torch.int32).view(1, -1))
+    n = starts.numel()
+    pad = _FA4_MANY_SEGMENTS + 2 - n if n < _FA4_MANY_SEGMENTS + 1 else 1
+    return torch.cat([starts.reshape(-1), starts.new_full((pad,), B * S)])
 
 
 def _fixed_segments(first: torch.Tensor, ok: torch.Tensor, cap: int, total: int):

@@ -25,6 +25,7 @@ _CHOICES = {
     "fwd_mask": ("compare", "bits"),
     "bwd_meta": ("regs", "async"),
     "bwd_bitmap": ("smem", "global"),
+    "mask_mod": ("rules", "intervals", "predicate"),
 }
 
 
@@ -42,6 +43,9 @@ class KernelOptions:
       (registers held across the item) or ``"async"`` (per-thread cp.async into shared memory).
     * ``bwd_bitmap``: where the wgmma backward's scans read the bitmap row, ``"smem"`` (a
       shared-memory copy, when the row fits: up to 4096 q tiles) or ``"global"``.
+    * ``mask_mod``: the ``fa4`` engine's partial-tile test, ``"rules"`` (the rules as index
+      arithmetic), ``"intervals"`` (the Interval Table) or ``"predicate"`` (every region a
+      fallback predicate); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses per mask.
     """
 
     bwd_arch: Optional[int] = None
@@ -49,6 +53,7 @@ class KernelOptions:
     fwd_mask: Optional[str] = None
     bwd_meta: Optional[str] = None
     bwd_bitmap: Optional[str] = None
+    mask_mod: Optional[str] = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -90,7 +95,9 @@ class KernelOptions:
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None and f.name == "mask_mod":
+                value = "per mask"
+            elif value is None:
                 a, b = getattr(short, f.name), getattr(many, f.name)
                 what = {"bwd_meta": "K > 2",
                         "bwd_bitmap": f"> {TILES_PER_WORD * BITMAP_SMEM_WORDS} q tiles"}

@@ -162,6 +162,10 @@ def _kernel_options(options: str):
     return KernelOptions.from_str(options) if options else None
 
 
+def _mask_mod_variant(options: str):
+    return KernelOptions.from_str(options).mask_mod if options else None
+
+
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
     if _kernel_dtype_ok(q):
         try:
@@ -245,7 +249,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
         _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
     if engine in ("fa4", "native"):
         lists = _lists(call.extra, backward=False)
-        out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists)
+        out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
+                           variant=_mask_mod_variant(call.options))
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
@@ -268,7 +273,8 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "native"):
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
-                        deterministic=call.deterministic, lists=_lists(call.extra, backward=True))
+                        deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
+                        variant=_mask_mod_variant(call.options))
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,

@@ -114,20 +114,22 @@ def _timed(what: str, desc, engine: str, q):
     return wrap
 
 
-def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
-    """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4."""
-    return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists)
+def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None):
+    """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4; ``variant``: the mask_mod's
+    (``KernelOptions.mask_mod``; None: the mask's default)."""
+    return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists,
+                                                    variant)
 
 
 def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-        deterministic: bool = False, lists=None):
+        deterministic: bool = False, lists=None, variant=None):
     """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
     return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
                                                      softmax_scale, engine, dlse, deterministic,
-                                                     lists)
+                                                     lists, variant)
 
 
-def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
+def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     if engine == "native":
@@ -145,8 +147,9 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None):
                                **_native_kwargs(pat))
 
     lists = desc.block_sparse("fwd") if lists is None else lists
-    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, mask_mod=mask_mod(desc.mask),
-                           aux_tensors=aux_tensors(desc),
+    return flash_attn_func(q, k, v, softmax_scale=softmax_scale,
+                           mask_mod=mask_mod(desc.mask, variant),
+                           aux_tensors=aux_tensors(desc, variant),
                            block_sparse_tensors=_bs_torch(lists, FWD_TILES), return_lse=True)
 
 
@@ -157,7 +160,7 @@ def _fa4_bwd(*args, **kwargs):
 
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-         deterministic: bool = False, lists=None):
+         deterministic: bool = False, lists=None, variant=None):
     D = q.shape[-1]
     if engine == "native":
         pat = desc.native
@@ -184,7 +187,8 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
 
     kind = "bwd64" if D == 128 else "bwd128"
     lists = desc.block_sparse(kind) if lists is None else lists
-    return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, mask_mod=mask_mod(desc.mask),
-                    aux_tensors=aux_tensors(desc),
+    return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale,
+                    mask_mod=mask_mod(desc.mask, variant),
+                    aux_tensors=aux_tensors(desc, variant),
                     block_sparse_tensors=_bs_torch(lists, (BWD_TILE_M[D], 128)),
                     deterministic=deterministic, dlse=dlse)

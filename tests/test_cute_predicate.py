@@ -112,3 +112,61 @@ def test_whole_mask_predicate_equals_the_dense_mask():
     hstu = cm.compile_mask(masks.hstu())
     assert whole_mask_predicate(hstu) is None
     assert "intervals = aux_tensors[0]" in mask_mod_source(hstu)
+
+
+RULES_VARIANT = ["sink_window", "chunked_causal", "block_causal", "prefix_lm", "hstu",
+                 "shared_prompt_rm", "clear", "causal"]
+
+
+@pytest.mark.parametrize("name", RULES_VARIANT)
+def test_rules_mask_mod_equals_the_dense_mask(name):
+    """The ``rules`` mask_mod (the regions' rules as one predicate, no Interval Table) equals the
+    reference mask element by element on random metadata; only masks that read constants, i and
+    j take it by default."""
+    import torch
+
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.codegen.cute_mask_mod import (
+        aux_tensors,
+        mask_mod_source,
+        mask_mod_variant,
+        whole_mask_predicate,
+    )
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    expr = whole_mask_predicate(mask, any_region=True)
+    fn = _load(predicate_source(expr, mask.scalar_params, name="pred"), "pred")
+    assert "its rules" in mask_mod_source(mask, "rules")
+    assert mask_mod_variant(mask) == ("rules" if not mask.scalar_params else "intervals")
+    gen = torch.Generator().manual_seed(len(name))
+    for S in (1, 37, 130):
+        meta = masks.random_meta(mask.spec, 3, S, gen)
+        desc = mask.preprocess(meta or None, S, batch_size=3, backend="torch")
+        dense = desc.dense_mask()
+        aux = aux_tensors(desc, "rules")
+        for b in range(3):
+            vals = aux[0][b].tolist() if aux else []
+            got = torch.tensor([[fn(a, c, *vals, None, b, S - 1) for c in range(S)]
+                                for a in range(S)])
+            assert torch.equal(got, dense[b]), (name, S, b)
+
+
+def test_mask_mod_variant_errors_name_the_mask():
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.codegen.cute_mask_mod import mask_mod_source
+
+    def bottom_right(i, j):
+        return j <= i + seqlen_k - seqlen_q  # noqa: F821
+
+    br = cm.compile_mask(cm.MaskSpec("bottom_right", params=[], regions=[
+        cm.Region("all", when=lambda i: True, visible=bottom_right)]))
+    with pytest.raises(ValueError, match="bottom_right.*seqlen_q"):
+        mask_mod_source(br, "rules")
+    docs = cm.compile_mask(masks.packed_documents())
+    assert "row_params[b, row, 0]" in mask_mod_source(docs, "rules")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        mask_mod_source(docs, "true")
+    with pytest.raises(ValueError, match="mask_mod must be one of"):
+        cm.KernelOptions(mask_mod="table")

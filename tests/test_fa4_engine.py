@@ -23,6 +23,7 @@ NATIVE = {
     "causal": ("window", None, 0, False),
     "sliding_window": ("window", 6, 0, False),
     "packed_documents": ("segments", None, 0, False),
+    "chunked_causal": ("segments", None, 0, False),
 }
 
 
@@ -102,6 +103,26 @@ def test_segments_cu_seqlens_equal_the_mask(S):
     assert longest == int((cu[1:] - cu[:-1]).max())
 
 
+@pytest.mark.parametrize("S,chunk", [(1, 48), (130, 48), (517, 128), (96, 48), (300, 7)])
+def test_chunk_cu_seqlens_equal_the_mask(S, chunk):
+    mask = cm.compile_mask(masks.chunked_causal(chunk))
+    pat = mask.native_pattern
+    assert (pat.kind, pat.chunk, pat.segment_param, pat.causal) == ("segments", chunk, None, True)
+    assert "chunks of" in pat.describe()
+    desc = mask.preprocess({}, seqlen_q=S, batch_size=3)
+    cu, longest = desc.segments
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == 3 * S
+    assert len(cu) == max(len(torch.unique(cu)), 258) and longest == min(chunk, S)
+    seg = torch.bucketize(torch.arange(3 * S), cu[1:].long(), right=True)
+    i = torch.arange(3 * S)
+    flat = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
+    ref = mask.reference_mask({}, seqlen_q=S, batch_size=3)
+    for b in range(3):
+        assert torch.equal(flat[b * S:(b + 1) * S, b * S:(b + 1) * S], ref[b])
+        assert not flat[b * S:(b + 1) * S].logical_and(
+            (i < b * S) | (i >= (b + 1) * S)).any()
+
+
 def test_segments_refused_when_not_a_segmentation():
     mask = cm.compile_mask(masks.packed_documents())
     meta = _doc_meta(2, 100, torch.Generator().manual_seed(1), scattered=True)
@@ -166,8 +187,9 @@ def _fa4_fake_env():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
-@sweep("name,head_dim", [("hstu", 64), ("hstu", 128), ("clear", 128), ("dilated_causal", 128)],
-       default=[("hstu", 128)])
+@sweep("name,head_dim", [("hstu", 64), ("hstu", 128), ("clear", 128), ("dilated_causal", 128),
+                         ("sink_window", 128)],
+       default=[("hstu", 128), ("sink_window", 128)])
 def test_mask_mod_compiles_in_fa4_forward_and_backward(name, head_dim):
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     gen = torch.Generator().manual_seed(0)

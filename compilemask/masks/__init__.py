@@ -17,13 +17,16 @@ import torch
 
 from compilemask.dsl import MaskSpec
 from compilemask.masks._registry import Recipes, recipes_for
+from compilemask.masks.block_causal import block_causal
 from compilemask.masks.causal import causal
+from compilemask.masks.chunked_causal import chunked_causal
 from compilemask.masks.clear import clear
 from compilemask.masks.dilated_causal import dilated_causal
 from compilemask.masks.hstu import hstu
 from compilemask.masks.packed_documents import packed_documents
 from compilemask.masks.prefix_lm import prefix_lm
 from compilemask.masks.shared_prompt_rm import shared_prompt_rm
+from compilemask.masks.sink_window import sink_window
 from compilemask.masks.sliding_window import sliding_window
 
 __all__ = [
@@ -35,6 +38,9 @@ __all__ = [
     "shared_prompt_rm",
     "clear",
     "dilated_causal",
+    "chunked_causal",
+    "block_causal",
+    "sink_window",
     "random_meta",
     "flex_mask_mod",
     "recipes_for",
@@ -56,6 +62,9 @@ EXAMPLES = {
     "shared_prompt_rm": shared_prompt_rm,
     "clear": lambda: clear(1, 8),
     "dilated_causal": dilated_causal,
+    "chunked_causal": lambda: chunked_causal(48),
+    "block_causal": lambda: block_causal(16),
+    "sink_window": lambda: sink_window(40, 3),
 }
 
 
