@@ -24,7 +24,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check_attention_vs_reference(desc, q, k, v, engine, dense):
+def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None):
     """cm.attention's output and gradients against a float32 reference, within twice PyTorch's
     own bf16 error; rows that see nothing give exact zeros."""
     import compilemask as cm
@@ -34,7 +34,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense):
     G = H // k.shape[2]
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
-    out = cm.attention(q, k, v, desc, backend=engine)
+    out = cm.attention(q, k, v, desc, backend=engine, options=options)
     out.backward(do)
     got = (out, q.grad, k.grad, v.grad)
 

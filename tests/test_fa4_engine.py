@@ -266,6 +266,17 @@ def test_gpu_engines_vs_float32_reference(name, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hstu", "clear", "shared_prompt_rm", "prefix_lm",
+                                  "sink_window", "block_causal", "chunked_causal"])
+@pytest.mark.parametrize("variant", ["rules", "intervals"])
+def test_gpu_fa4_mask_mod_variants(name, variant):
+    # either partial-tile test on FA4's block-sparse engine, chunked (native) included
+    mask, desc, q, k, v = _gpu_case(name, 2, 1000, 4, 2, 128, seed=11)
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(),
+                                 options=cm.KernelOptions(mask_mod=variant))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hstu", "clear", "causal"])
 def test_gpu_fa4_rectangular_and_mha(name):
     # Sq != Sk (top-left causal is then not native), no GQA, seqlen not a multiple of 128
