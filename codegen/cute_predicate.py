@@ -305,4 +305,12 @@ def compile_predicate(src: str, name: str = "fallback_predicate"):
     spec = importlib.util.spec_from_file_location(mod_name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return getattr(mod, name)
+    fn = getattr(mod, name)
+    # flash-attn-4 keys its compiled kernels by the hash of this one function's source, which
+    # does not see the generated functions it calls (two masks' mask_mods can read the same):
+    # the whole module's source hash is the key instead
+    full = hashlib.sha256(src.encode()).hexdigest()
+    for f in (fn, getattr(fn, "__wrapped__", None)):
+        if f is not None:
+            f.__cute_hash__ = full
+    return fn

@@ -373,3 +373,28 @@ def test_flex_document_mask_runs_natively():
 
     assert torch.equal(desc.dense_mask(), create_mask(document_causal, 2, 1, 100, 100,
                                                       device="cpu")[:, 0])
+
+
+def test_mask_mods_of_different_masks_key_different_fa4_kernels():
+    """flash-attn-4 keys a compiled kernel by ``hash_callable(mask_mod)``, the hash of that one
+    function's source: the generated mask_mods of different masks (whose wrappers can read alike
+    and differ only in the functions they call) must hash apart, every variant."""
+    pytest.importorskip("flash_attn.cute")
+    from flash_attn.cute.utils import hash_callable
+
+    from compilemask.codegen.cute_mask_mod import mask_mod
+
+    def even(i, j):  # (dilated causal is the stride 2)
+        return j <= i and (i - j) % 4 == 0
+
+    def third(i, j):
+        return j <= i and (i - j) % 3 == 0
+
+    fallback = [cm.compile_mask(_spec(n, [], lambda i: True, f))
+                for n, f in (("t_even", even), ("t_third", third))]
+    made = [(m, v) for m in fallback for v in ("predicate", "intervals", "rules")]
+    made += [(cm.compile_mask(masks.EXAMPLES[n]()), None)
+             for n in ("causal", "sink_window", "block_causal", "chunked_causal",
+                       "dilated_causal", "sliding_window")]
+    hashes = [hash_callable(mask_mod(m, v)) for m, v in made]
+    assert len(set(hashes)) == len(made)
