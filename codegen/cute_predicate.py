@@ -308,8 +308,9 @@ def compile_predicate(src: str, name: str = "fallback_predicate"):
     fn = getattr(mod, name)
     # flash-attn-4 keys its compiled kernels by the hash of this one function's source, which
     # does not see the generated functions it calls (two masks' mask_mods can read the same):
-    # the whole module's source hash is the key instead
-    full = hashlib.sha256(src.encode()).hexdigest()
+    # the whole module's code (comments aside, so masks whose code is equal share) is the key
+    code = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#"))
+    full = hashlib.sha256(code.encode()).hexdigest()
     for f in (fn, getattr(fn, "__wrapped__", None)):
         if f is not None:
             f.__cute_hash__ = full

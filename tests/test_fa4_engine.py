@@ -392,9 +392,14 @@ def test_mask_mods_of_different_masks_key_different_fa4_kernels():
 
     fallback = [cm.compile_mask(_spec(n, [], lambda i: True, f))
                 for n, f in (("t_even", even), ("t_third", third))]
-    made = [(m, v) for m in fallback for v in ("predicate", "intervals", "rules")]
+    # (the rules of an all-fallback mask are its predicate: the same code, one kernel)
+    made = [(m, v) for m in fallback for v in ("predicate", "intervals")]
     made += [(cm.compile_mask(masks.EXAMPLES[n]()), None)
              for n in ("causal", "sink_window", "block_causal", "chunked_causal",
                        "dilated_causal", "sliding_window")]
     hashes = [hash_callable(mask_mod(m, v)) for m, v in made]
     assert len(set(hashes)) == len(made)
+    assert hash_callable(mask_mod(fallback[0], "rules")) == hashes[0]
+    # the interval test's code is the same for masks of equal K without fallbacks: one kernel
+    a, b = (cm.compile_mask(masks.EXAMPLES[n]()) for n in ("block_causal", "chunked_causal"))
+    assert hash_callable(mask_mod(a, "intervals")) == hash_callable(mask_mod(b, "intervals"))
