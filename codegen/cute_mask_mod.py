@@ -16,10 +16,10 @@ whose guard holds decides, by its rule, with no Interval Table or region reads (
 mask such as dilated causal is then index arithmetic only); its aux tensors are ``params`` and
 ``row_params`` where present.
 
-A mask whose rules read only constants, ``i`` and ``j`` (a window with sinks, chunks, blocks)
-gets the same single-predicate form over its rules instead of
-the interval test: index arithmetic costs less per score than ``2K`` Interval Table loads
-(``mask_mod_variant`` chooses; ``docs/decisions/engine.md`` has the measurements).
+A mask whose rules read no per-row arrays (constants, ``i``, ``j``, per-sequence scalars: a
+window with sinks, chunks, blocks, CLEAR) gets the same single-predicate form over its rules
+where a cost model says it is cheaper than the interval test's ``2K`` Interval Table loads per
+score (``mask_mod_variant`` chooses; ``docs/decisions/engine.md`` has the measurements).
 
 FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
 clamped before any load (their results are discarded).
@@ -76,18 +76,28 @@ def mask_mod_variant(mask) -> str:
             v = "predicate"
         else:
             expr = whole_mask_predicate(mask, any_region=True)
-            # constants, i and j only: per-sequence scalars are a load per score too, so
-            # those masks keep the table unless measured otherwise (engine.md)
-            v = "rules" if expr is not None and not (expr.atoms(AppliedUndef) or (
-                {s.name for s in expr.free_symbols} - {"i", "j"})) \
-                else "intervals"
-            if v == "rules":
+            v = "intervals"
+            if expr is not None and not expr.atoms(AppliedUndef):
                 try:
-                    _whole_source(mask, expr)
+                    v = "rules" if _rules_cheaper(mask, _whole_source(mask, expr)) else v
                 except Exception:  # a rule the CuTe printer cannot write: the table then
-                    v = "intervals"
+                    pass
         _VARIANT[mask.key] = v
     return _VARIANT[mask.key]
+
+
+# per score, in ALU operations: a global load counts LOAD_COST, so the interval test costs
+# K * (2 loads + 3 operations) and the rules their operations plus one load per scalar; fitted
+# to the four masks measured both ways (docs/decisions/engine.md)
+LOAD_COST = 4
+
+
+def _rules_cheaper(mask, source_lines) -> bool:
+    lines = "\n".join(source_lines).splitlines()
+    ops = sum(1 for line in lines if line.lstrip().startswith("t") and " = " in line)
+    rules = ops + LOAD_COST * len(mask.scalar_params)
+    intervals = max(mask.num_intervals, 1) * (2 * LOAD_COST + 3)
+    return rules < intervals
 
 
 def _whole_mask_predicate(mask, any_region: bool = False):
