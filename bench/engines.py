@@ -50,6 +50,7 @@ SPECS = {
     "sink_window": lambda: masks.sink_window(WINDOW, 4),
     "chunked_causal": lambda: masks.chunked_causal(8192),
     "block_causal": lambda: masks.block_causal(32),
+    "packed_prefix_lm": masks.packed_prefix_lm,
 }
 # the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
 # lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
@@ -105,6 +106,9 @@ def workload_meta(name, B, S, dev):
         return {}
     if name == "packed_documents":
         return {k: v.to(dev, torch.int32) for k, v in doc_meta(B, S).items()}
+    if name == "packed_prefix_lm":  # documents of 256-4096 tokens (the recipe's bench_meta)
+        meta = masks.recipes_for(SPECS[name]()).bench_meta(B, S)
+        return {k: v.to(dev, torch.int32) for k, v in meta.items()}
     return make_meta(name, B, S, device=dev)
 
 
@@ -116,7 +120,7 @@ def workload_mask_mod(name, meta, S):
     if name == "packed_documents":
         flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
         return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
-    if name in ("sink_window", "chunked_causal", "block_causal"):
+    if name in ("sink_window", "chunked_causal", "block_causal", "packed_prefix_lm"):
         return masks.flex_mask_mod(SPECS[name](), meta)
     return flex_mask_mod(name, meta)
 

@@ -24,6 +24,7 @@ from compilemask.masks.clear import clear
 from compilemask.masks.dilated_causal import dilated_causal
 from compilemask.masks.hstu import hstu
 from compilemask.masks.packed_documents import packed_documents
+from compilemask.masks.packed_prefix_lm import packed_prefix_lm
 from compilemask.masks.prefix_lm import prefix_lm
 from compilemask.masks.shared_prompt_rm import shared_prompt_rm
 from compilemask.masks.sink_window import sink_window
@@ -34,6 +35,7 @@ __all__ = [
     "sliding_window",
     "prefix_lm",
     "packed_documents",
+    "packed_prefix_lm",
     "hstu",
     "shared_prompt_rm",
     "clear",
@@ -58,6 +60,7 @@ EXAMPLES = {
     "sliding_window": lambda: sliding_window(7),
     "prefix_lm": prefix_lm,
     "packed_documents": packed_documents,
+    "packed_prefix_lm": packed_prefix_lm,
     "hstu": hstu,
     "shared_prompt_rm": shared_prompt_rm,
     "clear": lambda: clear(1, 8),
