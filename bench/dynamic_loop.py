@@ -68,6 +68,7 @@ def metadata(spec, B, S, seed):
     return {k: v.to(device="cuda", dtype=torch.int32) for k, v in meta.items()}
 
 
+RESERVE_GIB = 0  # --reserve-gib
 MAX_SEGMENTS = None  # --max-segments: fixed-size cu_seqlens for segments masks (no host sync)
 
 
@@ -268,6 +269,8 @@ def loop(name, steps, seed, phases=False, profiles=None, kernels=None):
     mask = cm.compile_mask(spec)
     compile_mask_s = time.perf_counter() - t0
     qkv = [torch.randn(TOKENS, H, D, device="cuda", dtype=DTYPE) for _ in range(3)]
+    if RESERVE_GIB:  # one large cached segment: cold steps' new sizes split it, no cudaMalloc
+        torch.empty(RESERVE_GIB << 30, dtype=torch.uint8, device="cuda")  # freed at once, kept
     rows = []
     for n in range(steps):
         S = rng.randint(1024, 32768)
@@ -408,6 +411,8 @@ def main(argv=None):
                     help="host profile of the cold steps against as many warm ones")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="device time per kernel of the cold steps against as many warm ones")
+    ap.add_argument("--reserve-gib", type=int, default=0,
+                    help="reserve this many GiB in the caching allocator before the loop")
     ap.add_argument("--timeline", action="store_true",
                     help="where the GPU idles in the cold steps against as many warm ones")
     ap.add_argument("--phases", action="store_true",
@@ -427,8 +432,8 @@ def main(argv=None):
              "| loop compile (s) | worst cold/warm, warm right after a step | over 1.2x |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in args.masks.split(","):
-        global MAX_SEGMENTS
-        MAX_SEGMENTS = args.max_segments
+        global MAX_SEGMENTS, RESERVE_GIB
+        MAX_SEGMENTS, RESERVE_GIB = args.max_segments, args.reserve_gib
         profiles = _Profiles(args.profile)
         kernels = (_Timelines(True) if args.timeline
                    else _KernelProfiles(args.kernel_profile))

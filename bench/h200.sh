@@ -245,7 +245,8 @@ for r in rows:
     OUT=$L step seg_maxseg 120 python3 bench/dynamic_loop.py $M --max-segments 1024 --out "$L/maxseg"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OUT=$L step seg_expandable 120 \
       python3 bench/dynamic_loop.py $M --out "$L/expandable"
-    for v in plain phases maxseg expandable; do echo "$v $(grep -h '^| packed' $L/$v/*.md)"; done
+    OUT=$L step seg_reserve 120 python3 bench/dynamic_loop.py $M --reserve-gib 24 --out "$L/reserve"
+    for v in plain phases maxseg expandable reserve; do echo "$v $(grep -h '^| packed' $L/$v/*.md)"; done
     head -20 $L/phases/profile_packed_documents.txt; head -16 $L/kernels/kernels_packed_documents.txt
     tar czf "$OUT/loop_segments.tar.gz" -C "$L" .
     ;;
