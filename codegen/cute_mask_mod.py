@@ -69,8 +69,8 @@ _VARIANT: dict = {}
 
 def mask_mod_variant(mask) -> str:
     """Which mask_mod a mask gets (the one place this is decided): the whole predicate when
-    every region is one; the rules when they read no per-row arrays and print; else the
-    Interval Table test."""
+    every region is one; the rules when they read no per-row arrays, print, and cost less per
+    score than the table (``_rules_cheaper``); else the Interval Table test."""
     if mask.key not in _VARIANT:
         if whole_mask_predicate(mask) is not None:
             v = "predicate"
