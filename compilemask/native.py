@@ -289,24 +289,25 @@ def segments(mask, desc, max_segments: int | None = None):
     begins = torch.nonzero(flags).reshape(-1).cpu()
     if len(begins) and int(begins[-1]) == B * S:
         return None
-    cu = torch.cat([begins, begins.new_full((1,), B * S)])
-    longest = int((cu[1:] - cu[:-1]).max())
-    # FA4 picks its varlen kernels by the segment count (a batch-lookup aid above
-    # _FA4_MANY_SEGMENTS): empty segments up to past it keep one variant for every batch, so a
-    # batch with other counts compiles nothing
-    if len(cu) <= _FA4_MANY_SEGMENTS + 1:
-        cu = torch.cat([cu, cu.new_full((_FA4_MANY_SEGMENTS + 1 - len(cu) + 1,), B * S)])
-    return cu.to(device=start.device, dtype=torch.int32), longest
+    longest = int((torch.cat([begins[1:], begins.new_full((1,), B * S)]) - begins).max())
+    return _closed(begins, B * S).to(device=start.device, dtype=torch.int32), longest
+
+
+def _closed(starts: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu_seqlens`` from the segment starts: ``total`` appended, then empty segments up to
+    past ``_FA4_MANY_SEGMENTS``. FA4 picks its varlen kernels by the segment count (a
+    batch-lookup aid above it), so every batch with fewer segments runs one variant and
+    compiles nothing."""
+    pad = max(1, _FA4_MANY_SEGMENTS + 2 - len(starts))
+    return torch.cat([starts, starts.new_full((pad,), total)])
 
 
 def _chunk_segments(B: int, S: int, chunk: int, device) -> torch.Tensor:
     """``cu_seqlens`` of fixed-size chunks over ``B`` sequences of ``S`` rows, made on the device
-    (arithmetic only), padded with empty segments like the exact segments (one FA4 variant)."""
+    (arithmetic only)."""
     starts = (torch.arange(B, device=device, dtype=torch.int32).view(B, 1) * S
               + torch.arange(0, S, chunk, device=device, dtype=torch.int32).view(1, -1))
-    n = starts.numel()
-    pad = _FA4_MANY_SEGMENTS + 2 - n if n < _FA4_MANY_SEGMENTS + 1 else 1
-    return torch.cat([starts.reshape(-1), starts.new_full((pad,), B * S)])
+    return _closed(starts.reshape(-1), B * S)
 
 
 def _fixed_segments(first: torch.Tensor, ok: torch.Tensor, cap: int, total: int):

@@ -163,7 +163,7 @@ def _kernel_options(options: str):
 
 
 def _mask_mod_variant(options: str):
-    return KernelOptions.from_str(options).mask_mod if options else None
+    return getattr(_kernel_options(options), "mask_mod", None)
 
 
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
