@@ -18,6 +18,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,11 +52,40 @@ SPECS = {
     "chunked_causal": lambda: masks.chunked_causal(8192),
     "block_causal": lambda: masks.block_causal(32),
     "packed_prefix_lm": masks.packed_prefix_lm,
+    "prefix_lm": masks.prefix_lm,
 }
 # the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
 # lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
 # partial-tile test could gain at most)
 FA4_VARIANTS = {"fa4_rules": "rules", "fa4_intervals": "intervals", "fa4_true": None}
+
+
+def _t5_bucket(rel, num_buckets=32, max_distance=128):
+    """T5's bidirectional relative-position bucket of ``rel = kv_idx - q_idx``."""
+    half = num_buckets // 2
+    ret = (rel > 0).long() * half
+    n = rel.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float().clamp(min=1) / exact)
+                     / math.log(max_distance / exact) * (half - exact)).long()
+    return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
+
+
+def make_score_mod(name, dev):
+    """The score_mods measured with a mask (``--score-mod``): the same callable goes to
+    cm.attention and to FlexAttention."""
+    if name == "alibi":
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device=dev)
+        return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+    if name == "softcap":
+        return lambda score, b, h, q_idx, kv_idx: 50 * torch.tanh(score / 50)
+    if name == "t5":
+        table = torch.randn(32, H, device=dev, generator=torch.Generator(dev).manual_seed(0))
+        return lambda score, b, h, q_idx, kv_idx: score + table[_t5_bucket(kv_idx - q_idx), h]
+    if name == "temperature":
+        temp = torch.linspace(0.5, 1.5, H, device=dev)
+        return lambda score, b, h, q_idx, kv_idx: score / temp[h]
+    raise ValueError(f"unknown score_mod {name!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,6 +136,10 @@ def workload_meta(name, B, S, dev):
         return {}
     if name == "packed_documents":
         return {k: v.to(dev, torch.int32) for k, v in doc_meta(B, S).items()}
+    if name == "prefix_lm":  # a bidirectional prefix of a quarter to a half of each sequence
+        g = torch.Generator().manual_seed(S)
+        return {"prefix_len": torch.randint(S // 4, S // 2 + 1, (B,), generator=g).to(
+            dev, torch.int32)}
     if name == "packed_prefix_lm":  # documents of 256-4096 tokens (the recipe's bench_meta)
         meta = masks.recipes_for(SPECS[name]()).bench_meta(B, S)
         return {k: v.to(dev, torch.int32) for k, v in meta.items()}
@@ -120,7 +154,8 @@ def workload_mask_mod(name, meta, S):
     if name == "packed_documents":
         flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
         return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
-    if name in ("sink_window", "chunked_causal", "block_causal", "packed_prefix_lm"):
+    if name in ("sink_window", "chunked_causal", "block_causal", "packed_prefix_lm",
+                "prefix_lm"):
         return masks.flex_mask_mod(SPECS[name](), meta)
     return flex_mask_mod(name, meta)
 
@@ -160,8 +195,9 @@ def _pairs(name, desc):
     return total
 
 
-def run_point(name, S, mode, methods, rep, rows, options=None):
+def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
     B, dev = max(1, TOKENS // S), "cuda"
+    smod = make_score_mod(score_mod, dev) if score_mod else None
     meta = workload_meta(name, B, S, dev)
     mask = cm.compile_mask(SPECS[name]())
     pre = mask.preprocessor(S, batch_size=B)
@@ -171,7 +207,8 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
     gen = torch.Generator(device=dev).manual_seed(S)
     q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=DTYPE, generator=gen) for _ in range(3))
     do = torch.randn_like(q)
-    row = {"mask": name, "S": S, "B": B, "mode": mode, "pairs": pairs,
+    row = {"mask": name + (f"+{score_mod}" if score_mod else ""), "S": S, "B": B, "mode": mode,
+           "pairs": pairs,
            "native": mask.native_pattern.describe() if mask.native_pattern else None}
 
     def rec(method, ms, note=""):
@@ -196,7 +233,7 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
 
                 def ours(d, eng=method):
                     return lambda a, b_, c: cm.attention(a, b_, c, d, backend=eng,
-                                                         options=options)
+                                                         options=options, score_mod=smod)
 
                 rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
                 rec(f"{method}+pre",
@@ -229,7 +266,7 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
 
                 def flex(bmask):
                     return lambda a, b_, c: _flex()(a, b_, c, block_mask=bmask,
-                                                    kernel_options=opts)
+                                                    score_mod=smod, kernel_options=opts)
 
                 rec(method, _bench(lambda: train_or_fwd(flex(bm), qt, kt, vt, dot), rep))
                 if method == "flex_flash":
@@ -239,6 +276,8 @@ def run_point(name, S, mode, methods, rep, rows, options=None):
             elif method == "fa4_native":
                 from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
+                if smod is not None:
+                    continue
                 if name == "causal":
                     def f(a, b_, c):
                         return flash_attn_func(a, b_, c, causal=True)[0]
@@ -309,6 +348,9 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--tag", default="engines")
+    ap.add_argument("--score-mod", default="",
+                    help="a score_mod with every mask, for ours and Flex: alibi, softcap, t5, "
+                         "temperature; mask:score_mod pairs in --masks choose one per mask")
     ap.add_argument("--options", default="", type=cm.KernelOptions.from_str,
                     help="the cute engine's kernel variants, e.g. bwd_meta=async "
                          "(compilemask.KernelOptions; default: default_options)")
@@ -327,8 +369,10 @@ def main(argv=None):
     rows = []
     for mode in args.modes.split(","):
         for S in map(int, args.seqlens.split(",")):
-            for name in args.masks.split(","):
-                run_point(name, S, mode, args.methods.split(","), args.rep, rows, args.options)
+            for item in args.masks.split(","):
+                name, _, smod = item.partition(":")
+                run_point(name, S, mode, args.methods.split(","), args.rep, rows, args.options,
+                          smod or args.score_mod or None)
                 (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
                 (out / f"{args.tag}.md").write_text(to_markdown(rows, header))
     print(to_markdown(rows, header))

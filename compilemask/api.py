@@ -130,13 +130,13 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     ``"reference"`` (dense float32, any device). ``deterministic=True``: gradients identical run
     to run. ``options``: variants of the ``cute`` kernels (:class:`compilemask.KernelOptions`;
     None: ``default_options`` for the call) and the ``fa4`` engine's ``mask_mod`` variant; the
-    other engines ignore them. ``score_mod``: a
-    FlexAttention ``score_mod(score, b, h, q_idx, kv_idx)`` applied to the scaled scores
-    before the mask, as written (``compilemask.reference.apply_score_mod``); it runs on the
-    reference engine, where gradients flow into what it captures too, and a GPU call with it
-    raises unless ``backend="reference"``. ``learnable_sink``: a per-head logit ``[H]`` in every
-    row's softmax with no value (gpt-oss's sinks; LSE includes it), likewise on the reference
-    engine for now."""
+    other engines ignore them. ``score_mod``: a FlexAttention ``score_mod(score, b, h, q_idx,
+    kv_idx)`` applied to the scaled scores before the mask, as written. On the reference engine
+    it runs as it is (gradients flow into what it captures too); the fa4 and native engines
+    run it compiled (``compilemask.score_mod``: its captured tensors are read in the kernel,
+    on q's device, without gradients; a softcap ``c * tanh(score / c)`` is FA4's own), the
+    cute engine refuses it. ``learnable_sink``: a per-head logit ``[H]`` in every row's softmax
+    with no value (gpt-oss's sinks; LSE includes it), on the reference engine for now."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if options is not None and not isinstance(options, KernelOptions):
@@ -145,6 +145,7 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     _validate(q, k, v, desc)
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic)
+    score = None
     if score_mod is not None or learnable_sink is not None:
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
@@ -152,14 +153,21 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
         if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
             raise TypeError(f"learnable_sink must be a [H] tensor, got "
                             f"{type(learnable_sink).__name__}")
-        what = "score_mod" if score_mod is not None else "learnable_sink"
-        if engine != "reference":
+        if engine == "reference":
+            return attention_reference(q, k, v, descriptor_dense_mask(desc),
+                                       softmax_scale=softmax_scale, return_lse=return_lse,
+                                       score_mod=score_mod, learnable_sink=learnable_sink)
+        if learnable_sink is not None:
             raise NotImplementedError(
-                f"cm.attention: {what} runs on the reference engine only (the {engine} "
-                f"engine's {what} is not wired yet); pass backend='reference' for the dense "
-                "O(S^2) path")
-        return attention_reference(q, k, v, descriptor_dense_mask(desc),
-                                   softmax_scale=softmax_scale, return_lse=return_lse,
-                                   score_mod=score_mod, learnable_sink=learnable_sink)
+                f"cm.attention: learnable_sink runs on the reference engine only (the {engine} "
+                "engine's is not wired yet); pass backend='reference' for the dense O(S^2) path")
+        if score_mod is not None and engine == "cute":
+            raise NotImplementedError(
+                "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
+                "(sm90) or 'reference' run it")
+        from compilemask.score_mod import compile_score_mod
+
+        sm, tables = compile_score_mod(score_mod)
+        score = (sm, sm.aux_tensors(tables, q.device))
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic, engine=engine, options=options)
+                        deterministic=deterministic, engine=engine, options=options, score=score)

@@ -56,10 +56,14 @@ class _Call(NamedTuple):
     extra: list
     max_seqlen: int
     options: str
+    score_mod: str  # a compiled score_mod's key ("" for none)
+    score_aux: list  # its tables, as the kernels read them
 
 
 _CALL_SCHEMA = ("str mask_key, float softmax_scale, bool deterministic, str engine, "
-                "Tensor[] extra, SymInt max_seqlen, str options")
+                "Tensor[] extra, SymInt max_seqlen, str options, str score_mod, "
+                "Tensor[] score_aux")
+_LISTS = ("extra", "score_aux")  # the fields that are lists of tensors
 
 
 def _unpack(args) -> tuple[DescriptorArgs, _Call]:
@@ -154,6 +158,15 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
 # ----------------------------------------------------------------------------------------------
 # CUDA kernels (with reference fallback)
 # ----------------------------------------------------------------------------------------------
+def _score(call: _Call):
+    """``(ScoreMod, tables)`` of the call's score_mod, or None."""
+    if not call.score_mod:
+        return None
+    from compilemask.score_mod import score_mod_for_key
+
+    return score_mod_for_key(call.score_mod), list(call.score_aux)
+
+
 def _kernel_dtype_ok(q) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
 
@@ -250,7 +263,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
     if engine in ("fa4", "native"):
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
-                           variant=_mask_mod_variant(call.options))
+                           variant=_mask_mod_variant(call.options), score=_score(call))
         return out.contiguous(), lse.contiguous()
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
@@ -274,7 +287,7 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     if engine in ("fa4", "native"):
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
-                        variant=_mask_mod_variant(call.options))
+                        variant=_mask_mod_variant(call.options), score=_score(call))
         return tuple(g.contiguous() for g in grads)
     if q.is_cuda and engine == "cute":
         return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
@@ -294,22 +307,24 @@ def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
     out, lse = output
     d, call = _unpack(args)
-    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra)
+    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra, *call.score_aux)
     ctx.desc_scalars = d.scalars()
-    ctx.call = call._replace(extra=len(call.extra))
+    ctx.call = call._replace(extra=len(call.extra), score_aux=len(call.score_aux))
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
     n = len(DescriptorArgs.tensor_fields())
     d = DescriptorArgs(*saved[:n], *ctx.desc_scalars)
-    call = ctx.call._replace(extra=list(saved[n:]))
+    ne = ctx.call.extra
+    call = ctx.call._replace(extra=list(saved[n:n + ne]), score_aux=list(saved[n + ne:]))
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.compilemask.attention_bwd(
         dout.contiguous(), dlse, q, k, v, out, lse, *d.to_op_args(), *call)
-    # one None per input; the extra tensors' slot is a list of them
-    rest = tuple([None] * len(call.extra) if f == "extra" else None for f in _Call._fields)
+    # one None per input; a list of tensors' slot is a list of them
+    rest = tuple([None] * len(getattr(call, f)) if f in _LISTS else None
+                 for f in _Call._fields)
     return (dq, dk, dv) + (None,) * len(d) + rest
 
 
@@ -321,19 +336,25 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # Entry point
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 deterministic: bool = False, engine: str = "cute", options=None):
+                 deterministic: bool = False, engine: str = "cute", options=None, score=None):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
     "reference" (the dense path on any device); ``options``: the cute kernels'
-    ``KernelOptions`` (None: the defaults)."""
+    ``KernelOptions`` (None: the defaults); ``score``: ``(ScoreMod, tables as the kernels read
+    them)`` (fa4 / native engines)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
                          "(cm.attention moves it once: compilemask.pipeline.on_device)")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
+    if score is not None and engine not in ("fa4", "native"):
+        raise NotImplementedError(f"attention_op: a score_mod runs on the fa4 and native "
+                                  f"engines, not {engine!r}")
     call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
-                 options.to_str() if options is not None else "")
+                 options.to_str() if options is not None else "",
+                 score[0].key if score is not None else "",
+                 list(score[1]) if score is not None else [])
     out, lse = torch.ops.compilemask.attention_fwd(
         q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
     return (out, lse) if return_lse else out

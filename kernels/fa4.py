@@ -114,24 +114,52 @@ def _timed(what: str, desc, engine: str, q):
     return wrap
 
 
-def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None):
+def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
+        score=None):
     """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4; ``variant``: the mask_mod's
-    (``KernelOptions.mask_mod``; None: the mask's default)."""
+    (``KernelOptions.mask_mod``; None: the mask's default); ``score``: ``(ScoreMod, its
+    tables)`` of a score_mod, or None."""
     return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists,
-                                                    variant)
+                                                    variant, score)
 
 
 def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-        deterministic: bool = False, lists=None, variant=None):
+        deterministic: bool = False, lists=None, variant=None, score=None):
     """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
     return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
                                                      softmax_scale, engine, dlse, deterministic,
-                                                     lists, variant)
+                                                     lists, variant, score)
 
 
-def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None):
+def _mods(desc, engine: str, variant, score, backward: bool) -> dict:
+    """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
+    tensors first, then the score_mod's tables (its code reads them at that offset)."""
+    kw, aux = {}, []
+    if engine == "fa4":
+        kw["mask_mod"] = mask_mod(desc.mask, variant)
+        aux = list(aux_tensors(desc, variant) or [])
+    if score is not None:
+        sm, tables = score
+        if sm.softcap is not None:
+            kw["softcap"] = sm.softcap
+        else:
+            from compilemask.codegen.cute_score_mod import score_mod_fns
+
+            fn, fn_bwd = score_mod_fns(sm, len(aux))
+            kw["score_mod"] = fn
+            if backward:
+                kw["score_mod_bwd"] = fn_bwd
+            aux += list(tables)
+    if aux:
+        kw["aux_tensors"] = aux
+    return kw
+
+
+def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
+         score=None):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
+    mods = _mods(desc, engine, variant, score, backward=False)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -141,16 +169,16 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
                 q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
                 v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
-                causal=pat.window_left is None, window_size=_window(pat), return_lse=True)
+                causal=pat.window_left is None, window_size=_window(pat), return_lse=True,
+                **mods)
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, return_lse=True,
-                               **_native_kwargs(pat))
+                               **_native_kwargs(pat), **mods)
 
     lists = desc.block_sparse("fwd") if lists is None else lists
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale,
-                           mask_mod=mask_mod(desc.mask, variant),
-                           aux_tensors=aux_tensors(desc, variant),
-                           block_sparse_tensors=_bs_torch(lists, FWD_TILES), return_lse=True)
+                           block_sparse_tensors=_bs_torch(lists, FWD_TILES), return_lse=True,
+                           **mods)
 
 
 def _fa4_bwd(*args, **kwargs):
@@ -160,8 +188,9 @@ def _fa4_bwd(*args, **kwargs):
 
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-         deterministic: bool = False, lists=None, variant=None):
+         deterministic: bool = False, lists=None, variant=None, score=None):
     D = q.shape[-1]
+    mods = _mods(desc, engine, variant, score, backward=True)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -176,19 +205,17 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
                 window_size_left=pat.window_left, window_size_right=pat.window_right,
                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                 deterministic=deterministic,
-                dlse=None if dlse_flat is None else dlse_flat.contiguous())
+                dlse=None if dlse_flat is None else dlse_flat.contiguous(), **mods)
             return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
         kw = _native_kwargs(pat)
         causal = kw.get("causal", False)
         wl, wr = kw.get("window_size", (None, None))
         return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,
                         window_size_left=wl, window_size_right=wr, deterministic=deterministic,
-                        dlse=dlse)
+                        dlse=dlse, **mods)
 
     kind = "bwd64" if D == 128 else "bwd128"
     lists = desc.block_sparse(kind) if lists is None else lists
     return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale,
-                    mask_mod=mask_mod(desc.mask, variant),
-                    aux_tensors=aux_tensors(desc, variant),
                     block_sparse_tensors=_bs_torch(lists, (BWD_TILE_M[D], 128)),
-                    deterministic=deterministic, dlse=dlse)
+                    deterministic=deterministic, dlse=dlse, **mods)

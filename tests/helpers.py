@@ -24,23 +24,24 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None):
+def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, score_mod=None):
     """cm.attention's output and gradients against a float32 reference, within twice PyTorch's
-    own bf16 error; rows that see nothing give exact zeros."""
+    own bf16 error; rows that see nothing give exact zeros. ``score_mod``: FlexAttention's, on
+    every path (PyTorch's bf16 rounds its result to bf16)."""
     import compilemask as cm
-    from compilemask.reference import attention_reference
+    from compilemask.reference import apply_score_mod, attention_reference
 
     B, Sq, H, D = q.shape
     G = H // k.shape[2]
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
-    out = cm.attention(q, k, v, desc, backend=engine, options=options)
+    out = cm.attention(q, k, v, desc, backend=engine, options=options, score_mod=score_mod)
     out.backward(do)
     got = (out, q.grad, k.grad, v.grad)
 
     def ref(dtype):
         qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        o = attention_reference(qq, kk, vv, dense)
+        o = attention_reference(qq, kk, vv, dense, score_mod=score_mod)
         o.backward(do.to(dtype))
         return o, qq.grad, kk.grad, vv.grad
 
@@ -48,6 +49,8 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (kk, vv))
         s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
+        if score_mod is not None:
+            s = apply_score_mod(s, score_mod)
         m = dense.unsqueeze(1)
         empty_row = ~m.any(-1, keepdim=True)
         s = torch.where(m, s, float("-inf"))

@@ -162,6 +162,6 @@ def test_fake_shapes_and_opcheck():
     from compilemask.kernels.autograd import register_mask
 
     args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(desc).to_op_args(),
-            register_mask(desc.mask), 0.25, False, "reference", [], 0, "")
+            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [])
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -155,19 +155,236 @@ def test_score_mod_errors():
         cm.attention(q, q, q, desc, score_mod=lambda s, b, h, i, j: 1.0)
 
 
+# ---------------------------------------------------------------------------------------------
+# compiled score_mods (the fa4 / native engines' form)
+# ---------------------------------------------------------------------------------------------
+def _more_cases():
+    g = torch.Generator().manual_seed(8)
+    rel_bias = torch.randn(64, generator=g)
+    per_seq = torch.rand(B, generator=g) + 0.5
+    ids = torch.randint(0, 3, (B, 40), generator=g)
+    gate = torch.rand(H, generator=g) > 0.5
+    zero_d = torch.tensor(0.25)
+    return {
+        "negative_index_from_the_end": lambda s, b, h, i, j: s + rel_bias[(j - i) % 64 - 32],
+        "per_sequence_scale": lambda s, b, h, i, j: s * per_seq[b],
+        "int_table_and_where": lambda s, b, h, i, j: torch.where(
+            ids[b, i] == ids[b, j], s, s - 2.0),
+        "bool_table": lambda s, b, h, i, j: torch.where(gate[h], s * 0.5, s),
+        "zero_d_tensor": lambda s, b, h, i, j: s * zero_d + 1,
+        "sigmoid_abs_min_max": lambda s, b, h, i, j: torch.maximum(
+            torch.sigmoid(s) * 3, torch.minimum(abs(s), s * 0 + 2.0)),
+        "exp_log_clamp_pow": lambda s, b, h, i, j: torch.log(torch.exp(s).clamp(min=0.1)) +
+        (s / 4) ** 2 - torch.sqrt((j - i).abs().float() + 1),
+        "float_to_int": lambda s, b, h, i, j: s + ((j - i).float() / 3).long() * 0.5,
+        "floor_div_mod": lambda s, b, h, i, j: s - ((j - i) // 5) % 3,
+    }
+
+
+def _grid(Sq=40, Sk=40, seed=9):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(B, H, Sq, Sk, generator=g, dtype=torch.float64) * 6
+    idx = [torch.arange(n).view(shape) for n, shape in (
+        (B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (Sq, (1, 1, Sq, 1)), (Sk, (1, 1, 1, Sk)))]
+    return s, idx
+
+
+def _all_score_mods():
+    out = {name: c[0] for name, c in _cases().items()}
+    out.update(_more_cases())
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_all_score_mods()))
+def test_compiled_score_mod_equals_the_score_mod(name):
+    """The expression the kernels evaluate equals the score_mod as written, score by score, and
+    its derivative equals autograd's (float32, the kernels' arithmetic)."""
+    from compilemask.score_mod import compile_score_mod
+
+    fn = _all_score_mods()[name]
+    sm, tables = compile_score_mod(fn)
+    s, idx = _grid()
+    s = s.float()
+    tables = [t.float() if t.dtype == torch.float64 else t for t in tables]
+    x = s.clone().requires_grad_()
+    want = torch.broadcast_to(fn(x, *idx), s.shape)
+    torch.testing.assert_close(torch.broadcast_to(sm.evaluate(s, *idx, tables), s.shape),
+                               want.float(), rtol=1e-5, atol=1e-5)
+    want.sum().backward()
+    grad = torch.broadcast_to(sm.evaluate(s, *idx, tables, grad=True), s.shape)
+    torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_score_mod_softcap_recognized_and_cache():
+    from compilemask.score_mod import compile_score_mod
+
+    assert compile_score_mod(_cases()["softcap_sliding_window"][0])[0].softcap == 50.0
+    assert compile_score_mod(lambda s, b, h, i, j: 50 * torch.tanh(s / 40))[0].softcap is None
+    assert compile_score_mod(lambda s, b, h, i, j: 30 * torch.tanh(s / 30) + 1)[0].softcap \
+        is None
+
+    def make(c, t):
+        def mod(score, b, h, q_idx, kv_idx):
+            return score * c + t[h]
+        return mod
+
+    t1, t2 = torch.ones(H), torch.zeros(H)
+    a, ta = compile_score_mod(make(2.0, t1))
+    b, tb = compile_score_mod(make(2.0, t2))
+    c, _ = compile_score_mod(make(3.0, t1))
+    assert a is b and ta[0] is t1 and tb[0] is t2  # same code and constants: new tensors only
+    assert c.key != a.key  # a changed constant is another score_mod
+    assert "tab0_t(h)" in a.explain()
+
+
+def test_score_mod_refusals_name_the_construct():
+    from compilemask.score_mod import compile_score_mod
+
+    t = torch.ones(4, 4)
+
+    def branch(score, b, h, q_idx, kv_idx):
+        return score if q_idx > 3 else score * 2
+
+    def made_inside(score, b, h, q_idx, kv_idx):
+        return score + torch.ones(4)[h]
+
+    def by_score(score, b, h, q_idx, kv_idx):
+        return t[score.long(), h]
+
+    def sliced(score, b, h, q_idx, kv_idx):
+        return score + t[h]
+
+    for fn, what in ((branch, "control flow"), (made_inside, "made inside"),
+                     (by_score, "indexed by the score"), (sliced, "indexed by 1 index")):
+        with pytest.raises(NotImplementedError, match=what):
+            compile_score_mod(fn)
+    with pytest.raises(TypeError, match="must take"):
+        compile_score_mod(lambda s, b: s)
+    with pytest.raises(TypeError, match="modified score"):
+        compile_score_mod(lambda s, b, h, i, j: s > 0)
+
+
+def test_score_mod_tables_as_the_kernels_read_them():
+    from compilemask.score_mod import compile_score_mod
+
+    slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
+    ids = torch.arange(6)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * ids[q_idx]
+
+    sm, tables = compile_score_mod(mod)
+    names = [t.name.split("_", 1)[1] for t in sm.tables]
+    assert sorted(names) == ["ids", "slopes"]
+
+    def ordered(**by_name):
+        return [by_name[n] for n in names]
+
+    with pytest.raises(NotImplementedError, match="gradients into captured tensor 'slopes'"):
+        sm.aux_tensors(tables, torch.device("cpu"))
+    with torch.no_grad():
+        aux = dict(zip(names, sm.aux_tensors(tables, torch.device("cpu"))))
+    assert (aux["slopes"].dtype, aux["ids"].dtype) == (torch.float32, torch.int32)
+    again = dict(zip(names, sm.aux_tensors(ordered(slopes=slopes.detach(), ids=ids),
+                                           torch.device("cpu"))))
+    assert again["ids"] is aux["ids"]  # converted once per tensor version
+    with pytest.raises(ValueError, match="outside int32"):
+        sm.aux_tensors(ordered(slopes=slopes.detach(), ids=ids + 2**40), torch.device("cpu"))
+    with pytest.raises(ValueError, match="is on cpu"):
+        sm.aux_tensors(ordered(slopes=slopes.detach(), ids=ids), torch.device("meta"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+@pytest.mark.parametrize("name,engine", [
+    ("t5_prefix_lm", "fa4"),
+    pytest.param("alibi_causal", "native", marks=pytest.mark.slow),
+    pytest.param("temperature_hstu", "fa4", marks=pytest.mark.slow)])
+def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
+    """The generated score_mod and score_mod_bwd compile inside FA4's sm90 kernels (gathers,
+    precise log, Int32 floor arithmetic for T5; the tables after the mask's aux tensors)."""
+    pytest.importorskip("flash_attn.cute")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+    from compilemask.score_mod import compile_score_mod
+
+    fn, _, spec, _ = _cases()[name]
+    mask = cm.compile_mask(spec)
+    Bf, S, D = 2, 300, 128
+    meta = masks.random_meta(mask.spec, Bf, S, torch.Generator().manual_seed(0))
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=Bf)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    sm, tables = compile_score_mod(fn)
+    tables = [t.float() for t in tables]
+    with FakeTensorMode():
+        dev = torch.device("cuda")
+
+        def fake(t):
+            return torch.empty(t.shape, dtype=t.dtype, device=dev)
+
+        q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device=dev)
+        fdesc = type(desc)(**{f: (fake(getattr(desc, f))
+                                  if isinstance(getattr(desc, f), torch.Tensor)
+                                  else getattr(desc, f)) for f in desc.__dataclass_fields__})
+        flists = {k: type(v)(*(fake(t) for t in v)) for k, v in lists.items()}
+        score = (sm, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
+        assert out.shape == q.shape and lse.shape == (Bf, H, S)
+        dq, dk, dv = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine,
+                             lists=flists["bwd64"], score=score)
+        assert dq.shape == q.shape
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_score_mod_raises_unless_reference():
+@pytest.mark.parametrize("name", sorted(_cases()))
+@pytest.mark.parametrize("engine", ["fa4", "native"])
+def test_gpu_score_mod_vs_float32_reference(name, engine):
+    """ALiBi + causal, softcap 50 + sliding window, T5 bias + prefix-LM, per-head temperature +
+    HSTU through FA4 (block-sparse and, where the mask is native, native), forward and backward,
+    within twice PyTorch's bf16 error; the score_mod's tables on the GPU."""
+    from helpers import check_attention_vs_reference
+
+    fn, _, spec, captured = _cases()[name]
+    mask = cm.compile_mask(spec)
+    Bg, S, Hg, D = 2, 1000, H, 128
+    meta = {k: v.cuda() for k, v in masks.random_meta(
+        mask.spec, Bg, S, torch.Generator().manual_seed(7)).items()}
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=Bg, device="cuda")
+    if engine == "native" and desc.native is None:
+        pytest.skip("not a native mask")
+    gpu_fn = fn
+    if captured is not None:
+        dev = captured.float().cuda()
+        gpu_fn = _on_device(fn, captured, dev)
+    q = torch.randn(Bg, S, Hg, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(Bg, S, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(desc, q, k, v, engine, desc.dense_mask(), score_mod=gpu_fn)
+
+
+def _on_device(fn, old, new):
+    """``fn`` with its captured tensor ``old`` replaced by ``new`` (closure cells)."""
+    import types
+
+    cells = tuple(types.CellType(new if c.cell_contents is old else c.cell_contents)
+                  for c in fn.__closure__)
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+
+
+@pytest.mark.gpu
+def test_gpu_score_mod_errors_before_any_kernel():
     desc = cm.compile_mask(masks.causal()).preprocess(None, 64, batch_size=1, device="cuda")
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    slopes = torch.ones(2)  # on the CPU
 
-    def softcap(score, b, h, q_idx, kv_idx):
-        return 50 * torch.tanh(score / 50)
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
 
-    with pytest.raises(NotImplementedError, match="score_mod runs on the reference engine"):
-        cm.attention(q, q, q, desc, score_mod=softcap)
-    out = cm.attention(q, q, q, desc, score_mod=softcap, backend="reference")
-    assert out.shape == q.shape and not out.isnan().any()
+    with pytest.raises(ValueError, match="captured tensor 'slopes' is on cpu"):
+        cm.attention(q, q, q, desc, score_mod=alibi)
+    with pytest.raises(NotImplementedError, match="cute engine has no score_mod"):
+        cm.attention(q, q, q, desc, score_mod=alibi, backend="cute")
+    out = cm.attention(q, q, q, desc, score_mod=alibi, backend="reference")
+    assert not out.isnan().any()
 
 
 def test_learnable_sink_equals_float64_reference():

@@ -1,0 +1,270 @@
+"""A compiled score_mod as flash-attn-4's ``score_mod`` and ``score_mod_bwd``, generated per
+score_mod and per position of its tables among the call's aux tensors.
+
+FA4 calls ``score_mod(score, batch_idx, head_idx, q_idx=, kv_idx=, seqlen_info=,
+aux_tensors=)`` on vectors of 1, 2 or 4 scaled scores (the width depends on the kernel and on
+whether aux tensors are passed), and ``score_mod_bwd(grad, score, ...)`` for the gradient, which
+is ``grad * d score_mod / d score`` at the pre-modification score. Both functions loop over the
+vector, evaluate the expression per element in float32 (integers in Int32), and return the
+vector. Tables are ``aux_tensors[offset + t]`` (the mask_mod's aux tensors come first); a
+negative index counts from the end as in torch, and every index is clamped into the table so
+that no read leaves it (FA4 wraps q_idx / kv_idx into the sequence before calling).
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from compilemask.cache import CompileCache
+from compilemask.codegen.cute_predicate import compile_predicate
+from compilemask.score_mod import SCORE, ScoreMod, fdiv, trunc
+
+__all__ = ["score_mod_source", "score_mod_fns"]
+
+_CACHE = CompileCache("score_mod")
+_NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}
+
+
+class _Emit:
+    def __init__(self, sm: ScoreMod, offset: int):
+        self.tables = {t.name: (offset + n, t) for n, t in enumerate(sm.tables)}
+        self.lines: list[str] = []
+        self.memo: dict = {}
+        self.n = 0
+        self.exact = 0  # > 0 inside a float -> int conversion: no approximate math there
+
+    def tmp(self, code: str) -> str:
+        name = f"t{self.n}"
+        self.n += 1
+        self.lines.append(f"{name} = {code}")
+        return name
+
+    def get(self, e, ctx: str) -> str:
+        key = (e, ctx, self.exact > 0)
+        if key not in self.memo:
+            self.memo[key] = {"f": self._f, "i": self._i, "b": self._b}[ctx](e)
+        return self.memo[key]
+
+    @property
+    def fm(self) -> str:
+        return f"fastmath={self.exact == 0}"
+
+    @staticmethod
+    def _is_int(e) -> bool:
+        return bool(e.is_integer)
+
+    # ---- float32 -------------------------------------------------------------------------
+    def _f(self, e) -> str:
+        if e == SCORE:
+            return "s"
+        if e.is_Number:
+            return self.tmp(f"Float32({float(e)!r})")
+        if self._is_int(e) and not isinstance(e, sp.Piecewise):
+            return self.tmp(f"Float32({self.get(e, 'i')})")
+        if isinstance(e, sp.core.function.AppliedUndef):
+            return self._load(e)
+        if isinstance(e, (sp.Add, sp.Mul)):
+            if isinstance(e, sp.Mul):
+                num, den = e.as_numer_denom()
+                if den != 1 and num != 1:  # a / b as one division (not a * (1 / b))
+                    return self.tmp(f"{self.get(num, 'f')} / {self.get(den, 'f')}")
+            op = " + " if isinstance(e, sp.Add) else " * "
+            args = [self.get(a, "f") for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc}{op}{a}")
+            return acc
+        if isinstance(e, sp.Pow):
+            base, ex = e.args
+            if ex == sp.Rational(1, 2):
+                return self.tmp(f"cute.math.sqrt({self.get(base, 'f')}, {self.fm})")
+            if ex == sp.Rational(-1, 2):
+                return self.tmp(f"cute.math.rsqrt({self.get(base, 'f')}, {self.fm})")
+            if ex.is_Integer:
+                k = int(ex)
+                b = self.get(base, "f")
+                acc = b
+                for _ in range(abs(k) - 1):
+                    acc = self.tmp(f"{acc} * {b}")
+                if k == 0:
+                    return self.tmp("Float32(1.0)")
+                return self.tmp(f"Float32(1.0) / {acc}") if k < 0 else acc
+            if base == 2:
+                return self.tmp(f"cute.math.exp2({self.get(ex, 'f')}, {self.fm})")
+            # x ** y = exp2(y * log2(x)) for x > 0, as torch's pow of a positive base
+            lg = self.tmp(f"cute.math.log2({self.get(base, 'f')}, {self.fm})")
+            return self.tmp(f"cute.math.exp2({self.get(ex, 'f')} * {lg}, {self.fm})")
+        fns = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.sin: "sin", sp.cos: "cos"}
+        for k, fn in fns.items():
+            if isinstance(e, k):
+                return self.tmp(f"cute.math.{fn}({self.get(e.args[0], 'f')}, {self.fm})")
+        if isinstance(e, sp.Piecewise):
+            return self._piecewise(e, "f")
+        if isinstance(e, fdiv):
+            return self.tmp(f"{self.get(e.args[0], 'f')} / {self.get(e.args[1], 'f')}")
+        if isinstance(e, sp.floor):
+            return self.tmp(f"cute.math.floor({self.get(e.args[0], 'f')})")
+        raise NotImplementedError(f"score_mod: no float32 code for {type(e).__name__}: {e}")
+
+    # ---- Int32 ---------------------------------------------------------------------------
+    def _i(self, e) -> str:
+        if isinstance(e, sp.Symbol):
+            if e.name not in _NAMES:
+                raise NotImplementedError(f"score_mod: unknown symbol {e}")
+            return _NAMES[e.name]
+        if e.is_Integer:
+            return self.tmp(f"Int32({int(e)})")
+        if isinstance(e, sp.core.function.AppliedUndef):
+            return self._load(e)
+        if isinstance(e, sp.Add):
+            args = [self.get(a, "i") for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc} + {a}")
+            return acc
+        if isinstance(e, sp.Mul):
+            coeff, rest = e.as_coeff_Mul()
+            if not coeff.is_Integer:
+                return self.tmp(f"Int32(cute.math.floor({self.get(e, 'f')}))")
+            acc = None
+            for f in sp.Mul.make_args(rest):
+                x = self.get(f, "i")
+                acc = x if acc is None else self.tmp(f"{acc} * {x}")
+            if coeff != 1:
+                acc = self.tmp(f"{acc} * Int32({int(coeff)})")
+            return acc
+        if isinstance(e, sp.Pow) and e.args[1].is_Integer and int(e.args[1]) >= 0:
+            b = self.get(e.args[0], "i")
+            acc = self.tmp("Int32(1)")
+            for _ in range(int(e.args[1])):
+                acc = self.tmp(f"{acc} * {b}")
+            return acc
+        if isinstance(e, sp.floor):
+            num, den = sp.fraction(sp.together(e.args[0]))
+            if num.is_integer and den.is_integer:
+                a, b = self.get(sp.expand(num), "i"), self.get(sp.expand(den), "i")
+                # floor division whatever the signs: q = a // b rounded toward -inf
+                q = self.tmp(f"{a} // {b}")
+                fix = self.tmp(f"(({a} % {b}) != Int32(0)) & (({a} < Int32(0)) != "
+                               f"({b} < Int32(0)))")
+                return self.tmp(f"cutlass.select_({fix}, {q} - Int32(1), {q})")
+            return self.tmp(f"Int32(cute.math.floor({self._exact_f(e.args[0])}))")
+        if isinstance(e, sp.Mod):
+            a, b = self.get(e.args[0], "i"), self.get(e.args[1], "i")
+            r = self.tmp(f"{a} % {b}")
+            fix = self.tmp(f"({r} != Int32(0)) & (({r} < Int32(0)) != ({b} < Int32(0)))")
+            return self.tmp(f"cutlass.select_({fix}, {r} + {b}, {r})")
+        if isinstance(e, trunc):
+            return self.tmp(f"Int32({self._exact_f(e.args[0])})")  # fptosi: toward zero
+        if isinstance(e, (sp.Min, sp.Max)):
+            fn = "cutlass.min" if isinstance(e, sp.Min) else "cutlass.max"
+            args = [self.get(a, "i") for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{fn}({acc}, {a})")
+            return acc
+        if isinstance(e, sp.Abs):
+            a = self.get(e.args[0], "i")
+            return self.tmp(f"cutlass.max({a}, Int32(0) - {a})")
+        if isinstance(e, sp.Piecewise):
+            return self._piecewise(e, "i")
+        raise NotImplementedError(f"score_mod: no Int32 code for {type(e).__name__}: {e}")
+
+    def _exact_f(self, e) -> str:
+        # a float rounded to an integer (T5's log buckets): a one-ulp error of approximate
+        # math moves a boundary, so this value is computed with the precise functions
+        self.exact += 1
+        try:
+            return self.get(e, "f")
+        finally:
+            self.exact -= 1
+
+    # ---- Boolean -------------------------------------------------------------------------
+    def _b(self, e) -> str:
+        if e is sp.true or e == sp.true:
+            return self.tmp("cutlass.Boolean(True)")
+        if e is sp.false or e == sp.false:
+            return self.tmp("cutlass.Boolean(False)")
+        rel = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">",
+               sp.GreaterThan: ">=", sp.Equality: "==", sp.Unequality: "!="}
+        if type(e) in rel:
+            ctx = "i" if self._is_int(e.lhs) and self._is_int(e.rhs) else "f"
+            return self.tmp(f"{self.get(e.lhs, ctx)} {rel[type(e)]} {self.get(e.rhs, ctx)}")
+        if isinstance(e, (sp.And, sp.Or, sp.Xor)):
+            op = {sp.And: " & ", sp.Or: " | ", sp.Xor: " != "}[type(e)]
+            args = [self.get(a, "b") for a in e.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = self.tmp(f"{acc}{op}{a}")
+            return acc
+        if isinstance(e, sp.Not):
+            return self.tmp(f"{self.get(e.args[0], 'b')} == cutlass.Boolean(False)")
+        if isinstance(e, sp.ITE):
+            c, a, b = (self.get(x, "b") for x in e.args)
+            return self.tmp(f"cutlass.select_({c}, {a}, {b})")
+        raise NotImplementedError(f"score_mod: no boolean code for {type(e).__name__}: {e}")
+
+    def _piecewise(self, e, ctx) -> str:
+        # selects, not branches: evaluated per score
+        acc = self.get(e.args[-1][0], ctx)
+        for val, cond in reversed(e.args[:-1]):
+            acc = self.tmp(f"cutlass.select_({self.get(cond, 'b')}, {self.get(val, ctx)}, "
+                           f"{acc})")
+        return acc
+
+    def _load(self, e) -> str:
+        pos, tab = self.tables[type(e).__name__]
+        src = f"aux_tensors[{pos}]"
+        idx = []
+        for n, a in enumerate(e.args):
+            x = self.get(a, "i")
+            size = self.tmp(f"Int32(cute.size({src}.shape[{n}]))")
+            x = self.tmp(f"cutlass.select_({x} < Int32(0), {x} + {size}, {x})")
+            x = self.tmp(f"cutlass.min(cutlass.max({x}, Int32(0)), {size} - Int32(1))")
+            idx.append(x)
+        return self.tmp(f"{src}[{', '.join(idx)}]")
+
+
+def _body(sm: ScoreMod, expr, offset: int) -> list[str]:
+    em = _Emit(sm, offset)
+    out = em.get(expr, "f")
+    return em.lines + [f"res[e] = {out}"]
+
+
+def score_mod_source(sm: ScoreMod, offset: int = 0) -> str:
+    """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
+    tables at ``aux_tensors[offset:]``."""
+    head = ["    n = cute.size(score.shape)",
+            "    res = cute.make_rmem_tensor(n, Float32)",
+            "    for e in cutlass.range_constexpr(n):",
+            "        s = score[e]",
+            "        b = batch_idx[e]",
+            "        h = head_idx[e]",
+            "        q = q_idx[e]",
+            "        kv = kv_idx[e]"]
+    fwd = _body(sm, sm.expr, offset)
+    bwd = _body(sm, sm.grad, offset)
+    bwd[-1] = bwd[-1].replace("res[e] = ", "res[e] = grad[e] * ")
+    ind = "        "
+    return "\n".join(
+        [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]",
+         f"# score <- {sp.sstr(sm.expr)}",
+         f"# d/dscore = {sp.sstr(sm.grad)}",
+         "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
+         "", "",
+         "@cute.jit",
+         "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
+         *head, *[ind + line for line in fwd], "    return res.load()", "", "",
+         "@cute.jit",
+         "def score_mod_bwd(grad, score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info,",
+         "                  aux_tensors):",
+         *head, *[ind + line for line in bwd], "    return res.load()", ""])
+
+
+def score_mod_fns(sm: ScoreMod, offset: int = 0):
+    """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset)."""
+    def build():
+        src = score_mod_source(sm, offset)
+        return compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
+
+    return _CACHE.get((sm.key, offset), build)
