@@ -6,7 +6,10 @@ aux_tensors=)`` on vectors of 1, 2 or 4 scaled scores (the width depends on the 
 whether aux tensors are passed), and ``score_mod_bwd(grad, score, ...)`` for the gradient, which
 is ``grad * d score_mod / d score`` at the pre-modification score. Both functions loop over the
 vector, evaluate the expression per element in float32 (integers in Int32), and return the
-vector. Tables are ``aux_tensors[offset + t]`` (the mask_mod's aux tensors come first); a
+vector. FA4's sm90 backward (4.0.0b36) runs GQA unpacked but hands the score_mod indices in its
+packed-GQA form (``q_idx // G`` and ``h * G + q_idx % G``, G query heads per kv head); the
+backward's functions (``gqa=G``) undo that, and a GPU test with GQA fails if FA4 changes it.
+Tables are ``aux_tensors[offset + t]`` (the mask_mod's aux tensors come first); a
 negative index counts from the end as in torch, and every index is clamped into the table so
 that no read leaves it (FA4 wraps q_idx / kv_idx into the sequence before calling).
 """
@@ -231,23 +234,28 @@ def _body(sm: ScoreMod, expr, offset: int) -> list[str]:
     return em.lines + [f"res[e] = {out}"]
 
 
-def score_mod_source(sm: ScoreMod, offset: int = 0) -> str:
+def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1) -> str:
     """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
-    tables at ``aux_tensors[offset:]``."""
+    tables at ``aux_tensors[offset:]``; ``gqa > 1``: for FA4's backward, whose indices come
+    packed (see the module's docstring)."""
     head = ["    n = cute.size(score.shape)",
             "    res = cute.make_rmem_tensor(n, Float32)",
             "    for e in cutlass.range_constexpr(n):",
             "        s = score[e]",
-            "        b = batch_idx[e]",
-            "        h = head_idx[e]",
-            "        q = q_idx[e]",
-            "        kv = kv_idx[e]"]
+            "        b = batch_idx[e]"]
+    if gqa > 1:
+        head += [f"        h = head_idx[e] // Int32({gqa})",
+                 f"        q = q_idx[e] * Int32({gqa}) + head_idx[e] % Int32({gqa})"]
+    else:
+        head += ["        h = head_idx[e]", "        q = q_idx[e]"]
+    head += ["        kv = kv_idx[e]"]
     fwd = _body(sm, sm.expr, offset)
     bwd = _body(sm, sm.grad, offset)
     bwd[-1] = bwd[-1].replace("res[e] = ", "res[e] = grad[e] * ")
     ind = "        "
     return "\n".join(
-        [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]",
+        [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]"
+         + (f", indices packed by {gqa} query heads per kv head" if gqa > 1 else ""),
          f"# score <- {sp.sstr(sm.expr)}",
          f"# d/dscore = {sp.sstr(sm.grad)}",
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
@@ -261,10 +269,10 @@ def score_mod_source(sm: ScoreMod, offset: int = 0) -> str:
          *head, *[ind + line for line in bwd], "    return res.load()", ""])
 
 
-def score_mod_fns(sm: ScoreMod, offset: int = 0):
-    """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset)."""
+def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1):
+    """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset, gqa)."""
     def build():
-        src = score_mod_source(sm, offset)
+        src = score_mod_source(sm, offset, gqa)
         return compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
 
-    return _CACHE.get((sm.key, offset), build)
+    return _CACHE.get((sm.key, offset, gqa), build)

@@ -131,9 +131,10 @@ def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=N
                                                      lists, variant, score)
 
 
-def _mods(desc, engine: str, variant, score, backward: bool) -> dict:
+def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1) -> dict:
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
-    tensors first, then the score_mod's tables (its code reads them at that offset)."""
+    tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
+    query heads per kv head (the backward's score_mod indices come packed by it)."""
     kw, aux = {}, []
     if engine == "fa4":
         kw["mask_mod"] = mask_mod(desc.mask, variant)
@@ -145,7 +146,7 @@ def _mods(desc, engine: str, variant, score, backward: bool) -> dict:
         else:
             from compilemask.codegen.cute_score_mod import score_mod_fns
 
-            fn, fn_bwd = score_mod_fns(sm, len(aux))
+            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1)
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
@@ -190,7 +191,7 @@ def _fa4_bwd(*args, **kwargs):
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
          deterministic: bool = False, lists=None, variant=None, score=None):
     D = q.shape[-1]
-    mods = _mods(desc, engine, variant, score, backward=True)
+    mods = _mods(desc, engine, variant, score, backward=True, gqa=q.shape[2] // k.shape[2])
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
