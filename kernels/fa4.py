@@ -152,8 +152,17 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1) -> di
                 kw["score_mod_bwd"] = fn_bwd
             aux += list(tables)
     if aux:
-        kw["aux_tensors"] = aux
+        kw["aux_tensors"] = [_leading_dim(t) for t in aux]
     return kw
+
+
+def _leading_dim(t):
+    """FA4 needs one stride-1 dimension of size > 1 per aux tensor, unless told which: a batch
+    of one sequence with one param (``[1, 1]``), or a one-element table, names its last."""
+    unit = [d for d, st in enumerate(t.stride()) if st == 1]
+    if len(unit) > 1 and sum(t.shape[d] > 1 for d in unit) != 1 and t.stride(-1) == 1:
+        t.__leading_dim__ = t.dim() - 1
+    return t
 
 
 def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
