@@ -12,6 +12,7 @@ from compilemask.dsl import MaskSpec, Region
 from compilemask.flex import from_mask_mod
 from compilemask.options import KernelOptions, default_options
 from compilemask.pipeline import PipelineConfig
+from compilemask.score_mod import compile_score_mod
 from compilemask.warmup import warmup
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Region",
     "compile_mask",
     "from_mask_mod",
+    "compile_score_mod",
     "CompiledMask",
     "ExecutionDescriptor",
     "TileConfig",
