@@ -12,6 +12,7 @@ from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
 from compilemask.pipeline import on_device
 from compilemask.reference import attention_reference, descriptor_dense_mask
+from compilemask.score_mod import compile_score_mod
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
@@ -165,8 +166,6 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
             raise NotImplementedError(
                 "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
                 "(sm90) or 'reference' run it")
-        from compilemask.score_mod import compile_score_mod
-
         sm, tables = compile_score_mod(score_mod)
         score = (sm, sm.aux_tensors(tables, q.device))
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,

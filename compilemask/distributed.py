@@ -189,11 +189,23 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
             "indices; row-sharded descriptors support interval-only masks")
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"shard_descriptor: rank {rank} is not in [0, {plan.world_size})")
+    return rows_descriptor(mask, meta, plan.seqlen, plan.rows[rank], batch_size=batch_size,
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)
+
+
+def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
+                    batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
+                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
+                    what: str = "shard_descriptor") -> ExecutionDescriptor:
+    """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
+    or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
+    context-parallel rank, or the last rows of a sequence being served
+    (``compilemask.serving``). Interval-only masks (the callers refuse fallback regions)."""
     fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
     bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
-    S = plan.seqlen
+    S = seqlen
     B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check)
-    rows = plan.rows[rank].to(dev)
+    rows = rows.to(dev)
     n = rows.shape[0]
     starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
     always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused above)

@@ -37,6 +37,7 @@ from compilemask.descriptor import DescriptorArgs
 from compilemask.log import say_once
 from compilemask.options import KernelOptions
 from compilemask.reference import attention_reference, descriptor_dense_mask
+from compilemask.score_mod import score_mod_for_key
 
 from . import fa4
 
@@ -162,8 +163,6 @@ def _score(call: _Call):
     """``(ScoreMod, tables)`` of the call's score_mod, or None."""
     if not call.score_mod:
         return None
-    from compilemask.score_mod import score_mod_for_key
-
     return score_mod_for_key(call.score_mod), list(call.score_aux)
 
 

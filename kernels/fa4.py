@@ -24,6 +24,7 @@ import time
 import torch
 
 from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
+from compilemask.codegen.cute_score_mod import score_mod_fns
 from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
 
@@ -144,8 +145,6 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1) -> di
         if sm.softcap is not None:
             kw["softcap"] = sm.softcap
         else:
-            from compilemask.codegen.cute_score_mod import score_mod_fns
-
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1)
             kw["score_mod"] = fn
             if backward:

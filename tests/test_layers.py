@@ -40,6 +40,7 @@ LAYERS = {
     "compilemask.blocksparse": 2,
     "compilemask.reference": 2,
     "compilemask.packing": 2,
+    "compilemask.score_mod": 2,
     # 3: code generation
     "compilemask.codegen": 3,
     "compilemask.codegen.*": 3,
@@ -54,6 +55,7 @@ LAYERS = {
     "compilemask.render": 5,
     "compilemask.viz": 5,
     "compilemask.distributed": 5,
+    "compilemask.serving": 5,
     "compilemask.warmup": 5,
     "compilemask.cli": 5,
     "compilemask.__main__": 5,

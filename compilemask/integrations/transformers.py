@@ -48,7 +48,7 @@ from collections.abc import Mapping
 import torch
 
 from compilemask.api import _validate, attention, select_engine
-from compilemask.compiled import compile_mask
+from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
@@ -56,13 +56,19 @@ from compilemask.dsl.frontend import rule_symbols
 from compilemask.native import _run_axioms, _visible_expr
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
+from compilemask.serving import DecodeState
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
            "key_padding_mask", "layer_window", "within_window", "windowed_mask",
-           "windowed_descriptor", "shard_inputs", "DESC_KWARG", "CP_KWARG"]
+           "windowed_descriptor", "shard_inputs", "DESC_KWARG", "CP_KWARG", "MASK_KWARG",
+           "META_KWARG"]
 
 DESC_KWARG = "compilemask_desc"
 CP_KWARG = "compilemask_cp"
+# generation: the compiled mask and its metadata over every position the sequences reach; each
+# call's descriptor is made from them for its queries (the last of the KV cache's keys)
+MASK_KWARG = "compilemask_mask"
+META_KWARG = "compilemask_meta"
 
 
 def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
@@ -80,7 +86,20 @@ def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
     fn = attention_forward_deterministic if deterministic else attention_forward
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, key_padding_mask)
+    _accept_generate_kwargs()
     return name
+
+
+def _accept_generate_kwargs():
+    """``generate`` refuses keyword arguments the model's forward does not name, except the
+    attention kwargs transformers lists (``TransformersKwargs``); ours join that list, so
+    ``model.generate(ids, compilemask_mask=..., compilemask_meta=...)`` reaches the layers."""
+    try:
+        from transformers.utils.generic import TransformersKwargs
+    except ImportError:  # an older layout: generate then refuses them, naming them
+        return
+    keys = frozenset({DESC_KWARG, MASK_KWARG, META_KWARG})
+    TransformersKwargs.__optional_keys__ = frozenset(TransformersKwargs.__optional_keys__) | keys
 
 
 def key_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
@@ -139,6 +158,27 @@ def layer_type(module) -> str:
     if isinstance(kind, str):
         return kind
     return "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
+
+
+_DECODE: dict = {}  # (id(mask), id(meta)) -> (mask, meta, DecodeState): the current generation
+
+
+def _generation_descriptor(kwargs, query, key) -> ExecutionDescriptor:
+    """The descriptor of this call's queries, the last ``Sq`` of the ``Sk`` keys (prefill and
+    each decode step), from ``compilemask_mask`` and ``compilemask_meta``; made once per step
+    shape and shared by the layers."""
+    mask, meta = kwargs[MASK_KWARG], kwargs.get(META_KWARG)
+    if not isinstance(mask, CompiledMask):
+        raise TypeError(f"{MASK_KWARG} must be a compile_mask(...) result, got "
+                        f"{type(mask).__name__}")
+    if kwargs.get(DESC_KWARG) is not None:
+        raise ValueError(f"pass {DESC_KWARG} or {MASK_KWARG}, not both")
+    k = (id(mask), id(meta))
+    entry = _DECODE.get(k)
+    if entry is None or entry[0] is not mask or entry[1] is not meta:
+        _DECODE.clear()
+        entry = _DECODE[k] = (mask, meta, DecodeState(mask, meta, batch_size=query.shape[0]))
+    return entry[2].descriptor(query.shape[2], key.shape[2])
 
 
 def _descriptor(module, desc) -> ExecutionDescriptor:
@@ -359,7 +399,10 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
     if cp is not None and kwargs.get(DESC_KWARG) is None:
         raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
                          f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
-    desc = _descriptor(module, kwargs.get(DESC_KWARG))
+    if kwargs.get(MASK_KWARG) is not None:
+        desc = _generation_descriptor(kwargs, query, key)
+    else:
+        desc = _descriptor(module, kwargs.get(DESC_KWARG))
     keep = _key_validity(attention_mask)
     if dropout and getattr(module, "training", True):
         raise NotImplementedError(f"compilemask attention has no attention dropout (the model "

@@ -29,6 +29,7 @@ from compilemask.masks.prefix_lm import prefix_lm
 from compilemask.masks.shared_prompt_rm import shared_prompt_rm
 from compilemask.masks.sink_window import sink_window
 from compilemask.masks.sliding_window import sliding_window
+from compilemask.masks.tree_verify import tree_meta, tree_verify
 
 __all__ = [
     "causal",
@@ -43,6 +44,8 @@ __all__ = [
     "chunked_causal",
     "block_causal",
     "sink_window",
+    "tree_verify",
+    "tree_meta",
     "random_meta",
     "flex_mask_mod",
     "recipes_for",
@@ -68,6 +71,7 @@ EXAMPLES = {
     "chunked_causal": lambda: chunked_causal(48),
     "block_causal": lambda: block_causal(16),
     "sink_window": lambda: sink_window(40, 3),
+    "tree_verify": lambda: tree_verify(3),
 }
 
 

@@ -1,0 +1,90 @@
+"""Serving with the training mask: queries at the end of the keys (prefill, chunked prefill, a
+decode step over a KV cache).
+
+A mask's rules and metadata speak of positions in the whole sequence, cached tokens and new
+ones alike. ``query_descriptor(mask, meta, seqlen_k, seqlen_q)`` is the descriptor of the last
+``seqlen_q`` rows of a ``seqlen_k``-token sequence against all its keys (local row ``r`` is
+position ``seqlen_k - seqlen_q + r``): the generated interval table evaluated at those rows,
+their per-row metadata gathered, the bitmaps and tile lists made for the local rows. Metadata
+arrays cover at least ``seqlen_k`` positions (those of every position the sequences will
+reach are fine: the first ``seqlen_k`` are read), so rules read at ``j`` work for any
+``seqlen_k``; ``seqlen_q`` / ``seqlen_k`` in a rule mean the whole sequence's length.
+
+``DecodeState`` keeps the mask and the metadata of a generation and gives each step's
+descriptor (``state.descriptor(seqlen_q, seqlen_k)``), one per step shape, shared by every
+layer of that step.
+
+Masks with fallback regions are refused (their predicates read the local row, not the
+position), as for row-sharded context-parallel descriptors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compilemask.compiled import CompiledMask
+from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, ExecutionDescriptor
+from compilemask.distributed import rows_descriptor
+
+__all__ = ["query_descriptor", "DecodeState"]
+
+
+def _sliced(meta, seqlen_k: int):
+    """Per-token arrays cut to the first ``seqlen_k`` positions; scalars as they are."""
+    if not meta:
+        return meta
+    out = {}
+    for name, v in meta.items():
+        if isinstance(v, torch.Tensor) and v.dim() >= 2:
+            if v.shape[1] < seqlen_k:
+                raise ValueError(f"query_descriptor: metadata {name!r} covers {v.shape[1]} "
+                                 f"positions, the keys are {seqlen_k}: give it every position "
+                                 "the sequences reach")
+            v = v[:, :seqlen_k]
+        out[name] = v
+    return out
+
+
+def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: int | None = None,
+                     fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
+                     check: bool = False) -> ExecutionDescriptor:
+    """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
+    against all ``seqlen_k`` keys (see the module docstring); built with torch on the
+    metadata's device (a decode step's is a few small launches)."""
+    for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"query_descriptor: {name} must be a positive int, got {val!r}")
+    if seqlen_q > seqlen_k:
+        raise ValueError(f"query_descriptor: seqlen_q ({seqlen_q}) > seqlen_k ({seqlen_k}): the "
+                         "queries are the last positions of the keys")
+    if mask.has_fallback:
+        raise NotImplementedError(
+            f"query_descriptor: mask {mask.name!r} has fallback region(s) "
+            f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
+            "not the position; serving supports interval-only masks")
+    dev = next((v.device for v in (meta or {}).values() if isinstance(v, torch.Tensor)),
+               torch.device("cpu"))
+    rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
+    return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                           what="query_descriptor")
+
+
+class DecodeState:
+    """A generation's mask and metadata (over every position it will reach); ``descriptor``
+    gives the step's, made once per ``(seqlen_q, seqlen_k)`` and kept until the next shape."""
+
+    def __init__(self, mask, meta=None, *, batch_size: int | None = None):
+        if not isinstance(mask, CompiledMask):
+            raise TypeError(f"DecodeState: mask must be a compile_mask(...) result, got "
+                            f"{type(mask).__name__}")
+        self.mask, self.meta, self.batch_size = mask, meta, batch_size
+        self._last: tuple | None = None
+
+    def descriptor(self, seqlen_q: int, seqlen_k: int) -> ExecutionDescriptor:
+        key = (seqlen_q, seqlen_k)
+        if self._last is None or self._last[0] != key:
+            desc = query_descriptor(self.mask, self.meta, seqlen_k, seqlen_q,
+                                    batch_size=self.batch_size)
+            self._last = (key, desc)
+        return self._last[1]

@@ -1,0 +1,129 @@
+"""Serving with the training mask: descriptors of the last rows of a sequence (prefill, chunked
+prefill, decode steps) equal the square mask's rows, and transformers' ``generate`` with
+``compilemask_mask`` / ``compilemask_meta`` gives greedy decoding's tokens by full
+recomputation under SDPA with the same dense mask (causal, prefix-LM, a draft tree)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.serving import DecodeState, query_descriptor
+
+SERVED = ["causal", "prefix_lm", "hstu", "shared_prompt_rm", "clear", "sliding_window",
+          "packed_documents", "packed_prefix_lm", "tree_verify", "sink_window", "chunked_causal"]
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_query_rows_equal_the_square_mask(name):
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    assert not mask.has_fallback
+    S, Bq = 130, 2
+    meta = masks.random_meta(mask.spec, Bq, S, torch.Generator().manual_seed(1))
+    for Sk in (1, 7, 64, 129, 130):
+        cut = {k: (v[:, :Sk] if v.dim() >= 2 else v) for k, v in (meta or {}).items()} or None
+        square = mask.preprocess(cut, seqlen_q=Sk, batch_size=Bq).dense_mask()
+        for Sq in {1, 3, Sk}:
+            if Sq > Sk:
+                continue
+            d = query_descriptor(mask, meta, Sk, Sq, batch_size=Bq)
+            assert (d.seqlen_q, d.seqlen_k) == (Sq, Sk)
+            assert torch.equal(d.dense_mask(), square[:, Sk - Sq:]), (Sk, Sq)
+
+
+def test_query_descriptor_errors_name_the_argument():
+    mask = cm.compile_mask(masks.prefix_lm())
+    meta = {"prefix_len": torch.tensor([3])}
+    with pytest.raises(ValueError, match="seqlen_q .5. > seqlen_k .4."):
+        query_descriptor(mask, meta, 4, 5)
+    with pytest.raises(ValueError, match="seqlen_k must be a positive int"):
+        query_descriptor(mask, meta, 0, 1)
+    docs = cm.compile_mask(masks.packed_documents())
+    short = masks.random_meta(docs.spec, 1, 8, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="covers 8 positions, the keys are 9"):
+        query_descriptor(docs, short, 9, 1)
+    dilated = cm.compile_mask(masks.dilated_causal())
+    with pytest.raises(NotImplementedError, match="fallback region"):
+        query_descriptor(dilated, None, 9, 1)
+    with pytest.raises(TypeError, match="compile_mask"):
+        DecodeState(masks.causal())
+
+
+def test_decode_state_makes_one_descriptor_per_step_shape():
+    state = DecodeState(cm.compile_mask(masks.causal()), None, batch_size=1)
+    a = state.descriptor(1, 10)
+    assert state.descriptor(1, 10) is a and state.descriptor(1, 11) is not a
+
+
+def test_tree_meta_from_parents():
+    # prefix of 3, drafts 0..4 at positions 3..7: 0 and 1 roots, 2 under 0, 3 under 2, 4 under 1
+    meta = masks.tree_meta(3, [-1, -1, 0, 2, 1], 8, depth=3)
+    d = cm.compile_mask(masks.tree_verify(3)).preprocess(meta, 8, batch_size=1).dense_mask()[0]
+    sees = {i: [j for j in range(8) if d[i, j]] for i in range(8)}
+    assert sees[2] == [0, 1, 2]  # causal prefix
+    assert sees[6] == [0, 1, 2, 3, 5, 6] and sees[7] == [0, 1, 2, 4, 7]
+    with pytest.raises(ValueError, match="ancestors, depth is 1"):
+        masks.tree_meta(3, [-1, 0, 1], 8, depth=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers generate
+# ---------------------------------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+VOCAB = 97
+
+
+def _models():
+    from compilemask.integrations import transformers as cm_hf
+
+    name = cm_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="sdpa")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    return ref.eval(), mod.eval()
+
+
+def _greedy_by_recomputation(model, ids, n, dense):
+    """Greedy tokens, every step the whole sequence again under SDPA with the dense mask's
+    square block."""
+    for _ in range(n):
+        S = ids.shape[1]
+        with torch.no_grad():
+            logits = model(ids, attention_mask=dense[:, None, :S, :S], use_cache=False).logits
+        ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("case", ["causal", "prefix_lm", "tree_verify"])
+def test_generate_equals_greedy_by_recomputation(case):
+    ref, mod = _models()
+    Bq, P, N = 2, 11, 6
+    total = P + N
+    g = torch.Generator().manual_seed(2)
+    if case == "causal":
+        mask, meta = cm.compile_mask(masks.causal()), None
+    elif case == "prefix_lm":
+        mask = cm.compile_mask(masks.prefix_lm())
+        meta = {"prefix_len": torch.tensor([5, 9])}
+    else:  # the prompt's last 4 tokens and every generated one are drafts of a tree
+        mask = cm.compile_mask(masks.tree_verify(3))
+        parts = [masks.tree_meta(P - 4, [-1, 0, 0, 1, 2, -1, 5, 6, -1, 8], total, 3),
+                 masks.tree_meta(P - 4, [-1, -1, 1, 2, 0, 4, 5, -1, 7, 8], total, 3)]
+        meta = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    ids = torch.randint(0, VOCAB, (Bq, P), generator=g)
+    dense = mask.preprocess(meta, total, batch_size=Bq).dense_mask()
+    want = _greedy_by_recomputation(ref, ids, N, dense)
+    got = mod.generate(ids, max_new_tokens=N, do_sample=False, compilemask_mask=mask,
+                       compilemask_meta=meta, attention_mask=torch.ones_like(ids),
+                       pad_token_id=0)
+    assert torch.equal(got, want), (got, want)
