@@ -10,6 +10,7 @@ from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl import MaskSpec, Region
 from compilemask.flex import from_mask_mod
+from compilemask.heads import HeadGroups, preprocess_heads
 from compilemask.options import KernelOptions, default_options
 from compilemask.pipeline import PipelineConfig
 from compilemask.score_mod import compile_score_mod
@@ -24,6 +25,8 @@ __all__ = [
     "CompiledMask",
     "ExecutionDescriptor",
     "TileConfig",
+    "HeadGroups",
+    "preprocess_heads",
     "attention",
     "KernelOptions",
     "default_options",

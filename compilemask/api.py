@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.heads import HeadGroups, attention_heads
 from compilemask.kernels import kernel_available
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.fa4 import why_unavailable
@@ -138,6 +139,11 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     on q's device, without gradients; a softcap ``c * tanh(score / c)`` is FA4's own), the
     cute engine refuses it. ``learnable_sink``: a per-head logit ``[H]`` in every row's softmax
     with no value (gpt-oss's sinks; LSE includes it), on the reference engine for now."""
+    if isinstance(desc, HeadGroups):  # a mask per group of heads: each group its own call
+        return attention_heads(attention, q, k, v, desc, return_lse,
+                               softmax_scale=softmax_scale, deterministic=deterministic,
+                               backend=backend, options=options, score_mod=score_mod,
+                               learnable_sink=learnable_sink)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if options is not None and not isinstance(options, KernelOptions):

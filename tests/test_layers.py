@@ -56,6 +56,7 @@ LAYERS = {
     "compilemask.viz": 5,
     "compilemask.distributed": 5,
     "compilemask.serving": 5,
+    "compilemask.heads": 5,
     "compilemask.warmup": 5,
     "compilemask.cli": 5,
     "compilemask.__main__": 5,

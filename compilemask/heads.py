@@ -1,0 +1,144 @@
+"""Per-head masks: one compiled mask per group of heads (per-head windows, DuoAttention-style
+retrieval heads next to streaming heads).
+
+``preprocess_heads(head_masks, meta, seqlen_q)`` takes one ``CompiledMask`` per query head;
+heads whose masks have the same semantic key share one descriptor (heads with equal rules
+share intervals, lists and the native dispatch), so ``[causal] * 6 + [sink_window] * 2`` is
+two preprocesses, whatever the head count. ``cm.attention(q, k, v, groups)`` runs each group's
+heads through its descriptor's engine (the native path for a proven group, FA4's lists for the
+others) and puts the outputs back in head order; with GQA a group that holds every query head
+of its kv heads keeps GQA, otherwise its kv heads are gathered per query head.
+``groups.dense_mask()`` is ``[B, H, Sq, Sk]``.
+
+Every mask reads the same metadata dict (each takes the params it names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compilemask.compiled import CompiledMask
+from compilemask.descriptor import ExecutionDescriptor
+
+__all__ = ["HeadGroups", "preprocess_heads"]
+
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """Descriptors by group of query heads: ``groups[g] = (desc, heads)``, heads ascending,
+    every head of ``range(num_heads)`` in exactly one group."""
+
+    groups: tuple
+    num_heads: int
+
+    def __post_init__(self):
+        seen = sorted(h for _, heads in self.groups for h in heads)
+        if seen != list(range(self.num_heads)):
+            raise ValueError(f"HeadGroups: the groups' heads {seen} are not each of "
+                             f"0..{self.num_heads - 1} once")
+        first = self.groups[0][0]
+        for desc, _ in self.groups:
+            if not isinstance(desc, ExecutionDescriptor):
+                raise TypeError(f"HeadGroups: a group's descriptor is a "
+                                f"{type(desc).__name__}, not an ExecutionDescriptor")
+            if (desc.batch_size, desc.seqlen_q, desc.seqlen_k) != (
+                    first.batch_size, first.seqlen_q, first.seqlen_k):
+                raise ValueError("HeadGroups: the groups' descriptors disagree on batch size or "
+                                 "lengths")
+
+    @property
+    def seqlen_q(self) -> int:
+        return self.groups[0][0].seqlen_q
+
+    @property
+    def seqlen_k(self) -> int:
+        return self.groups[0][0].seqlen_k
+
+    @property
+    def batch_size(self) -> int:
+        return self.groups[0][0].batch_size
+
+    def dense_mask(self) -> torch.Tensor:
+        """bool ``[B, H, Sq, Sk]``."""
+        first = self.groups[0][0]
+        out = torch.zeros(first.batch_size, self.num_heads, first.seqlen_q, first.seqlen_k,
+                          dtype=torch.bool, device=first.device)
+        for desc, heads in self.groups:
+            out[:, list(heads)] = desc.dense_mask().unsqueeze(1)
+        return out
+
+    def explain(self) -> str:
+        return "\n".join(f"heads {list(heads)}: mask {desc.mask.name!r} (key {desc.mask.key})"
+                         for desc, heads in self.groups)
+
+
+def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
+                     seqlen_k: int | None = None, **kwargs) -> HeadGroups:
+    """One mask per query head -> ``HeadGroups`` (one ``preprocess`` per distinct mask, with
+    ``kwargs`` as ``CompiledMask.preprocess`` takes them)."""
+    head_masks = list(head_masks)
+    if not head_masks:
+        raise ValueError("preprocess_heads: head_masks is empty (one mask per query head)")
+    for h, m in enumerate(head_masks):
+        if not isinstance(m, CompiledMask):
+            raise TypeError(f"preprocess_heads: head {h}'s mask is a {type(m).__name__}, not a "
+                            "compile_mask(...) result")
+    by_key: dict = {}
+    for h, m in enumerate(head_masks):
+        by_key.setdefault(m.key, (m, []))[1].append(h)
+    groups = []
+    for m, heads in by_key.values():
+        own = {p: meta[p] for p in m.spec.params} if meta else None
+        groups.append((m.preprocess(own or None, seqlen_q, seqlen_k, **kwargs), tuple(heads)))
+    return HeadGroups(tuple(groups), len(head_masks))
+
+
+def _global_heads(score_mod, heads):
+    """``score_mod`` seeing the model's head index where a group's call has its own."""
+    if score_mod is None:
+        return None
+    at = heads
+
+    def per_group(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, at[h], q_idx, kv_idx)
+
+    return per_group
+
+
+def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, score_mod=None,
+                    learnable_sink=None, **kwargs):
+    """``attention`` (``cm.attention``) per group of heads, outputs in head order; a score_mod
+    sees the model's head index, a learnable sink is taken per head."""
+    B, Sq, H, D = q.shape
+    Hkv = k.shape[2]
+    if H != groups.num_heads:
+        raise ValueError(f"cm.attention: q has {H} heads, the HeadGroups {groups.num_heads}")
+    if H % Hkv:
+        raise ValueError(f"cm.attention: {H} query heads are not a multiple of {Hkv} kv heads")
+    G = H // Hkv
+    outs, lses, order = [], [], []
+    for desc, heads in groups.groups:
+        idx = torch.tensor(heads, device=q.device)
+        kv = idx // G
+        whole = sorted(set(kv.tolist()))
+        if len(heads) == len(whole) * G:  # every query head of these kv heads: still GQA
+            kv_idx = torch.tensor(whole, device=q.device)
+        else:
+            kv_idx = kv
+        sink = None if learnable_sink is None else learnable_sink.index_select(
+            0, idx.to(learnable_sink.device))
+        res = attention(q.index_select(2, idx), k.index_select(2, kv_idx),
+                        v.index_select(2, kv_idx), desc, return_lse=True,
+                        score_mod=_global_heads(score_mod, idx), learnable_sink=sink, **kwargs)
+        outs.append(res[0])
+        lses.append(res[1])
+        order += list(heads)
+    inv = torch.empty(H, dtype=torch.long)
+    inv[torch.tensor(order)] = torch.arange(H)
+    inv = inv.to(q.device)
+    out = torch.cat(outs, dim=2).index_select(2, inv)
+    if not return_lse:
+        return out
+    return out, torch.cat(lses, dim=1).index_select(1, inv)

@@ -1,0 +1,129 @@
+"""Per-head masks as head groups: per-head windows and retrieval / streaming heads (GQA kept
+where a group holds whole kv heads, gathered otherwise) equal dense attention with the
+[B, H, Sq, Sk] mask, outputs, LSE and gradients (float64); a score_mod sees the model's heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+
+B, S, H, HKV, D = 2, 29, 4, 2, 8
+
+
+def _dense(q, k, v, mask4, score_mod=None):
+    G = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(G, dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
+    if score_mod is not None:
+        from compilemask.reference import apply_score_mod
+
+        s = apply_score_mod(s, score_mod)
+    s = s.masked_fill(~mask4, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(mask4, torch.exp(s - lse.unsqueeze(-1).clamp(min=-1e30)), 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
+
+
+def _qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, S, n, D, generator=g, dtype=torch.float64, requires_grad=True)
+                 for n in (H, HKV, HKV))
+
+
+CASES = {
+    "per_head_windows": lambda: [cm.compile_mask(masks.sliding_window(w)) for w in (3, 7, 7, 20)],
+    # retrieval heads 0-1 (kv head 0, GQA kept) and streaming heads 2-3
+    "duo_whole_kv_heads": lambda: [cm.compile_mask(masks.causal())] * 2
+    + [cm.compile_mask(masks.sink_window(6, 2))] * 2,
+    # a kv head's query heads in two groups: its k/v gathered per query head
+    "duo_split_kv_heads": lambda: [cm.compile_mask(masks.causal()),
+                                   cm.compile_mask(masks.sink_window(6, 2))] * 2,
+    "prefix_lm_and_hstu": lambda: [cm.compile_mask(masks.prefix_lm())] * 3
+    + [cm.compile_mask(masks.hstu())],
+}
+
+
+def _meta():
+    g = torch.Generator().manual_seed(3)
+    meta = masks.random_meta(masks.hstu(), B, S, g)
+    meta.update(masks.random_meta(masks.prefix_lm(), B, S, g))
+    return meta
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_head_groups_equal_dense_per_head_attention(case):
+    head_masks = CASES[case]()
+    groups = cm.preprocess_heads(head_masks, _meta(), S, batch_size=B)
+    assert len(groups.groups) == len({m.key for m in head_masks})
+    mask4 = groups.dense_mask()
+    assert mask4.shape == (B, H, S, S)
+    for h, m in enumerate(head_masks):
+        own = {p: _meta()[p] for p in m.spec.params} or None
+        assert torch.equal(mask4[:, h], m.preprocess(own, S, batch_size=B).dense_mask())
+    q, k, v = _qkv()
+    out, lse = cm.attention(q, k, v, groups, return_lse=True)
+    want, want_lse = _dense(q, k, v, mask4)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.autograd.gradcheck(lambda *x: cm.attention(*x, groups), (q, k, v),
+                                    fast_mode=True)
+
+
+def test_head_groups_score_mod_sees_the_model_heads():
+    bias = torch.tensor([0.0, 1.0, -2.0, 3.0], dtype=torch.float64)
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (kv_idx - q_idx) / 8
+
+    groups = cm.preprocess_heads(CASES["duo_split_kv_heads"](), None, S, batch_size=B)
+    q, k, v = _qkv(1)
+    out = cm.attention(q, k, v, groups, score_mod=per_head)
+    want, _ = _dense(q, k, v, groups.dense_mask(), score_mod=per_head)
+    torch.testing.assert_close(out, want)
+
+
+def test_head_groups_errors():
+    causal = cm.compile_mask(masks.causal())
+    with pytest.raises(TypeError, match="head 1's mask is a MaskSpec"):
+        cm.preprocess_heads([causal, masks.causal()], None, S)
+    with pytest.raises(ValueError, match="empty"):
+        cm.preprocess_heads([], None, S)
+    groups = cm.preprocess_heads([causal] * 2, None, S, batch_size=B)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="q has 4 heads, the HeadGroups 2"):
+        cm.attention(q, k, v, groups)
+    d = causal.preprocess(None, S, batch_size=B)
+    with pytest.raises(ValueError, match="not each of 0..2 once"):
+        cm.HeadGroups(((d, (0, 1)), (d, (1,))), 3)
+    assert "heads [0, 1]" in groups.explain()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["per_head_windows", "duo_whole_kv_heads", "duo_split_kv_heads"])
+def test_gpu_head_groups_vs_float32_reference(case):
+    """Each group on its GPU engine (native windows, FA4 lists for the sink window), forward and
+    backward within twice PyTorch's bf16 error of the float32 reference."""
+    Sg = 1000
+    groups = cm.preprocess_heads(CASES[case](), None, Sg, batch_size=2, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, Sg, H, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, Sg, HKV, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    do = torch.randn_like(q)
+
+    def run(dtype, **kw):
+        xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o = (cm.attention(*xs, groups, **kw) if kw else _dense(*xs, groups.dense_mask())[0])
+        o.backward(do.to(dtype))
+        return [o] + [x.grad for x in xs]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    got, exact, bf16 = run(torch.bfloat16, backend="auto"), run(
+        torch.float32, backend="reference"), run(torch.bfloat16)
+    for what, a, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
+        assert rel(a, e) <= 2 * rel(t, e) + 1e-4, (what, rel(a, e), rel(t, e))
