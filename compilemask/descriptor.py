@@ -229,6 +229,9 @@ class ExecutionDescriptor:
     row_params: torch.Tensor
     segments: tuple | None = None
     lists: PackedLists | None = None
+    # > 0: the rows are the positions q_offset.. of a seqlen_k-token sequence (queries at the
+    # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.serving``)
+    q_offset: int = 0
 
     @property
     def batch_size(self) -> int:
@@ -250,6 +253,18 @@ class ExecutionDescriptor:
     def native(self):
         """The native pattern the compiler proved for the mask (``compilemask.native``)."""
         return self.mask.native_pattern
+
+    def native_applies(self) -> bool:
+        """Whether the native pattern's proof covers this shape: square attention, a
+        bottom-right proof, or queries at the end of the keys (FA4's causal and windows align
+        bottom-right, as those rows of the square mask do)."""
+        pat = self.native
+        if pat is None:
+            return False
+        if (self.q_offset and self.q_offset == self.seqlen_k - self.seqlen_q
+                and pat.kind != "segments"):
+            return True
+        return pat.applies(self.seqlen_q, self.seqlen_k)
 
     def block_sparse(self, kind: str = "fwd") -> BlockSparseLists:
         """flash-attn-4 tile lists (see the module docstring): views of ``lists`` when the
@@ -291,13 +306,13 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     bwd_tiles: TileConfig, *, intervals: torch.Tensor, row_region: torch.Tensor,
                     fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, params: torch.Tensor,
                     row_params: torch.Tensor, segments: tuple | None = None,
-                    lists: PackedLists | None = None) -> ExecutionDescriptor:
+                    lists: PackedLists | None = None, q_offset: int = 0) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
-        lists=lists)
+        lists=lists, q_offset=q_offset)
 
 
 def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,
@@ -335,13 +350,14 @@ class DescriptorArgs(NamedTuple):
     fwd_tile_n: int
     bwd_tile_m: int
     bwd_tile_n: int
+    q_offset: int
 
     @classmethod
     def of(cls, desc: ExecutionDescriptor) -> DescriptorArgs:
         return cls(desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap,
                    desc.params, desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k),
                    int(desc.fwd_tiles.tile_m), int(desc.fwd_tiles.tile_n),
-                   int(desc.bwd_tiles.tile_m), int(desc.bwd_tiles.tile_n))
+                   int(desc.bwd_tiles.tile_m), int(desc.bwd_tiles.tile_n), int(desc.q_offset))
 
     def to_op_args(self) -> tuple:
         """The op's arguments for these fields, in schema order."""
@@ -373,4 +389,5 @@ class DescriptorArgs(NamedTuple):
             mask, self.seqlen_q, self.seqlen_k, TileConfig(self.fwd_tile_m, self.fwd_tile_n),
             TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,
             row_region=self.row_region, fwd_bitmap=self.fwd_bitmap, bwd_bitmap=self.bwd_bitmap,
-            params=self.params, row_params=self.row_params, segments=segments)
+            params=self.params, row_params=self.row_params, segments=segments,
+            q_offset=self.q_offset)

@@ -195,8 +195,7 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
 
 def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                     batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
-                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
-                    what: str = "shard_descriptor") -> ExecutionDescriptor:
+                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False) -> ExecutionDescriptor:
     """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served

@@ -176,7 +176,7 @@ def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
     pat = desc.mask.native_pattern
     if pat is not None and pat.kind == "segments":
         desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
-    native = (pat is not None and pat.applies(desc.seqlen_q, desc.seqlen_k)
+    native = (pat is not None and desc.native_applies()
               and (pat.kind != "segments" or desc.segments is not None))
     # where the native path cannot run this batch, the block-sparse engine reads the lists
     return desc if native else with_lists(desc, config)

@@ -5,7 +5,9 @@ A mask's rules and metadata speak of positions in the whole sequence, cached tok
 ones alike. ``query_descriptor(mask, meta, seqlen_k, seqlen_q)`` is the descriptor of the last
 ``seqlen_q`` rows of a ``seqlen_k``-token sequence against all its keys (local row ``r`` is
 position ``seqlen_k - seqlen_q + r``): the generated interval table evaluated at those rows,
-their per-row metadata gathered, the bitmaps and tile lists made for the local rows. Metadata
+their per-row metadata gathered, the bitmaps and tile lists made for the local rows, and
+``q_offset = seqlen_k - seqlen_q`` recorded: a mask proven causal, windowed or full then runs
+FA4's own kernels (bottom-right aligned, a decode step's as FA4 serves it). Metadata
 arrays cover at least ``seqlen_k`` positions (those of every position the sequences will
 reach are fine: the first ``seqlen_k`` are read), so rules read at ``j`` work for any
 ``seqlen_k``; ``seqlen_q`` / ``seqlen_k`` in a rule mean the whole sequence's length.
@@ -19,6 +21,8 @@ position), as for row-sharded context-parallel descriptors.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -65,9 +69,10 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     dev = next((v.device for v in (meta or {}).values() if isinstance(v, torch.Tensor)),
                torch.device("cpu"))
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
-    return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
-                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
-                           what="query_descriptor")
+    desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)
+    # the native engine may run it: FA4's causal and windows align bottom-right as these rows
+    return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
 
 
 class DecodeState:

@@ -62,7 +62,7 @@ def why_unavailable(q, desc, engine: str) -> str | None:
         pat = desc.native
         if pat is None:
             return "the compiler did not prove this mask a native pattern"
-        if not pat.applies(desc.seqlen_q, desc.seqlen_k):
+        if not desc.native_applies():
             return f"the proof ({pat.describe()}) does not cover seqlen_q != seqlen_k"
         if pat.kind == "segments" and desc.segments is None:
             return (f"{pat.segment_param} is not a segmentation for this batch (each row's "

@@ -127,3 +127,43 @@ def test_generate_equals_greedy_by_recomputation(case):
                        compilemask_meta=meta, attention_mask=torch.ones_like(ids),
                        pad_token_id=0)
     assert torch.equal(got, want), (got, want)
+
+
+def test_native_patterns_apply_to_queries_at_the_end():
+    """A mask proven causal / windowed / full runs FA4's own bottom-right kernels for the last
+    rows; segments (varlen) and rows elsewhere do not."""
+    for spec, expect in ((masks.causal(), True), (masks.sliding_window(7), True),
+                         (masks.packed_documents(), False)):
+        mask = cm.compile_mask(spec)
+        meta = masks.random_meta(mask.spec, 1, 40, torch.Generator().manual_seed(0)) or None
+        d = query_descriptor(mask, meta, 40, 3, batch_size=1)
+        assert d.q_offset == 37 and d.native_applies() is expect, spec.name
+        full = query_descriptor(mask, meta, 40, 40, batch_size=1)
+        assert full.q_offset == 0 and full.native_applies() is (mask.native_pattern is not None)
+    from compilemask.descriptor import DescriptorArgs
+
+    d = query_descriptor(cm.compile_mask(masks.causal()), None, 40, 3, batch_size=1)
+    back = DescriptorArgs.of(d).descriptor(d.mask)
+    assert back.q_offset == 37 and back.native_applies()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "tree_verify"])
+def test_gpu_decode_and_chunked_prefill_vs_float32_reference(name):
+    """The last rows of a sequence (a decode step, a chunk of prefill) on the GPU engine the
+    call selects (FA4's own bottom-right causal / window for native masks, the lists
+    otherwise), forward and backward within twice PyTorch's bf16 error."""
+    from helpers import check_attention_vs_reference
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    Sk = 1000
+    meta = {k: v.cuda() for k, v in masks.random_meta(
+        mask.spec, 2, Sk, torch.Generator().manual_seed(5)).items()} or None
+    for Sq in (1, 77):
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=2)
+        q = torch.randn(2, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, Sk, 2, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        engine = cm.api.select_engine(q, d)
+        assert engine == ("native" if mask.native_pattern is not None else "fa4"), engine
+        check_attention_vs_reference(d, q, k, v, engine, d.dense_mask())
