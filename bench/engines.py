@@ -53,6 +53,7 @@ SPECS = {
     "block_causal": lambda: masks.block_causal(32),
     "packed_prefix_lm": masks.packed_prefix_lm,
     "prefix_lm": masks.prefix_lm,
+    "tree_verify": lambda: masks.tree_verify(8),
 }
 # the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
 # lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
@@ -140,7 +141,8 @@ def workload_meta(name, B, S, dev):
         g = torch.Generator().manual_seed(S)
         return {"prefix_len": torch.randint(S // 4, S // 2 + 1, (B,), generator=g).to(
             dev, torch.int32)}
-    if name == "packed_prefix_lm":  # documents of 256-4096 tokens (the recipe's bench_meta)
+    if name in ("packed_prefix_lm", "tree_verify"):  # the recipes' bench_meta (documents of
+        # 256-4096 tokens; 256 draft tokens in a tree of 8 levels after a long prefix)
         meta = masks.recipes_for(SPECS[name]()).bench_meta(B, S)
         return {k: v.to(dev, torch.int32) for k, v in meta.items()}
     return make_meta(name, B, S, device=dev)
@@ -155,7 +157,7 @@ def workload_mask_mod(name, meta, S):
         flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
         return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
     if name in ("sink_window", "chunked_causal", "block_causal", "packed_prefix_lm",
-                "prefix_lm"):
+                "prefix_lm", "tree_verify"):
         return masks.flex_mask_mod(SPECS[name](), meta)
     return flex_mask_mod(name, meta)
 

@@ -18,6 +18,7 @@
 #   bash bench/h200.sh train     # preprocess + forward + backward vs peers (32K; SEQLENS=)
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh loop      # a new length every step: compiles and step times per mask
+#   bash bench/h200.sh serving   # decode steps vs FA4's own; prefill + mask build vs Flex-FA4
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
 set -u
@@ -263,5 +264,15 @@ for r in rows:
       --methods "${METHODS:-native,fa4,fa4_intervals,fa4_true,fa4_native,flex_flash}"
     cat "$OUT/partial_${TAG:-a}.md"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial"; exit 2 ;;
+  serving)  # decode steps against FA4's own kernel, then prefill with the per-request mask
+    # build against Flex-FA4 with create_block_mask (forward only, 8K and 32K)
+    step serving_decode 200 python3 bench/serving.py --queries "${QUERIES:-1,4}" --out "$OUT"
+    cat "$OUT/serving_decode.md"
+    step serving_prefill 380 python3 bench/engines.py --modes fwd --rep "${REP:-100}" \
+      --seqlens "${SEQLENS:-8192,32768}" --tag serving_prefill --out "$OUT" \
+      --masks "${MASKS:-hstu,tree_verify,shared_prompt_rm,prefix_lm}" \
+      --methods preprocess,native,fa4,flex_flash
+    cat "$OUT/serving_prefill.md"
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|serving"; exit 2 ;;
 esac

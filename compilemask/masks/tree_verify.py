@@ -19,7 +19,7 @@ import torch
 from compilemask.dsl import MaskSpec, Region
 from compilemask.masks._registry import Recipes, register, show
 
-__all__ = ["tree_verify", "tree_meta", "random_meta", "flex_mask_mod", "main"]
+__all__ = ["tree_verify", "tree_meta", "random_meta", "bench_meta", "flex_mask_mod", "main"]
 
 
 def tree_verify(depth: int = 4) -> MaskSpec:
@@ -40,7 +40,8 @@ def tree_verify(depth: int = 4) -> MaskSpec:
         Region("draft", when=lambda i: i >= tree_start, visible=env["sees"]),  # noqa: F821
     ])
     return register(spec, Recipes(__name__, lambda b, s, g=None: random_meta(b, s, g, depth),
-                                  lambda meta, seqlen=None: flex_mask_mod(meta, depth)))
+                                  lambda meta, seqlen=None: flex_mask_mod(meta, depth),
+                                  lambda b, s, seed=0: bench_meta(b, s, seed, depth)))
 
 
 def tree_meta(prefix_len: int, parents, seqlen: int, depth: int) -> dict:
@@ -80,6 +81,26 @@ def random_meta(batch_size: int, seqlen: int, gen: torch.Generator | None = None
             parents.append(p)
             level.append(1 if p < 0 else level[p] + 1)
         parts.append(tree_meta(prefix, parents, seqlen, depth))
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def bench_meta(batch: int, seqlen: int, seed: int = 0, depth: int = 4,
+               drafts: int = 256) -> dict:
+    """EAGLE-style verification: a long prefix, then ``drafts`` tokens in a tree of ``depth``
+    levels (each draft's parent drawn among the earlier drafts of the level above)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = min(drafts, seqlen)
+    parts = []
+    for _ in range(batch):
+        parents, level = [], []
+        for t in range(n):
+            p = -1
+            if t:
+                cand = [u for u in range(t) if level[u] < depth]
+                p = cand[int(torch.randint(0, len(cand), (1,), generator=gen))] if cand else -1
+            parents.append(p)
+            level.append(1 if p < 0 else level[p] + 1)
+        parts.append(tree_meta(seqlen - n, parents, seqlen, depth))
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 

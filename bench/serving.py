@@ -1,0 +1,91 @@
+"""Serving: a decode step over a KV cache, ours against FA4's own kernel, same run.
+
+    python bench/serving.py --seqlens 8192,32768 --out $OUT
+
+Per cache length: one query per sequence (``--queries`` for chunked prefill or draft
+verification), B=8, H=32 query heads over 8 kv heads, D=128, bf16. ``cm`` is ``cm.attention``
+with the step's descriptor made (``compilemask.serving.query_descriptor``: the causal mask's
+last rows, FA4's own bottom-right causal kernel); ``cm+desc`` makes the descriptor too (once
+per step, shared by every layer); ``fa4`` is ``flash_attn_func(..., causal=True)``. Prefill with
+the per-request mask build is ``bench/engines.py --modes fwd`` (``bash bench/h200.sh serving``
+runs both). Median of triton's do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import compilemask as cm  # noqa: E402
+from compilemask import masks  # noqa: E402
+from compilemask.serving import query_descriptor  # noqa: E402
+
+B, H, HKV, D = 8, 32, 8, 128
+
+
+def _bench(fn, rep):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=max(25, rep // 4), rep=rep, return_mode="median")
+
+
+def decode_point(Sk: int, Sq: int, rep: int) -> dict:
+    from flash_attn.cute import flash_attn_func
+
+    mask = cm.compile_mask(masks.causal())
+    g = torch.Generator(device="cuda").manual_seed(Sk)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    desc = query_descriptor(mask, None, Sk, Sq, batch_size=B)
+    row = {"Sk": Sk, "Sq": Sq, "engine": cm.api.select_engine(q, desc)}
+    row["fa4"] = _bench(lambda: flash_attn_func(q, k, v, causal=True), rep)
+    row["cm"] = _bench(lambda: cm.attention(q, k, v, desc), rep)
+    row["desc"] = _bench(lambda: query_descriptor(mask, None, Sk, Sq, batch_size=B), rep)
+    row["cm+desc"] = _bench(lambda: cm.attention(
+        q, k, v, query_descriptor(mask, None, Sk, Sq, batch_size=B)), rep)
+    print(f"  decode Sk={Sk:6d} Sq={Sq:3d} {row['engine']:7s} fa4 {row['fa4']:.4f} ms  cm "
+          f"{row['cm']:.4f} ms ({row['fa4'] / row['cm']:.2f}x)  desc {row['desc']:.4f} ms",
+          flush=True)
+    return row
+
+
+def to_markdown(rows, header) -> str:
+    out = [header, "", "| Sk | queries | engine | FA4 | ours | ours vs FA4 | descriptor | "
+           "ours + descriptor |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['Sk']} | {r['Sq']} | {r['engine']} | {r['fa4']:.4f} | {r['cm']:.4f} | "
+                   f"{r['fa4'] / r['cm']:.2f}x | {r['desc']:.4f} | {r['cm+desc']:.4f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="8192,32768")
+    ap.add_argument("--queries", default="1")
+    ap.add_argument("--rep", type=int, default=200)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    args = ap.parse_args(argv)
+    header = (f"# Decode steps: {datetime.date.today()} · {torch.cuda.get_device_name()} · "
+              f"B={B}, H={H}/{HKV}, D={D}, bf16, ms\n\n`python bench/serving.py --seqlens "
+              f"{args.seqlens} --queries {args.queries} --rep {args.rep}`")
+    rows = [decode_point(Sk, Sq, args.rep) for Sk in map(int, args.seqlens.split(","))
+            for Sq in map(int, args.queries.split(","))]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving_decode.json").write_text(json.dumps(rows, indent=1))
+    (out / "serving_decode.md").write_text(to_markdown(rows, header))
+    print(to_markdown(rows, header))
+
+
+if __name__ == "__main__":
+    main()
