@@ -87,7 +87,9 @@ class DecodeState:
         self._last: tuple | None = None
 
     def descriptor(self, seqlen_q: int, seqlen_k: int) -> ExecutionDescriptor:
-        key = (seqlen_q, seqlen_k)
+        # metadata written in place between steps is a new descriptor too
+        key = (seqlen_q, seqlen_k, tuple(v._version for v in (self.meta or {}).values()
+                                        if isinstance(v, torch.Tensor)))
         if self._last is None or self._last[0] != key:
             desc = query_descriptor(self.mask, self.meta, seqlen_k, seqlen_q,
                                     batch_size=self.batch_size)

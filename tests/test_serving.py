@@ -57,6 +57,12 @@ def test_decode_state_makes_one_descriptor_per_step_shape():
     state = DecodeState(cm.compile_mask(masks.causal()), None, batch_size=1)
     a = state.descriptor(1, 10)
     assert state.descriptor(1, 10) is a and state.descriptor(1, 11) is not a
+    meta = {"prefix_len": torch.tensor([2])}
+    state = DecodeState(cm.compile_mask(masks.prefix_lm()), meta, batch_size=1)
+    a = state.descriptor(1, 10)
+    meta["prefix_len"].fill_(9)  # written in place: not the same descriptor any more
+    b = state.descriptor(1, 10)
+    assert b is not a and b.dense_mask()[0, 0, :9].all() and not a.dense_mask()[0, 0, 3]
 
 
 def test_tree_meta_from_parents():
@@ -185,3 +191,22 @@ def test_readme_generate_lines_run():
     dense = cm.compile_mask(masks.prefix_lm()).preprocess(
         {"prefix_len": env["prefix"]}, 12, batch_size=2).dense_mask()
     assert torch.equal(env["out"], _greedy_by_recomputation(ref, ids, 3, dense))
+
+
+def test_generate_refuses_past_a_sliding_window():
+    """A sliding layer's cache may hold only the window: generating past it is refused, not
+    run at wrong positions."""
+    from compilemask.integrations import transformers as cm_hf
+
+    name = cm_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                     dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
+    mask = cm.compile_mask(masks.causal())
+    ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=2, do_sample=False, compilemask_mask=mask)
+    with pytest.raises(NotImplementedError, match="sliding window of 8 keys"):
+        model.generate(ids, max_new_tokens=6, do_sample=False, compilemask_mask=mask)

@@ -163,11 +163,20 @@ def layer_type(module) -> str:
 _DECODE: dict = {}  # (id(mask), id(meta)) -> (mask, meta, DecodeState): the current generation
 
 
-def _generation_descriptor(kwargs, query, key) -> ExecutionDescriptor:
+def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
     """The descriptor of this call's queries, the last ``Sq`` of the ``Sk`` keys (prefill and
     each decode step), from ``compilemask_mask`` and ``compilemask_meta``; made once per step
     shape and shared by the layers."""
     mask, meta = kwargs[MASK_KWARG], kwargs.get(META_KWARG)
+    window = layer_window(module, kwargs)
+    if window is not None and key.shape[2] + 1 >= window:
+        # a sliding layer's cache may keep only the last keys, and the call does not say which
+        # positions they are: the keys' count would place the queries wrongly
+        raise NotImplementedError(
+            f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} attends within a "
+            f"sliding window of {window} keys, and generating past it with {MASK_KWARG} is not "
+            f"supported (its KV cache may hold only the window); sequences up to {window - 2} "
+            "tokens run")
     if not isinstance(mask, CompiledMask):
         raise TypeError(f"{MASK_KWARG} must be a compile_mask(...) result, got "
                         f"{type(mask).__name__}")
@@ -400,7 +409,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
                          f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
     if kwargs.get(MASK_KWARG) is not None:
-        desc = _generation_descriptor(kwargs, query, key)
+        desc = _generation_descriptor(module, kwargs, query, key)
     else:
         desc = _descriptor(module, kwargs.get(DESC_KWARG))
     keep = _key_validity(attention_mask)
