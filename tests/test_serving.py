@@ -59,9 +59,9 @@ def test_decode_state_makes_one_descriptor_per_step_shape():
     assert state.descriptor(1, 10) is a and state.descriptor(1, 11) is not a
     meta = {"prefix_len": torch.tensor([2])}
     state = DecodeState(cm.compile_mask(masks.prefix_lm()), meta, batch_size=1)
-    a = state.descriptor(1, 10)
+    a = state.descriptor(10, 10)
     meta["prefix_len"].fill_(9)  # written in place: not the same descriptor any more
-    b = state.descriptor(1, 10)
+    b = state.descriptor(10, 10)
     assert b is not a and b.dense_mask()[0, 0, :9].all() and not a.dense_mask()[0, 0, 3]
 
 
