@@ -12,7 +12,9 @@ is indexed:
 * ``s[t[q_idx]]`` / ``s[b, t[b, q_idx]]``, and any index computed from one of ``q_idx`` /
   ``kv_idx`` with constants, per-sequence values and arrays read at it (``t[kv_idx // 16]``,
   ``s[u[t[q_idx]] + 1]``): a gathered per-row array (``s_at_t``, ``t_at_index``), computed in
-  torch with the metadata by torch's indexing rules, read where its index is.
+  torch with the metadata by torch's indexing rules, read where its index is;
+* ``t[x][c]`` / ``t[x, c]`` of a ``[n, m]`` table (``c`` a constant, ``x`` such an index): column
+  ``c`` gathered the same way (Flamingo's per-image intervals).
 
 Python ints (captured or global) are compile-time constants. The operations read are
 ``& | ^ ~`` (of booleans and of integers), ``>> <<`` by constants, comparisons,
@@ -624,10 +626,33 @@ class _Captured(_Sym):
             return self._read(idx[1], 2)
         if self.ndim == 1 and len(idx) == 1:
             return self._read(idx[0], 1)
+        if self.ndim == 2 and not is_b[0]:
+            if len(idx) == 1:  # t[x]: a row of a table, its column chosen next (t[x][0])
+                return _TableRow(self, idx[0])
+            if len(idx) == 2 and type(idx[1]) is int:
+                return self._read_column(idx[0], idx[1])
         shown = ", ".join("b" if f else ("h" if getattr(x, "tag", None) == "h" else "...")
                           for x, f in zip(idx, is_b))
         raise tr.fail(f"index {self.name}[{shown}] of a {self.ndim}-d captured tensor (only "
                       "t[b], t[b, idx], t[idx])")
+
+    def _read_column(self, x, c: int):
+        """Column ``c`` of a ``[n, m]`` table at the index ``x`` (of q_idx or kv_idx): a
+        gathered per-token array, ``t[:, c]`` read where ``x`` says."""
+        tr = self.tr
+        e = _val(tr, x)
+        at = e if e in (_I, _J) else _gather_var(tr, e)
+        if at is None:
+            raise tr.fail(f"index {self.name}[{e}, {c}]: a table's row is an integer expression "
+                          "of q_idx or kv_idx (constants, per-sequence values and arrays read "
+                          "at that same index)")
+        recipe = (self.leaf, ("column", c), e.xreplace({at: _X}))
+        dname = tr.gathers.get(recipe)
+        if dname is None:
+            dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_{c}_at_index")
+            tr.derived[dname] = recipe
+            tr.array_leaf[dname] = self.leaf
+        return _Sym(tr, self._wrap(array_function(dname)(at)))
 
     def _read(self, idx, ndim):
         tr = self.tr
@@ -638,6 +663,20 @@ class _Captured(_Sym):
         if type(e).__name__ == self.name:
             tr.array_leaf[self.name] = self.leaf
         return _Sym(tr, self._wrap(e))
+
+
+class _TableRow:
+    """``t[x]`` of a 2-D captured tensor that is not per sequence (``[n, m]``: one row per
+    image, per document...): a constant column next (``t[x][0]``)."""
+
+    def __init__(self, cap: _Captured, x):
+        self.cap, self.x = cap, x
+
+    def __getitem__(self, c):
+        if type(c) is not int:
+            raise self.cap.tr.fail(f"column of captured table {self.cap.name!r} read at a "
+                                   "computed index (only constant columns: t[x][0])")
+        return self.cap._read_column(self.x, c)
 
 
 class _Row:
@@ -794,6 +833,8 @@ def _gather(entry, name, src, ndim, index, values, B, seqlen):
     ns.update({p: values[p].long().reshape(-1, 1) for p in scalars})
     idx = torch.broadcast_to(eval(code, ns), (B, S))  # noqa: S307 - generated
     try:
+        if isinstance(ndim, tuple):  # ("column", c) of a [n, m] table
+            return src[:, ndim[1]][idx]
         if ndim == 1:
             return src[idx]
         return src[torch.arange(B).view(B, 1), idx]

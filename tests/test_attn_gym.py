@@ -125,17 +125,30 @@ def _refused():
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(B, 2, md.padded_seq_length, 8, generator=g) for _ in range(2))
     topk = am.compute_vsa_topk_indices(q, k, tile_numel=md.tile_numel, top_k=2)
-    intervals = torch.tensor([[0, 40], [20, 60], [60, 100]], dtype=torch.int32)
     return {
-        "flamingo": (am.generate_vision_cross_attention_mask_mod(intervals, 16),
-                     r"index intervals\[.*\] of a 2-d captured tensor"),
         "jetspec_tree": (am.generate_jetspec_tree_causal_mask_mod(0, anc),
                          r"of a 2-d captured tensor"),
         "vsa": (am.generate_vsa_mask_mod(topk, md.tile_numel, None), r"head index h"),
     }
 
 
-@pytest.mark.parametrize("name", ["flamingo", "jetspec_tree", "vsa"])
+@pytest.mark.parametrize("Sq", [48, 100, 129, 257])
+def test_flamingo_table_columns_convert(Sq):
+    """Flamingo's cross attention reads a [num_images, 2] table's columns at the image of
+    kv_idx (``intervals[image_idx][0]``): gathered per-token arrays. They are read at kv_idx,
+    so the descriptor takes them over seqlen_q >= seqlen_k rows (padded here)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    intervals = torch.tensor([[0, 40], [20, 60], [60, 100]], dtype=torch.int32)
+    mm = am.generate_vision_cross_attention_mask_mod(intervals, 16)
+    spec, meta = cm.from_mask_mod(mm, batch_size=B, seqlen=48)
+    padded = {k: torch.nn.functional.pad(v, (0, Sq - v.shape[1])) for k, v in meta.items()}
+    got = cm.compile_mask(spec).preprocess(padded, seqlen_q=Sq, seqlen_k=48,
+                                           batch_size=B).dense_mask()
+    assert torch.equal(got, create_mask(mm, B, 1, Sq, 48, device="cpu")[:, 0])
+
+
+@pytest.mark.parametrize("name", ["jetspec_tree", "vsa"])
 def test_not_yet_converted_mask_mods_are_refused_by_construct(name):
     """What the rules cannot say yet: 2-D tables read at a token pair, the head index. Each is
     an error naming the construct and its line."""
