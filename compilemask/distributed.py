@@ -112,15 +112,20 @@ def _normalized(mask, meta, seqlen, batch_size, check):
 
 
 def _rows_table(mask, B, scal, arrs, seqlen, rows):
-    """The generated interval table evaluated at global ``rows`` (int64 [n], entries >= seqlen
-    are padding: empty, region -1). Returns starts, lens, region and the arrays at the rows."""
-    valid = rows < seqlen
-    at = rows.clamp(max=seqlen - 1)
-    arrs_at = {a: arrs[a].index_select(1, at) for a in mask.array_params}
-    args = [at.unsqueeze(0), seqlen, seqlen] + [scal[p] for p in mask.scalar_params] + [
+    """The generated interval table evaluated at global ``rows`` (int64 [n], or [B, n] per
+    sequence; entries outside [0, seqlen) are padding: empty, region -1). Returns starts, lens,
+    region and the arrays at the rows."""
+    valid = (rows >= 0) & (rows < seqlen)
+    at = rows.clamp(min=0, max=seqlen - 1)
+    if rows.dim() == 1:
+        arrs_at = {a: arrs[a].index_select(1, at) for a in mask.array_params}
+        at, v = at.unsqueeze(0), valid.view(1, -1)
+    else:
+        arrs_at = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+        v = valid
+    args = [at, seqlen, seqlen] + [scal[p] for p in mask.scalar_params] + [
         arrs_at[a] for a in mask.array_params]
     starts, lens, region = mask.torch_function("interval_table")(*args, batch_size=B)
-    v = valid.view(1, -1)
     lens = torch.where(v.unsqueeze(-1), lens, 0)
     starts = torch.where(lens > 0, starts, 0)
     region = torch.where(v, region, -1)
@@ -195,18 +200,24 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
 
 def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                     batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
-                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False) -> ExecutionDescriptor:
+                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
+                    key_limit: torch.Tensor | None = None) -> ExecutionDescriptor:
     """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served
-    (``compilemask.serving``). Interval-only masks (the callers refuse fallback regions)."""
+    (``compilemask.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
+    at or past it are not shown). Interval-only masks (the callers refuse fallback regions)."""
     fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
     bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
     S = seqlen
     B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check)
     rows = rows.to(dev)
-    n = rows.shape[0]
+    n = rows.shape[-1]
     starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
+    if key_limit is not None:  # a sequence's keys end at its limit (a KV cache's used part)
+        end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
+        lens = (end - starts).clamp(min=0)
+        starts = torch.where(lens > 0, starts, 0)
     always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused above)
     fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
     desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,

@@ -50,11 +50,16 @@ def _sliced(meta, seqlen_k: int):
 
 
 def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: int | None = None,
-                     fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
-                     check: bool = False) -> ExecutionDescriptor:
+                     seqused_k: torch.Tensor | None = None, fwd_tiles=DEFAULT_FWD_TILES,
+                     bwd_tiles=DEFAULT_BWD_TILES, check: bool = False) -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
     against all ``seqlen_k`` keys (see the module docstring); built with torch on the
-    metadata's device (a decode step's is a few small launches)."""
+    metadata's device (a decode step's is a few small launches).
+
+    ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
+    buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are
+    its last ``seqlen_q`` positions, keys past its length are never shown, and query rows before
+    its first position (a request shorter than ``seqlen_q``) see nothing."""
     for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"query_descriptor: {name} must be a positive int, got {val!r}")
@@ -68,6 +73,15 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
             "not the position; serving supports interval-only masks")
     dev = next((v.device for v in (meta or {}).values() if isinstance(v, torch.Tensor)),
                torch.device("cpu"))
+    if seqused_k is not None:
+        used = torch.as_tensor(seqused_k).to(dev, torch.int64).view(-1)
+        if batch_size is not None and used.numel() != batch_size:
+            raise ValueError(f"query_descriptor: seqused_k has {used.numel()} entries, the "
+                             f"batch {batch_size}")
+        rows = used.view(-1, 1) - seqlen_q + torch.arange(seqlen_q, device=dev).view(1, -1)
+        return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
+                               batch_size=used.numel(), fwd_tiles=fwd_tiles,
+                               bwd_tiles=bwd_tiles, check=check, key_limit=used)
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
                            fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)

@@ -210,3 +210,46 @@ def test_generate_refuses_past_a_sliding_window():
     model.generate(ids, max_new_tokens=2, do_sample=False, compilemask_mask=mask)
     with pytest.raises(NotImplementedError, match="sliding window of 8 keys"):
         model.generate(ids, max_new_tokens=6, do_sample=False, compilemask_mask=mask)
+
+
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "hstu", "packed_documents",
+                                  "tree_verify", "sliding_window"])
+def test_batch_of_requests_with_their_own_lengths(name):
+    """One KV buffer of seqlen_k keys, request b holding seqused_k[b]: each request's rows are
+    its own last positions (``query_descriptor`` of that request alone), keys past its length
+    never show, and rows before a short request's first position see nothing."""
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    Sk, Bq = 50, 4
+    meta = masks.random_meta(mask.spec, Bq, Sk, torch.Generator().manual_seed(2))
+    used = torch.tensor([50, 31, 3, 1])
+    for Sq in (1, 4):
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=Bq, seqused_k=used)
+        dense = d.dense_mask()
+        assert dense.shape == (Bq, Sq, Sk) and d.q_offset == 0
+        for b in range(Bq):
+            u = int(used[b])
+            one = {k: v[b:b + 1] for k, v in (meta or {}).items()} or None
+            n = min(Sq, u)
+            alone = query_descriptor(mask, one, u, n, batch_size=1).dense_mask()[0]
+            assert torch.equal(dense[b, Sq - n:, :u], alone), (b, Sq)
+            assert not dense[b, :, u:].any() and not dense[b, :Sq - n].any()
+    with pytest.raises(ValueError, match="seqused_k has 4 entries, the batch 2"):
+        query_descriptor(mask, meta, Sk, 1, batch_size=2, seqused_k=used)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_of_requests_vs_float32_reference():
+    """Requests of their own lengths in one KV buffer (``seqused_k``) on FA4's lists, a decode
+    step and a chunk, within twice PyTorch's bf16 error; rows of a too-short request are 0."""
+    from helpers import check_attention_vs_reference
+
+    mask = cm.compile_mask(masks.prefix_lm())
+    meta = {"prefix_len": torch.tensor([100, 0, 5, 700], device="cuda")}
+    used = torch.tensor([1000, 517, 3, 900], device="cuda")
+    for Sq in (1, 64):
+        d = query_descriptor(mask, meta, 1000, Sq, batch_size=4, seqused_k=used)
+        q = torch.randn(4, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(4, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        assert cm.api.select_engine(q, d) == "fa4"
+        check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
