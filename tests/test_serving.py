@@ -253,3 +253,29 @@ def test_gpu_batch_of_requests_vs_float32_reference():
                 for _ in range(2))
         assert cm.api.select_engine(q, d) == "fa4"
         check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_captures_in_a_cuda_graph():
+    """A decode step over fixed buffers (the KV buffer, the requests' lengths as a device
+    tensor written in place) captures in one CUDA graph, descriptor included, and its replay
+    after the lengths change equals the eager step."""
+    mask = cm.compile_mask(masks.causal())
+    Sk, Bq = 1024, 4
+    q = torch.randn(Bq, 1, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(Bq, Sk, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    used = torch.tensor([1024, 600, 17, 300], device="cuda")
+
+    def step():
+        d = query_descriptor(mask, None, Sk, 1, batch_size=Bq, seqused_k=used)
+        return cm.attention(q, k, v, d)
+
+    step()  # compiles and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    used.copy_(torch.tensor([5, 1000, 64, 2], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, step(), rtol=0, atol=0)
