@@ -46,13 +46,14 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
     q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(B, Sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
-    desc = query_descriptor(mask, None, Sk, Sq, batch_size=B)
+    desc = query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda")
     row = {"Sk": Sk, "Sq": Sq, "engine": cm.api.select_engine(q, desc)}
     row["fa4"] = _bench(lambda: flash_attn_func(q, k, v, causal=True), rep)
     row["cm"] = _bench(lambda: cm.attention(q, k, v, desc), rep)
-    row["desc"] = _bench(lambda: query_descriptor(mask, None, Sk, Sq, batch_size=B), rep)
+    row["desc"] = _bench(lambda: query_descriptor(mask, None, Sk, Sq, batch_size=B,
+                                                  device="cuda"), rep)
     row["cm+desc"] = _bench(lambda: cm.attention(
-        q, k, v, query_descriptor(mask, None, Sk, Sq, batch_size=B)), rep)
+        q, k, v, query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda")), rep)
     print(f"  decode Sk={Sk:6d} Sq={Sq:3d} {row['engine']:7s} fa4 {row['fa4']:.4f} ms  cm "
           f"{row['cm']:.4f} ms ({row['fa4'] / row['cm']:.2f}x)  desc {row['desc']:.4f} ms",
           flush=True)

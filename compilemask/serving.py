@@ -50,8 +50,9 @@ def _sliced(meta, seqlen_k: int):
 
 
 def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: int | None = None,
-                     seqused_k: torch.Tensor | None = None, fwd_tiles=DEFAULT_FWD_TILES,
-                     bwd_tiles=DEFAULT_BWD_TILES, check: bool = False) -> ExecutionDescriptor:
+                     seqused_k: torch.Tensor | None = None, device=None,
+                     fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
+                     check: bool = False) -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
     against all ``seqlen_k`` keys (see the module docstring); built with torch on the
     metadata's device (a decode step's is a few small launches).
@@ -59,7 +60,9 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
     buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are
     its last ``seqlen_q`` positions, keys past its length are never shown, and query rows before
-    its first position (a request shorter than ``seqlen_q``) see nothing."""
+    its first position (a request shorter than ``seqlen_q``) see nothing. ``device``: where the
+    descriptor is made (default: the metadata's, else ``seqused_k``'s, else the CPU); a mask
+    without metadata is made there directly, never copied per step."""
     for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"query_descriptor: {name} must be a positive int, got {val!r}")
@@ -71,8 +74,12 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
             f"query_descriptor: mask {mask.name!r} has fallback region(s) "
             f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
             "not the position; serving supports interval-only masks")
-    dev = next((v.device for v in (meta or {}).values() if isinstance(v, torch.Tensor)),
-               torch.device("cpu"))
+    found = [v.device for v in (*(meta or {}).values(), seqused_k)
+             if isinstance(v, torch.Tensor)]
+    dev = torch.device(device) if device is not None else (found[0] if found else
+                                                           torch.device("cpu"))
+    if meta:  # the metadata where the descriptor is made (a no-op where it is already)
+        meta = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in meta.items()}
     if seqused_k is not None:
         used = torch.as_tensor(seqused_k).to(dev, torch.int64).view(-1)
         if batch_size is not None and used.numel() != batch_size:
@@ -93,11 +100,11 @@ class DecodeState:
     """A generation's mask and metadata (over every position it will reach); ``descriptor``
     gives the step's, made once per ``(seqlen_q, seqlen_k)`` and kept until the next shape."""
 
-    def __init__(self, mask, meta=None, *, batch_size: int | None = None):
+    def __init__(self, mask, meta=None, *, batch_size: int | None = None, device=None):
         if not isinstance(mask, CompiledMask):
             raise TypeError(f"DecodeState: mask must be a compile_mask(...) result, got "
                             f"{type(mask).__name__}")
-        self.mask, self.meta, self.batch_size = mask, meta, batch_size
+        self.mask, self.meta, self.batch_size, self.device = mask, meta, batch_size, device
         self._last: tuple | None = None
 
     def descriptor(self, seqlen_q: int, seqlen_k: int) -> ExecutionDescriptor:
@@ -106,6 +113,6 @@ class DecodeState:
                                         if isinstance(v, torch.Tensor)))
         if self._last is None or self._last[0] != key:
             desc = query_descriptor(self.mask, self.meta, seqlen_k, seqlen_q,
-                                    batch_size=self.batch_size)
+                                    batch_size=self.batch_size, device=self.device)
             self._last = (key, desc)
         return self._last[1]

@@ -166,7 +166,7 @@ def test_gpu_decode_and_chunked_prefill_vs_float32_reference(name):
     meta = {k: v.cuda() for k, v in masks.random_meta(
         mask.spec, 2, Sk, torch.Generator().manual_seed(5)).items()} or None
     for Sq in (1, 77):
-        d = query_descriptor(mask, meta, Sk, Sq, batch_size=2)
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=2, device="cuda")
         q = torch.randn(2, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, Sk, 2, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
@@ -233,6 +233,7 @@ def test_batch_of_requests_with_their_own_lengths(name):
             alone = query_descriptor(mask, one, u, n, batch_size=1).dense_mask()[0]
             assert torch.equal(dense[b, Sq - n:, :u], alone), (b, Sq)
             assert not dense[b, :, u:].any() and not dense[b, :Sq - n].any()
+    assert query_descriptor(mask, meta, Sk, 1, device="cpu", batch_size=Bq).device.type == "cpu"
     with pytest.raises(ValueError, match="seqused_k has 4 entries, the batch 2"):
         query_descriptor(mask, meta, Sk, 1, batch_size=2, seqused_k=used)
 
@@ -268,6 +269,7 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
 
     def step():
         d = query_descriptor(mask, None, Sk, 1, batch_size=Bq, seqused_k=used)
+        assert d.device == q.device  # made where it runs: nothing copied per step
         return cm.attention(q, k, v, d)
 
     step()  # compiles and warms up outside the capture

@@ -186,7 +186,8 @@ def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
     entry = _DECODE.get(k)
     if entry is None or entry[0] is not mask or entry[1] is not meta:
         _DECODE.clear()
-        entry = _DECODE[k] = (mask, meta, DecodeState(mask, meta, batch_size=query.shape[0]))
+        entry = _DECODE[k] = (mask, meta, DecodeState(mask, meta, batch_size=query.shape[0],
+                                                      device=query.device))
     return entry[2].descriptor(query.shape[2], key.shape[2])
 
 
