@@ -127,3 +127,36 @@ def test_gpu_head_groups_vs_float32_reference(case):
         torch.float32, backend="reference"), run(torch.bfloat16)
     for what, a, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
         assert rel(a, e) <= 2 * rel(t, e) + 1e-4, (what, rel(a, e), rel(t, e))
+
+
+def test_head_groups_in_a_transformers_model():
+    """Per-head windows through a tiny Qwen3 (GQA) equal SDPA given the [B, H, S, S] mask,
+    logits and gradients."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from compilemask.integrations import transformers as cm_hf
+
+    name = cm_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, use_cache=False,
+                                   dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="sdpa")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    groups = cm.preprocess_heads(CASES["per_head_windows"](), None, 33, batch_size=2)
+    ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for model, kw in ((ref, {"attention_mask": groups.dense_mask()}),
+                      (mod, {"compilemask_desc": groups})):
+        model.zero_grad()
+        out = model(ids, **kw)
+        out.logits.square().mean().backward()
+        runs.append((out.logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=2e-5, rtol=1e-4)
+    for a, b in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

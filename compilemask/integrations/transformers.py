@@ -50,6 +50,7 @@ import torch
 from compilemask.api import _validate, attention, select_engine
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.heads import HeadGroups
 from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
@@ -202,10 +203,10 @@ def _descriptor(module, desc) -> ExecutionDescriptor:
             raise ValueError(f"{DESC_KWARG} has no descriptor for layer type {kind!r} (layer "
                              f"{getattr(module, 'layer_idx', '?')}); it has {sorted(desc)}")
         desc = desc[kind]
-    if isinstance(desc, ExecutionDescriptor):
+    if isinstance(desc, (ExecutionDescriptor, HeadGroups)):
         return desc
-    raise TypeError(f"{DESC_KWARG} must be an ExecutionDescriptor or a dict of them keyed by "
-                    f"layer type, got {type(desc).__name__}")
+    raise TypeError(f"{DESC_KWARG} must be an ExecutionDescriptor (or HeadGroups) or a dict of "
+                    f"them keyed by layer type, got {type(desc).__name__}")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -443,7 +444,15 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                            desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
         return out, None
-    desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
+    if isinstance(desc, HeadGroups):  # per-head masks: each group's descriptor as a layer's
+        desc = HeadGroups(tuple((_check_window(module, d, window, d.seqlen_q, d.seqlen_k), h)
+                                for d, h in desc.groups), desc.num_heads)
+        if keep is not None:
+            raise NotImplementedError(
+                "compilemask attention: per-head masks (HeadGroups) with a padded "
+                "attention_mask; put the padding in the masks' metadata")
+    else:
+        desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
         return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
                                  score_mod, sink), None
