@@ -50,10 +50,10 @@ import torch
 from compilemask.api import _validate, attention, select_engine
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor
-from compilemask.heads import HeadGroups
 from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
+from compilemask.heads import HeadGroups
 from compilemask.native import _run_axioms, _visible_expr
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
