@@ -18,7 +18,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import os
 import subprocess
 import sys
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from bench.workloads import flex_mask_mod, make_meta  # noqa: E402
-from compilemask import masks  # noqa: E402
+from compilemask import masks, score_mods  # noqa: E402
 from compilemask.options import device_arch  # noqa: E402
 
 H, D, DTYPE = 8, 128, torch.bfloat16
@@ -61,31 +60,18 @@ SPECS = {
 FA4_VARIANTS = {"fa4_rules": "rules", "fa4_intervals": "intervals", "fa4_true": None}
 
 
-def _t5_bucket(rel, num_buckets=32, max_distance=128):
-    """T5's bidirectional relative-position bucket of ``rel = kv_idx - q_idx``."""
-    half = num_buckets // 2
-    ret = (rel > 0).long() * half
-    n = rel.abs()
-    exact = half // 2
-    large = exact + (torch.log(n.float().clamp(min=1) / exact)
-                     / math.log(max_distance / exact) * (half - exact)).long()
-    return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
-
-
 def make_score_mod(name, dev):
     """The score_mods measured with a mask (``--score-mod``): the same callable goes to
     cm.attention and to FlexAttention."""
     if name == "alibi":
-        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device=dev)
-        return lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx)
+        return score_mods.alibi(score_mods.alibi_slopes(H, dev))
     if name == "softcap":
-        return lambda score, b, h, q_idx, kv_idx: 50 * torch.tanh(score / 50)
+        return score_mods.softcap(50)
     if name == "t5":
-        table = torch.randn(32, H, device=dev, generator=torch.Generator(dev).manual_seed(0))
-        return lambda score, b, h, q_idx, kv_idx: score + table[_t5_bucket(kv_idx - q_idx), h]
+        return score_mods.t5_bias(torch.randn(32, H, device=dev,
+                                              generator=torch.Generator(dev).manual_seed(0)))
     if name == "temperature":
-        temp = torch.linspace(0.5, 1.5, H, device=dev)
-        return lambda score, b, h, q_idx, kv_idx: score / temp[h]
+        return score_mods.temperature(torch.linspace(0.5, 1.5, H, device=dev))
     raise ValueError(f"unknown score_mod {name!r}")
 
 

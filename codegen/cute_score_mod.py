@@ -42,6 +42,14 @@ class _Emit:
         self.lines.append(f"{name} = {code}")
         return name
 
+    def fold(self, args, op: str) -> str:
+        """``args[0] op args[1] op ...``, one temporary per step; ``op`` is an infix operator
+        or, ending in ``(``, a function of two arguments (``cutlass.min(``)."""
+        acc = args[0]
+        for a in args[1:]:
+            acc = self.tmp(f"{op}{acc}, {a})" if op.endswith("(") else f"{acc} {op} {a}")
+        return acc
+
     def get(self, e, ctx: str) -> str:
         key = (e, ctx, self.exact > 0)
         if key not in self.memo:
@@ -71,12 +79,8 @@ class _Emit:
                 num, den = e.as_numer_denom()
                 if den != 1 and num != 1:  # a / b as one division (not a * (1 / b))
                     return self.tmp(f"{self.get(num, 'f')} / {self.get(den, 'f')}")
-            op = " + " if isinstance(e, sp.Add) else " * "
-            args = [self.get(a, "f") for a in e.args]
-            acc = args[0]
-            for a in args[1:]:
-                acc = self.tmp(f"{acc}{op}{a}")
-            return acc
+            return self.fold([self.get(a, "f") for a in e.args],
+                             "+" if isinstance(e, sp.Add) else "*")
         if isinstance(e, sp.Pow):
             base, ex = e.args
             if ex == sp.Rational(1, 2):
@@ -120,11 +124,7 @@ class _Emit:
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
         if isinstance(e, sp.Add):
-            args = [self.get(a, "i") for a in e.args]
-            acc = args[0]
-            for a in args[1:]:
-                acc = self.tmp(f"{acc} + {a}")
-            return acc
+            return self.fold([self.get(a, "i") for a in e.args], "+")
         if isinstance(e, sp.Mul):
             coeff, rest = e.as_coeff_Mul()
             if not coeff.is_Integer:
@@ -160,12 +160,8 @@ class _Emit:
         if isinstance(e, trunc):
             return self.tmp(f"Int32({self._exact_f(e.args[0])})")  # fptosi: toward zero
         if isinstance(e, (sp.Min, sp.Max)):
-            fn = "cutlass.min" if isinstance(e, sp.Min) else "cutlass.max"
-            args = [self.get(a, "i") for a in e.args]
-            acc = args[0]
-            for a in args[1:]:
-                acc = self.tmp(f"{fn}({acc}, {a})")
-            return acc
+            return self.fold([self.get(a, "i") for a in e.args],
+                             "cutlass.min(" if isinstance(e, sp.Min) else "cutlass.max(")
         if isinstance(e, sp.Abs):
             a = self.get(e.args[0], "i")
             return self.tmp(f"cutlass.max({a}, Int32(0) - {a})")
@@ -194,12 +190,8 @@ class _Emit:
             ctx = "i" if self._is_int(e.lhs) and self._is_int(e.rhs) else "f"
             return self.tmp(f"{self.get(e.lhs, ctx)} {rel[type(e)]} {self.get(e.rhs, ctx)}")
         if isinstance(e, (sp.And, sp.Or, sp.Xor)):
-            op = {sp.And: " & ", sp.Or: " | ", sp.Xor: " != "}[type(e)]
-            args = [self.get(a, "b") for a in e.args]
-            acc = args[0]
-            for a in args[1:]:
-                acc = self.tmp(f"{acc}{op}{a}")
-            return acc
+            return self.fold([self.get(a, "b") for a in e.args],
+                             {sp.And: "&", sp.Or: "|", sp.Xor: "!="}[type(e)])
         if isinstance(e, sp.Not):
             return self.tmp(f"{self.get(e.args[0], 'b')} == cutlass.Boolean(False)")
         if isinstance(e, sp.ITE):

@@ -39,7 +39,6 @@ import inspect
 import itertools
 import linecache
 import os
-import sys
 import threading
 import types
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["from_mask_mod"]
 
@@ -82,17 +82,6 @@ def _is_bool(e) -> bool:
         isinstance(e, sp.Symbol))
 
 
-def _where() -> str:
-    """file:line of the innermost frame of user code (not this module, not torch)."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if fn != _HERE and not fn.startswith(_TORCH_DIR):
-            return f"{f.f_code.co_filename}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
-
-
 class _Trace:
     def __init__(self, fname: str):
         self.fname = fname
@@ -106,7 +95,7 @@ class _Trace:
         self.array_ndim: dict[str, int] = {}
 
     def fail(self, what: str):
-        return NotImplementedError(f"mask_mod {self.fname!r} ({_where()}): {what}")
+        return NotImplementedError(f"mask_mod {self.fname!r} ({user_line(__file__)}): {what}")
 
     def fresh(self, name: str) -> str:
         base = name if name.isidentifier() else "t"
@@ -126,39 +115,12 @@ class _Trace:
         return self.stand_ins[leaf]
 
 
-class _Ops:
+class _Ops(TracedOps):
     """Operators shared by traced values and captured tensors (Python and torch spellings)."""
 
     __slots__ = ()
-
-    def __bool__(self):
-        raise self.tr.fail("data-dependent Python control flow (bool() of a traced value: "
-                           "'if', 'and', 'or', 'not', min/max builtins); use torch.where, &, |, ~")
-
-    def __index__(self):
-        raise self.tr.fail("a traced value used as a Python int")
-
-    __int__ = __index__
-
-    def __hash__(self):
-        return id(self)
-
-    def __iter__(self):
-        raise self.tr.fail("iteration over a traced value")
-
-    @classmethod
-    def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tr = _find_trace([*args, *kwargs.values()])
-        fn = _TORCH_FUNCS.get(func)
-        if fn is None:
-            name = getattr(func, "__name__", repr(func))
-            if any(isinstance(a, torch.Tensor) for a in args):
-                raise tr.fail(f"a tensor that is not captured by the mask_mod as a closure "
-                              f"variable or global (an attribute, or one made inside it) "
-                              f"in '{name}'; {_CAPTURE_IT}")
-            raise tr.fail(f"torch function '{name}'")
-        return fn(tr, *args, **kwargs)
+    UNCAPTURED = ("a tensor that is not captured by the mask_mod as a closure variable or "
+                  "global (an attribute, or one made inside it) in '{name}'; " + _CAPTURE_IT)
 
     def __getattr__(self, name):
         if name.startswith("_") or name in ("tr", "e", "tag", "leaf", "name", "ndim", "is_bool"):
@@ -194,17 +156,6 @@ class _TracedDevice:
 
     def __repr__(self):
         return "<device of a traced value>"
-
-
-def _find_trace(args):
-    for a in args:
-        if isinstance(a, _Ops):
-            return a.tr
-        if isinstance(a, (tuple, list)):
-            tr = _find_trace(a)
-            if tr is not None:
-                return tr
-    return None
 
 
 def _val(tr, x):
@@ -420,6 +371,9 @@ _TORCH_FUNCS = {
     torch.ones_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 1, dtype)),
     torch.zeros_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 0, dtype)),
 }
+
+
+_Ops.FUNCS = _TORCH_FUNCS
 
 
 def _binop(op, kind):

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -38,6 +36,7 @@ import torch
 
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key"]
 
@@ -47,8 +46,6 @@ _H = sp.Symbol("h", integer=True, nonnegative=True)
 _I = sp.Symbol("i", integer=True, nonnegative=True)
 _J = sp.Symbol("j", integer=True, nonnegative=True)
 _INDEX_SYMBOLS = (_B, _H, _I, _J)
-_HERE = os.path.abspath(__file__)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 _LOCK = threading.Lock()
@@ -147,17 +144,6 @@ def score_mod_for_key(key: str) -> ScoreMod:
 # --------------------------------------------------------------------------------------------
 
 
-def _where() -> str:
-    """file:line of the innermost frame of user code (not this module, not torch)."""
-    f = sys._getframe(1)
-    while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if fn != _HERE and not fn.startswith(_TORCH_DIR):
-            return f"{f.f_code.co_filename}:{f.f_lineno}"
-        f = f.f_back
-    return "?"
-
-
 class _Trace:
     def __init__(self, fname: str):
         self.fname = fname
@@ -165,7 +151,7 @@ class _Trace:
         self.tables: dict[int, Table] = {}  # leaf -> table
 
     def fail(self, what: str):
-        return NotImplementedError(f"score_mod {self.fname!r} ({_where()}): {what}")
+        return NotImplementedError(f"score_mod {self.fname!r} ({user_line(__file__)}): {what}")
 
     def new_stand_in(self, leaf, name, tensor):
         if tensor.dtype not in _FLOAT_DTYPES + _INT_DTYPES:
@@ -184,47 +170,10 @@ class _Trace:
         return self.stand_ins[leaf]
 
 
-class _Ops:
+class _Ops(TracedOps):
     __slots__ = ()
-
-    def __bool__(self):
-        raise self.tr.fail("data-dependent Python control flow (bool() of a traced value: "
-                           "'if', 'and', 'or', 'not', min/max builtins); use torch.where, &, |, ~")
-
-    def __index__(self):
-        raise self.tr.fail("a traced value used as a Python number")
-
-    __int__ = __float__ = __index__
-
-    def __hash__(self):
-        return id(self)
-
-    def __iter__(self):
-        raise self.tr.fail("iteration over a traced value")
-
-    @classmethod
-    def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        tr = _find_trace([*args, *kwargs.values()])
-        fn = _TORCH_FUNCS.get(func)
-        if fn is None:
-            name = getattr(func, "__name__", repr(func))
-            if any(isinstance(a, torch.Tensor) for a in args):
-                raise tr.fail(f"a tensor made inside the score_mod, or read as an attribute, "
-                              f"in '{name}': capture it as a closure variable or global")
-            raise tr.fail(f"torch function '{name}'")
-        return fn(tr, *args, **kwargs)
-
-
-def _find_trace(args):
-    for a in args:
-        if isinstance(a, _Ops):
-            return a.tr
-        if isinstance(a, (tuple, list)):
-            tr = _find_trace(a)
-            if tr is not None:
-                return tr
-    return None
+    UNCAPTURED = ("a tensor made inside the score_mod, or read as an attribute, in '{name}': "
+                  "capture it as a closure variable or global")
 
 
 def _v(tr, x) -> "_V":
@@ -400,6 +349,9 @@ _TORCH_FUNCS = {
     torch.logical_or: lambda tr, a, b: _logic(tr, "|", a, b),
     torch.logical_not: lambda tr, a: _V(tr, sp.Not(_v(tr, a).e), "b"),
 }
+
+
+_Ops.FUNCS = _TORCH_FUNCS
 
 
 def _binop(op, fn):

@@ -68,6 +68,19 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
 
 
+def fake_on_cuda(desc, lists: dict):
+    """``desc`` and its ``lists`` (kind -> BlockSparseLists) as fake CUDA tensors, for a
+    compile of FA4's kernels on a machine without a GPU; call inside a ``FakeTensorMode``."""
+    dev = torch.device("cuda")
+
+    def fake(t):  # contents do not matter for compilation
+        return torch.empty(t.shape, dtype=t.dtype, device=dev)
+
+    fdesc = type(desc)(**{f: (fake(getattr(desc, f)) if isinstance(getattr(desc, f), torch.Tensor)
+                              else getattr(desc, f)) for f in desc.__dataclass_fields__})
+    return fdesc, {k: type(v)(*(fake(t) for t in v)) for k, v in lists.items()}, fake
+
+
 def sweep(argnames: str, cases, default):
     """``pytest.mark.parametrize(argnames, cases)`` where the cases not in ``default`` are marked
     ``slow``: the default run keeps a representative subset, ``-m slow`` runs the rest."""

@@ -12,7 +12,7 @@ import compilemask as cm
 from compilemask import masks
 from compilemask.native import native_pattern
 
-from helpers import check_attention_vs_reference, sweep
+from helpers import check_attention_vs_reference, fake_on_cuda, sweep
 
 M, R = cm.MaskSpec, cm.Region
 
@@ -221,16 +221,8 @@ def _compiles_in_fa4(mask, meta, head_dim):
     mm = mask_mod(mask)
     assert mm is mask_mod(mask)  # cached by the mask's key
     with FakeTensorMode():
-        dev = torch.device("cuda")
-
-        def fake(t):  # contents do not matter for compilation
-            return torch.empty(t.shape, dtype=t.dtype, device=dev)
-
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device=dev)
-        fdesc = type(desc)(**{f: (fake(getattr(desc, f))
-                                  if isinstance(getattr(desc, f), torch.Tensor)
-                                  else getattr(desc, f)) for f in desc.__dataclass_fields__})
-        flists = {k: type(v)(*(fake(t) for t in v)) for k, v in lists.items()}
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, _ = fake_on_cuda(desc, lists)
         out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"])
         assert out.shape == q.shape and lse.shape == (B, H, S)
         bwd_lists = flists["bwd64" if D == 128 else "bwd128"]

@@ -41,6 +41,8 @@ LAYERS = {
     "compilemask.reference": 2,
     "compilemask.packing": 2,
     "compilemask.score_mod": 2,
+    "compilemask.score_mods": 2,
+    "compilemask.tracing": 2,
     # 3: code generation
     "compilemask.codegen": 3,
     "compilemask.codegen.*": 3,

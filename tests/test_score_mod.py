@@ -11,20 +11,13 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import masks
+from compilemask import masks, score_mods
 
 B, H, D = 2, 4, 16
 
 
-def _t5_bucket(rel, num_buckets=16, max_distance=64):
-    """T5's bidirectional relative-position bucket of ``rel = kv_idx - q_idx`` (torch ops)."""
-    half = num_buckets // 2
-    ret = (rel > 0).long() * half
-    n = rel.abs()
-    exact = half // 2
-    large = exact + (torch.log(n.float().clamp(min=1) / exact)
-                     / math.log(max_distance / exact) * (half - exact)).long()
-    return ret + torch.where(n < exact, n, torch.clamp(large, max=half - 1))
+def _t5_bucket(rel):
+    return score_mods.t5_bucket(rel, num_buckets=16, max_distance=64)
 
 
 def _cases():
@@ -308,6 +301,8 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
     from compilemask.kernels import fa4
     from compilemask.score_mod import compile_score_mod
 
+    from helpers import fake_on_cuda
+
     fn, _, spec, _ = _cases()[name]
     mask = cm.compile_mask(spec)
     Bf, S, D = 2, 300, 128
@@ -317,16 +312,8 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
     sm, tables = compile_score_mod(fn)
     tables = [t.float() for t in tables]
     with FakeTensorMode():
-        dev = torch.device("cuda")
-
-        def fake(t):
-            return torch.empty(t.shape, dtype=t.dtype, device=dev)
-
-        q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device=dev)
-        fdesc = type(desc)(**{f: (fake(getattr(desc, f))
-                                  if isinstance(getattr(desc, f), torch.Tensor)
-                                  else getattr(desc, f)) for f in desc.__dataclass_fields__})
-        flists = {k: type(v)(*(fake(t) for t in v)) for k, v in lists.items()}
+        q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, fake = fake_on_cuda(desc, lists)
         score = (sm, [fake(t) for t in tables])
         out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
         assert out.shape == q.shape and lse.shape == (Bf, H, S)

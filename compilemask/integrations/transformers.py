@@ -47,6 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
+from compilemask import score_mods
 from compilemask.api import _validate, attention, select_engine
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor
@@ -465,11 +466,4 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
 
 def _softcap(cap):
     """A layer's logit softcapping (Gemma 2) as the score_mod ``cap * tanh(score / cap)``."""
-    if cap is None:
-        return None
-    cap = float(cap)
-
-    def softcap(score, b, h, q_idx, kv_idx):
-        return cap * torch.tanh(score / cap)
-
-    return softcap
+    return None if cap is None else score_mods.softcap(cap)
