@@ -13,7 +13,7 @@ from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
 from compilemask.pipeline import on_device
 from compilemask.reference import attention_reference, descriptor_dense_mask
-from compilemask.score_mod import compile_score_mod
+from compilemask.score_mod import compile_score_mod, follow, kernel_table, static_score_args
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
@@ -172,7 +172,11 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
             raise NotImplementedError(
                 "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
                 "(sm90) or 'reference' run it")
-        sm, tables = compile_score_mod(score_mod)
-        score = (sm, sm.aux_tensors(tables, q.device))
+        if torch.compiler.is_compiling():  # converted outside the graph, tables read in it
+            key, paths, floats = static_score_args(score_mod)
+            score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])
+        else:
+            sm, tables = compile_score_mod(score_mod)
+            score = (sm.key, sm.aux_tensors(tables, q.device))
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options, score=score)

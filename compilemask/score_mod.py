@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import types
 from dataclasses import dataclass, field
 
 import sympy as sp
@@ -38,7 +39,8 @@ from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
 from compilemask.tracing import TracedOps, user_line
 
-__all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key"]
+__all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
+           "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
@@ -571,6 +573,78 @@ def _convert(score_mod, name):
     with _LOCK:
         _REGISTRY.setdefault(sm.key, sm)
     return _REGISTRY[sm.key] if _same(_REGISTRY[sm.key], sm) else sm, walk.leaves
+
+
+@torch.compiler.assume_constant_result
+def static_score_args(score_mod) -> tuple:
+    """``(key, paths, is_float)`` of a score_mod, for a traced call (``torch.compile``): the
+    conversion runs once, outside the graph, and each table is reached from the score_mod by
+    its path (``follow``), which the tracer can read."""
+    sm, tables = compile_score_mod(score_mod)
+    paths = []
+    for t in tables:
+        path = _path_to(score_mod, t, 0, set())
+        if path is None:
+            raise NotImplementedError(
+                f"score_mod {sm.name!r}: a captured tensor is reached through an object's "
+                "attribute, which a compiled graph cannot follow; capture it as a closure "
+                "variable, a global or a default")
+        paths.append(path)
+    return sm.key, tuple(paths), tuple(t.is_float for t in sm.tables)
+
+
+def _path_to(obj, target, depth, seen):
+    """The steps from ``obj`` to the tensor ``target``: closure cells, globals the code loads,
+    defaults, items of tuples / lists / dicts, through nested functions."""
+    if obj is target:
+        return ()
+    if depth > 8 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    steps = []
+    if isinstance(obj, types.FunctionType):
+        for n, cell in enumerate(obj.__closure__ or ()):
+            try:
+                steps.append((("cell", n), cell.cell_contents))
+            except ValueError:
+                pass
+        steps += [(("global", k), obj.__globals__[k]) for k in obj.__code__.co_names
+                  if k in obj.__globals__]
+        steps += [(("default", n), v) for n, v in enumerate(obj.__defaults__ or ())]
+        steps += [(("kwdefault", k), v) for k, v in (obj.__kwdefaults__ or {}).items()]
+    elif isinstance(obj, (tuple, list)):
+        steps = [(("item", n), v) for n, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        steps = [(("item", k), v) for k, v in obj.items() if isinstance(k, (str, int))]
+    for step, v in steps:
+        if isinstance(v, (types.FunctionType, tuple, list, dict)) or v is target:
+            rest = _path_to(v, target, depth + 1, seen)
+            if rest is not None:
+                return (step, *rest)
+    return None
+
+
+def follow(obj, path):
+    """The value at ``path`` (``static_score_args``) from ``obj``."""
+    for kind, k in path:
+        if kind == "cell":
+            obj = obj.__closure__[k].cell_contents
+        elif kind == "global":
+            obj = obj.__globals__[k]
+        elif kind == "default":
+            obj = obj.__defaults__[k]
+        elif kind == "kwdefault":
+            obj = obj.__kwdefaults__[k]
+        else:
+            obj = obj[k]
+    return obj
+
+
+def kernel_table(t, is_float: bool):
+    """A table as the kernels read it (float32 / int32, contiguous, 0-d as one element), in
+    ops a compiled graph records (no host checks)."""
+    t = t.reshape(1) if t.dim() == 0 else t
+    return t.to(torch.float32 if is_float else torch.int32).contiguous()
 
 
 def _same(a, b) -> bool:

@@ -339,8 +339,8 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
     "reference" (the dense path on any device); ``options``: the cute kernels'
-    ``KernelOptions`` (None: the defaults); ``score``: ``(ScoreMod, tables as the kernels read
-    them)`` (fa4 / native engines)."""
+    ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the kernels
+    read them)`` (``compilemask.score_mod``; fa4 / native engines)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
@@ -352,7 +352,7 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
                                   f"engines, not {engine!r}")
     call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
                  options.to_str() if options is not None else "",
-                 score[0].key if score is not None else "",
+                 score[0] if score is not None else "",
                  list(score[1]) if score is not None else [])
     out, lse = torch.ops.compilemask.attention_fwd(
         q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)

@@ -423,3 +423,62 @@ def test_gpu_score_mod_without_gqa(name):
     q, k, v = (torch.randn(1, 700, H, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(), score_mod=fn)
+
+
+@pytest.mark.parametrize("name", ["alibi_causal", "t5_prefix_lm", "temperature_hstu"])
+def test_score_mod_tables_reach_a_compiled_graph(name):
+    """Under torch.compile (fullgraph) the GPU engines' score_mod arguments come from a
+    conversion outside the graph (its key and the paths to the captured tensors) and reads the
+    graph records: the same tables as eager, read again when a captured tensor is rebound."""
+    from compilemask.score_mod import compile_score_mod, follow, kernel_table, static_score_args
+
+    fn = _cases()[name][0]
+
+    def args(f):
+        key, paths, floats = static_score_args(f)
+        return [kernel_table(follow(f, p), fl) for p, fl in zip(paths, floats)]
+
+    compiled = torch.compile(args, fullgraph=True, backend="eager")
+    sm, tables = compile_score_mod(fn)
+    got = compiled(fn)
+    assert [t.dtype for t in got] == [torch.float32 if t.is_float else torch.int32
+                                      for t in sm.tables]
+    for a, b in zip(got, tables):
+        torch.testing.assert_close(a, b.to(a.dtype).reshape(a.shape))
+    assert static_score_args(fn)[0] == sm.key
+
+
+def test_score_mod_tensors_read_as_attributes_are_refused():
+    """A tensor read through an object's attribute is not a captured table (its reads cannot
+    be keyed or followed by a compiled graph): refused, naming it."""
+    from compilemask.score_mod import static_score_args
+
+    class Holder:
+        slopes = torch.ones(4)
+
+    holder = Holder()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + holder.slopes[h] * (kv_idx - q_idx)
+
+    with pytest.raises(NotImplementedError, match="read as an attribute"):
+        static_score_args(alibi)
+
+
+@pytest.mark.gpu
+def test_gpu_score_mod_under_torch_compile_fullgraph():
+    """A score_mod inside a compiled region (fullgraph): the conversion runs outside the graph,
+    the tables are graph inputs, the result equals eager; a rebound table is read again."""
+    desc = cm.compile_mask(masks.causal()).preprocess(None, 512, batch_size=2, device="cuda")
+    q, k, v = (torch.randn(2, 512, 4, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    state = {"slopes": torch.rand(4, device="cuda")}
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    slopes = state["slopes"]
+    f = torch.compile(lambda a, b_, c: cm.attention(a, b_, c, desc, score_mod=alibi),
+                      fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, desc, score_mod=alibi),
+                               rtol=0, atol=0)
