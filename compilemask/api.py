@@ -172,6 +172,15 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
             raise NotImplementedError(
                 "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
                 "(sm90) or 'reference' run it")
+        if score_mod is not None and engine == "native" and desc.native.kind == "segments":
+            # FA4's varlen path numbers rows, keys and sequences per segment, not as the
+            # score_mod's b, q_idx, kv_idx: the lists run it
+            if backend != "auto":
+                raise NotImplementedError(
+                    "cm.attention: backend='native' runs this mask as FA4 varlen segments, "
+                    "whose indices are not the score_mod's b, q_idx, kv_idx; backend='fa4' or "
+                    "'auto' runs it")
+            engine = select_engine(q, desc, "fa4", deterministic)
         if torch.compiler.is_compiling():  # converted outside the graph, tables read in it
             key, paths, floats = static_score_args(score_mod)
             score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])

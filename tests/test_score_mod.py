@@ -483,3 +483,25 @@ def test_gpu_score_mod_under_torch_compile_fullgraph():
         torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, desc, score_mod=alibi),
                                    rtol=0, atol=0)
         slopes = torch.rand(4, device="cuda") * 4  # rebound: the next call reads it
+
+
+@pytest.mark.gpu
+def test_gpu_score_mod_on_a_segments_mask_runs_the_lists():
+    """Packed documents are native as FA4 varlen, whose indices restart per document: a
+    score_mod reading b, q_idx, kv_idx runs on the lists instead, exact."""
+    from helpers import check_attention_vs_reference
+
+    mask = cm.compile_mask(masks.packed_documents())
+    meta = {k: v.cuda() for k, v in masks.random_meta(
+        mask.spec, 2, 1000, torch.Generator().manual_seed(4)).items()}
+    desc = mask.preprocess(meta, seqlen_q=1000, batch_size=2, device="cuda")
+    per_seq = torch.tensor([0.5, -0.25], device="cuda")
+
+    def absolute(score, b, h, q_idx, kv_idx):
+        return score + per_seq[b] * q_idx / 1000 - kv_idx / 2000
+
+    q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(desc, q, k, v, "auto", desc.dense_mask(), score_mod=absolute)
+    with pytest.raises(NotImplementedError, match="varlen segments"):
+        cm.attention(q, k, v, desc, backend="native", score_mod=absolute)

@@ -184,7 +184,7 @@ def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
                         f"{type(mask).__name__}")
     if kwargs.get(DESC_KWARG) is not None:
         raise ValueError(f"pass {DESC_KWARG} or {MASK_KWARG}, not both")
-    k = (id(mask), id(meta))
+    k = (id(mask), id(meta), query.shape[0], query.device)
     entry = _DECODE.get(k)
     if entry is None or entry[0] is not mask or entry[1] is not meta:
         _DECODE.clear()
