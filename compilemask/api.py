@@ -115,6 +115,19 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
                               + "); pass backend='reference' for the dense O(S^2) path")
 
 
+def _check_rows(desc, row_shift_invariant: bool, return_lse: bool):
+    """A score_mod sees q_idx from 0 in every engine; a descriptor of queries elsewhere in the
+    sequence (serving) runs only a score_mod that a moved q_idx changes by a per-row constant
+    (the output, not the LSE, is then the same)."""
+    if desc.q_offset and (not row_shift_invariant or return_lse):
+        raise NotImplementedError(
+            "cm.attention: this descriptor's queries are not rows 0.. of the sequence (serving: "
+            "the last rows of the keys), and the score_mod reads q_idx in a way a moved q_idx "
+            "does not shift by a per-row constant"
+            + (" (or return_lse=True, which such a shift changes)" if row_shift_invariant
+               else "") + "; score_mods of kv_idx - q_idx through tables are not served yet")
+
+
 def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
               options: KernelOptions | None = None, score_mod=None, learnable_sink=None):
@@ -153,6 +166,8 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic)
     score = None
+    if score_mod is not None and engine == "reference" and desc.q_offset:
+        _check_rows(desc, compile_score_mod(score_mod)[0].row_shift_invariant, return_lse)
     if score_mod is not None or learnable_sink is not None:
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
@@ -182,10 +197,11 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
                     "'auto' runs it")
             engine = select_engine(q, desc, "fa4", deterministic)
         if torch.compiler.is_compiling():  # converted outside the graph, tables read in it
-            key, paths, floats = static_score_args(score_mod)
+            key, paths, floats, shift_ok = static_score_args(score_mod)
             score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])
         else:
             sm, tables = compile_score_mod(score_mod)
-            score = (sm.key, sm.aux_tensors(tables, q.device))
+            score, shift_ok = (sm.key, sm.aux_tensors(tables, q.device)), sm.row_shift_invariant
+        _check_rows(desc, shift_ok, return_lse)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options, score=score)

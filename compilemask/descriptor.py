@@ -230,7 +230,8 @@ class ExecutionDescriptor:
     segments: tuple | None = None
     lists: PackedLists | None = None
     # > 0: the rows are the positions q_offset.. of a seqlen_k-token sequence (queries at the
-    # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.serving``)
+    # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.serving``); -1: each
+    # sequence's rows start at its own position (a batch of requests), so no native path
     q_offset: int = 0
 
     @property
@@ -259,7 +260,7 @@ class ExecutionDescriptor:
         bottom-right proof, or queries at the end of the keys (FA4's causal and windows align
         bottom-right, as those rows of the square mask do)."""
         pat = self.native
-        if pat is None:
+        if pat is None or self.q_offset < 0:
             return False
         if (self.q_offset and self.q_offset == self.seqlen_k - self.seqlen_q
                 and pat.kind != "segments"):

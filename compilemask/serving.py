@@ -86,9 +86,11 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
             raise ValueError(f"query_descriptor: seqused_k has {used.numel()} entries, the "
                              f"batch {batch_size}")
         rows = used.view(-1, 1) - seqlen_q + torch.arange(seqlen_q, device=dev).view(1, -1)
-        return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
+        desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
                                bwd_tiles=bwd_tiles, check=check, key_limit=used)
+        # rows at each request's own positions: never FA4's native (one-offset) kernels
+        return dataclasses.replace(desc, q_offset=-1)
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
                            fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)

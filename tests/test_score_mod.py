@@ -435,7 +435,7 @@ def test_score_mod_tables_reach_a_compiled_graph(name):
     fn = _cases()[name][0]
 
     def args(f):
-        key, paths, floats = static_score_args(f)
+        key, paths, floats, _ = static_score_args(f)
         return [kernel_table(follow(f, p), fl) for p, fl in zip(paths, floats)]
 
     compiled = torch.compile(args, fullgraph=True, backend="eager")

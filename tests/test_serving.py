@@ -225,7 +225,7 @@ def test_batch_of_requests_with_their_own_lengths(name):
     for Sq in (1, 4):
         d = query_descriptor(mask, meta, Sk, Sq, batch_size=Bq, seqused_k=used)
         dense = d.dense_mask()
-        assert dense.shape == (Bq, Sq, Sk) and d.q_offset == 0
+        assert dense.shape == (Bq, Sq, Sk) and d.q_offset == -1
         for b in range(Bq):
             u = int(used[b])
             one = {k: v[b:b + 1] for k, v in (meta or {}).items()} or None
@@ -281,3 +281,33 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, step(), rtol=0, atol=0)
+
+
+def test_score_mods_on_served_rows():
+    """A score_mod sees q_idx from 0 on every engine: on the last rows of a sequence one that a
+    moved q_idx shifts by a per-row constant (ALiBi, a softcap) gives the square mask's rows,
+    one that it does not (a T5 bucket) is refused, as is the LSE of a shifted one."""
+    from compilemask import score_mods
+
+    mask = cm.compile_mask(masks.causal())
+    Sk, Sq = 40, 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for n in (Sk, Sk, Sk))
+    full = mask.preprocess(None, Sk, batch_size=1)
+    last = query_descriptor(mask, None, Sk, Sq, batch_size=1)
+    for fn in (score_mods.alibi(score_mods.alibi_slopes(4).double()), score_mods.softcap(5)):
+        want = cm.attention(q, k, v, full, score_mod=fn)[:, -Sq:]
+        torch.testing.assert_close(cm.attention(q[:, -Sq:], k, v, last, score_mod=fn), want)
+    with pytest.raises(NotImplementedError, match="per-row constant"):
+        cm.attention(q[:, -Sq:], k, v, last,
+                     score_mod=score_mods.t5_bias(torch.randn(32, 4, dtype=torch.float64)))
+    with pytest.raises(NotImplementedError, match="return_lse"):
+        cm.attention(q[:, -Sq:], k, v, last, return_lse=True,
+                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
+
+
+def test_request_batches_never_run_native():
+    used = torch.tensor([40, 7])
+    d = query_descriptor(cm.compile_mask(masks.causal()), None, 40, 40, batch_size=2,
+                         seqused_k=used)
+    assert d.q_offset == -1 and not d.native_applies()
