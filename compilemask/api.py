@@ -128,7 +128,8 @@ def _check_rows(desc, row_shift_invariant: bool, return_lse: bool):
                else "") + "; score_mods of kv_idx - q_idx through tables are not served yet")
 
 
-def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
+def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
+              softmax_scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
               options: KernelOptions | None = None, score_mod=None, learnable_sink=None):
     """Masked attention driven by an Execution Descriptor.
@@ -151,7 +152,9 @@ def attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None
     run it compiled (``compilemask.score_mod``: its captured tensors are read in the kernel,
     on q's device, without gradients; a softcap ``c * tanh(score / c)`` is FA4's own), the
     cute engine refuses it. ``learnable_sink``: a per-head logit ``[H]`` in every row's softmax
-    with no value (gpt-oss's sinks; LSE includes it), on the reference engine for now."""
+    with no value (gpt-oss's sinks; LSE includes it), on the reference engine for now.
+    ``desc`` may be ``HeadGroups`` (``preprocess_heads``: a mask per group of heads), each group
+    run through its own descriptor."""
     if isinstance(desc, HeadGroups):  # a mask per group of heads: each group its own call
         return attention_heads(attention, q, k, v, desc, return_lse,
                                softmax_scale=softmax_scale, deterministic=deterministic,
