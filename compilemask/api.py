@@ -152,7 +152,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     run it compiled (``compilemask.score_mod``: its captured tensors are read in the kernel,
     on q's device, without gradients; a softcap ``c * tanh(score / c)`` is FA4's own), the
     cute engine refuses it. ``learnable_sink``: a per-head logit ``[H]`` in every row's softmax
-    with no value (gpt-oss's sinks; LSE includes it), on the reference engine for now.
+    with no value (gpt-oss's sinks; LSE includes it; differentiable), FA4's ``learnable_sink``
+    on the fa4 and native engines.
     ``desc`` may be ``HeadGroups`` (``preprocess_heads``: a mask per group of heads), each group
     run through its own descriptor."""
     if isinstance(desc, HeadGroups):  # a mask per group of heads: each group its own call
@@ -183,9 +184,17 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                                        softmax_scale=softmax_scale, return_lse=return_lse,
                                        score_mod=score_mod, learnable_sink=learnable_sink)
         if learnable_sink is not None:
-            raise NotImplementedError(
-                f"cm.attention: learnable_sink runs on the reference engine only (the {engine} "
-                "engine's is not wired yet); pass backend='reference' for the dense O(S^2) path")
+            if engine == "cute":
+                raise NotImplementedError(
+                    "cm.attention: the cute engine has no learnable_sink; backend='fa4' or "
+                    "'native' (sm90) or 'reference' run it")
+            H = q.shape[2]
+            if learnable_sink.shape != (H,) or learnable_sink.device != q.device:
+                raise ValueError(f"learnable_sink must be [H] = [{H}] on {q.device}, got "
+                                 f"{list(learnable_sink.shape)} on {learnable_sink.device}")
+            if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(f"learnable_sink must be float32, bfloat16 or float16 on the "
+                                f"{engine} engine, got {learnable_sink.dtype}")
         if score_mod is not None and engine == "cute":
             raise NotImplementedError(
                 "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
@@ -199,12 +208,16 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                     "whose indices are not the score_mod's b, q_idx, kv_idx; backend='fa4' or "
                     "'auto' runs it")
             engine = select_engine(q, desc, "fa4", deterministic)
-        if torch.compiler.is_compiling():  # converted outside the graph, tables read in it
+        if score_mod is None:
+            pass
+        elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it
             key, paths, floats, shift_ok = static_score_args(score_mod)
             score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])
+            _check_rows(desc, shift_ok, return_lse)
         else:
             sm, tables = compile_score_mod(score_mod)
-            score, shift_ok = (sm.key, sm.aux_tensors(tables, q.device)), sm.row_shift_invariant
-        _check_rows(desc, shift_ok, return_lse)
+            score = (sm.key, sm.aux_tensors(tables, q.device))
+            _check_rows(desc, sm.row_shift_invariant, return_lse)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
-                        deterministic=deterministic, engine=engine, options=options, score=score)
+                        deterministic=deterministic, engine=engine, options=options, score=score,
+                        sink=learnable_sink)

@@ -59,11 +59,12 @@ class _Call(NamedTuple):
     options: str
     score_mod: str  # a compiled score_mod's key ("" for none)
     score_aux: list  # its tables, as the kernels read them
+    sink: Optional[Tensor]  # a per-head learnable sink logit [H] (gpt-oss), or None
 
 
 _CALL_SCHEMA = ("str mask_key, float softmax_scale, bool deterministic, str engine, "
                 "Tensor[] extra, SymInt max_seqlen, str options, str score_mod, "
-                "Tensor[] score_aux")
+                "Tensor[] score_aux, Tensor? sink")
 _LISTS = ("extra", "score_aux")  # the fields that are lists of tensors
 
 
@@ -114,16 +115,18 @@ def _fallback(mask_key):
 # ----------------------------------------------------------------------------------------------
 # Reference implementations (CPU path, and the CUDA fallback)
 # ----------------------------------------------------------------------------------------------
-def attention_fwd_reference(q, k, v, dense_mask, softmax_scale):
+def attention_fwd_reference(q, k, v, dense_mask, softmax_scale, sink=None):
     with torch.no_grad():
         out, lse = attention_reference(q, k, v, dense_mask, softmax_scale=softmax_scale,
-                                       return_lse=True)
+                                       return_lse=True, learnable_sink=sink)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return out.contiguous(), lse.to(acc).contiguous()
 
 
-def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_scale):
-    """Explicit dense backward in float32 (float64 for float64 inputs)."""
+def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_scale, sink=None):
+    """Explicit dense backward in float32 (float64 for float64 inputs); with a learnable sink
+    (its logit is in ``lse``) also ``dsink[h] = -sum over rows exp(sink[h] - lse) * (dO.O -
+    dlse)``, returned fourth."""
     B, Sq, H, D = q.shape
     Hkv = k.shape[2]
     G = H // Hkv
@@ -144,6 +147,10 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
         if dlse is not None:
             dpsum = dpsum - torch.where(sees, dlse.to(acc).unsqueeze(-1), torch.zeros_like(dpsum))
         ds = p * (dp - dpsum)
+        dsink = None
+        if sink is not None:
+            dsink = -(torch.exp(sink.to(acc).view(1, H, 1, 1) - lse.unsqueeze(-1))
+                      * dpsum).sum(dim=(0, 2, 3)).to(sink.dtype)
         dq = torch.matmul(ds, kf) * softmax_scale
         dk = torch.matmul(ds.transpose(-1, -2), qf) * softmax_scale
         dv = torch.matmul(p.transpose(-1, -2), dof)
@@ -151,9 +158,10 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
             Sk = k.shape[1]
             dk = dk.view(B, Hkv, G, Sk, D).sum(2)
             dv = dv.view(B, Hkv, G, Sk, D).sum(2)
-        return (dq.transpose(1, 2).to(q.dtype).contiguous(),
-                dk.transpose(1, 2).to(k.dtype).contiguous(),
-                dv.transpose(1, 2).to(v.dtype).contiguous())
+        grads = (dq.transpose(1, 2).to(q.dtype).contiguous(),
+                 dk.transpose(1, 2).to(k.dtype).contiguous(),
+                 dv.transpose(1, 2).to(v.dtype).contiguous())
+        return grads if sink is None else (*grads, dsink)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,8 +236,9 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
 # both ops); the implementations take them as ``*args`` and unpack them by name.
 _FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {DescriptorArgs.schema()}, {_CALL_SCHEMA}) "
                "-> (Tensor, Tensor)")
+# the backward's fourth output is the sink's gradient (empty without a sink)
 _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-               f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+               f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 _CHECKED: set = set()  # (mask key, longest length) whose predicates the kernels can evaluate
@@ -262,11 +271,15 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
     if engine in ("fa4", "native"):
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
-                           variant=_mask_mod_variant(call.options), score=_score(call))
+                           variant=_mask_mod_variant(call.options), score=_score(call),
+                           sink=call.sink)
         return out.contiguous(), lse.contiguous()
+    if call.sink is not None and engine != "reference":
+        raise NotImplementedError(f"compilemask::attention_fwd: no learnable sink on the "
+                                  f"{engine} engine")
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
-    return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale)
+    return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale, call.sink)
 
 
 @attention_fwd.register_fake
@@ -283,46 +296,56 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     d, call = _unpack(args)
     desc = _descriptor(d, call)
     scale, engine = call.softmax_scale, call.engine
+    no_sink = q.new_empty(0)
     if engine in ("fa4", "native"):
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
-                        variant=_mask_mod_variant(call.options), score=_score(call))
-        return tuple(g.contiguous() for g in grads)
+                        variant=_mask_mod_variant(call.options), score=_score(call),
+                        sink=call.sink)
+        grads = tuple(g.contiguous() for g in grads)
+        return grads if len(grads) == 4 else (*grads, no_sink)
     if q.is_cuda and engine == "cute":
-        return _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
-                         call.deterministic, call.options)
-    return attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
-                                   scale)
+        return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
+                           call.deterministic, call.options), no_sink)
+    grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
+                                    scale, call.sink)
+    return grads if call.sink is not None else (*grads, no_sink)
 
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, out, lse, *args):
+    sink = _unpack(args)[1].sink
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            q.new_empty(0) if sink is None else torch.empty_like(sink))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *args = inputs
     out, lse = output
     d, call = _unpack(args)
-    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra, *call.score_aux)
+    sink = [] if call.sink is None else [call.sink]
+    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra, *call.score_aux, *sink)
     ctx.desc_scalars = d.scalars()
-    ctx.call = call._replace(extra=len(call.extra), score_aux=len(call.score_aux))
+    ctx.call = call._replace(extra=len(call.extra), score_aux=len(call.score_aux),
+                             sink=len(sink))
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
     n = len(DescriptorArgs.tensor_fields())
     d = DescriptorArgs(*saved[:n], *ctx.desc_scalars)
-    ne = ctx.call.extra
-    call = ctx.call._replace(extra=list(saved[n:n + ne]), score_aux=list(saved[n + ne:]))
+    ne, na = ctx.call.extra, ctx.call.score_aux
+    call = ctx.call._replace(extra=list(saved[n:n + ne]), score_aux=list(saved[n + ne:n + ne + na]),
+                             sink=saved[n + ne + na] if ctx.call.sink else None)
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.compilemask.attention_bwd(
+    dq, dk, dv, dsink = torch.ops.compilemask.attention_bwd(
         dout.contiguous(), dlse, q, k, v, out, lse, *d.to_op_args(), *call)
-    # one None per input; a list of tensors' slot is a list of them
-    rest = tuple([None] * len(getattr(call, f)) if f in _LISTS else None
+    # one None per input; a list of tensors' slot is a list of them; the sink its gradient
+    rest = tuple([None] * len(getattr(call, f)) if f in _LISTS
+                 else (dsink if f == "sink" and call.sink is not None else None)
                  for f in _Call._fields)
     return (dq, dk, dv) + (None,) * len(d) + rest
 
@@ -335,12 +358,14 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # Entry point
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
-                 deterministic: bool = False, engine: str = "cute", options=None, score=None):
+                 deterministic: bool = False, engine: str = "cute", options=None, score=None,
+                 sink=None):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
     "reference" (the dense path on any device); ``options``: the cute kernels'
     ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the kernels
-    read them)`` (``compilemask.score_mod``; fa4 / native engines)."""
+    read them)`` (``compilemask.score_mod``; fa4 / native engines); ``sink``: a learnable sink
+    logit per head ``[H]`` (fa4 / native / reference; differentiable)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
@@ -353,7 +378,7 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
                  options.to_str() if options is not None else "",
                  score[0] if score is not None else "",
-                 list(score[1]) if score is not None else [])
+                 list(score[1]) if score is not None else [], sink)
     out, lse = torch.ops.compilemask.attention_fwd(
         q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
     return (out, lse) if return_lse else out

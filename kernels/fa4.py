@@ -116,23 +116,25 @@ def _timed(what: str, desc, engine: str, q):
 
 
 def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
-        score=None):
+        score=None, sink=None):
     """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4; ``variant``: the mask_mod's
     (``KernelOptions.mask_mod``; None: the mask's default); ``score``: ``(ScoreMod, its
-    tables)`` of a score_mod, or None."""
+    tables)`` of a score_mod, or None; ``sink``: a learnable sink logit per head (FA4's
+    ``learnable_sink``; the LSE includes it)."""
     return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists,
-                                                    variant, score)
+                                                    variant, score, sink)
 
 
 def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-        deterministic: bool = False, lists=None, variant=None, score=None):
-    """(dq, dk, dv) through FA4's backward for the same engine as the forward."""
+        deterministic: bool = False, lists=None, variant=None, score=None, sink=None):
+    """(dq, dk, dv), and dsink with a ``sink``, through FA4's backward for the same engine as
+    the forward."""
     return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
                                                      softmax_scale, engine, dlse, deterministic,
-                                                     lists, variant, score)
+                                                     lists, variant, score, sink)
 
 
-def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1) -> dict:
+def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=None) -> dict:
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
     tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
     query heads per kv head (the backward's score_mod indices come packed by it)."""
@@ -152,6 +154,8 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1) -> di
             aux += list(tables)
     if aux:
         kw["aux_tensors"] = [_leading_dim(t) for t in aux]
+    if sink is not None:
+        kw["learnable_sink"] = sink
     return kw
 
 
@@ -165,10 +169,10 @@ def _leading_dim(t):
 
 
 def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
-         score=None):
+         score=None, sink=None):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    mods = _mods(desc, engine, variant, score, backward=False)
+    mods = _mods(desc, engine, variant, score, backward=False, sink=sink)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -197,9 +201,10 @@ def _fa4_bwd(*args, **kwargs):
 
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-         deterministic: bool = False, lists=None, variant=None, score=None):
+         deterministic: bool = False, lists=None, variant=None, score=None, sink=None):
     D = q.shape[-1]
-    mods = _mods(desc, engine, variant, score, backward=True, gqa=q.shape[2] // k.shape[2])
+    mods = _mods(desc, engine, variant, score, backward=True, gqa=q.shape[2] // k.shape[2],
+                 sink=sink)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -208,14 +213,14 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
             flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
             lse_flat = lse.permute(1, 0, 2).reshape(H, B * S)
             dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
-            dq, dk, dv = _fa4_bwd(
+            dq, dk, dv, *dsink = _fa4_bwd(
                 *flat[:3], flat[3], flat[4], lse_flat.contiguous(), softmax_scale,
                 causal=pat.window_left is None,
                 window_size_left=pat.window_left, window_size_right=pat.window_right,
                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                 deterministic=deterministic,
                 dlse=None if dlse_flat is None else dlse_flat.contiguous(), **mods)
-            return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+            return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), *dsink)
         kw = _native_kwargs(pat)
         causal = kw.get("causal", False)
         wl, wr = kw.get("window_size", (None, None))

@@ -162,6 +162,29 @@ def test_fake_shapes_and_opcheck():
     from compilemask.kernels.autograd import register_mask
 
     args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(desc).to_op_args(),
-            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [])
+            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [], None)
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_learnable_sink_through_the_op():
+    """The ops carry a learnable sink (the fa4 and native engines' path): on the reference
+    implementation the output, LSE and every gradient, the sink's too, equal the dense
+    reference's autograd (float64), with the LSE's gradient and on rows that see nothing."""
+    from compilemask.reference import attention_reference
+
+    desc = _desc(masks.hstu(), 2, 21, seed=4)
+    q, k, v = (t.double().detach().requires_grad_() for t in _qkv(2, 21, 4, 2, 8))
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out, lse = attention_op(q, k, v, desc, return_lse=True, engine="reference", sink=sink)
+    ref_out, ref_lse = attention_reference(q, k, v, desc.dense_mask(), return_lse=True,
+                                           learnable_sink=sink)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    g = torch.Generator().manual_seed(1)
+    do, dl = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(
+        lse.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * do).sum() + (lse * dl).sum(), (q, k, v, sink))
+    want = torch.autograd.grad((ref_out * do).sum() + (ref_lse * dl).sum(), (q, k, v, sink))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -505,3 +505,75 @@ def test_gpu_score_mod_on_a_segments_mask_runs_the_lists():
     check_attention_vs_reference(desc, q, k, v, "auto", desc.dense_mask(), score_mod=absolute)
     with pytest.raises(NotImplementedError, match="varlen segments"):
         cm.attention(q, k, v, desc, backend="native", score_mod=absolute)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,engine", [("sliding_window", "native"), ("hstu", "fa4"),
+                                         ("causal", "fa4")])
+def test_gpu_learnable_sink_vs_float32_reference(name, engine):
+    """gpt-oss's sinks on FA4 (its learnable_sink): output, dq, dk, dv and dsink within twice
+    PyTorch's own bf16 error of the float32 reference."""
+    from compilemask.reference import attention_reference
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    meta = {k: v.cuda() for k, v in masks.random_meta(
+        mask.spec, 2, 1000, torch.Generator().manual_seed(3)).items()} or None
+    desc = mask.preprocess(meta, seqlen_q=1000, batch_size=2, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    sink = torch.randn(4, device="cuda", generator=g)
+    do = torch.randn_like(q)
+    dense = desc.dense_mask()
+
+    def run(kind):
+        xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        s_ = sink.detach().clone().requires_grad_()
+        if kind == "ours":
+            o = cm.attention(*xs, desc, backend=engine, learnable_sink=s_)
+        elif kind == "exact":
+            xs = [x.detach().float().requires_grad_() for x in xs]
+            o = attention_reference(*xs, dense, learnable_sink=s_)
+        else:  # PyTorch in bf16: the scores and the softmax over [scores, sink] in bf16
+            kk, vv = (t.repeat_interleave(2, dim=2) for t in xs[1:])
+            s = torch.einsum("bqhd,bkhd->bhqk", xs[0], kk) * 128**-0.5
+            s = s.masked_fill(~dense.unsqueeze(1), float("-inf"))
+            col = s_.to(s.dtype).view(1, 4, 1, 1).expand(2, 4, 1000, 1)
+            p = torch.cat([s, col], dim=-1).softmax(-1)[..., :-1]
+            o = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+        o.backward(do.to(o.dtype))
+        return [o] + [x.grad for x in xs] + [s_.grad]
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    ours, exact, bf16 = run("ours"), run("exact"), run("bf16")
+    for what, a, e, t in zip(("out", "dq", "dk", "dv", "dsink"), ours, exact, bf16):
+        assert rel(a, e) <= 2 * rel(t, e) + 1e-4, (what, rel(a, e), rel(t, e))
+
+
+@pytest.mark.slow  # kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_learnable_sink_compiles_in_fa4_forward_and_backward():
+    """FA4's learnable_sink with the block-sparse lists and the mask_mod (sm90, fake tensors):
+    the backward returns the sink's gradient."""
+    pytest.importorskip("flash_attn.cute")
+    from helpers import fake_on_cuda
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+
+    mask = cm.compile_mask(masks.hstu())
+    Bf, S, D = 2, 300, 128
+    meta = masks.random_meta(mask.spec, Bf, S, torch.Generator().manual_seed(0))
+    desc = mask.preprocess(meta, seqlen_q=S, batch_size=Bf)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, _ = fake_on_cuda(desc, lists)
+        sink = torch.empty(H, dtype=torch.float32, device="cuda")
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"], sink=sink)
+        grads = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=flists["bwd64"],
+                        sink=sink)
+        assert len(grads) == 4 and grads[3].shape == (H,)

@@ -19,7 +19,7 @@ The mask is the descriptor's, with two things the model has a say in:
   tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
 * softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``
   (FA4's own softcap on the fa4 and native engines); gpt-oss's per-head sinks (``s_aux``):
-  ``learnable_sink``, on the reference engine (a GPU call refuses it, naming it).
+  ``learnable_sink`` (FA4's on the GPU engines).
 * sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
   the call, or of a ``"sliding_attention"`` layer's config) runs the descriptor as it is where
   its mask is proven to stay within that window (``within_window``: its native pattern, else z3
