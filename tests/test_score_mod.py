@@ -559,10 +559,11 @@ def test_learnable_sink_compiles_in_fa4_forward_and_backward():
     """FA4's learnable_sink with the block-sparse lists and the mask_mod (sm90, fake tensors):
     the backward returns the sink's gradient."""
     pytest.importorskip("flash_attn.cute")
-    from helpers import fake_on_cuda
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compilemask.kernels import fa4
+
+    from helpers import fake_on_cuda
 
     mask = cm.compile_mask(masks.hstu())
     Bf, S, D = 2, 300, 128
