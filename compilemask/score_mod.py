@@ -697,6 +697,8 @@ def _as_table(t, spec: Table, device, fname):
             raise ValueError(f"score_mod {fname!r}: captured tensor {label!r} holds values "
                              f"outside int32 ([{lo}, {hi}]), which the kernels read")
     out = out.to(want).contiguous()
+    if len(_CONVERTED) > 256:  # it keeps the originals alive: a few tables, not every batch's
+        _CONVERTED.clear()
     _CONVERTED[id(t)] = (t, t._version, out)
     return out
 
