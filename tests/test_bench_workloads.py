@@ -68,3 +68,30 @@ def test_merge_runs_into_one_table_and_plot(tmp_path):
     assert "2.00x" in lines[0]  # best peer / cm
     assert "header of run a" in md and "header of run b" in md
     assert (tmp_path / "out" / "attention_train_m.png").stat().st_size > 0
+
+
+def test_serving_and_score_mod_bench_pieces():
+    """The serving bench's table and the engine bench's score_mods and tree workload (CPU):
+    the tree's FlexAttention mask_mod equals our mask, the score_mods run as Flex calls them."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from bench.engines import SPECS, make_score_mod, workload_mask_mod, workload_meta
+    from bench.serving import to_markdown
+
+    rows = [{"Sk": 8192, "Sq": 1, "engine": "native", "fa4": 0.05, "cm": 0.05, "desc": 0.02,
+             "cm+desc": 0.07}]
+    table = to_markdown(rows, "# decode")
+    assert "| 8192 | 1 | native | 0.0500 | 0.0500 | 1.00x |" in table
+    meta = workload_meta("tree_verify", 2, 600, "cpu")
+    mask = cm.compile_mask(SPECS["tree_verify"]())
+    ours = mask.preprocess(meta, seqlen_q=600, batch_size=2).dense_mask()
+    flex = create_mask(workload_mask_mod("tree_verify", meta, 600), 2, None, 600, 600,
+                       device="cpu")[:, 0]
+    assert torch.equal(ours, flex)
+    drafts = ours[:, -256:]  # each sees the whole prefix, itself and at most 8 ancestors
+    assert drafts[:, :, :-256].all() and (drafts[:, :, -256:].sum(-1) <= 9).all()
+    s = torch.zeros(1, 8, 4, 4)
+    idx = [torch.arange(n).view(shape) for n, shape in (
+        (1, (1, 1, 1, 1)), (8, (1, 8, 1, 1)), (4, (1, 1, 4, 1)), (4, (1, 1, 1, 4)))]
+    for name in ("alibi", "softcap", "t5", "temperature"):
+        assert make_score_mod(name, "cpu")(s, *idx).shape == s.shape
