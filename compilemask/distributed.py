@@ -187,11 +187,6 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     list is not written yet. Masks with fallback regions are refused: their predicates read the
     row index from the descriptor's local row, which is not the global row here. The descriptor
     carries no segments (FA4's varlen path needs rows in global order)."""
-    if mask.has_fallback:
-        raise NotImplementedError(
-            f"shard_descriptor: mask {mask.name!r} has fallback region(s) "
-            f"{[r.name for r in mask.fallback_regions]}, whose predicates need global row "
-            "indices; row-sharded descriptors support interval-only masks")
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"shard_descriptor: rank {rank} is not in [0, {plan.world_size})")
     return rows_descriptor(mask, meta, plan.seqlen, plan.rows[rank], batch_size=batch_size,
@@ -201,12 +196,18 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
 def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                     batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
                     bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
-                    key_limit: torch.Tensor | None = None) -> ExecutionDescriptor:
+                    key_limit: torch.Tensor | None = None,
+                    who: str = "shard_descriptor") -> ExecutionDescriptor:
     """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served
     (``compilemask.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
-    at or past it are not shown). Interval-only masks (the callers refuse fallback regions)."""
+    at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal."""
+    if mask.has_fallback:
+        raise NotImplementedError(
+            f"{who}: mask {mask.name!r} has fallback region(s) "
+            f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
+            "not the row's position; descriptors of chosen rows support interval-only masks")
     fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
     bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
     S = seqlen
@@ -218,7 +219,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
         end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
         lens = (end - starts).clamp(min=0)
         starts = torch.where(lens > 0, starts, 0)
-    always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused above)
+    always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused)
     fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
     desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
                              bwd_tiles, bwd)

@@ -47,6 +47,28 @@ class HeadGroups:
                     first.batch_size, first.seqlen_q, first.seqlen_k):
                 raise ValueError("HeadGroups: the groups' descriptors disagree on batch size or "
                                  "lengths")
+        object.__setattr__(self, "_indices", {})
+
+    def indices(self, G: int, device) -> tuple:
+        """Per group ``(q heads, kv heads)`` as index tensors on ``device``, and the inverse
+        order of the concatenated groups: computed on the host from the head tuples and made
+        once per (G, device), so a layer call neither synchronizes nor copies."""
+        key = (G, str(device))
+        got = self._indices.get(key)
+        if got is None:
+            per, order = [], []
+            for _, heads in self.groups:
+                kv = [h // G for h in heads]
+                whole = sorted(set(kv))
+                # every query head of these kv heads: still GQA; else gathered per query head
+                kv = whole if len(heads) == len(whole) * G else kv
+                per.append((torch.tensor(heads, device=device), torch.tensor(kv, device=device)))
+                order += list(heads)
+            inv = [0] * self.num_heads
+            for pos, h in enumerate(order):
+                inv[h] = pos
+            got = self._indices[key] = (per, torch.tensor(inv, device=device))
+        return got
 
     @property
     def seqlen_q(self) -> int:
@@ -117,16 +139,9 @@ def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, sc
         raise ValueError(f"cm.attention: q has {H} heads, the HeadGroups {groups.num_heads}")
     if H % Hkv:
         raise ValueError(f"cm.attention: {H} query heads are not a multiple of {Hkv} kv heads")
-    G = H // Hkv
-    outs, lses, order = [], [], []
-    for desc, heads in groups.groups:
-        idx = torch.tensor(heads, device=q.device)
-        kv = idx // G
-        whole = sorted(set(kv.tolist()))
-        if len(heads) == len(whole) * G:  # every query head of these kv heads: still GQA
-            kv_idx = torch.tensor(whole, device=q.device)
-        else:
-            kv_idx = kv
+    per, inv = groups.indices(H // Hkv, q.device)
+    outs, lses = [], []
+    for (desc, _), (idx, kv_idx) in zip(groups.groups, per):
         sink = None if learnable_sink is None else learnable_sink.index_select(
             0, idx.to(learnable_sink.device))
         res = attention(q.index_select(2, idx), k.index_select(2, kv_idx),
@@ -134,10 +149,6 @@ def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, sc
                         score_mod=_global_heads(score_mod, idx), learnable_sink=sink, **kwargs)
         outs.append(res[0])
         lses.append(res[1])
-        order += list(heads)
-    inv = torch.empty(H, dtype=torch.long)
-    inv[torch.tensor(order)] = torch.arange(H)
-    inv = inv.to(q.device)
     out = torch.cat(outs, dim=2).index_select(2, inv)
     if not return_lse:
         return out

@@ -69,11 +69,6 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     if seqlen_q > seqlen_k:
         raise ValueError(f"query_descriptor: seqlen_q ({seqlen_q}) > seqlen_k ({seqlen_k}): the "
                          "queries are the last positions of the keys")
-    if mask.has_fallback:
-        raise NotImplementedError(
-            f"query_descriptor: mask {mask.name!r} has fallback region(s) "
-            f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
-            "not the position; serving supports interval-only masks")
     found = [v.device for v in (*(meta or {}).values(), seqused_k)
              if isinstance(v, torch.Tensor)]
     dev = torch.device(device) if device is not None else (found[0] if found else
@@ -88,12 +83,14 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
         rows = used.view(-1, 1) - seqlen_q + torch.arange(seqlen_q, device=dev).view(1, -1)
         desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
-                               bwd_tiles=bwd_tiles, check=check, key_limit=used)
+                               bwd_tiles=bwd_tiles, check=check, key_limit=used,
+                               who="query_descriptor")
         # rows at each request's own positions: never FA4's native (one-offset) kernels
         return dataclasses.replace(desc, q_offset=-1)
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
-                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                           who="query_descriptor")
     # the native engine may run it: FA4's causal and windows align bottom-right as these rows
     return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
 

@@ -162,7 +162,8 @@ def layer_type(module) -> str:
     return "sliding_attention" if getattr(module, "sliding_window", None) else "full_attention"
 
 
-_DECODE: dict = {}  # (id(mask), id(meta)) -> (mask, meta, DecodeState): the current generation
+# (id(mask), id(meta), batch, device) -> (mask, meta, DecodeState): the current generation
+_DECODE: dict = {}
 
 
 def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
@@ -446,8 +447,10 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
                            desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
         return out, None
     if isinstance(desc, HeadGroups):  # per-head masks: each group's descriptor as a layer's
-        desc = HeadGroups(tuple((_check_window(module, d, window, d.seqlen_q, d.seqlen_k), h)
-                                for d, h in desc.groups), desc.num_heads)
+        checked = tuple((_check_window(module, d, window, d.seqlen_q, d.seqlen_k), h)
+                        for d, h in desc.groups)
+        if any(a[0] is not b[0] for a, b in zip(checked, desc.groups)):  # a window combined
+            desc = HeadGroups(checked, desc.num_heads)
         if keep is not None:
             raise NotImplementedError(
                 "compilemask attention: per-head masks (HeadGroups) with a padded "
