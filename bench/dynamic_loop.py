@@ -70,6 +70,25 @@ def metadata(spec, B, S, seed):
 
 RESERVE_GIB = 0  # --reserve-gib
 MAX_SEGMENTS = None  # --max-segments: fixed-size cu_seqlens for segments masks (no host sync)
+PEER = None  # --peer fa4: the same steps through flash-attn-4 directly (causal, packed documents)
+
+
+def peer_step(meta, S, B, q, k, v):
+    """FA4 as a user calls it: causal, or varlen over the documents with ``cu_seqlens`` made by
+    torch ops from ``doc_start`` (and the longest document read on the host)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    if "doc_start" not in meta:
+        return flash_attn_func(q, k, v, causal=True)
+    pos = torch.arange(S, device=q.device, dtype=torch.int32)
+    starts = (meta["doc_start"] == pos).reshape(-1).nonzero().flatten().to(torch.int32)
+    cu = torch.cat([starts, starts.new_tensor([B * S])])
+    max_len = int((cu[1:] - cu[:-1]).max())
+    flat = [t.reshape(B * S, H, D) for t in (q, k, v)]
+    out = flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                 max_seqlen_k=max_len, causal=True)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.view(B, S, H, D)
 
 
 def step(mask, meta, S, B, qkv, phases=None):
@@ -85,6 +104,12 @@ def step(mask, meta, S, B, qkv, phases=None):
     t0 = part(time.perf_counter())
     q, k, v = (t[:B * S].view(B, S, H, D) for t in qkv)
     q.requires_grad_(True)
+    if PEER == "fa4":
+        out = peer_step(meta, S, B, q, k, v)
+        t0 = part(part(t0))  # no preprocess part: its time is in the forward
+        out.backward(torch.ones_like(out))
+        part(t0)
+        return out
     desc = mask.preprocess(meta, S, batch_size=B, device="cuda", max_segments=MAX_SEGMENTS)
     t0 = part(t0)
     out = cm.attention(q, k, v, desc)
@@ -411,6 +436,8 @@ def main(argv=None):
                     help="host profile of the cold steps against as many warm ones")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="device time per kernel of the cold steps against as many warm ones")
+    ap.add_argument("--peer", choices=["fa4"], default=None,
+                    help="run the steps through flash-attn-4 itself (causal, packed documents)")
     ap.add_argument("--reserve-gib", type=int, default=0,
                     help="reserve this many GiB in the caching allocator before the loop")
     ap.add_argument("--timeline", action="store_true",
@@ -432,8 +459,8 @@ def main(argv=None):
              "| loop compile (s) | worst cold/warm, warm right after a step | over 1.2x |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in args.masks.split(","):
-        global MAX_SEGMENTS, RESERVE_GIB
-        MAX_SEGMENTS, RESERVE_GIB = args.max_segments, args.reserve_gib
+        global MAX_SEGMENTS, RESERVE_GIB, PEER
+        MAX_SEGMENTS, RESERVE_GIB, PEER = args.max_segments, args.reserve_gib, args.peer
         profiles = _Profiles(args.profile)
         kernels = (_Timelines(True) if args.timeline
                    else _KernelProfiles(args.kernel_profile))

@@ -235,20 +235,22 @@ for r in rows:
     fi
     tar czf "$OUT/loop.tar.gz" -C "$L" .
     ;;
-  loop_segments)  # packed documents' cold steps (a new length every step): each part timed
-    # apart with a host profile of cold against warm steps, then the sync-free cu_seqlens
-    # (max_segments) and the allocator's expandable segments; one cache folder for all
+  loop_segments)  # packed documents' cold steps (a new length every step), ours against
+    # flash-attn-4 called directly over the same steps (--peer fa4: varlen over the documents,
+    # and causal), each also with one large cached allocator segment (--reserve-gib 24); the
+    # earlier variants (--phases --profile, --kernel-profile, --max-segments 1024, expandable
+    # segments) stay flags of bench/dynamic_loop.py
     L=/tmp/loopseg-out; mkdir -p $L; export COMPILEMASK_CACHE_DIR=$(mktemp -d)
-    M="--masks packed_documents --steps ${STEPS:-50}"
-    OUT=$L step seg_plain 120 python3 bench/dynamic_loop.py $M --out "$L/plain"
-    OUT=$L step seg_phases 120 python3 bench/dynamic_loop.py $M --phases --profile --out "$L/phases"
-    OUT=$L step seg_kernels 150 python3 bench/dynamic_loop.py $M --kernel-profile --out "$L/kernels"
-    OUT=$L step seg_maxseg 120 python3 bench/dynamic_loop.py $M --max-segments 1024 --out "$L/maxseg"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OUT=$L step seg_expandable 120 \
-      python3 bench/dynamic_loop.py $M --out "$L/expandable"
-    OUT=$L step seg_reserve 120 python3 bench/dynamic_loop.py $M --reserve-gib 24 --out "$L/reserve"
-    for v in plain phases maxseg expandable reserve; do echo "$v $(grep -h '^| packed' $L/$v/*.md)"; done
-    head -20 $L/phases/profile_packed_documents.txt; head -16 $L/kernels/kernels_packed_documents.txt
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
+    M="--steps ${STEPS:-50}"
+    OUT=$L step seg_plain 120 python3 bench/dynamic_loop.py $M --masks packed_documents --out "$L/plain"
+    OUT=$L step seg_peer 150 python3 bench/dynamic_loop.py $M --masks packed_documents,causal \
+      --peer fa4 --out "$L/peer"
+    OUT=$L step seg_reserve 120 python3 bench/dynamic_loop.py $M --masks packed_documents \
+      --reserve-gib 24 --out "$L/reserve"
+    OUT=$L step seg_peer_reserve 150 python3 bench/dynamic_loop.py $M \
+      --masks packed_documents,causal --peer fa4 --reserve-gib 24 --out "$L/peer_reserve"
+    for v in plain peer reserve peer_reserve; do grep -H -E '^\| (packed|causal)' $L/$v/*.md; done
     tar czf "$OUT/loop_segments.tar.gz" -C "$L" .
     ;;
   timeline)  # packed documents' cold steps: where the GPU idles inside a step, cold vs warm
