@@ -79,7 +79,8 @@ def peer_step(meta, S, B, q, k, v):
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     if "doc_start" not in meta:
-        return flash_attn_func(q, k, v, causal=True)
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
     pos = torch.arange(S, device=q.device, dtype=torch.int32)
     starts = (meta["doc_start"] == pos).reshape(-1).nonzero().flatten().to(torch.int32)
     cu = torch.cat([starts, starts.new_tensor([B * S])])

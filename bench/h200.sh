@@ -243,10 +243,10 @@ for r in rows:
     L=/tmp/loopseg-out; mkdir -p $L; export COMPILEMASK_CACHE_DIR=$(mktemp -d)
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
     M="--steps ${STEPS:-50}"
-    OUT=$L step seg_plain 120 python3 bench/dynamic_loop.py $M --masks packed_documents --out "$L/plain"
+    [ -n "${PEER_ONLY:-}" ] || OUT=$L step seg_plain 120 python3 bench/dynamic_loop.py $M --masks packed_documents --out "$L/plain"
     OUT=$L step seg_peer 150 python3 bench/dynamic_loop.py $M --masks packed_documents,causal \
       --peer fa4 --out "$L/peer"
-    OUT=$L step seg_reserve 120 python3 bench/dynamic_loop.py $M --masks packed_documents \
+    [ -n "${PEER_ONLY:-}" ] || OUT=$L step seg_reserve 120 python3 bench/dynamic_loop.py $M --masks packed_documents \
       --reserve-gib 24 --out "$L/reserve"
     OUT=$L step seg_peer_reserve 150 python3 bench/dynamic_loop.py $M \
       --masks packed_documents,causal --peer fa4 --reserve-gib 24 --out "$L/peer_reserve"

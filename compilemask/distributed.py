@@ -38,6 +38,7 @@ its backward, traceable by ``torch.compile``), so the same code runs on gloo and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,9 @@ class CPPlan:
 
 # ---- the interval table at a set of rows ----------------------------------------------------
 
-def _normalized(mask, meta, seqlen, batch_size, check):
+def _normalized(mask, meta, seqlen, batch_size, check, device=None):
     """(B, scalars, arrays incl. derived run bounds, device) of the global sequence."""
-    B, scal, arrs, dev = mask.normalize_meta(meta, seqlen, seqlen, batch_size, None,
+    B, scal, arrs, dev = mask.normalize_meta(meta, seqlen, seqlen, batch_size, device,
                                              check_values=True if check else None)
     derived = mask.derived_arrays
     if derived:
@@ -196,13 +197,15 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
 def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                     batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
                     bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
-                    key_limit: torch.Tensor | None = None,
+                    key_limit: torch.Tensor | None = None, device=None,
                     who: str = "shard_descriptor") -> ExecutionDescriptor:
     """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served
     (``compilemask.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
-    at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal."""
+    at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal.
+    ``device``: where it is made (default: the metadata's, else the CPU). Its ``q_offset`` is
+    -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position)."""
     if mask.has_fallback:
         raise NotImplementedError(
             f"{who}: mask {mask.name!r} has fallback region(s) "
@@ -211,7 +214,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
     bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
     S = seqlen
-    B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check)
+    B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check, device)
     rows = rows.to(dev)
     n = rows.shape[-1]
     starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
@@ -223,7 +226,8 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
     desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
                              bwd_tiles, bwd)
-    return pipeline.with_lists(desc)  # no segments: FA4's varlen needs rows in global order
+    # no segments: FA4's varlen needs rows in global order
+    return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1)
 
 
 # ---- tensors ----------------------------------------------------------------------------------

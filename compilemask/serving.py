@@ -83,13 +83,12 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
         rows = used.view(-1, 1) - seqlen_q + torch.arange(seqlen_q, device=dev).view(1, -1)
         desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
-                               bwd_tiles=bwd_tiles, check=check, key_limit=used,
+                               bwd_tiles=bwd_tiles, check=check, key_limit=used, device=dev,
                                who="query_descriptor")
-        # rows at each request's own positions: never FA4's native (one-offset) kernels
-        return dataclasses.replace(desc, q_offset=-1)
+        return desc  # rows at each request's own positions (q_offset -1): never FA4's native
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
-                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check, device=dev,
                            who="query_descriptor")
     # the native engine may run it: FA4's causal and windows align bottom-right as these rows
     return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)

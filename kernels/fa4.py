@@ -140,6 +140,12 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
     query heads per kv head (the backward's score_mod indices come packed by it)."""
     kw, aux = {}, []
     if engine == "fa4":
+        if desc.q_offset:  # rows elsewhere in the sequence: only the table knows their positions
+            if variant not in (None, "intervals"):
+                raise ValueError(f"mask_mod variant {variant!r}: this descriptor's rows are not "
+                                 "0.. of the sequence (q_offset != 0); only 'intervals' reads "
+                                 "them right")
+            variant = "intervals"
         kw["mask_mod"] = mask_mod(desc.mask, variant)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:

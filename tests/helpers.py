@@ -33,6 +33,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
 
     B, Sq, H, D = q.shape
     G = H // k.shape[2]
+    dense = dense.to(q.device)
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
     out = cm.attention(q, k, v, desc, backend=engine, options=options, score_mod=score_mod)

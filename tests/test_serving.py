@@ -311,3 +311,30 @@ def test_request_batches_never_run_native():
     d = query_descriptor(cm.compile_mask(masks.causal()), None, 40, 40, batch_size=2,
                          seqused_k=used)
     assert d.q_offset == -1 and not d.native_applies()
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+def test_rows_elsewhere_read_the_table_on_fa4(seqused):
+    """A mask whose FA4 mask_mod is its rules at ``q_idx`` (prefix-LM) reads the Interval Table
+    instead on rows that are not 0.. of the sequence (served rows, request batches, context-
+    parallel shards): the rules would take the local row for the position."""
+    pytest.importorskip("cutlass")
+    from compilemask import distributed as cp
+    from compilemask.codegen.cute_mask_mod import mask_mod, mask_mod_variant
+    from kernels import fa4
+
+    mask = cm.compile_mask(masks.prefix_lm())
+    assert mask_mod_variant(mask) == "rules"
+    meta = {"prefix_len": torch.tensor([100, 5])}
+    d = query_descriptor(mask, meta, 300, 7, batch_size=2,
+                         seqused_k=torch.tensor([300, 200]) if seqused else None)
+    shard = cp.shard_descriptor(mask, meta, cp.make_plan(mask, meta, 300, 2), 1, batch_size=2)
+    for desc in (d, shard):
+        assert desc.q_offset != 0
+        kw = fa4._mods(desc, "fa4", None, None, backward=False)
+        assert kw["mask_mod"] is mask_mod(mask, "intervals")
+        assert kw["aux_tensors"][0].data_ptr() == desc.intervals.data_ptr()
+        with pytest.raises(ValueError, match="only 'intervals'"):
+            fa4._mods(desc, "fa4", "rules", None, backward=False)
+    square = mask.preprocess(meta, 300, batch_size=2)
+    assert fa4._mods(square, "fa4", None, None, backward=False)["mask_mod"] is mask_mod(mask)
