@@ -226,6 +226,12 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                 rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
                 rec(f"{method}+pre",
                     _bench(lambda: train_or_fwd(ours(pre(meta)), q, k, v, do), rep))
+            elif method in ("native_tanh", "fa4_tanh"):  # the softcap as a generated score_mod
+                eng = method.split("_")[0]
+                opts = replace(options or cm.KernelOptions(), softcap="score_mod")
+                f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend=eng, options=opts,
+                                                   score_mod=smod))
+                rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
             elif method in FA4_VARIANTS:
                 variant = FA4_VARIANTS[method]
                 if variant is not None:
@@ -301,7 +307,8 @@ def _ratio(row, a, b):
 
 
 def to_markdown(rows, header):
-    cols = ["native", "fa4", *FA4_VARIANTS, "cute", "fa4_native", "flex_flash", "flex_triton",
+    cols = ["native", "fa4", *FA4_VARIANTS, "cute", "fa4_native", "native_tanh", "fa4_tanh",
+            "flex_flash", "flex_triton",
             "native+pre", "fa4+pre", "flex_flash+bm", "preprocess", "block_mask"]
     out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
            "", "| mask | S | mode | " + " | ".join(cols)

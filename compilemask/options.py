@@ -26,6 +26,7 @@ _CHOICES = {
     "bwd_meta": ("regs", "async"),
     "bwd_bitmap": ("smem", "global"),
     "mask_mod": ("rules", "intervals", "predicate"),
+    "softcap": ("fa4", "score_mod"),
 }
 
 
@@ -46,6 +47,9 @@ class KernelOptions:
     * ``mask_mod``: the ``fa4`` engine's partial-tile test, ``"rules"`` (the rules as index
       arithmetic), ``"intervals"`` (the Interval Table) or ``"predicate"`` (every region a
       fallback predicate); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses per mask.
+    * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs FA4's own ``softcap``
+      (``"fa4"``, its ``tanh.approx``) or the generated score_mod (``"score_mod"``, a precise
+      ``tanh``, as Flex-FA4 runs it).
     """
 
     bwd_arch: Optional[int] = None
@@ -54,6 +58,7 @@ class KernelOptions:
     bwd_meta: Optional[str] = None
     bwd_bitmap: Optional[str] = None
     mask_mod: Optional[str] = None
+    softcap: Optional[str] = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -131,6 +136,7 @@ def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> Kern
         # cp.async is a wash
         bwd_meta="async" if num_intervals > 2 else "regs",
         bwd_bitmap="smem" if bitmap_fits_smem(num_q_tiles) else "global",
+        softcap="fa4",
     )
 
 

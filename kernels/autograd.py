@@ -24,6 +24,7 @@ Implementations
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
@@ -186,6 +187,15 @@ def _mask_mod_variant(options: str):
     return getattr(_kernel_options(options), "mask_mod", None)
 
 
+def _score_of(call: _Call):
+    """The call's score_mod as the FA4 engines take it: a recognized softcap is FA4's own unless
+    ``KernelOptions.softcap`` says ``"score_mod"``."""
+    score = _score(call)
+    if score is not None and getattr(_kernel_options(call.options), "softcap", None) == "score_mod":
+        score = (dataclasses.replace(score[0], softcap=None, key=""), score[1])
+    return score
+
+
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
     if _kernel_dtype_ok(q):
         try:
@@ -271,7 +281,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tenso
     if engine in ("fa4", "native"):
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
-                           variant=_mask_mod_variant(call.options), score=_score(call),
+                           variant=_mask_mod_variant(call.options), score=_score_of(call),
                            sink=call.sink)
         return out.contiguous(), lse.contiguous()
     if call.sink is not None and engine != "reference":
@@ -300,7 +310,7 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     if engine in ("fa4", "native"):
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
-                        variant=_mask_mod_variant(call.options), score=_score(call),
+                        variant=_mask_mod_variant(call.options), score=_score_of(call),
                         sink=call.sink)
         grads = tuple(g.contiguous() for g in grads)
         return grads if len(grads) == 4 else (*grads, no_sink)

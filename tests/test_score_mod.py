@@ -348,6 +348,39 @@ def test_gpu_score_mod_vs_float32_reference(name, engine):
     check_attention_vs_reference(desc, q, k, v, engine, desc.dense_mask(), score_mod=gpu_fn)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["fa4", "native"])
+def test_gpu_softcap_as_generated_score_mod_vs_float32_reference(engine):
+    """``KernelOptions(softcap="score_mod")``: the softcap runs as the generated score_mod (a
+    precise tanh) instead of FA4's own, forward and backward within twice PyTorch's bf16 error."""
+    from helpers import check_attention_vs_reference
+
+    fn, _, spec, _ = _cases()["softcap_sliding_window"]
+    desc = cm.compile_mask(spec).preprocess(None, seqlen_q=1000, batch_size=2, device="cuda")
+    q = torch.randn(2, 1000, H, 128, device="cuda", dtype=torch.bfloat16) * 4
+    k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(desc, q, k, v, engine, desc.dense_mask(), score_mod=fn,
+                                 options=cm.KernelOptions(softcap="score_mod"))
+
+
+def test_softcap_option_runs_the_generated_score_mod():
+    """The option drops the recognized softcap for the call (a new key: never FA4's softcap
+    kernel's entry); the generated code is a precise tanh and its derivative."""
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.kernels import autograd
+    from compilemask.score_mod import compile_score_mod
+
+    sm, tables = compile_score_mod(_cases()["softcap_sliding_window"][0])
+    call = autograd._Call("k", 1.0, False, "native", [], 0, "softcap=score_mod", sm.key, [], None)
+    got, _ = autograd._score_of(call)
+    assert sm.softcap == 50.0 and got.softcap is None and got.key != sm.key
+    assert got.expr == sm.expr and "cute.math.tanh" in score_mod_source(got)
+    plain, _ = autograd._score_of(call._replace(options=""))
+    assert plain.softcap == 50.0
+    with pytest.raises(ValueError, match="softcap"):
+        cm.KernelOptions(softcap="precise")
+
+
 def _on_device(fn, old, new):
     """``fn`` with its captured tensor ``old`` replaced by ``new`` (closure cells)."""
     import types
