@@ -38,6 +38,61 @@ def _bench(fn, rep):
     return triton.testing.do_bench(fn, warmup=max(25, rep // 4), rep=rep, return_mode="median")
 
 
+def _graphed(fn):
+    """fn captured in one CUDA graph (as a serving engine runs its decode step): the replay,
+    which times the GPU work alone, without the host's per-call cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _host_ms(fn, n=300):
+    """Host time per call with the GPU never waited on (a launch-bound call's real cost)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    took = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return took / n * 1e3
+
+
+def profile_point(Sk: int, Sq: int, out: Path) -> None:
+    """Where a call's host time goes: cProfile of cm.attention on a decode step, top 40."""
+    import cProfile
+    import io
+    import pstats
+
+    mask = cm.compile_mask(masks.causal())
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    desc = query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda")
+    for label, fn in (("attention", lambda: cm.attention(q, k, v, desc)),
+                      ("descriptor", lambda: query_descriptor(mask, None, Sk, Sq, batch_size=B,
+                                                              device="cuda"))):
+        fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+        (out / f"serving_profile_{label}.txt").write_text(buf.getvalue())
+        print(f"  profile {label}: {buf.getvalue().splitlines()[0] if buf.getvalue() else ''}")
+
+
 def decode_point(Sk: int, Sq: int, rep: int) -> dict:
     from flash_attn.cute import flash_attn_func
 
@@ -54,6 +109,15 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
                                                   device="cuda"), rep)
     row["cm+desc"] = _bench(lambda: cm.attention(
         q, k, v, query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda")), rep)
+    row["fa4_host"] = _host_ms(lambda: flash_attn_func(q, k, v, causal=True))
+    row["cm_host"] = _host_ms(lambda: cm.attention(q, k, v, desc))
+    row["fa4_graph"] = _bench(_graphed(lambda: flash_attn_func(q, k, v, causal=True)), rep)
+    row["cm_graph"] = _bench(_graphed(lambda: cm.attention(q, k, v, desc)), rep)
+    row["cm+desc_graph"] = _bench(_graphed(lambda: cm.attention(
+        q, k, v, query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda"))), rep)
+    print(f"  graphs: fa4 {row['fa4_graph']:.4f} cm {row['cm_graph']:.4f} cm+desc "
+          f"{row['cm+desc_graph']:.4f}; host per call: fa4 {row['fa4_host']:.4f} cm "
+          f"{row['cm_host']:.4f}", flush=True)
     print(f"  decode Sk={Sk:6d} Sq={Sq:3d} {row['engine']:7s} fa4 {row['fa4']:.4f} ms  cm "
           f"{row['cm']:.4f} ms ({row['fa4'] / row['cm']:.2f}x)  desc {row['desc']:.4f} ms",
           flush=True)
@@ -61,11 +125,17 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
 
 
 def to_markdown(rows, header) -> str:
-    out = [header, "", "| Sk | queries | engine | FA4 | ours | ours vs FA4 | descriptor | "
-           "ours + descriptor |", "|---|---|---|---|---|---|---|---|"]
+    out = [header, "", "Eager calls (host cost included), then each captured in a CUDA graph "
+           "(GPU work alone); host: per-call host time with the GPU not waited on.", "",
+           "| Sk | queries | engine | FA4 | ours | ours vs FA4 | descriptor | ours + descriptor "
+           "| FA4 graph | ours graph | vs FA4 | ours + descriptor graph | host FA4 | host ours |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['Sk']} | {r['Sq']} | {r['engine']} | {r['fa4']:.4f} | {r['cm']:.4f} | "
-                   f"{r['fa4'] / r['cm']:.2f}x | {r['desc']:.4f} | {r['cm+desc']:.4f} |")
+                   f"{r['fa4'] / r['cm']:.2f}x | {r['desc']:.4f} | {r['cm+desc']:.4f} | "
+                   f"{r['fa4_graph']:.4f} | {r['cm_graph']:.4f} | "
+                   f"{r['fa4_graph'] / r['cm_graph']:.2f}x | {r['cm+desc_graph']:.4f} | "
+                   f"{r['fa4_host']:.4f} | {r['cm_host']:.4f} |")
     return "\n".join(out) + "\n"
 
 
@@ -75,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--queries", default="1")
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile one call's host time (serving_profile_*.txt)")
     args = ap.parse_args(argv)
     header = (f"# Decode steps: {datetime.date.today()} · {torch.cuda.get_device_name()} · "
               f"B={B}, H={H}/{HKV}, D={D}, bf16, ms\n\n`python bench/serving.py --seqlens "
@@ -83,6 +155,8 @@ def main(argv=None):
             for Sq in map(int, args.queries.split(","))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        profile_point(int(args.seqlens.split(",")[0]), 1, out)
     (out / "serving_decode.json").write_text(json.dumps(rows, indent=1))
     (out / "serving_decode.md").write_text(to_markdown(rows, header))
     print(to_markdown(rows, header))

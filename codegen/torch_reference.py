@@ -39,14 +39,16 @@ def torch_source(name, key, regions, scalar, arrays, K) -> str:
            '    region (int64 [B, Sq], -1: none): the first region whose guard holds."""',
            "    shape = (batch_size, i.shape[-1])",
            "    dev = i.device",
-           "    sq, sk = _t(seqlen_q).to(dev), _t(seqlen_k).to(dev)",
+           # made on the rows' device (a fill, not a host copy: CUDA-graph capturable)
+           "    sq, sk = _on(seqlen_q, dev), _on(seqlen_k, dev)",
+           "    _TRUE, _FALSE = _on(True, dev), _on(False, dev)",
            f"    lo = torch.zeros(shape + ({K},), dtype=torch.int64, device=dev)",
            "    hi = torch.zeros_like(lo)",
            "    region = torch.full(shape, -1, dtype=torch.int64, device=dev)"]
     for r in regions:
         out.append("")
         out.append(f"    # region {r.index} {r.name!r}: rows where {r.guard}")
-        out.append(f"    guard = torch.broadcast_to(_t({pr(r.guard)}).to(dev), shape)")
+        out.append(f"    guard = torch.broadcast_to(_on({pr(r.guard)}, dev), shape)")
         out.append("    take = guard & (region < 0)")
         out.append(f"    region = torch.where(take, {r.index}, region)")
         for k, iv in enumerate(r.intervals):
@@ -70,6 +72,7 @@ def torch_source(name, key, regions, scalar, arrays, K) -> str:
         if r.fallback:
             out += ["", f"def predicate_{r.index}({', '.join(fb_args)}):",
                     f'    """Region {r.name!r}: {r.rule}"""',
-                    "    sq, sk = _t(seqlen_q).to(i.device), _t(seqlen_k).to(i.device)",
+                    "    sq, sk = _on(seqlen_q, i.device), _on(seqlen_k, i.device)",
+                    "    _TRUE, _FALSE = _on(True, i.device), _on(False, i.device)",
                     f"    return {pr(r.rule)}", ""]
     return "\n".join(out)

@@ -220,6 +220,18 @@ def _t(x):
         return x
     return torch.tensor(x, dtype=torch.bool if isinstance(x, bool) else torch.int64)
 
+def _on(x, dev):
+    # a value on dev without a host-to-device copy (a fill launch): capturable in a CUDA graph
+    if isinstance(x, torch.Tensor):
+        if x.device == dev:
+            return x
+        if x.dim() == 0 and x.device.type == "cpu":
+            x = x.item()
+        else:
+            return x.to(dev)
+    return torch.full((), x, dtype=torch.bool if isinstance(x, bool) else torch.int64,
+                      device=dev)
+
 def _fdiv(a, b):
     return torch.div(_t(a), _t(b), rounding_mode="floor")
 

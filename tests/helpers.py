@@ -104,3 +104,38 @@ def compile_in_range(spec):
         from hypothesis import reject
 
         reject()
+
+
+class HostCopies:
+    """Records every copy between devices made inside its ``with`` block (a dispatch mode).
+    On the ``meta`` device a host read (``.item()``, ``.tolist()``) raises too, so code that
+    runs there on meta tensors with no copy recorded neither copies nor syncs on a GPU (what a
+    CUDA-graph capture needs)."""
+
+    def __init__(self):
+        self.found: list[str] = []
+
+    def __enter__(self):
+        import traceback
+
+        import torch.utils._pytree as pytree
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+        found = self.found
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in copies:
+                    ts = [t for t in pytree.tree_leaves((args, out)) if isinstance(t, torch.Tensor)]
+                    if len({t.device.type for t in ts}) > 1:
+                        found.append("".join(traceback.format_stack(limit=6)[:-1]))
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

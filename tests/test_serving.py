@@ -256,6 +256,23 @@ def test_gpu_batch_of_requests_vs_float32_reference():
         check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
 
 
+@pytest.mark.parametrize("name", SERVED)
+def test_step_descriptor_copies_nothing_between_devices(name):
+    """A step's descriptor is made on its device from device metadata without a host copy or
+    read (on ``meta`` tensors, where a read raises): what a CUDA-graph capture needs; the
+    generated interval table makes its constants with fills, not host tensors."""
+    from helpers import HostCopies
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    meta = masks.random_meta(mask.spec, 3, 200, torch.Generator().manual_seed(1))
+    meta = {k: v.to("meta") for k, v in (meta or {}).items()} or None
+    used = torch.tensor([200, 150, 7]).to("meta")
+    for kw in ({}, {"seqused_k": used}):
+        with HostCopies() as w:
+            d = query_descriptor(mask, meta, 200, 4, batch_size=3, device="meta", **kw)
+        assert d.device.type == "meta" and not w.found, w.found[:1]
+
+
 @pytest.mark.gpu
 def test_gpu_decode_step_captures_in_a_cuda_graph():
     """A decode step over fixed buffers (the KV buffer, the requests' lengths as a device
