@@ -273,7 +273,11 @@ def _check_predicates(mask, length: int) -> None:
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
     d, call = _unpack(args)
-    desc = _descriptor(d, call)
+    return _fwd_impl(q, k, v, _descriptor(d, call), call)
+
+
+def _fwd_impl(q, k, v, desc, call: _Call) -> tuple[Tensor, Tensor]:
+    """The forward op's body, on the descriptor itself (the op rebuilds it from its args)."""
     scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "cute") and desc.mask.has_fallback:
         # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
@@ -389,6 +393,22 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
                  options.to_str() if options is not None else "",
                  score[0] if score is not None else "",
                  list(score[1]) if score is not None else [], sink)
-    out, lse = torch.ops.compilemask.attention_fwd(
-        q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
+    if _needs_op(q, k, v, sink):
+        out, lse = torch.ops.compilemask.attention_fwd(
+            q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
+    else:  # the op's own body: a decode step's host time is mostly the op's dispatch
+        out, lse = _fwd_impl(q, k, v, desc, call)
     return (out, lse) if return_lse else out
+
+
+def _needs_op(*tensors) -> bool:
+    """The custom op is for autograd and for graphs (torch.compile, its fake tensors, tracing
+    modes); eager calls without gradients run its body directly, with the same result."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return True
+    ts = [t for t in tensors if t is not None]
+    if any(type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in ts):
+        return True  # a tensor subclass (fake, functional, DTensor...) dispatches through the op
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)

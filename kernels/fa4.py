@@ -10,10 +10,12 @@ Two engines share this module:
   attention (``compilemask.native``) run FA4's own ``causal`` / ``window_size`` / varlen paths,
   with no lists and no mask_mod.
 
-The forward goes through FA4's public ``flash_attn_func`` / ``flash_attn_varlen_func``. FA4 has no
-public backward entry point besides its autograd functions, and re-running the forward under
-autograd would cost a third of a train step, so the backward calls ``interface._flash_attn_bwd``;
-that private call is confined to :func:`_fa4_bwd` and tested on the GPU.
+The forward calls ``interface._flash_attn_fwd``, the function FA4's ``flash_attn_func`` runs
+below its autograd.Function (whose bookkeeping is a tenth of a decode step's host time; these
+calls never need it), and the varlen path ``flash_attn_varlen_func``. FA4 has no public backward
+entry point besides its autograd functions, and re-running the forward under autograd would
+cost a third of a train step, so the backward calls ``interface._flash_attn_bwd``; the private
+calls are confined to :func:`_fa4_fwd` and :func:`_fa4_bwd` and tested on the GPU.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def _leading_dim(t):
 
 def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
          score=None, sink=None):
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    from flash_attn.cute import flash_attn_varlen_func
 
     mods = _mods(desc, engine, variant, score, backward=False, sink=sink)
     if engine == "native":
@@ -191,13 +193,22 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
                 causal=pat.window_left is None, window_size=_window(pat), return_lse=True,
                 **mods)
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, return_lse=True,
-                               **_native_kwargs(pat), **mods)
+        return _fa4_fwd(q, k, v, softmax_scale=softmax_scale, **_native_kwargs(pat), **mods)
 
     lists = desc.block_sparse("fwd") if lists is None else lists
-    return flash_attn_func(q, k, v, softmax_scale=softmax_scale,
-                           block_sparse_tensors=_bs_torch(lists, FWD_TILES), return_lse=True,
-                           **mods)
+    return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
+                    block_sparse_tensors=_bs_torch(lists, FWD_TILES), **mods)
+
+
+def _fa4_fwd(q, k, v, *, window_size=(None, None), **kwargs):
+    """FA4's forward below its autograd.Function (``flash_attn_func``'s own call, same kernels):
+    these calls run inside this package's op or without grad, and a decode step's host time is
+    most of its cost. Returns (out, lse)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(q, k, v, window_size_left=window_size[0],
+                                   window_size_right=window_size[1], return_lse=True, **kwargs)
+    return out, lse
 
 
 def _fa4_bwd(*args, **kwargs):

@@ -188,3 +188,35 @@ def test_learnable_sink_through_the_op():
     want = torch.autograd.grad((ref_out * do).sum() + (ref_lse * dl).sum(), (q, k, v, sink))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_calls_without_gradients_skip_the_op_with_the_same_result(monkeypatch):
+    """An eager call that needs no gradient runs the op's body directly (no dispatch: a decode
+    step is host-bound); one that needs them, or runs under a dispatch mode, goes through the
+    op. Both give the same bits."""
+    import compilemask.kernels.autograd as ag
+
+    desc = _desc(masks.hstu(), 2, 37)
+    q, k, v = _qkv(2, 37, 4, 2, 8)
+    calls = []
+    real = torch.ops.compilemask.attention_fwd
+
+    class Spy:
+        def __call__(self, *a):
+            calls.append(1)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops.compilemask, "attention_fwd", Spy())
+    with torch.no_grad():
+        direct = ag.attention_op(q, k, v, desc, engine="reference", return_lse=True)
+    assert not calls
+    through = ag.attention_op(q, k, v, desc, engine="reference", return_lse=True)
+    assert calls and through[0].requires_grad
+    for a, b in zip(direct, through):
+        assert torch.equal(a, b.detach())
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls.clear()
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        ag.attention_op(q, k, v, desc, engine="reference")
+    assert calls
