@@ -79,9 +79,11 @@ def test_serving_and_score_mod_bench_pieces():
     from bench.serving import to_markdown
 
     rows = [{"Sk": 8192, "Sq": 1, "engine": "native", "fa4": 0.05, "cm": 0.05, "desc": 0.02,
-             "cm+desc": 0.07}]
+             "cm+desc": 0.07, "fa4_graph": 0.04, "cm_graph": 0.05, "cm+desc_graph": 0.3,
+             "fa4_host": 0.09, "cm_host": 0.11}]
     table = to_markdown(rows, "# decode")
-    assert "| 8192 | 1 | native | 0.0500 | 0.0500 | 1.00x |" in table
+    assert ("| 8192 | 1 | native | 0.0500 | 0.0500 | 1.00x | 0.0200 | 0.0700 | 0.0400 | 0.0500 "
+            "| 0.80x | 0.3000 | 0.0900 | 0.1100 |") in table
     meta = workload_meta("tree_verify", 2, 600, "cpu")
     mask = cm.compile_mask(SPECS["tree_verify"]())
     ours = mask.preprocess(meta, seqlen_q=600, batch_size=2).dense_mask()
