@@ -268,7 +268,8 @@ for r in rows:
     ;;
   serving)  # decode steps against FA4's own kernel, then prefill with the per-request mask
     # build against Flex-FA4 with create_block_mask (forward only, 8K and 32K)
-    step serving_decode 200 python3 bench/serving.py --queries "${QUERIES:-1,4}" --out "$OUT"
+    step serving_decode 260 python3 bench/serving.py --queries "${QUERIES:-1,4}" \
+      --page-size "${PAGE_SIZES:-128,64}" --out "$OUT"
     cat "$OUT/serving_decode.md"
     step serving_prefill 380 python3 bench/engines.py --modes fwd --rep "${REP:-100}" \
       --seqlens "${SEQLENS:-8192,32768}" --tag serving_prefill --out "$OUT" \

@@ -8,7 +8,11 @@ with the step's descriptor made (``compilemask.serving.query_descriptor``: the c
 last rows, FA4's own bottom-right causal kernel); ``cm+desc`` makes the descriptor too (once
 per step, shared by every layer); ``fa4`` is ``flash_attn_func(..., causal=True)``. Prefill with
 the per-request mask build is ``bench/engines.py --modes fwd`` (``bash bench/h200.sh serving``
-runs both). Median of triton's do_bench.
+runs both). ``--page-size N`` adds decode steps over a paged KV cache (a shuffled pool of
+N-key pages): ``fa4`` is ``flash_attn_varlen_func(..., page_table=, seqused_k=, causal=True)``,
+``cm`` is ``compilemask.serving.paged_attention`` for the causal mask (FA4's own paged kernel)
+and for prefix-LM (FA4's paged kernel with the interval mask_mod on every tile). Median of
+triton's do_bench.
 """
 
 from __future__ import annotations
@@ -124,6 +128,49 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
     return row
 
 
+def paged_point(Sk: int, Sq: int, page_size: int, rep: int) -> dict:
+    from flash_attn.cute import flash_attn_varlen_func
+
+    from compilemask.serving import paged_attention
+
+    g = torch.Generator(device="cuda").manual_seed(Sk)
+    per = (Sk + page_size - 1) // page_size
+    table = torch.randperm(B * per, device="cuda", generator=g).view(B, per).to(torch.int32)
+    k_cache, v_cache = (torch.randn(B * per, page_size, HKV, D, device="cuda",
+                                    dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    used = torch.full((B,), Sk, dtype=torch.int32, device="cuda")
+    causal = query_descriptor(cm.compile_mask(masks.causal()), None, Sk, Sq, batch_size=B,
+                              device="cuda")
+    prefix = query_descriptor(cm.compile_mask(masks.prefix_lm()),
+                              {"prefix_len": torch.full((B,), Sk // 2, device="cuda")}, Sk, Sq,
+                              batch_size=B, device="cuda")
+    row = {"Sk": Sk, "Sq": Sq, "page_size": page_size}
+    with torch.no_grad():
+        row["fa4"] = _bench(lambda: flash_attn_varlen_func(
+            q, k_cache, v_cache, page_table=table, seqused_k=used, causal=True), rep)
+        row["cm_causal"] = _bench(lambda: paged_attention(q, k_cache, v_cache, table, causal),
+                                  rep)
+        row["cm_prefix_lm"] = _bench(lambda: paged_attention(q, k_cache, v_cache, table,
+                                                             prefix), rep)
+    print(f"  paged Sk={Sk:6d} Sq={Sq:3d} page {page_size}: fa4 {row['fa4']:.4f} ms  causal "
+          f"{row['cm_causal']:.4f} ms ({row['fa4'] / row['cm_causal']:.2f}x)  prefix-LM "
+          f"{row['cm_prefix_lm']:.4f} ms", flush=True)
+    return row
+
+
+def paged_markdown(rows) -> str:
+    out = ["", "Paged KV cache (eager calls): FA4's paged causal kernel, ours for the causal mask "
+           "(FA4's own, native) and for prefix-LM (the interval mask_mod on every tile).", "",
+           "| Sk | queries | page size | FA4 causal | ours causal | vs FA4 | ours prefix-LM | "
+           "prefix-LM vs FA4 causal |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['Sk']} | {r['Sq']} | {r['page_size']} | {r['fa4']:.4f} | "
+                   f"{r['cm_causal']:.4f} | {r['fa4'] / r['cm_causal']:.2f}x | "
+                   f"{r['cm_prefix_lm']:.4f} | {r['fa4'] / r['cm_prefix_lm']:.2f}x |")
+    return "\n".join(out) + "\n"
+
+
 def to_markdown(rows, header) -> str:
     out = [header, "", "Eager calls (host cost included), then each captured in a CUDA graph "
            "(GPU work alone); host: per-call host time with the GPU not waited on.", "",
@@ -145,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--queries", default="1")
     ap.add_argument("--rep", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
+    ap.add_argument("--page-size", default="",
+                    help="comma-separated page sizes: also time decode steps over a paged cache")
     ap.add_argument("--profile", action="store_true",
                     help="also cProfile one call's host time (serving_profile_*.txt)")
     args = ap.parse_args(argv)
@@ -153,13 +202,18 @@ def main(argv=None):
               f"{args.seqlens} --queries {args.queries} --rep {args.rep}`")
     rows = [decode_point(Sk, Sq, args.rep) for Sk in map(int, args.seqlens.split(","))
             for Sq in map(int, args.queries.split(","))]
+    paged = [paged_point(Sk, Sq, int(ps), args.rep) for ps in filter(None,
+             args.page_size.split(",")) for Sk in map(int, args.seqlens.split(","))
+             for Sq in map(int, args.queries.split(","))]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.profile:
         profile_point(int(args.seqlens.split(",")[0]), 1, out)
-    (out / "serving_decode.json").write_text(json.dumps(rows, indent=1))
-    (out / "serving_decode.md").write_text(to_markdown(rows, header))
-    print(to_markdown(rows, header))
+    text = to_markdown(rows, header) + (paged_markdown(paged) if paged else "")
+    (out / "serving_decode.json").write_text(json.dumps({"decode": rows, "paged": paged},
+                                                        indent=1))
+    (out / "serving_decode.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,9 @@ class ExecutionDescriptor:
     # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.serving``); -1: each
     # sequence's rows start at its own position (a batch of requests), so no native path
     q_offset: int = 0
+    # int32 [B]: the keys each request holds in a shared KV buffer (``serving.query_descriptor
+    # (..., seqused_k=)``), which a paged KV cache's kernel stops at; None: all seqlen_k
+    seqused_k: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -300,7 +303,8 @@ class ExecutionDescriptor:
         if segments is not None:
             segments = (segments[0].to(device), segments[1])
         lists = None if self.lists is None else self.lists.to(device)
-        return replace(self, **moved, segments=segments, lists=lists)
+        used = None if self.seqused_k is None else self.seqused_k.to(device)
+        return replace(self, **moved, segments=segments, lists=lists, seqused_k=used)
 
 
 def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConfig,

@@ -69,6 +69,26 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
     assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
 
 
+def check_output_vs_reference(out, q, k, v, dense):
+    """A forward's ``out`` against a float32 reference on the same q, k, v (``[B, S, H, D]``),
+    within twice PyTorch's own bf16 error; rows that see nothing give exact zeros."""
+    from compilemask.reference import attention_reference
+
+    D, G = q.shape[-1], q.shape[2] // k.shape[2]
+    dense = dense.to(q.device)
+    exact = attention_reference(q.float(), k.float(), v.float(), dense)
+    kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (k, v))
+    s = torch.matmul(q.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
+    m = dense.unsqueeze(1)
+    empty_row = ~m.any(-1, keepdim=True)
+    s = torch.where(empty_row, torch.zeros_like(s), torch.where(m, s, float("-inf")))
+    bf16 = torch.matmul(torch.softmax(s, dim=-1) * (~empty_row), vr).transpose(1, 2)
+    assert torch.isfinite(out).all()
+    assert _rel(out, exact) <= 2 * _rel(bf16, exact) + 1e-4, (_rel(out, exact), _rel(bf16, exact))
+    empty = ~dense.any(-1)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+
+
 def fake_on_cuda(desc, lists: dict):
     """``desc`` and its ``lists`` (kind -> BlockSparseLists) as fake CUDA tensors, for a
     compile of FA4's kernels on a machine without a GPU; call inside a ``FakeTensorMode``."""

@@ -76,7 +76,7 @@ def test_serving_and_score_mod_bench_pieces():
     from torch.nn.attention.flex_attention import create_mask
 
     from bench.engines import SPECS, make_score_mod, workload_mask_mod, workload_meta
-    from bench.serving import to_markdown
+    from bench.serving import paged_markdown, to_markdown
 
     rows = [{"Sk": 8192, "Sq": 1, "engine": "native", "fa4": 0.05, "cm": 0.05, "desc": 0.02,
              "cm+desc": 0.07, "fa4_graph": 0.04, "cm_graph": 0.05, "cm+desc_graph": 0.3,
@@ -84,6 +84,9 @@ def test_serving_and_score_mod_bench_pieces():
     table = to_markdown(rows, "# decode")
     assert ("| 8192 | 1 | native | 0.0500 | 0.0500 | 1.00x | 0.0200 | 0.0700 | 0.0400 | 0.0500 "
             "| 0.80x | 0.3000 | 0.0900 | 0.1100 |") in table
+    paged = paged_markdown([{"Sk": 8192, "Sq": 4, "page_size": 64, "fa4": 0.06,
+                             "cm_causal": 0.06, "cm_prefix_lm": 0.08}])
+    assert "| 8192 | 4 | 64 | 0.0600 | 0.0600 | 1.00x | 0.0800 | 0.75x |" in paged
     meta = workload_meta("tree_verify", 2, 600, "cpu")
     mask = cm.compile_mask(SPECS["tree_verify"]())
     ours = mask.preprocess(meta, seqlen_q=600, batch_size=2).dense_mask()

@@ -355,3 +355,100 @@ def test_rows_elsewhere_read_the_table_on_fa4(seqused):
             fa4._mods(desc, "fa4", "rules", None, backward=False)
     square = mask.preprocess(meta, 300, batch_size=2)
     assert fa4._mods(square, "fa4", None, None, backward=False)["mask_mod"] is mask_mod(mask)
+
+
+
+def _paged(kv, page_size: int, gen):
+    """Each of ``kv`` ([B, Sk, Hkv, D]) scattered into a shuffled page pool with two spare pages
+    of noise, and the one page table they share."""
+    B, Sk, *rest = kv[0].shape
+    per = (Sk + page_size - 1) // page_size
+    table = torch.randperm(B * per + 2, generator=gen)[:B * per].view(B, per)
+    pools = []
+    for t in kv:
+        pool = torch.randn(B * per + 2, page_size, *rest, generator=gen).to(t.dtype)
+        padded = torch.zeros(B, per * page_size, *rest, dtype=t.dtype, device=t.device)
+        padded[:, :Sk] = t
+        pool = pool.to(t.device)
+        pool[table.view(-1).to(t.device)] = padded.view(B * per, page_size, *rest)
+        pools.append(pool)
+    return (*pools, table.to(torch.int32).to(kv[0].device))
+
+
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "tree_verify", "hstu"])
+def test_paged_kv_equals_contiguous_keys(name):
+    """Keys and values read through a shuffled page table give the contiguous call's output, for
+    decode steps and chunks, with and without per-request lengths."""
+    from compilemask.serving import paged_attention
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    gen = torch.Generator().manual_seed(3)
+    Sk, Bq = 300, 3
+    meta = masks.random_meta(mask.spec, Bq, Sk, gen)
+    for page_size in (16, 64, 128):
+        k, v = (torch.randn(Bq, Sk, 2, 32, generator=gen) for _ in range(2))
+        k_cache, v_cache, table = _paged((k, v), page_size, gen)
+        for Sq, used in ((1, None), (6, None), (1, torch.tensor([300, 17, 1])),
+                         (6, torch.tensor([2, 300, 150]))):
+            d = query_descriptor(mask, meta, Sk, Sq, batch_size=Bq, seqused_k=used)
+            q = torch.randn(Bq, Sq, 4, 32, generator=gen)
+            got = paged_attention(q, k_cache, v_cache, table, d)
+            want = cm.attention(q, k, v, d)
+            assert torch.equal(got, want), (page_size, Sq, used)
+
+
+def test_paged_kv_refusals_name_the_argument():
+    from compilemask.serving import paged_attention
+
+    mask = cm.compile_mask(masks.causal())
+    d = query_descriptor(mask, None, 100, 1, batch_size=2)
+    k, v = (torch.randn(2, 100, 2, 32) for _ in range(2))
+    k_cache, v_cache, table = _paged((k, v), 32, torch.Generator().manual_seed(0))
+    q = torch.randn(2, 1, 4, 32)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        paged_attention(q.requires_grad_(), k_cache, v_cache, table, d)
+    q = q.detach()
+    with pytest.raises(ValueError, match="page_table must be int32"):
+        paged_attention(q, k_cache, v_cache, table.long(), d)
+    with pytest.raises(ValueError, match="fewer than desc's seqlen_k"):
+        paged_attention(q, k_cache, v_cache, table[:, :3], d)
+    with pytest.raises(TypeError, match="share a floating dtype"):
+        paged_attention(q, k_cache.half(), v_cache, table, d)
+    with pytest.raises(ValueError, match="seqlen_q 1; q gives batch 2, seqlen_q 3"):
+        paged_attention(torch.randn(2, 3, 4, 32), k_cache, v_cache, table, d)
+    with pytest.raises(NotImplementedError, match="cute engine has no paged KV"):
+        paged_attention(q, k_cache, v_cache, table, d, backend="cute")
+    with pytest.raises(TypeError, match="desc must be an ExecutionDescriptor"):
+        paged_attention(q, k_cache, v_cache, table, None)
+    with torch.no_grad():  # grad-requiring inputs are fine without grad
+        out = paged_attention(q.requires_grad_(), k_cache, v_cache, table, d)
+    assert torch.equal(out, cm.attention(q.detach(), k, v, d))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "tree_verify",
+                                  "packed_documents"])
+def test_gpu_paged_kv_vs_float32_reference(name):
+    """FA4's paged kernels (native for masks proven causal / windowed, the interval mask_mod on
+    every tile otherwise) within twice PyTorch's bf16 error, at FA4's TMA page size (128) and a
+    smaller one (64, cp.async loads), decode steps and chunks, with per-request lengths."""
+    from compilemask.serving import paged_attention
+
+    from helpers import check_output_vs_reference
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    gen = torch.Generator().manual_seed(7)
+    Sk, Bq = 1000, 3
+    meta = {k: v.cuda() for k, v in (masks.random_meta(mask.spec, Bq, Sk, gen) or {}).items()}
+    for page_size in (128, 64):
+        k, v = (torch.randn(Bq, Sk, 2, 128, generator=gen).to("cuda", torch.bfloat16)
+                for _ in range(2))
+        k_cache, v_cache, table = _paged((k, v), page_size, gen)
+        for Sq, used in ((1, None), (77, None), (1, torch.tensor([1000, 517, 3])),
+                         (64, torch.tensor([900, 5, 1000]))):
+            used = None if used is None else used.cuda()
+            d = query_descriptor(mask, meta or None, Sk, Sq, batch_size=Bq, seqused_k=used,
+                                 device="cuda")
+            q = torch.randn(Bq, Sq, 4, 128, generator=gen).to("cuda", torch.bfloat16)
+            out = paged_attention(q, k_cache, v_cache, table, d)
+            check_output_vs_reference(out, q, k, v, d.dense_mask())
