@@ -9,7 +9,7 @@ from compilemask.api import attention
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.descriptor import ExecutionDescriptor, TileConfig
 from compilemask.dsl import MaskSpec, Region
-from compilemask.flex import from_mask_mod
+from compilemask.flex import from_mask_mod, from_mask_mod_heads
 from compilemask.heads import HeadGroups, preprocess_heads
 from compilemask.options import KernelOptions, default_options
 from compilemask.pipeline import PipelineConfig
@@ -21,6 +21,7 @@ __all__ = [
     "Region",
     "compile_mask",
     "from_mask_mod",
+    "from_mask_mod_heads",
     "compile_score_mod",
     "CompiledMask",
     "ExecutionDescriptor",

@@ -14,14 +14,17 @@ is indexed:
   ``s[u[t[q_idx]] + 1]``): a gathered per-row array (``s_at_t``, ``t_at_index``), computed in
   torch with the metadata by torch's indexing rules, read where its index is;
 * ``t[x][c]`` / ``t[x, c]`` of a ``[n, m]`` table (``c`` a constant, ``x`` such an index): column
-  ``c`` gathered the same way (Flamingo's per-image intervals).
+  ``c`` gathered the same way (Flamingo's per-image intervals);
+* a constant index (``t[b, 3]``, ``t[0]``, or the head under ``from_mask_mod_heads``:
+  ``w[h]``, ``t[b, h, q_idx]``) selects that entry of its dimension first, then reads as above.
 
 Python ints (captured or global) are compile-time constants. The operations read are
 ``& | ^ ~`` (of booleans and of integers), ``>> <<`` by constants, comparisons,
 ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``, ``torch.minimum/maximum`` and
-the ``torch.logical_*`` functions. The head index ``h``, data-
-dependent Python control flow and anything else are a NotImplementedError naming the construct
-and the source line. The translated rule is generated Python source (``mask.explain()`` shows it),
+the ``torch.logical_*`` functions. The head index ``h`` is read by ``from_mask_mod_heads``
+(one spec per head, ``h`` a constant in each: ``h < 2``, ``w[h]``). Data-dependent Python
+control flow and anything else are a NotImplementedError naming the construct and the source
+line. The translated rule is generated Python source (``mask.explain()`` shows it),
 split into one region per case of its row conditions (``torch.where(q_idx < n, ...)``): fewer
 interval slots than one region holding every case.
 
@@ -53,7 +56,7 @@ from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
 from compilemask.tracing import TracedOps, user_line
 
-__all__ = ["from_mask_mod"]
+__all__ = ["from_mask_mod", "from_mask_mod_heads"]
 
 _I = sp.Symbol("i", integer=True, nonnegative=True)
 _J = sp.Symbol("j", integer=True, nonnegative=True)
@@ -164,8 +167,8 @@ def _val(tr, x):
         return x.scalar()
     if isinstance(x, _Sym):
         if x.tag == "h":
-            raise tr.fail("the head index h (per-head masks have no rule form here: build one "
-                          "mask per head group)")
+            raise tr.fail("the head index h: from_mask_mod_heads(mask_mod, num_heads=H) gives "
+                          "one spec per head (h a constant in each), for preprocess_heads")
         if x.tag == "b":
             raise tr.fail("the batch index b outside indexing a captured tensor (write t[b])")
         return x.e
@@ -520,12 +523,31 @@ class _Captured(_Sym):
     """A captured tensor: indexing it by ``b``, ``q_idx``, ``kv_idx`` (or by another captured
     array) makes a metadata param."""
 
-    __slots__ = ("leaf", "name", "ndim", "is_bool")
+    __slots__ = ("leaf", "name", "ndim", "is_bool", "_like")
 
     def __init__(self, tr, leaf, name, tensor):
         super().__init__(tr, None)
         self.leaf, self.name, self.ndim = leaf, name, tensor.dim()
         self.is_bool = tensor.dtype is torch.bool
+        self._like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+    def _selected(self, consts):
+        """This tensor with constant indices ``[(dim, c)]`` applied: a stand-in of its own over
+        the leaf ``(source leaf, selections)``, named after the source alone, so that heads
+        reading ``w[h]`` give equal specs (their metadata differ, not their rules)."""
+        src, sel = (self.leaf if isinstance(self.leaf, tuple) else (self.leaf, ()))
+        like = self._like
+        for d, c in sorted(consts, reverse=True):  # the higher dims first: lower ones stay put
+            if not -like.shape[d] <= c < like.shape[d]:
+                raise self.tr.fail(f"index {c} of dimension {d} of captured tensor "
+                                   f"{self.name!r} (shape {list(like.shape)}) is out of range")
+            like = like.select(d, c)
+            sel += ((d, c),)
+        leaf = (src, sel)
+        got = self.tr.stand_ins.get(leaf)
+        if got is None:
+            got = self.tr.new_stand_in(leaf, f"{self.name}_sel", like)
+        return got
 
     def _wrap(self, e):
         return sp.Ne(e, 0) if self.is_bool else e
@@ -569,6 +591,11 @@ class _Captured(_Sym):
     def __getitem__(self, idx):
         tr = self.tr
         idx = idx if isinstance(idx, tuple) else (idx,)
+        consts = [(d, c) for d, x in enumerate(idx) if (c := _const_index(x)) is not None]
+        if consts:
+            sub = self._selected(consts)
+            rest = tuple(x for d, x in enumerate(idx) if d not in {d for d, _ in consts})
+            return sub[rest] if rest else sub
         is_b = [isinstance(x, _Sym) and x.tag == "b" for x in idx]
         if any(isinstance(x, _Sym) and x.tag == "h" for x in idx):
             _val(tr, next(x for x in idx if isinstance(x, _Sym) and x.tag == "h"))
@@ -617,6 +644,17 @@ class _Captured(_Sym):
         if type(e).__name__ == self.name:
             tr.array_leaf[self.name] = self.leaf
         return _Sym(tr, self._wrap(e))
+
+
+def _const_index(x) -> int | None:
+    """The value of an index known at conversion (a Python int, or a traced constant such as
+    the head of ``from_mask_mod_heads``), else None."""
+    if type(x) is int:
+        return x
+    if isinstance(x, _Sym) and not isinstance(x, _Captured) and x.tag is None and isinstance(
+            x.e, sp.Integer):
+        return int(x.e)
+    return None
 
 
 class _TableRow:
@@ -683,16 +721,40 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     (constants, defaults, attributes of captured objects) return the same spec; only the tensors
     are collected again."""
     _check_signature(mask_mod)
+    return _converted(mask_mod, batch_size, name, seqlen, None)
+
+
+def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = None,
+                        name: str | None = None, seqlen: int | None = None):
+    """A FlexAttention ``mask_mod`` that reads the head index ``h`` as one ``(MaskSpec, meta)``
+    per head: ``(specs, metas)``, lists of ``num_heads``, each converted as
+    :func:`from_mask_mod` does with ``h`` that head's constant (``h < 2``, ``w[h]``,
+    ``t[b, h, q_idx]`` read at it). Heads whose rules come out equal have equal specs (one
+    compiled mask), and share one descriptor where they also read the same tensors::
+
+        specs, metas = cm.from_mask_mod_heads(mask_mod, num_heads=H)
+        groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, seqlen_q=S)
+        out = cm.attention(q, k, v, groups)
+    """
+    _check_signature(mask_mod)
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"from_mask_mod_heads: num_heads must be a positive int, got "
+                         f"{num_heads!r}")
+    per = [_converted(mask_mod, batch_size, name, seqlen, h) for h in range(num_heads)]
+    return [spec for spec, _ in per], [meta for _, meta in per]
+
+
+def _converted(mask_mod, batch_size, name, seqlen, head):
     walk = _Walk()
     try:
         # the name labels the spec (and its errors): functions of one code may be renamed
-        key = (walk.value(mask_mod, "mask_mod")[0], name, mask_mod.__name__)
+        key = (walk.value(mask_mod, "mask_mod")[0], name, mask_mod.__name__, head)
         entry = _CACHE.get(key)
     except _Uncacheable:
         key, entry = None, None
     leaves = walk.leaves
     if entry is None:
-        entry, leaves = _convert_mask_mod(mask_mod, name)
+        entry, leaves = _convert_mask_mod(mask_mod, name, head)
         if key is not None:
             with _LOCK:
                 if len(_CACHE) > 1024:
@@ -721,31 +783,47 @@ def _check_signature(mask_mod):
                         f"arguments need defaults), takes {what}")
 
 
+def _leaf_value(entry: _Entry, leaves, leaf):
+    """A leaf's tensor: a captured one, or ``(source, [(dim, c)])``: its constant selections."""
+    if not isinstance(leaf, tuple):
+        return leaves[leaf]
+    t = leaves[leaf[0]]
+    for d, c in leaf[1]:
+        if not -t.shape[d] <= c < t.shape[d]:
+            raise ValueError(f"mask_mod {entry.spec.name!r}: a captured tensor of shape "
+                             f"{list(t.shape)} is read at index {c} of its dimension {d}")
+        t = t.select(d, c)
+    return t
+
+
 def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
+    def leaf_of(leaf):
+        return _leaf_value(entry, leaves, leaf)
+
     B = batch_size
     if B is None:
         B = 1
         for _, leaf in (*entry.scalars, *entry.index_scalars):
-            if leaves[leaf].dim() == 1:
-                B = max(B, leaves[leaf].shape[0])
+            if leaf_of(leaf).dim() == 1:
+                B = max(B, leaf_of(leaf).shape[0])
         for _, leaf, ndim in (*entry.arrays, *entry.index_arrays):
             if ndim == 2:  # b-indexed, read directly or in a gather's index
-                B = max(B, leaves[leaf].shape[0])
+                B = max(B, leaf_of(leaf).shape[0])
         for _, leaf, ndim, _ in entry.derived:
             if ndim == 2:
-                B = max(B, leaves[leaf].shape[0])
+                B = max(B, leaf_of(leaf).shape[0])
     values = {}
     for p, leaf in (*entry.scalars, *entry.index_scalars):
-        t = _as_int(leaves[leaf])
+        t = _as_int(leaf_of(leaf))
         values[p] = t.reshape(1).expand(B) if t.dim() == 0 else t
     for p, leaf, ndim in (*entry.arrays, *entry.index_arrays):
-        t = _as_int(leaves[leaf])
+        t = _as_int(leaf_of(leaf))
         values[p] = t.unsqueeze(0).expand(B, -1) if ndim == 1 else t
     if seqlen is None:  # the tokens of every per-token tensor read at q_idx / kv_idx
         lengths = {values[p].shape[-1] for p, *_ in (*entry.arrays, *entry.index_arrays)}
         seqlen = lengths.pop() if len(lengths) == 1 else None
     for p, leaf, ndim, index in entry.derived:
-        values[p] = _gather(entry, p, _as_int(leaves[leaf]), ndim, index, values, B, seqlen)
+        values[p] = _gather(entry, p, _as_int(leaf_of(leaf)), ndim, index, values, B, seqlen)
     return {p: values[p] for p in entry.params}
 
 
@@ -801,12 +879,14 @@ def _as_int(t):
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
-def _convert_mask_mod(mask_mod, name) -> tuple[_Entry, list]:
+def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     fname = mask_mod.__name__
     tr = _Trace(fname)
     walk = _Walk(tr)
     _, copy = walk.value(mask_mod, "mask_mod")
-    b, h = _Sym(tr, None, "b"), _Sym(tr, None, "h")
+    # h: refused where read, or one head's constant (``from_mask_mod_heads``)
+    b, h = _Sym(tr, None, "b"), (_Sym(tr, None, "h") if head is None else
+                                 _Sym(tr, sp.Integer(head)))
     try:
         out = copy(b, h, _Sym(tr, _I), _Sym(tr, _J))
     except (TypeError, AttributeError) as e:

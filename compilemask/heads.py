@@ -98,8 +98,10 @@ class HeadGroups:
 
 def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
                      seqlen_k: int | None = None, **kwargs) -> HeadGroups:
-    """One mask per query head -> ``HeadGroups`` (one ``preprocess`` per distinct mask, with
-    ``kwargs`` as ``CompiledMask.preprocess`` takes them)."""
+    """One mask per query head -> ``HeadGroups`` (one ``preprocess`` per distinct mask and
+    metadata, with ``kwargs`` as ``CompiledMask.preprocess`` takes them). ``meta``: one dict
+    every mask reads, or a list of one per head (``from_mask_mod_heads``' metas); heads with
+    the same mask that read the same tensors share a descriptor."""
     head_masks = list(head_masks)
     if not head_masks:
         raise ValueError("preprocess_heads: head_masks is empty (one mask per query head)")
@@ -107,12 +109,22 @@ def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
         if not isinstance(m, CompiledMask):
             raise TypeError(f"preprocess_heads: head {h}'s mask is a {type(m).__name__}, not a "
                             "compile_mask(...) result")
+    if isinstance(meta, (list, tuple)):
+        if len(meta) != len(head_masks):
+            raise ValueError(f"preprocess_heads: meta is a list of {len(meta)}, the heads "
+                             f"{len(head_masks)} (one dict per head, or one dict for all)")
+        metas = list(meta)
+    else:
+        metas = [meta] * len(head_masks)
     by_key: dict = {}
-    for h, m in enumerate(head_masks):
-        by_key.setdefault(m.key, (m, []))[1].append(h)
+    for h, (m, mh) in enumerate(zip(head_masks, metas)):
+        own = {p: mh[p] for p in m.spec.params} if mh else {}
+        # the same tensors, or equal ints: per-head selections are views of their own
+        read = tuple((p, ("t", v.data_ptr(), v.shape, v.stride(), v.dtype)
+                      if isinstance(v, torch.Tensor) else ("v", v)) for p, v in own.items())
+        by_key.setdefault((m.key, read), (m, own, []))[2].append(h)
     groups = []
-    for m, heads in by_key.values():
-        own = {p: meta[p] for p in m.spec.params} if meta else None
+    for m, own, heads in by_key.values():
         groups.append((m.preprocess(own or None, seqlen_q, seqlen_k, **kwargs), tuple(heads)))
     return HeadGroups(tuple(groups), len(head_masks))
 

@@ -160,3 +160,79 @@ def test_head_groups_in_a_transformers_model():
     torch.testing.assert_close(runs[1][0], runs[0][0], atol=2e-5, rtol=1e-4)
     for a, b in zip(runs[1][1], runs[0][1]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def _head_mask_mods():
+    """FlexAttention mask_mods that read h, as models write them."""
+    window = torch.tensor([3, 17, 3, 50])
+    is_global = torch.tensor([True, False, False, True])
+    prefix = torch.tensor([[5, 0, 9, 2], [1, 12, 0, 7]])  # [B, H]
+    doc = torch.randint(0, 3, (B, H, S), generator=torch.Generator().manual_seed(1)).sort(-1)[0]
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window[h])
+
+    def duo(b, h, q_idx, kv_idx):  # retrieval heads causal, streaming heads sinks + window
+        streaming = (kv_idx < 2) | (q_idx - kv_idx < 6)
+        return (kv_idx <= q_idx) & (is_global[h] | streaming)
+
+    def branch_on_h(b, h, q_idx, kv_idx):
+        return torch.where(h < 2, kv_idx <= q_idx, (kv_idx < prefix[b, h]) | (kv_idx <= q_idx))
+
+    def per_head_documents(b, h, q_idx, kv_idx):
+        return doc[b, h, q_idx] == doc[b, h, kv_idx]
+
+    return [per_head_window, duo, branch_on_h, per_head_documents]
+
+
+@pytest.mark.parametrize("n", range(4))
+def test_mask_mods_reading_h_equal_create_mask_per_head(n):
+    """``from_mask_mod_heads``: h a constant per head, head-indexed tensors selected at it;
+    the head groups' [B, H, Sq, Sk] mask equals FlexAttention's create_mask, and attention
+    equals dense per-head attention; heads with equal rules share a compiled mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    mm = _head_mask_mods()[n]
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B)
+    compiled = [cm.compile_mask(s) for s in specs]
+    assert len(compiled) == len(metas) == H
+    groups = cm.preprocess_heads(compiled, metas, seqlen_q=S, batch_size=B)
+    want = create_mask(mm, B, H, S, S, device="cpu")
+    assert torch.equal(groups.dense_mask(), want), mm.__name__
+    q, k, v = _qkv(3)
+    kk, vv = (t.repeat_interleave(H // HKV, dim=2) for t in (k, v))
+    out = cm.attention(q, kk, vv, groups)
+    ref, _ = _dense(q, kk, vv, want)
+    torch.testing.assert_close(out, ref)
+    # w[h] / is_global[h] are one param (w_sel) of every head's rule: one compiled mask;
+    # h < 2 splits the heads into two masks
+    assert len({c.key for c in compiled}) == (2 if mm.__name__ == "branch_on_h" else 1)
+
+
+def test_mask_mods_reading_h_refusals():
+    mm = _head_mask_mods()[0]
+    with pytest.raises(NotImplementedError, match=r"from_mask_mod_heads\(mask_mod, num_heads"):
+        cm.from_mask_mod(mm)
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        cm.from_mask_mod_heads(mm, num_heads=0)
+    with pytest.raises(NotImplementedError, match="index 4 of dimension 0 .* out of range"):
+        cm.from_mask_mod_heads(mm, num_heads=5)
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H)
+    with pytest.raises(ValueError, match="meta is a list of 4, the heads 3"):
+        cm.preprocess_heads([cm.compile_mask(s) for s in specs[:3]], metas, seqlen_q=S)
+
+
+def test_constant_indices_select_before_reading():
+    """``t[b, 3]``, ``t[0]`` and ``t[b, 1, q_idx]``: a constant index selects first."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    lens = torch.tensor([[4, 9, 1], [0, 20, 6]])
+    first = torch.tensor([7, 2])
+    rows = torch.randint(0, 30, (B, 2, S), generator=torch.Generator().manual_seed(2))
+
+    def mm(b, h, q_idx, kv_idx):
+        return ((kv_idx < lens[b, 1]) | (kv_idx == first[0])) & (kv_idx <= rows[b, 1, q_idx])
+
+    spec, meta = cm.from_mask_mod(mm, batch_size=B)
+    got = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=B).dense_mask()
+    assert torch.equal(got, create_mask(mm, B, 1, S, S, device="cpu")[:, 0])
