@@ -299,6 +299,68 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
     rows.append(row)
 
 
+HEAD_WINDOWS = (512, 1024, 2048, 4096)  # per_head_windows: heads 2w, 2w+1 see window w
+
+
+def run_heads_point(S, mode, rep, rows):
+    """Per-head sliding windows (``per_head_windows``): ours as head groups (each group FA4's
+    own window kernel on its heads), Flex-FA4 with a per-head BlockMask of the same mask_mod."""
+    B, dev = max(1, TOKENS // S), "cuda"
+    per = H // len(HEAD_WINDOWS)
+    windows = torch.tensor([w for w in HEAD_WINDOWS for _ in range(per)], device=dev)
+    head_masks = [cm.compile_mask(masks.sliding_window(w)) for w in HEAD_WINDOWS
+                  for _ in range(per)]
+
+    def pre():
+        return cm.preprocess_heads(head_masks, None, seqlen_q=S, batch_size=B, device=dev)
+
+    groups = pre()
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < windows[h])
+
+    i = torch.arange(S, dtype=torch.int64)
+    pairs = B * per * sum(int(torch.minimum(i + 1, torch.tensor(w)).sum())
+                          for w in HEAD_WINDOWS)
+    flops = 4.0 * pairs * D * (3.5 if mode == "train" else 1.0)
+    gen = torch.Generator(device=dev).manual_seed(S)
+    q, k, v = (torch.randn(B, S, H, D, device=dev, dtype=DTYPE, generator=gen) for _ in range(3))
+    do = torch.randn_like(q)
+    row = {"mask": "per_head_windows", "S": S, "B": B, "mode": mode, "pairs": pairs,
+           "native": "sliding windows per head group"}
+
+    def rec(method, ms, note=""):
+        row[method] = {"ms": ms, "tflops": flops / ms / 1e9 if ms else None, "note": note}
+        print(f"  per_head_windows  {S:6d} {mode:5s} {method:22s} "
+              + (f"{ms:9.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s" if ms else note), flush=True)
+
+    def run(f, qq, kk, vv, dout):
+        if mode == "fwd":
+            return f(qq, kk, vv)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (qq, kk, vv))
+        f(qq, kk, vv).backward(dout)
+
+    try:
+        rec("native", _bench(lambda: run(lambda a, b_, c: cm.attention(a, b_, c, groups), q, k,
+                                         v, do), rep))
+        rec("native+pre", _bench(lambda: run(lambda a, b_, c: cm.attention(a, b_, c, pre()), q,
+                                             k, v, do), rep))
+        rec("preprocess", _bench(pre, rep))
+        qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
+        opts = {"BACKEND": "FLASH"}
+        bm = _cbm()(mm, B, H, S, S, device=dev)
+        rec("flex_flash", _bench(lambda: run(lambda a, b_, c: _flex()(
+            a, b_, c, block_mask=bm, kernel_options=opts), qt, kt, vt, dot), rep))
+        rec("block_mask", _bench(lambda: _cbm()(mm, B, H, S, S, device=dev), rep))
+        rec("flex_flash+bm", _bench(lambda: run(lambda a, b_, c: _flex()(
+            a, b_, c, block_mask=_cbm()(mm, B, H, S, S, device=dev), kernel_options=opts), qt,
+            kt, vt, dot), rep))
+    except Exception as e:  # reported, not fatal
+        rec("native", None, f"failed: {type(e).__name__}: {str(e)[:100]}")
+        traceback.print_exc()
+    rows.append(row)
+
+
 def _ratio(row, a, b):
     x, y = row.get(a) or {}, row.get(b) or {}
     if x.get("ms") and y.get("ms"):
@@ -366,6 +428,9 @@ def main(argv=None):
         for S in map(int, args.seqlens.split(",")):
             for item in args.masks.split(","):
                 name, _, smod = item.partition(":")
+                if name == "per_head_windows":
+                    run_heads_point(S, mode, args.rep, rows)
+                    continue
                 run_point(name, S, mode, args.methods.split(","), args.rep, rows, args.options,
                           smod or args.score_mod or None)
                 (out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
