@@ -96,6 +96,7 @@ class _Trace:
         self.array_leaf: dict[str, int] = {}  # array param -> leaf
         self.scalar_leaf: dict[str, int] = {}  # scalar param -> leaf
         self.array_ndim: dict[str, int] = {}
+        self.shape_deps: dict[tuple, int] = {}  # (leaf, dim) -> the size the rules assumed
 
     def fail(self, what: str):
         return NotImplementedError(f"mask_mod {self.fname!r} ({user_line(__file__)}): {what}")
@@ -494,6 +495,14 @@ class _Sym(_Ops):
     def new_tensor(self, value, dtype=None, **kwargs):
         return _Sym(self.tr, _const_like(self.tr, self, value, dtype))
 
+    def unsqueeze(self, dim):  # a value per score broadcasts like its unsqueezed self
+        return self
+
+    def any(self, dim=None, keepdim=False):  # of one value (a length-1 dim): that value
+        return self.bool()
+
+    all = any
+
     def eq(self, other):
         return self == other
 
@@ -531,7 +540,7 @@ class _Captured(_Sym):
         self.is_bool = tensor.dtype is torch.bool
         self._like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
-    def _selected(self, consts):
+    def _selected(self, consts, suffix="sel"):
         """This tensor with constant indices ``[(dim, c)]`` applied: a stand-in of its own over
         the leaf ``(source leaf, selections)``, named after the source alone, so that heads
         reading ``w[h]`` give equal specs (their metadata differ, not their rules)."""
@@ -546,7 +555,7 @@ class _Captured(_Sym):
         leaf = (src, sel)
         got = self.tr.stand_ins.get(leaf)
         if got is None:
-            got = self.tr.new_stand_in(leaf, f"{self.name}_sel", like)
+            got = self.tr.new_stand_in(leaf, f"{self.name}_{suffix}", like)
         return got
 
     def _wrap(self, e):
@@ -605,6 +614,15 @@ class _Captured(_Sym):
             return _Row(self)
         if self.ndim == 2 and len(idx) == 2 and is_b[0]:
             return self._read(idx[1], 2)
+        if self.ndim == 3 and len(idx) == 2 and is_b[0]:
+            # t[b, x] of [B, n, m]: a row of m values, each its own gathered array (the mask
+            # then depends on m: the conversion is keyed by it)
+            m = self._like.shape[2]
+            if m > _MAX_VECTOR:
+                raise tr.fail(f"a row of {m} values of captured tensor {self.name!r} (at most "
+                              f"{_MAX_VECTOR}: each becomes its own array)")
+            tr.shape_deps[(self.leaf, 2)] = m
+            return _Vec(tr, [self._selected([(2, c)], str(c))[idx] for c in range(m)])
         if self.ndim == 1 and len(idx) == 1:
             return self._read(idx[0], 1)
         if self.ndim == 2 and not is_b[0]:
@@ -644,6 +662,74 @@ class _Captured(_Sym):
         if type(e).__name__ == self.name:
             tr.array_leaf[self.name] = self.leaf
         return _Sym(tr, self._wrap(e))
+
+
+_MAX_VECTOR = 64
+
+
+class _Vec:
+    """A row of traced values (``t[b, x]`` of a 3-D captured tensor): compared with a value
+    per score (``x.unsqueeze(-1)``) elementwise and reduced with ``.any(-1)`` / ``.all(-1)``
+    (VSA's top-k tiles: one of them equals the key's tile)."""
+
+    def __init__(self, tr, items):
+        self.tr, self.items = tr, items
+
+    def _map(self, other, fn):
+        if isinstance(other, _Vec):
+            if len(other.items) != len(self.items):
+                raise self.tr.fail(f"rows of {len(self.items)} and {len(other.items)} values "
+                                   "combined")
+            return _Vec(self.tr, [fn(a, b) for a, b in zip(self.items, other.items)])
+        return _Vec(self.tr, [fn(a, other) for a in self.items])
+
+    def __eq__(self, o):
+        return self._map(o, lambda a, b: a == b)
+
+    def __ne__(self, o):
+        return self._map(o, lambda a, b: a != b)
+
+    def __lt__(self, o):
+        return self._map(o, lambda a, b: a < b)
+
+    def __le__(self, o):
+        return self._map(o, lambda a, b: a <= b)
+
+    def __gt__(self, o):
+        return self._map(o, lambda a, b: a > b)
+
+    def __ge__(self, o):
+        return self._map(o, lambda a, b: a >= b)
+
+    def __and__(self, o):
+        return self._map(o, lambda a, b: a & b)
+
+    def __or__(self, o):
+        return self._map(o, lambda a, b: a | b)
+
+    __rand__, __ror__ = __and__, __or__
+    __hash__ = object.__hash__
+
+    def _reduce(self, dim, keepdim, op):
+        if dim not in (-1, 0) or keepdim:
+            raise self.tr.fail("a row of values reduced other than over its one dimension "
+                               "(.any(-1) / .all(-1))")
+        return _Sym(self.tr, op(*[_to_bool(self.tr, x) for x in self.items]))
+
+    def any(self, dim=-1, keepdim=False):
+        return self._reduce(dim, keepdim, sp.Or)
+
+    def all(self, dim=-1, keepdim=False):
+        return self._reduce(dim, keepdim, sp.And)
+
+    def __bool__(self):
+        raise self.tr.fail("data-dependent Python control flow on a row of values")
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self.tr.fail(f"'.{name}' of a row of values (t[b, x] of a 3-d tensor: compare "
+                           "it elementwise, then .any(-1) / .all(-1))")
 
 
 def _const_index(x) -> int | None:
@@ -697,6 +783,7 @@ class _Entry:
     index_arrays: tuple  # (array, leaf, ndim): read only inside a gather's index
     index_scalars: tuple  # (scalar, leaf): likewise
     params: tuple
+    shape_deps: tuple = ()  # ((leaf, dim), size): sizes the rules were converted for
 
 
 _CACHE: dict = {}
@@ -753,6 +840,9 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
     except _Uncacheable:
         key, entry = None, None
     leaves = walk.leaves
+    if entry is not None and any(
+            _leaf_value(entry, leaves, leaf).shape[d] != n for (leaf, d), n in entry.shape_deps):
+        entry = None  # a row's length changed: its rules do too
     if entry is None:
         entry, leaves = _convert_mask_mod(mask_mod, name, head)
         if key is not None:
@@ -938,8 +1028,8 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     if not regions:  # the mask_mod sees nothing anywhere
         regions = [Region("all", _every_row, _generated("visible", "i, j", sp.false, fname))]
     spec = MaskSpec(label, params=list(params), regions=regions)
-    return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params),
-            walk.leaves)
+    return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params,
+                   tuple(tr.shape_deps.items())), walk.leaves)
 
 
 _MAX_ROW_ATOMS = 3  # up to 8 row cases
