@@ -2,9 +2,9 @@
 
 A tile is *visible* if some row's interval overlaps its column range and *masked* if some row's
 intervals do not cover it. Coverage of a column range by a row's (possibly overlapping) intervals
-is decided by a reach iteration: start at the tile's first column and jump to the end of any
-interval that contains the current position; after K rounds the range is covered iff the reach
-passed its last column. The TileLang preprocess computes the same thing the same way.
+is the union's measure within the tile (slots sorted by start, each adding what the earlier ones
+did not reach) equal to the tile's width; the TileLang preprocess decides the same by a reach
+iteration (jump to the end of any interval containing the current position, K rounds).
 
 Coverage makes a tile *full*: the kernels run it with no interval test and no predicate, so only
 slots whose every key is visible may add it. Those are the exact slots; the over-approximating
@@ -40,6 +40,33 @@ def visibility_only_slots(mask, region: torch.Tensor) -> torch.Tensor:
     return table.to(region.device)[idx]
 
 
+_COVER_CHUNK = 1 << 24  # elements of one [rows, K, n_n] step: a 32K-row CPU table in pieces
+
+
+def _covered(starts, ends, col0, col1):
+    """bool ``[B, Sq, n_n]``: whether the union of each row's intervals ``[starts, ends)``
+    (``[B, Sq, K]``) covers each column range ``[col0, col1)``. Sorted by start and clipped to
+    the range, slot k adds ``ends_k - max(starts_k, max of the earlier ends)`` where positive;
+    covered iff the sum is the range's width. A constant number of launches for any K (a decode
+    step's descriptor is launch-bound)."""
+    B, Sq, K = starts.shape
+    if K == 1:
+        return (starts <= col0) & (ends >= col1)
+    order = starts.argsort(dim=-1)
+    s_sorted, e_sorted = starts.gather(-1, order), ends.gather(-1, order)
+    c0, c1 = col0.view(1, 1, 1, -1), col1.view(1, 1, 1, -1)
+    width = col1 - col0
+    rows = max(1, _COVER_CHUNK // max(1, B * K * col0.numel()))
+    out = []
+    for r0 in range(0, Sq, rows):
+        a = torch.minimum(torch.maximum(s_sorted[:, r0:r0 + rows].unsqueeze(-1), c0), c1)
+        b = torch.minimum(torch.maximum(e_sorted[:, r0:r0 + rows].unsqueeze(-1), a), c1)
+        before = torch.nn.functional.pad(b.cummax(dim=2).values[:, :, :-1], (0, 0, 1, 0))
+        added = (b - torch.maximum(a, before)).clamp(min=0).sum(dim=2)
+        out.append(added == width)
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, seqlen_k: int):
     """uint8 ``[B, n_m, n_n]`` of ``TILE_VISIBLE | TILE_MASKED`` bits.
 
@@ -56,15 +83,10 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
     nonempty = (lens > 0).unsqueeze(-1)
     overlap = (nonempty & (s < col1) & (e > col0)).any(dim=2)  # [B, Sq, n_n]
     per_slot = always_masked.dim() == 3
-    reach = col0.expand(B, Sq, n_n).clone()
-    for _ in range(K):
-        for k in range(K):
-            sk, ek = s[:, :, k], e[:, :, k]
-            jump = (sk <= reach) & (reach < ek)
-            if per_slot:
-                jump &= ~always_masked[:, :, k : k + 1]
-            reach = torch.where(jump, ek.expand_as(reach), reach)
-    covered = reach >= col1
+    counts = lens > 0
+    if per_slot:
+        counts = counts & ~always_masked
+    covered = _covered(starts, torch.where(counts, starts + lens, starts), col0, col1)
     masked = ~covered if per_slot else ~covered | always_masked.unsqueeze(-1)
     pad = n_m * tiles.tile_m - Sq
     row_ok = torch.ones(B, Sq, 1, dtype=torch.bool, device=dev)

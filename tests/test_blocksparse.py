@@ -552,3 +552,30 @@ def test_gpu_descriptor_packed_lists(masks, name):
             assert_lists_equal(descriptor_lists(d, kind), got, f"{name} {kind} B={B} S={S}")
         counts.append(tlb.compile_count())
     assert counts[1] == counts[0]  # the second length compiled nothing
+
+
+def test_interval_coverage_equals_the_reach_iteration():
+    """The union-measure coverage (sorted slots, cummax of ends) decides as the TileLang
+    program's reach iteration does, on random overlapping and empty slots and partial tiles."""
+    from compilemask.tiles import _covered
+
+    def reach(starts, ends, col0, col1):
+        B, Sq, K = starts.shape
+        r = col0.expand(B, Sq, col0.numel()).clone()
+        for _ in range(K):
+            for k in range(K):
+                sk, ek = starts[:, :, k : k + 1], ends[:, :, k : k + 1]
+                r = torch.where((sk <= r) & (r < ek), ek.expand_as(r), r)
+        return r >= col1
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        K, Sk, tn = (int(torch.randint(lo, hi, (1,), generator=g))
+                     for lo, hi in ((1, 7), (1, 300), (1, 70)))
+        col0 = torch.arange(-(-Sk // tn)) * tn
+        col1 = torch.clamp(col0 + tn, max=Sk)
+        starts = torch.randint(0, Sk, (2, 5, K), generator=g)
+        lens = torch.randint(0, Sk, (2, 5, K), generator=g) * (torch.rand(2, 5, K, generator=g)
+                                                              < 0.8)
+        ends = torch.minimum(starts + lens, torch.tensor(Sk))
+        assert torch.equal(_covered(starts, ends, col0, col1), reach(starts, ends, col0, col1))
