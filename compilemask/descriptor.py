@@ -236,6 +236,9 @@ class ExecutionDescriptor:
     # int32 [B]: the keys each request holds in a shared KV buffer (``serving.query_descriptor
     # (..., seqused_k=)``), which a paged KV cache's kernel stops at; None: all seqlen_k
     seqused_k: torch.Tensor | None = None
+    # int32 [B]: the queries each request has in a packed (varlen) batch, its last positions
+    # (``query_descriptor(..., seqused_q=)``; rows past it are padding); None: all seqlen_q
+    seqused_q: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -303,8 +306,9 @@ class ExecutionDescriptor:
         if segments is not None:
             segments = (segments[0].to(device), segments[1])
         lists = None if self.lists is None else self.lists.to(device)
-        used = None if self.seqused_k is None else self.seqused_k.to(device)
-        return replace(self, **moved, segments=segments, lists=lists, seqused_k=used)
+        used = {f: None if getattr(self, f) is None else getattr(self, f).to(device)
+                for f in ("seqused_k", "seqused_q")}
+        return replace(self, **moved, segments=segments, lists=lists, **used)
 
 
 def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConfig,

@@ -14,7 +14,9 @@ reach are fine: the first ``seqlen_k`` are read), so rules read at ``j`` work fo
 
 ``paged_attention(q, k_cache, v_cache, page_table, desc)`` runs such a descriptor's forward over
 a paged KV cache (FA4's ``page_table``: sequence ``b``'s key ``j`` lives in page
-``page_table[b, j // page_size]`` at row ``j % page_size``).
+``page_table[b, j // page_size]`` at row ``j % page_size``); ``varlen_attention(q, k, v, desc)``
+over a packed batch of requests (FA4's varlen layout, ``query_descriptor(..., seqused_k=,
+seqused_q=)``); paged keys take packed queries too.
 
 ``DecodeState`` keeps the mask and the metadata of a generation and gives each step's
 descriptor (``state.descriptor(seqlen_q, seqlen_k)``), one per step shape, shared by every
@@ -34,7 +36,7 @@ from compilemask.compiled import CompiledMask
 from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, ExecutionDescriptor
 from compilemask.distributed import rows_descriptor
 
-__all__ = ["query_descriptor", "paged_attention", "DecodeState"]
+__all__ = ["query_descriptor", "paged_attention", "varlen_attention", "DecodeState"]
 
 
 def _sliced(meta, seqlen_k: int):
@@ -54,7 +56,8 @@ def _sliced(meta, seqlen_k: int):
 
 
 def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: int | None = None,
-                     seqused_k: torch.Tensor | None = None, device=None,
+                     seqused_k: torch.Tensor | None = None,
+                     seqused_q: torch.Tensor | None = None, device=None,
                      fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
                      check: bool = False) -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
@@ -64,7 +67,11 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
     buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are
     its last ``seqlen_q`` positions, keys past its length are never shown, and query rows before
-    its first position (a request shorter than ``seqlen_q``) see nothing. ``device``: where the
+    its first position (a request shorter than ``seqlen_q``) see nothing. ``seqused_q`` (int
+    ``[B]``, each at most ``seqlen_q`` and its ``seqused_k``, with ``seqused_k``): a packed
+    (varlen) batch, request ``b`` having ``seqused_q[b]`` queries, its last positions: its local
+    row ``r`` is position ``seqused_k[b] - seqused_q[b] + r`` and rows past ``seqused_q[b]`` are
+    padding (``varlen_attention``, ``paged_attention`` with packed queries). ``device``: where the
     descriptor is made (default: the metadata's, else ``seqused_k``'s, else the CPU); a mask
     without metadata is made there directly, never copied per step."""
     for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
@@ -79,18 +86,36 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
                                                            torch.device("cpu"))
     if meta:  # the metadata where the descriptor is made (a no-op where it is already)
         meta = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in meta.items()}
+    if seqused_q is not None and seqused_k is None:
+        raise ValueError("query_descriptor: seqused_q (a packed batch's queries per request) "
+                         "needs seqused_k (its keys per request)")
     if seqused_k is not None:
         used = torch.as_tensor(seqused_k).to(dev, torch.int64).view(-1)
         if batch_size is not None and used.numel() != batch_size:
             raise ValueError(f"query_descriptor: seqused_k has {used.numel()} entries, the "
                              f"batch {batch_size}")
-        rows = used.view(-1, 1) - seqlen_q + torch.arange(seqlen_q, device=dev).view(1, -1)
+        local = torch.arange(seqlen_q, device=dev).view(1, -1)
+        if seqused_q is None:
+            rows = used.view(-1, 1) - seqlen_q + local
+        else:
+            used_q = torch.as_tensor(seqused_q).to(dev, torch.int64).view(-1)
+            if used_q.numel() != used.numel():
+                raise ValueError(f"query_descriptor: seqused_q has {used_q.numel()} entries, "
+                                 f"seqused_k {used.numel()}")
+            if dev.type == "cpu" and ((used_q > seqlen_q) | (used_q > used)).any():
+                raise ValueError(f"query_descriptor: seqused_q {used_q.tolist()} exceeds "
+                                 f"seqlen_q ({seqlen_q}) or seqused_k {used.tolist()}")
+            # padding rows past a request's queries: -1, which sees nothing
+            rows = torch.where(local < used_q.view(-1, 1),
+                               used.view(-1, 1) - used_q.view(-1, 1) + local, -1)
         desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
                                bwd_tiles=bwd_tiles, check=check, key_limit=used, device=dev,
                                who="query_descriptor")
         # rows at each request's own positions (q_offset -1): never FA4's native
-        return dataclasses.replace(desc, seqused_k=used.to(torch.int32))
+        return dataclasses.replace(
+            desc, seqused_k=used.to(torch.int32),
+            seqused_q=None if seqused_q is None else used_q.to(torch.int32))
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
                            fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check, device=dev,
@@ -99,46 +124,71 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
 
 
-def _paged_checks(q, k_cache, v_cache, page_table, desc) -> None:
+def _checks(who, q, k, v, page_table, desc) -> None:
+    """Arguments of ``paged_attention`` / ``varlen_attention`` (``page_table`` None: the
+    latter's contiguous packed keys)."""
     if not isinstance(desc, ExecutionDescriptor):
-        raise TypeError(f"paged_attention: desc must be an ExecutionDescriptor "
-                        f"(query_descriptor or preprocess), got {type(desc).__name__}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("page_table", page_table)):
+        raise TypeError(f"{who}: desc must be an ExecutionDescriptor (query_descriptor or "
+                        f"preprocess), got {type(desc).__name__}")
+    names = ("k_cache", "v_cache") if page_table is not None else ("k", "v")
+    for name, t in (("q", q), (names[0], k), (names[1], v)) + (
+            (("page_table", page_table),) if page_table is not None else ()):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got "
-                            f"{type(t).__name__}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
-        raise NotImplementedError("paged_attention: the paged KV path is forward only (FA4's "
-                                  "page_table has no backward); run it under torch.no_grad() "
-                                  "or use cm.attention on contiguous keys to train")
-    if q.dim() != 4 or k_cache.dim() != 4:
-        raise ValueError(f"paged_attention: q must be [B, Sq, H, D] and k_cache / v_cache "
-                         f"[num_pages, page_size, Hkv, D], got {list(q.shape)} and "
-                         f"{list(k_cache.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_attention: k_cache {list(k_cache.shape)} and v_cache "
-                         f"{list(v_cache.shape)} differ")
-    B, Sq, H, D = q.shape
-    num_pages, page_size, Hkv, Dk = k_cache.shape
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise NotImplementedError(f"{who}: forward only (serving); run it under "
+                                  "torch.no_grad(), or cm.attention on [B, S, H, D] keys to train")
+    packed = desc.seqused_q is not None
+    if page_table is None and (desc.seqused_k is None or not packed):
+        raise ValueError(f"{who}: desc must come from query_descriptor(..., seqused_k=, "
+                         "seqused_q=): the requests' keys and queries")
+    q_layout = "[total_q, H, D] (the descriptor has seqused_q)" if packed else "[B, Sq, H, D]"
+    if q.dim() != (3 if packed else 4):
+        raise ValueError(f"{who}: q must be {q_layout}, got {list(q.shape)}")
+    k_layout = ("[num_pages, page_size, Hkv, D]" if page_table is not None else
+                "[total_k, Hkv, D]")
+    if k.dim() != k_layout.count(",") + 1 or k.shape != v.shape:
+        raise ValueError(f"{who}: {names[0]} and {names[1]} must be {k_layout}, alike, got "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    H, D = q.shape[-2:]
+    Hkv, Dk = k.shape[-2:]
     if Dk != D or H % Hkv:
-        raise ValueError(f"paged_attention: q {list(q.shape)} and k_cache {list(k_cache.shape)} "
-                         "disagree on head dim, or q's heads are not a multiple of the cache's")
-    if not q.is_floating_point() or q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise TypeError(f"paged_attention: q, k_cache, v_cache must share a floating dtype, got "
-                        f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if (page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.shape[0] != B
-            or page_table.device != q.device):
-        raise ValueError(f"paged_attention: page_table must be int32 [B={B}, max_pages] on "
+        raise ValueError(f"{who}: q {list(q.shape)} and {names[0]} {list(k.shape)} disagree on "
+                         "head dim, or q's heads are not a multiple of the keys'")
+    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"{who}: q, {names[0]}, {names[1]} must share a floating dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not packed and (desc.batch_size, desc.seqlen_q) != tuple(q.shape[:2]):
+        raise ValueError(f"{who}: desc was made for batch {desc.batch_size}, seqlen_q "
+                         f"{desc.seqlen_q}; q gives batch {q.shape[0]}, seqlen_q {q.shape[1]}")
+    if page_table is None:
+        return
+    if (page_table.dtype != torch.int32 or page_table.dim() != 2
+            or page_table.shape[0] != desc.batch_size or page_table.device != q.device):
+        raise ValueError(f"{who}: page_table must be int32 [B={desc.batch_size}, max_pages] on "
                          f"{q.device}, got {page_table.dtype} {list(page_table.shape)} on "
                          f"{page_table.device}")
-    if page_table.shape[1] * page_size < desc.seqlen_k:
-        raise ValueError(f"paged_attention: page_table addresses {page_table.shape[1]} pages of "
-                         f"{page_size} keys per sequence, fewer than desc's seqlen_k "
+    if page_table.shape[1] * k.shape[1] < desc.seqlen_k:
+        raise ValueError(f"{who}: page_table addresses {page_table.shape[1]} pages of "
+                         f"{k.shape[1]} keys per sequence, fewer than desc's seqlen_k "
                          f"({desc.seqlen_k})")
-    if (desc.batch_size, desc.seqlen_q) != (B, Sq):
-        raise ValueError(f"paged_attention: desc was made for batch {desc.batch_size}, seqlen_q "
-                         f"{desc.seqlen_q}; q gives batch {B}, seqlen_q {Sq}")
+
+
+def _cu(used):
+    """int32 ``[B + 1]`` offsets of a packed batch from its per-request counts (on device)."""
+    return torch.nn.functional.pad(used.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _unpacked(x, used, S: int):
+    """A packed ``[total, ...]`` tensor as ``[B, S, ...]`` (zeros past each request's count), and
+    the bool ``[B, S]`` of its real rows."""
+    local = torch.arange(S, device=x.device).view(1, -1)
+    valid = local < used.view(-1, 1).to(x.device)
+    idx = (_cu(used).to(x.device)[:-1].view(-1, 1) + local).clamp(max=max(x.shape[0] - 1, 0))
+    if x.shape[0] == 0:
+        return x.new_zeros(used.numel(), S, *x.shape[1:]), valid
+    rows = x[idx.long()]
+    return torch.where(valid.view(*valid.shape, *(1,) * (x.dim() - 1)), rows, 0), valid
 
 
 def _gathered(cache, page_table, seqlen_k: int):
@@ -149,58 +199,108 @@ def _gathered(cache, page_table, seqlen_k: int):
     return cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
 
 
+def _engine(who, q, desc, backend: str) -> str:
+    """``reference`` (CPU, or asked), ``native`` (a mask proven causal / windowed / full: FA4's
+    own kernel with each request's lengths, bottom-right as the rows are) or ``fa4`` (the
+    interval mask_mod on every tile)."""
+    from compilemask.api import BACKENDS, select_engine
+
+    if backend not in BACKENDS:
+        raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cute":
+        raise NotImplementedError(f"{who}: the cute engine has no paged or varlen keys; "
+                                  "backend='auto', 'fa4', 'native' or 'reference'")
+    if backend == "reference" or (backend == "auto" and not q.is_cuda):
+        return select_engine(q, desc, backend)
+    pat = desc.native
+    # request batches run FA4 with their lengths (seqused_k / cu_seqlens), which align a
+    # causal or window mask bottom-right per request, as the descriptor's rows are
+    native = pat is not None and pat.kind != "segments" and (
+        desc.q_offset == -1 or desc.native_applies())
+    if backend == "native" and not native:
+        raise NotImplementedError(f"{who}: backend='native' needs a mask proven causal, "
+                                  "windowed or full (FA4 does not page varlen segments); "
+                                  "backend='fa4' runs it")
+    select_engine(q, desc, "fa4")  # CUDA, sm90, dtype, head dim: else the reason, raised
+    return "native" if native and backend in ("auto", "native") else "fa4"
+
+
 def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, *,
                     softmax_scale: float | None = None, backend: str = "auto"):
     """The forward of ``cm.attention(q, k, v, desc)`` with keys and values in a paged KV cache:
     ``k_cache, v_cache [num_pages, page_size, Hkv, D]``, ``page_table`` int32
     ``[B, max_pages]`` (sequence ``b``'s key ``j`` at ``[page_table[b, j // page_size],
     j % page_size]``), addressing at least ``desc.seqlen_k`` keys per sequence (a
-    ``query_descriptor(..., seqused_k=)`` descriptor stops each at its own length). Returns
-    ``out [B, Sq, H, D]``; forward only.
+    ``query_descriptor(..., seqused_k=)`` descriptor stops each at its own length). ``q``:
+    ``[B, Sq, H, D]``, or packed ``[total_q, H, D]`` for a descriptor with ``seqused_q``.
+    Returns ``out`` in q's layout; forward only.
 
-    On CUDA (sm90) a mask proven native runs FA4's own paged kernel (causal or windowed,
-    bottom-right aligned); any other runs FA4's paged kernel with the interval ``mask_mod`` on
-    every tile (FA4 loads paged keys without block-sparse lists, so no tile is skipped: exact,
-    at a decode step's cost little more). Rows of a sequence's last page past its length must be
-    finite (FA4's TMA loads read the whole page; masked scores times NaN are NaN); page table
-    entries must lie in ``[0, num_pages)`` (not checked on the GPU: that would synchronize).
-    ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or
-    ``"reference"`` (the pages gathered, then the dense float32 path; the CPU's)."""
-    from compilemask.api import attention, select_engine
-
-    _paged_checks(q, k_cache, v_cache, page_table, desc)
-    if backend == "cute":
-        raise NotImplementedError("paged_attention: the cute engine has no paged KV; backend="
-                                  "'auto', 'fa4', 'native' or 'reference'")
-    engine = select_engine(q, desc, backend)
-    if engine == "native" and desc.native.kind == "segments":
-        # FA4's varlen segments take cu_seqlens, which its page_table excludes: the mask_mod
-        # runs them exactly
-        if backend == "native":
-            raise NotImplementedError("paged_attention: this mask runs natively as FA4 varlen "
-                                      "segments, which FA4 does not page; backend='fa4' runs it")
-        engine = select_engine(q, desc, "fa4")
-    if engine == "cute":
-        raise NotImplementedError(f"paged_attention: neither FA4 engine runs this call "
-                                  f"(fa4: {_fa4_reason(q, desc)}); backend='reference' runs "
-                                  "it densely")
+    On CUDA (sm90) a mask proven causal, windowed or full runs FA4's own paged kernel
+    (bottom-right per request); any other runs FA4's paged kernel with the interval
+    ``mask_mod`` on every tile (FA4 loads paged keys without block-sparse lists, so no tile is
+    skipped: exact, at a decode step's cost little more). Rows of a sequence's last page past
+    its length must be finite (FA4's TMA loads read the whole page; masked scores times NaN are
+    NaN); page table entries must lie in ``[0, num_pages)`` (not checked on the GPU: that
+    would synchronize). ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or ``"reference"``
+    (the pages gathered, then the dense float32 path; the CPU's)."""
+    _checks("paged_attention", q, k_cache, v_cache, page_table, desc)
+    engine = _engine("paged_attention", q, desc, backend)
     if engine == "reference":
         k = _gathered(k_cache, page_table, desc.seqlen_k)
         v = _gathered(v_cache, page_table, desc.seqlen_k)
+        return _reference(q, k, v, desc, softmax_scale)
+    return _fa4(q, k_cache, v_cache, desc, softmax_scale, engine, page_table=page_table)
+
+
+def varlen_attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float | None = None,
+                     backend: str = "auto"):
+    """Forward attention over a packed (varlen) batch of requests: ``q [total_q, H, D]`` holds
+    request ``b``'s ``desc.seqused_q[b]`` queries after those of requests before it, ``k, v
+    [total_k, Hkv, D]`` its ``desc.seqused_k[b]`` keys likewise; ``desc`` from
+    ``query_descriptor(mask, meta, seqlen_k=max keys, seqlen_q=max queries, seqused_k=,
+    seqused_q=)`` (each request's queries its last positions). Returns ``out [total_q, H, D]``.
+    The offsets (FA4's ``cu_seqlens``) are the descriptor's counts summed on the device, so a
+    batch's packing can never disagree with its mask. Engines as ``paged_attention``."""
+    _checks("varlen_attention", q, k, v, None, desc)
+    engine = _engine("varlen_attention", q, desc, backend)
+    if engine == "reference":
+        kk, _ = _unpacked(k, desc.seqused_k, desc.seqlen_k)
+        vv, _ = _unpacked(v, desc.seqused_k, desc.seqlen_k)
+        return _reference(q, kk, vv, desc, softmax_scale)
+    return _fa4(q, k, v, desc, softmax_scale, engine)
+
+
+def _reference(q, k, v, desc, softmax_scale):
+    from compilemask.api import attention
+
+    if desc.seqused_q is None:
         return attention(q, k, v, desc, softmax_scale=softmax_scale, backend="reference")
+    used = desc.seqused_q
+    if q.device.type == "cpu" and int(used.sum()) != q.shape[0]:
+        raise ValueError(f"q holds {q.shape[0]} rows, the descriptor's seqused_q "
+                         f"{used.tolist()} {int(used.sum())}")
+    qq, valid = _unpacked(q, used, desc.seqlen_q)
+    out = attention(qq, k, v, desc, softmax_scale=softmax_scale, backend="reference")
+    return out[valid]
+
+
+def _fa4(q, k, v, desc, softmax_scale, engine, page_table=None):
     from compilemask.kernels import fa4
     from compilemask.pipeline import on_device
 
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, _ = fa4.fwd_paged(q, k_cache, v_cache, page_table, on_device(desc, q.device), scale,
-                           engine)
+    desc = on_device(desc, q.device)
+    kw = {}
+    if desc.seqused_q is not None:
+        kw.update(cu_seqlens_q=_cu(desc.seqused_q), max_seqlen_q=desc.seqlen_q)
+    if page_table is not None:
+        kw.update(page_table=page_table, seqused_k=desc.seqused_k if desc.seqused_k is not None
+                  else torch.full((desc.batch_size,), desc.seqlen_k, dtype=torch.int32,
+                                  device=q.device))
+    else:
+        kw.update(cu_seqlens_k=_cu(desc.seqused_k), max_seqlen_k=desc.seqlen_k)
+    out, _ = fa4.fwd_served(q, k, v, desc, scale, engine, **kw)
     return out
-
-
-def _fa4_reason(q, desc) -> str:
-    from compilemask.kernels.fa4 import why_unavailable
-
-    return why_unavailable(q, desc, "fa4") or "unavailable"
 
 
 class DecodeState:

@@ -30,7 +30,7 @@ from compilemask.codegen.cute_score_mod import score_mod_fns
 from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
 
-__all__ = ["why_unavailable", "fwd", "fwd_paged", "bwd", "BWD_TILE_M", "FWD_TILES"]
+__all__ = ["why_unavailable", "fwd", "fwd_served", "bwd", "BWD_TILE_M", "FWD_TILES"]
 
 FWD_TILES = (128, 128)  # FA4 sm90 forward tile for head dim 64 and 128 with 128-row sparse blocks
 BWD_TILE_M = {64: 128, 128: 64}  # FA4 sm90 backward q tile per head dim (kv tile 128)
@@ -200,18 +200,15 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
                     block_sparse_tensors=_bs_torch(lists, FWD_TILES), **mods)
 
 
-def fwd_paged(q, k_cache, v_cache, page_table, desc, softmax_scale: float, engine: str):
-    """(out, lse) of a forward over a paged KV cache (``serving.paged_attention``): FA4's paged
-    loads have no block-sparse lists, so the fa4 engine's mask_mod runs on every tile; every
-    sequence stops at its ``seqused_k`` (all ``seqlen_k`` keys unless the descriptor says)."""
-    used = desc.seqused_k
-    if used is None:
-        used = torch.full((q.shape[0],), desc.seqlen_k, dtype=torch.int32, device=q.device)
+def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
+    """(out, lse) of a serving forward (``compilemask.serving``): ``lengths`` are FA4's
+    ``page_table`` / ``seqused_k`` / ``cu_seqlens_q/k`` / ``max_seqlen_q/k`` for the batch.
+    FA4's paged and varlen loads take no block-sparse lists here, so the fa4 engine's mask_mod
+    runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""
     native = _native_kwargs(desc.native) if engine == "native" else {}
     mods = _mods(desc, engine, None, None, backward=False)
-    return _timed("paged forward", desc, engine, q)(_fa4_fwd)(
-        q, k_cache, v_cache, page_table=page_table, seqused_k=used,
-        softmax_scale=softmax_scale, **native, **mods)
+    return _timed("serving forward", desc, engine, q)(_fa4_fwd)(
+        q, k, v, softmax_scale=softmax_scale, **lengths, **native, **mods)
 
 
 def _fa4_fwd(q, k, v, *, window_size=(None, None), **kwargs):

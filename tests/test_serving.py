@@ -416,13 +416,115 @@ def test_paged_kv_refusals_name_the_argument():
         paged_attention(q, k_cache.half(), v_cache, table, d)
     with pytest.raises(ValueError, match="seqlen_q 1; q gives batch 2, seqlen_q 3"):
         paged_attention(torch.randn(2, 3, 4, 32), k_cache, v_cache, table, d)
-    with pytest.raises(NotImplementedError, match="cute engine has no paged KV"):
+    with pytest.raises(NotImplementedError, match="cute engine has no paged or varlen keys"):
         paged_attention(q, k_cache, v_cache, table, d, backend="cute")
     with pytest.raises(TypeError, match="desc must be an ExecutionDescriptor"):
         paged_attention(q, k_cache, v_cache, table, None)
     with torch.no_grad():  # grad-requiring inputs are fine without grad
         out = paged_attention(q.requires_grad_(), k_cache, v_cache, table, d)
     assert torch.equal(out, cm.attention(q.detach(), k, v, d))
+
+
+def _packed_batch(mask, gen, used_k, used_q, Hkv=2, D=32, dtype=torch.float32, device="cpu"):
+    """A packed batch: per-request metadata over its positions, q / k / v packed by the counts,
+    the descriptor, and each request's own [1, Sq_b, H, D] contiguous call for comparison."""
+    Bq, Sk, Sq = len(used_k), max(used_k), max(used_q)
+    meta = masks.random_meta(mask.spec, Bq, Sk, gen)
+    meta = {k: v.to(device) for k, v in meta.items()} if meta else None
+    d = query_descriptor(mask, meta, Sk, Sq, batch_size=Bq, seqused_k=torch.tensor(used_k),
+                         seqused_q=torch.tensor(used_q), device=device)
+    q = torch.randn(sum(used_q), 2 * Hkv, D, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(used_k), Hkv, D, generator=gen).to(device, dtype) for _ in range(2))
+    return meta, d, q, k, v
+
+
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "tree_verify", "hstu",
+                                  "sliding_window"])
+def test_varlen_batch_equals_each_request_alone(name):
+    """A packed batch (each request's queries its last positions, FA4's varlen layout) gives
+    each request's own output: its query_descriptor alone on its contiguous keys; with paged
+    keys too."""
+    from compilemask.serving import paged_attention, varlen_attention
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    gen = torch.Generator().manual_seed(4)
+    used_k, used_q = [300, 17, 1, 64], [5, 17, 1, 0]
+    meta, d, q, k, v = _packed_batch(mask, gen, used_k, used_q)
+    assert d.seqused_q.tolist() == used_q and d.q_offset == -1
+    out = varlen_attention(q, k, v, d)
+    assert out.shape == q.shape
+    k_cache, v_cache, table = _paged((*(_unpack(t, used_k) for t in (k, v)),), 16, gen)
+    paged = paged_attention(q, k_cache, v_cache, table, d)
+    qo = ko = 0
+    for b, (nk, nq) in enumerate(zip(used_k, used_q)):
+        one = {p: t[b:b + 1] for p, t in (meta or {}).items()} or None
+        if nq:
+            alone = query_descriptor(mask, one, nk, nq, batch_size=1)
+            want = cm.attention(q[None, qo:qo + nq], k[None, ko:ko + nk], v[None, ko:ko + nk],
+                                alone)[0]
+            assert torch.equal(out[qo:qo + nq], want), (name, b)
+            assert torch.equal(paged[qo:qo + nq], want), (name, b)
+        qo, ko = qo + nq, ko + nk
+
+
+def _unpack(t, used):
+    """[B, max, ...] zero-padded from a packed [total, ...]."""
+    out = t.new_zeros(len(used), max(used), *t.shape[1:])
+    o = 0
+    for b, n in enumerate(used):
+        out[b, :n] = t[o:o + n]
+        o += n
+    return out
+
+
+def test_varlen_refusals_name_the_argument():
+    from compilemask.serving import varlen_attention
+
+    mask = cm.compile_mask(masks.causal())
+    _, d, q, k, v = _packed_batch(mask, torch.Generator().manual_seed(0), [9, 4], [2, 4])
+    with pytest.raises(ValueError, match=r"q must be \[total_q, H, D\]"):
+        varlen_attention(q[None], k, v, d)
+    with pytest.raises(ValueError, match=r"seqused_k=, seqused_q="):
+        varlen_attention(q, k, v, query_descriptor(mask, None, 9, 4, batch_size=2,
+                                                   seqused_k=torch.tensor([9, 4])))
+    with pytest.raises(ValueError, match="q holds 5 rows"):
+        varlen_attention(q[:5], k, v, d)
+    with pytest.raises(ValueError, match="seqused_q .* needs seqused_k"):
+        query_descriptor(mask, None, 9, 4, batch_size=2, seqused_q=torch.tensor([2, 4]))
+    with pytest.raises(ValueError, match="exceeds"):
+        query_descriptor(mask, None, 9, 4, batch_size=2, seqused_k=torch.tensor([9, 3]),
+                         seqused_q=torch.tensor([2, 4]))
+    with pytest.raises(NotImplementedError, match="forward only"):
+        varlen_attention(q.requires_grad_(), k, v, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "tree_verify"])
+def test_gpu_varlen_batch_vs_float32_reference(name):
+    """A packed batch on FA4's varlen kernels (native for causal / window, the interval
+    mask_mod otherwise), contiguous and paged keys, within twice PyTorch's bf16 error per
+    request; a request with no queries, one with a single key."""
+    from compilemask.serving import paged_attention, varlen_attention
+
+    from helpers import check_output_vs_reference
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    gen = torch.Generator().manual_seed(8)
+    used_k, used_q = [1000, 517, 1, 900], [64, 1, 1, 0]
+    meta, d, q, k, v = _packed_batch(mask, gen, used_k, used_q, D=128, dtype=torch.bfloat16,
+                                     device="cuda")
+    engine = "native" if mask.native_pattern is not None else "fa4"
+    assert cm.serving._engine("t", q, d, "auto") == engine
+    k_cache, v_cache, table = _paged(tuple(_unpack(t, used_k) for t in (k, v)), 128, gen)
+    dense = d.dense_mask()
+    for out in (varlen_attention(q, k, v, d), paged_attention(q, k_cache, v_cache, table, d)):
+        qo = ko = 0
+        for b, (nk, nq) in enumerate(zip(used_k, used_q)):
+            if nq:
+                check_output_vs_reference(out[None, qo:qo + nq], q[None, qo:qo + nq],
+                                          k[None, ko:ko + nk], v[None, ko:ko + nk],
+                                          dense[b:b + 1, :nq, :nk])
+            qo, ko = qo + nq, ko + nk
 
 
 @pytest.mark.gpu
