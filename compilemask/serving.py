@@ -199,6 +199,22 @@ def _gathered(cache, page_table, seqlen_k: int):
     return cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
 
 
+def _runs_native(desc) -> bool:
+    """Whether FA4's own causal / window / full kernel, given each request's lengths
+    (``seqused_k`` / ``cu_seqlens``), computes this descriptor's mask."""
+    pat = desc.native
+    if desc.q_offset != -1:
+        return desc.native_applies() and pat.kind != "segments"
+    # the proof is over positions (a served rule reads the whole sequence), and FA4 puts each
+    # request's rows at its last positions, as the descriptor does; [B, Sq]
+    # queries of a request shorter than Sq have rows before its first key, which see nothing
+    # only under a pattern with no keys to the right (FA4 would show them keys of a full or
+    # two-sided window); packed queries have no such rows
+    return (pat is not None and pat.kind != "segments"
+            and (desc.seqused_q is not None
+                 or (pat.kind == "window" and pat.window_right == 0)))
+
+
 def _engine(who, q, desc, backend: str) -> str:
     """``reference`` (CPU, or asked), ``native`` (a mask proven causal / windowed / full: FA4's
     own kernel with each request's lengths, bottom-right as the rows are) or ``fa4`` (the
@@ -212,11 +228,7 @@ def _engine(who, q, desc, backend: str) -> str:
                                   "backend='auto', 'fa4', 'native' or 'reference'")
     if backend == "reference" or (backend == "auto" and not q.is_cuda):
         return select_engine(q, desc, backend)
-    pat = desc.native
-    # request batches run FA4 with their lengths (seqused_k / cu_seqlens), which align a
-    # causal or window mask bottom-right per request, as the descriptor's rows are
-    native = pat is not None and pat.kind != "segments" and (
-        desc.q_offset == -1 or desc.native_applies())
+    native = _runs_native(desc)
     if backend == "native" and not native:
         raise NotImplementedError(f"{who}: backend='native' needs a mask proven causal, "
                                   "windowed or full (FA4 does not page varlen segments); "

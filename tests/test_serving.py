@@ -554,3 +554,40 @@ def test_gpu_paged_kv_vs_float32_reference(name):
             q = torch.randn(Bq, Sq, 4, 128, generator=gen).to("cuda", torch.bfloat16)
             out = paged_attention(q, k_cache, v_cache, table, d)
             check_output_vs_reference(out, q, k, v, d.dense_mask())
+
+
+def test_request_batches_run_native_only_where_fa4_aligns_them():
+    """FA4's own kernels run request batches of masks proven causal or windowed; [B, Sq] queries
+    of a mask with keys to the right (full, two-sided window) stay on the mask_mod, since rows
+    before a short request's first key see nothing in the mask and keys in FA4's; packed
+    queries have no such rows."""
+    from compilemask.serving import _runs_native
+
+    used, used_q = torch.tensor([9, 2]), torch.tensor([3, 2])
+    for spec, rows_before in ((masks.causal(), True), (masks.sliding_window(4), True),
+                              (_FULL, False), (_TWO_SIDED, False)):
+        mask = cm.compile_mask(spec)
+        assert mask.native_pattern is not None, spec.name
+        d = query_descriptor(mask, None, 9, 3, batch_size=2, seqused_k=used)
+        assert _runs_native(d) is rows_before, spec.name
+        d = query_descriptor(mask, None, 9, 3, batch_size=2, seqused_k=used, seqused_q=used_q)
+        assert _runs_native(d), spec.name
+    d = query_descriptor(cm.compile_mask(masks.prefix_lm()), {"prefix_len": torch.tensor([1, 1])},
+                         9, 3, batch_size=2, seqused_k=used, seqused_q=used_q)
+    assert not _runs_native(d)
+
+
+def _full_rule(i, j):
+    return j >= 0
+
+
+def _two_sided_rule(i, j):
+    return (j >= i - 2) & (j <= i + 2)
+
+
+def _every(i):
+    return True
+
+
+_FULL = cm.MaskSpec("full", regions=[cm.Region("all", _every, _full_rule)])
+_TWO_SIDED = cm.MaskSpec("two_sided", regions=[cm.Region("all", _every, _two_sided_rule)])
