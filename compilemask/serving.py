@@ -32,9 +32,12 @@ import dataclasses
 
 import torch
 
+from compilemask.api import BACKENDS, attention, select_engine
 from compilemask.compiled import CompiledMask
 from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, ExecutionDescriptor
 from compilemask.distributed import rows_descriptor
+from compilemask.kernels import fa4
+from compilemask.pipeline import on_device
 
 __all__ = ["query_descriptor", "paged_attention", "varlen_attention", "DecodeState"]
 
@@ -219,8 +222,6 @@ def _engine(who, q, desc, backend: str) -> str:
     """``reference`` (CPU, or asked), ``native`` (a mask proven causal / windowed / full: FA4's
     own kernel with each request's lengths, bottom-right as the rows are) or ``fa4`` (the
     interval mask_mod on every tile)."""
-    from compilemask.api import BACKENDS, select_engine
-
     if backend not in BACKENDS:
         raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cute":
@@ -283,8 +284,6 @@ def varlen_attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float
 
 
 def _reference(q, k, v, desc, softmax_scale):
-    from compilemask.api import attention
-
     if desc.seqused_q is None:
         return attention(q, k, v, desc, softmax_scale=softmax_scale, backend="reference")
     used = desc.seqused_q
@@ -297,9 +296,6 @@ def _reference(q, k, v, desc, softmax_scale):
 
 
 def _fa4(q, k, v, desc, softmax_scale, engine, page_table=None):
-    from compilemask.kernels import fa4
-    from compilemask.pipeline import on_device
-
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     desc = on_device(desc, q.device)
     kw = {}
