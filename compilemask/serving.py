@@ -29,6 +29,7 @@ position), as for row-sharded context-parallel descriptors.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -295,18 +296,34 @@ def _reference(q, k, v, desc, softmax_scale):
     return out[valid]
 
 
+_LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _lengths(desc, paged: bool) -> dict:
+    """FA4's length arguments for a descriptor (already on its device), made once per
+    descriptor: a layer loop launches nothing for them, and a captured graph reads fixed
+    buffers."""
+    per = _LENGTHS.setdefault(desc, {})
+    got = per.get(paged)
+    if got is None:
+        got = {}
+        if desc.seqused_q is not None:
+            got.update(cu_seqlens_q=_cu(desc.seqused_q), max_seqlen_q=desc.seqlen_q)
+        if paged:
+            got["seqused_k"] = desc.seqused_k if desc.seqused_k is not None else torch.full(
+                (desc.batch_size,), desc.seqlen_k, dtype=torch.int32, device=desc.device)
+        else:
+            got.update(cu_seqlens_k=_cu(desc.seqused_k), max_seqlen_k=desc.seqlen_k)
+        per[paged] = got
+    return got
+
+
 def _fa4(q, k, v, desc, softmax_scale, engine, page_table=None):
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     desc = on_device(desc, q.device)
-    kw = {}
-    if desc.seqused_q is not None:
-        kw.update(cu_seqlens_q=_cu(desc.seqused_q), max_seqlen_q=desc.seqlen_q)
+    kw = dict(_lengths(desc, page_table is not None))
     if page_table is not None:
-        kw.update(page_table=page_table, seqused_k=desc.seqused_k if desc.seqused_k is not None
-                  else torch.full((desc.batch_size,), desc.seqlen_k, dtype=torch.int32,
-                                  device=q.device))
-    else:
-        kw.update(cu_seqlens_k=_cu(desc.seqused_k), max_seqlen_k=desc.seqlen_k)
+        kw["page_table"] = page_table
     out, _ = fa4.fwd_served(q, k, v, desc, scale, engine, **kw)
     return out
 

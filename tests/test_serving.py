@@ -591,3 +591,20 @@ def _every(i):
 
 _FULL = cm.MaskSpec("full", regions=[cm.Region("all", _every, _full_rule)])
 _TWO_SIDED = cm.MaskSpec("two_sided", regions=[cm.Region("all", _every, _two_sided_rule)])
+
+
+def test_fa4_length_arguments_are_made_once_per_descriptor():
+    """cu_seqlens / seqused_k for FA4 come from the descriptor's counts, made once per
+    descriptor (a layer loop launches nothing for them)."""
+    from compilemask.serving import _lengths
+
+    mask = cm.compile_mask(masks.causal())
+    d = query_descriptor(mask, None, 9, 4, batch_size=2, seqused_k=torch.tensor([9, 4]),
+                         seqused_q=torch.tensor([2, 4]))
+    got = _lengths(d, paged=False)
+    assert got is _lengths(d, paged=False)
+    assert got["cu_seqlens_q"].tolist() == [0, 2, 6] and got["cu_seqlens_k"].tolist() == [0, 9, 13]
+    assert (got["max_seqlen_q"], got["max_seqlen_k"]) == (4, 9)
+    assert _lengths(d, paged=True)["seqused_k"].tolist() == [9, 4]
+    square = query_descriptor(mask, None, 9, 1, batch_size=2)
+    assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]
