@@ -70,6 +70,19 @@ class HeadGroups:
             got = self._indices[key] = (per, torch.tensor(inv, device=device))
         return got
 
+    def split_sizes(self, G: int):
+        """``(q head counts, kv head counts)`` per group when the groups are consecutive runs of
+        heads in order, each holding whole kv heads: the heads then split into views (no
+        copies; the backward one concatenation), else None."""
+        q_sizes, kv_sizes, nxt = [], [], 0
+        for _, heads in self.groups:
+            if heads != tuple(range(nxt, nxt + len(heads))) or nxt % G or len(heads) % G:
+                return None
+            q_sizes.append(len(heads))
+            kv_sizes.append(len(heads) // G)
+            nxt += len(heads)
+        return q_sizes, kv_sizes
+
     @property
     def seqlen_q(self) -> int:
         return self.groups[0][0].seqlen_q
@@ -151,17 +164,27 @@ def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, sc
         raise ValueError(f"cm.attention: q has {H} heads, the HeadGroups {groups.num_heads}")
     if H % Hkv:
         raise ValueError(f"cm.attention: {H} query heads are not a multiple of {Hkv} kv heads")
-    per, inv = groups.indices(H // Hkv, q.device)
+    G = H // Hkv
+    per, inv = groups.indices(G, q.device)
+    heads = [idx for idx, _ in per]
+    sizes = groups.split_sizes(G)
+    if sizes is not None:  # consecutive runs: views in, one concatenation out, no reordering
+        qs, ks, vs = q.split(sizes[0], 2), k.split(sizes[1], 2), v.split(sizes[1], 2)
+        inv = None
+    else:
+        qs = [q.index_select(2, idx) for idx in heads]
+        ks = [k.index_select(2, kv_idx) for _, kv_idx in per]
+        vs = [v.index_select(2, kv_idx) for _, kv_idx in per]
     outs, lses = [], []
-    for (desc, _), (idx, kv_idx) in zip(groups.groups, per):
+    for (desc, _), qg, kg, vg, idx in zip(groups.groups, qs, ks, vs, heads):
         sink = None if learnable_sink is None else learnable_sink.index_select(
             0, idx.to(learnable_sink.device))
-        res = attention(q.index_select(2, idx), k.index_select(2, kv_idx),
-                        v.index_select(2, kv_idx), desc, return_lse=True,
+        res = attention(qg, kg, vg, desc, return_lse=True,
                         score_mod=_global_heads(score_mod, idx), learnable_sink=sink, **kwargs)
         outs.append(res[0])
         lses.append(res[1])
-    out = torch.cat(outs, dim=2).index_select(2, inv)
-    if not return_lse:
-        return out
-    return out, torch.cat(lses, dim=1).index_select(1, inv)
+    out = torch.cat(outs, dim=2)
+    lse = torch.cat(lses, dim=1)
+    if inv is not None:
+        out, lse = out.index_select(2, inv), lse.index_select(1, inv)
+    return (out, lse) if return_lse else out

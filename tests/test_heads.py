@@ -236,3 +236,16 @@ def test_constant_indices_select_before_reading():
     spec, meta = cm.from_mask_mod(mm, batch_size=B)
     got = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=B).dense_mask()
     assert torch.equal(got, create_mask(mm, B, 1, S, S, device="cpu")[:, 0])
+
+
+def test_consecutive_head_runs_split_into_views():
+    """Groups that are consecutive runs of whole kv heads run on views of q, k, v (no
+    gathers); any other grouping gathers its heads."""
+    meta = _meta()
+    expect = {"duo_whole_kv_heads": ([2, 2], [1, 1]), "per_head_windows": None,
+              "duo_split_kv_heads": None, "prefix_lm_and_hstu": None}
+    for case, sizes in expect.items():
+        groups = cm.preprocess_heads(CASES[case](), meta, seqlen_q=S, batch_size=B)
+        assert groups.split_sizes(H // HKV) == sizes, case
+    groups = cm.preprocess_heads(CASES["per_head_windows"](), None, seqlen_q=S, batch_size=B)
+    assert groups.split_sizes(1) == ([1, 2, 1], [1, 2, 1])
