@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -253,19 +252,16 @@ LONG = textwrap.dedent("""
 
 def test_long_sequence_32k_memory_bounded(tmp_path):
     """32K x 32K (1G mask elements; a dense bool mask alone would be 1 GiB): tile mode, peak
-    memory growth well under that, and fast."""
+    memory growth well under that."""
     out = tmp_path / "long.png"
-    t = time.time()
     res = subprocess.run([sys.executable, "-c", LONG, str(out)], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     rep = json.loads(res.stdout.strip().splitlines()[-1])
     assert rep["mode"] == "tiles"
     assert rep["grew_kib"] < 300 * 1024, rep  # < 300 MiB (a dense mask: >= 1 GiB)
-    assert rep["seconds"] < 30, rep
     assert out.stat().st_size > 1000
     assert sum(rep["counts"].values()) == 256 * 256
-    assert time.time() - t < 90
 
 
 # ---- to_string ---------------------------------------------------------------------------------
