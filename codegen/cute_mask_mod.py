@@ -46,7 +46,8 @@ _CACHE = CompileCache("mask_mod")
 def _fallback_sources(mask):
 
     return [(r.index, predicate_source(r.rule, mask.scalar_params, mask.array_params,
-                                       name=f"predicate_{r.index}"))
+                                       name=f"predicate_{r.index}",
+                                       table_params=mask.table_params))
             for r in mask.fallback_regions]
 
 
@@ -113,7 +114,8 @@ def _whole_mask_predicate(mask, any_region: bool = False):
     allowed = {"i", "j", *mask.scalar_params}
     if any(s.name not in allowed for s in expr.free_symbols):
         return None
-    if any(f.func.__name__ not in mask.array_params for f in expr.atoms(AppliedUndef)):
+    if any(f.func.__name__ not in (*mask.array_params, *mask.table_params)
+           for f in expr.atoms(AppliedUndef)):
         return None
     return expr
 
@@ -122,7 +124,8 @@ def _whole_source(mask, expr) -> list[str]:
 
     P, R = len(mask.scalar_params), len(mask.array_params)
     out = [predicate_source(expr, mask.scalar_params, mask.array_params,
-                            name="predicate_mask").rstrip(), "", "",
+                            name="predicate_mask", table_params=mask.table_params).rstrip(),
+           "", "",
            "@cute.jit",
            "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
            "    b = batch[0]",
@@ -132,7 +135,7 @@ def _whole_source(mask, expr) -> list[str]:
     # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
     if P:
         out.append("    params = aux_tensors[0]")
-    out.append(f"    row_params = aux_tensors[{1 if P else 0}]" if R
+    out.append(f"    row_params = aux_tensors[{1 if P else 0}]" if R or mask.table_params
                else "    row_params = None  # no per-row arrays: never read")
     args = ([f"params[b, {p}]" for p in range(P)]
             + [f"row_params[b, row, {r}]" for r in range(R)])
@@ -182,7 +185,7 @@ def mask_mod_source(mask, variant: str | None = None) -> str:
         # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
         if P:
             out.append("    params = aux_tensors[2]")
-        out.append(f"    row_params = aux_tensors[{3 if P else 2}]" if R
+        out.append(f"    row_params = aux_tensors[{3 if P else 2}]" if R or mask.table_params
                    else "    row_params = intervals  # no per-row arrays: never read")
         args = ([f"params[b, {p}]" for p in range(P)] + [f"row_params[b, row, {r}]"
                                                          for r in range(R)])

@@ -16,7 +16,8 @@ rejected by the interval test anyway).
 
 Supported expression nodes: And / Or / Not / BooleanTrue / BooleanFalse, relationals
 (<, <=, >, >=, ==, !=), integers, symbols ``i`` (q_idx), ``j`` (kv_idx) and scalar params,
-``Function(name)(i)`` for per-row arrays, Add, Mul with integer (or rational, see below)
+``Function(name)(i)`` for per-row arrays, ``Function(name)(i, c)`` for a table param's entry
+(0 or 1; see ``_table_read``), Add, Mul with integer (or rational, see below)
 coefficients, non-negative integer powers, ``floor(a/b)`` (floor division; the divisor must be
 positive at run time), ``Mod(a, b)`` (Python semantics, non-negative divisor), Min, Max, Abs,
 and the integer bit operations ``& | ^`` (``IntBitOp``).
@@ -57,9 +58,11 @@ _REL_OPS = {
 class _Emitter:
     """Turns sympy nodes into straight-line SSA Python code over cutlass Int32 / Boolean values."""
 
-    def __init__(self, scalar_params: Sequence[str], array_params: Sequence[str]):
+    def __init__(self, scalar_params: Sequence[str], array_params: Sequence[str],
+                 table_params: Sequence[str] = ()):
         self.scalar_params = list(scalar_params)
         self.array_params = list(array_params)
+        self.table_params = list(table_params)
         self.lines: list[str] = []
         self.cache: dict[sympy.Basic, str] = {}
         self.n = 0
@@ -92,6 +95,8 @@ class _Emitter:
             if e.name in self.scalar_params:
                 return f"p_{e.name}"
             raise UnsupportedExpression(f"unknown symbol {e.name!r}")
+        if isinstance(e, sympy.Function) and type(e).__name__ in self.table_params:
+            return self._table_read(e)
         if isinstance(e, sympy.Function) and type(e).__name__ in self.array_params:
             name = type(e).__name__
             if len(e.args) != 1:
@@ -174,6 +179,25 @@ class _Emitter:
         if isinstance(e, sympy.Piecewise):
             raise UnsupportedExpression("Piecewise is not supported")
         raise UnsupportedExpression(f"unsupported integer node {type(e).__name__}: {e}")
+
+    def _table_read(self, e) -> str:
+        """Entry ``c`` of the row's table: bit ``c % 32`` of ``row_params[b, q_idx, R + c //
+        32]``, 0 outside the table's words; integer operations only (sign bits for the range),
+        so the predicate stays straight-line."""
+        row, col = e.args
+        if not (isinstance(row, sympy.Symbol) and row.name == "i"):
+            raise UnsupportedExpression(f"table {e} read at a row other than i")
+        base = len(self.array_params)
+        c = self.int_expr(col)
+        nw = self.tmp(f"cute.size(row_params, mode=[2]) - cutlass.Int32({base})")
+        last = self.tmp(f"{nw} * cutlass.Int32(32) - cutlass.Int32(1)")
+        below = self.tmp(f"({c} >> cutlass.Int32(31)) & cutlass.Int32(1)")
+        above = self.tmp(f"(({last} - {c}) >> cutlass.Int32(31)) & cutlass.Int32(1)")
+        cc = self.tmp(f"cutlass.max(cutlass.min({c}, {last}), cutlass.Int32(0))")
+        word = self.tmp(f"row_params[batch_idx, q_idx, (({cc}) >> cutlass.Int32(5)) + "
+                        f"cutlass.Int32({base})]")
+        bit = self.tmp(f"({word} >> ({cc} & cutlass.Int32(31))) & cutlass.Int32(1)")
+        return self.tmp(f"{bit} & (cutlass.Int32(1) - ({below} | {above}))")
 
     # ---- boolean expressions -------------------------------------------------------------
     def bool_expr(self, e: sympy.Basic) -> str:
@@ -260,11 +284,13 @@ def predicate_source(
     scalar_params: Iterable[str] = (),
     array_params: Iterable[str] = (),
     name: str = "fallback_predicate",
+    table_params: Iterable[str] = (),
 ) -> str:
-    """Python source (with imports) of a ``@cute.jit`` predicate ``name(q_idx, kv_idx, ...)``."""
+    """Python source (with imports) of a ``@cute.jit`` predicate ``name(q_idx, kv_idx, ...)``;
+    a table param is read from ``row_params`` after the arrays (``pack_table``'s words)."""
     scalar_params = list(scalar_params)
     array_params = list(array_params)
-    em = _Emitter(scalar_params, array_params)
+    em = _Emitter(scalar_params, array_params, list(table_params))
     result = em.bool_expr(sympy.sympify(expr))
     args = (
         ["q_idx", "kv_idx"]

@@ -22,7 +22,7 @@ def exec_source(source: str, filename: str) -> dict:
     return ns
 
 
-def torch_source(name, key, regions, scalar, arrays, K) -> str:
+def torch_source(name, key, regions, scalar, arrays, K, tables=()) -> str:
     # params are spelled p_<name> / a_<name>_i|j, so that no param can shadow a name of the
     # generated code (region, guard, lo, torch...); the lengths are read as 0-d tensors, so that
     # a condition on them alone is a tensor too (~ on a Python bool is an int)
@@ -67,7 +67,7 @@ def torch_source(name, key, regions, scalar, arrays, K) -> str:
             "    return starts, lens, region", ""]
     # Element predicates of fallback regions (the residual check), on [B, Sq, Sk] grids.
     fb_args = ["i", "j", "seqlen_q", "seqlen_k"] + [f"p_{p}" for p in scalar] + [
-        f"a_{a}_{x}" for a in arrays for x in "ij"]
+        f"a_{a}_{x}" for a in arrays for x in "ij"] + [f"a_{t}_t" for t in tables]
     for r in regions:
         if r.fallback:
             out += ["", f"def predicate_{r.index}({', '.join(fb_args)}):",

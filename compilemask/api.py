@@ -68,6 +68,8 @@ BACKENDS = ("auto", "fa4", "native", "cute", "reference")
 
 
 def _cute_reason(q, desc):
+    if desc.mask.table_params:
+        return "a table param's predicate runs on the fa4 engine only"
     return None if kernel_available(q, desc) else "no CuTe kernel for this device/dtype/head dim"
 
 

@@ -46,8 +46,9 @@ def magnitude(e, index_max: int = INDEX_MAX, meta_max: int = META_MAX) -> int:
         if isinstance(x, IntBitOp):  # |a op b| < 2**n for |a|, |b| < 2**n (two's complement)
             return 1 << max(walk(a) for a in x.args).bit_length()
         if isinstance(x, sp.core.function.AppliedUndef):
-            walk(x.args[0])  # the subscript
-            return meta_max
+            for a in x.args:  # the subscripts
+                walk(a)
+            return 1 if len(x.args) == 2 else meta_max  # a table's entry is 0 or 1
         if isinstance(x, sp.Add):
             return sum(walk(a) for a in x.args)
         if isinstance(x, sp.Mul):

@@ -33,7 +33,7 @@ from compilemask.descriptor import (
     ExecutionDescriptor,
     TileConfig,
 )
-from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
+from compilemask.dsl.frontend import RuleContext, is_table_read, rule_symbols, translate_rule
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.native import native_pattern
@@ -88,6 +88,7 @@ class _IR:
     torch_source: str
     torch_fns: dict
     derived: tuple = ()  # (run start, run end, ids) arrays computed from the metadata
+    table_params: tuple[str, ...] = ()  # [B, Sq, M] tables, packed after the arrays
 
 
 _IR_CACHE: dict[str, _IR] = {}
@@ -138,7 +139,7 @@ def _compile_spec(spec: MaskSpec) -> _IR:
     translated = []
     for r in spec.regions:
         ctx = RuleContext(r.name, "when", spec.params, syms, ctx_all.array_params,
-                          ctx_all.scalar_params, ctx_all.divisor_params)
+                          ctx_all.scalar_params, ctx_all.divisor_params, ctx_all.table_params)
         g = translate_rule(r.when, ctx)
         if g.expr.has(syms["j"]):
             raise ValueError(f"Region {r.name!r}: the guard {g.func_name} must not use j")
@@ -148,8 +149,12 @@ def _compile_spec(spec: MaskSpec) -> _IR:
     # Which params are per-row arrays is part of the interface (the metadata's shapes), even when
     # sympy simplifies every use of an array away.
     arrays = sorted(ctx_all.array_params)
+    tables = sorted(ctx_all.table_params)
+    if len(tables) > 1:
+        raise NotImplementedError(f"MaskSpec {spec.name!r}: tables {tables}: a mask reads at "
+                                  "most one table param")
     canonical = "\n".join(
-        [f"params={spec.params} arrays={arrays}"]
+        [f"params={spec.params} arrays={arrays}" + (f" tables={tables}" if tables else "")]
         + [f"{r.name}|{sp.srepr(g.expr)}|{sp.srepr(v.expr)}" for r, g, v in translated]
     )
     key = canonical_hash(canonical)
@@ -172,7 +177,7 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     rules = [boolean_basis(v.expr) for _, _, v in translated]
     for idx, (r, g, v) in enumerate(translated):
         guard, rule = guards[idx], rules[idx]
-        dnf = to_dnf_terms(normalize(rule, j))
+        dnf = to_dnf_terms(normalize(_opaque_tables(rule, i, j), j))
         runs = run_arrays(dnf)
         derived.update({d[0]: d for d in runs})
         assumptions = [guard] + [sp.Not(e) for e in guards[:idx]]
@@ -191,7 +196,9 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     for r in regions:
         _check_int64(r)
     K = max(1, max(r.num_intervals for r in regions))
-    scalar = tuple(p for p in spec.params if p not in ctx.array_params)
+    scalar = tuple(p for p in spec.params
+                   if p not in ctx.array_params and p not in ctx.table_params)
+    tables = tuple(p for p in spec.params if p in ctx.table_params)
     derived = tuple(derived[k] for k in sorted(derived))
     clash = [n for d in derived for n in d[:2] if n in spec.params]
     if clash:
@@ -200,9 +207,22 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
     # run bounds are per-row arrays the preprocess derives from the metadata
     arrays = tuple(p for p in spec.params if p in ctx.array_params) + tuple(
         n for d in derived for n in d[:2])
-    source = torch_source(spec.name, key, regions, scalar, arrays, K)
+    source = torch_source(spec.name, key, regions, scalar, arrays, K, tables)
     fns = exec_source(source, f"<compilemask-torch-{spec.name}-{key}>")
-    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived)
+    return _IR(key, canonical, regions, scalar, arrays, divisors, K, source, fns, derived,
+               tables)
+
+
+def _opaque_tables(rule, i, j):
+    """The rule with each table read as an opaque atom of (i, j), named as written: the
+    interval passes would otherwise solve inside its column (``t[i, min(6, j)]`` split at
+    ``j = 6``) and leave a table read in a row condition, which the preprocess does not read.
+    The region's predicate keeps the rule itself."""
+    reads = [f for f in rule.atoms(sp.core.function.AppliedUndef) if is_table_read(f)]
+    if not reads:
+        return rule
+    return rule.xreplace({f: sp.Function(f"{type(f).__name__}[i, {f.args[1]}]", integer=True,
+                                         nonnegative=True)(i, j) for f in reads})
 
 
 def _check_int64(r: CompiledRegion) -> None:
@@ -250,6 +270,12 @@ class CompiledMask:
     @property
     def array_params(self) -> tuple[str, ...]:
         return self._ir.array_params
+
+    @property
+    def table_params(self) -> tuple[str, ...]:
+        """Table params (``[B, Sq, M]`` metadata read as ``t[i, column]``): packed 32 entries to
+        an int32 word in ``row_params`` after the arrays (``compilemask.tables``)."""
+        return self._ir.table_params
 
     @property
     def has_fallback(self) -> bool:
@@ -312,7 +338,8 @@ class CompiledMask:
     # ---- per batch ---------------------------------------------------------------------------
     def normalize_meta(self, meta, seqlen_q: int, seqlen_k: int, batch_size=None, device=None,
                        check_values: bool | None = None):
-        """Validate metadata; returns (B, {scalar: int64 [B, 1]}, {array: int64 [B, Sq]}, dev)."""
+        """Validate metadata; returns (B, {scalar: int64 [B, 1]}, {array: int64 [B, Sq], table:
+        [B, Sq, M] as given}, dev)."""
         return _normalize_meta(self, meta, seqlen_q, seqlen_k, batch_size, device, check_values)
 
     def preprocess(self, meta=None, seqlen_q: int | None = None, seqlen_k: int | None = None, *,
@@ -452,9 +479,21 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
     for p in spec.params:
         v = meta[p]
         if isinstance(v, torch.Tensor):
-            if v.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+            if v.dtype is torch.bool and p in mask.table_params:
+                pass  # a table's entries: set or not
+            elif v.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
                 raise ValueError(f"param {p!r}: dtype must be an integer type, got {v.dtype}; "
                                  f"{_META_KINDS}")
+            if p in mask.table_params:
+                if v.dim() != 3 or v.shape[1] != seqlen_q:
+                    raise ValueError(f"param {p!r} is a table: expected a [B, Sq={seqlen_q}, M] "
+                                     f"tensor (row i's M entries), got {list(v.shape)}")
+                if B is None:
+                    B = v.shape[0]
+                elif v.shape[0] != B:
+                    raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}")
+                dev = v.device if dev is None else dev
+                continue
             want = 2 if p in mask.array_params else 1
             if want == 1 and v.dim() == 0:
                 # a 0-d tensor is one value for every sequence, as a Python int is
@@ -471,6 +510,8 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                 raise ValueError(f"param {p!r}: per-row array length {v.shape[1]} != seqlen_q "
                                  f"{seqlen_q}")
             dev = v.device if dev is None else dev
+        elif p in mask.table_params:
+            raise ValueError(f"param {p!r} is a table: pass a [B, Sq, M] tensor")
         elif isinstance(v, int) and not isinstance(v, bool):
             if p in mask.array_params:
                 raise ValueError(f"param {p!r} is a per-row array: pass a [B, Sq] tensor")
@@ -497,6 +538,9 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
     scal, arrs = {}, {}
     for p in spec.params:
         v = meta[p]
+        if p in mask.table_params:  # entries, not values: no range to check
+            arrs[p] = v.to(device=dev)
+            continue
         t = (torch.as_tensor(v, dtype=torch.int64, device=dev) if not isinstance(v, torch.Tensor)
              else v.to(device=dev, dtype=torch.int64))
         if check_values:

@@ -485,6 +485,9 @@ def _why_fallback(atom, j) -> str:
     if _same_array_at_i_and_j(atom, j) is not None:
         return (f"{atom}: an id may recur outside the run around i (the run is exact, the "
                 "span from its first to its last occurrence is checked by the predicate)")
+    if any(isinstance(s, sp.core.function.AppliedUndef) and len(s.args) == 2
+           for s in sp.preorder_traversal(atom)):
+        return f"{atom}: a table read (an entry per key)"
     if any(isinstance(s, sp.core.function.AppliedUndef) and s.has(j)
            for s in sp.preorder_traversal(atom)):
         return f"{atom}: a per-row array subscripted by j"

@@ -46,6 +46,10 @@ forward tiling (128x128, FA4's head-dim-64 backward).
     this is what a kernel needs to evaluate the fallback predicate of a region whose rule did
     not compile to intervals; for such rows the interval slots are a sound over-approximation,
     and an element is visible iff it is inside an interval AND the region's predicate holds.
+    A mask with a table param (``CompiledMask.table_params``: ``[B, Sq, M]`` entries read as
+    ``t[i, column]``) has the table's entries after the arrays, ``TABLE_ENTRIES_PER_WORD`` to a
+    word: entry ``c`` of row ``q_idx`` is bit ``c % 32`` of column ``R_arrays + c // 32``
+    (``pack_table``); entries past ``M`` are 0, as are columns outside the table.
 
 The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
@@ -68,7 +72,8 @@ __all__ = ["TileConfig", "DEFAULT_FWD_TILES", "DEFAULT_BWD_TILES", "ExecutionDes
            "descriptor_shapes", "LIST_KINDS", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED",
            "TILE_FULL", "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD",
            "TILE_WORD_SHIFT", "bitmap_words", "bitmap_shape", "tile_word", "tile_shift",
-           "state_in_word", "is_partial", "in_interval", "pack_bitmap", "unpack_bitmap"]
+           "state_in_word", "is_partial", "in_interval", "pack_bitmap", "unpack_bitmap",
+           "TABLE_ENTRIES_PER_WORD", "pack_table", "unpack_table"]
 
 # ----------------------------------------------------------------------------------------------
 # Layout: tile states, bitmap words and the interval test. Every producer and reader (torch,
@@ -144,6 +149,28 @@ def unpack_bitmap(words: torch.Tensor, num_tiles: int) -> torch.Tensor:
     shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=words.device, dtype=torch.int64)
     st = (w.unsqueeze(-1) >> shifts) & TILE_STATE_MASK
     return st.flatten(-2)[..., :num_tiles].to(torch.uint8)
+
+
+TABLE_ENTRIES_PER_WORD = 32  # a table's entries: one bit each, in int32 words
+
+
+def pack_table(entries: torch.Tensor) -> torch.Tensor:
+    """``[B, Sq, M]`` table entries (nonzero: set) -> int32 ``[B, Sq, ceil(M / 32)]`` words,
+    entry ``c`` at bit ``c % 32`` of word ``c // 32``."""
+    B, S, M = entries.shape
+    W = -(-M // TABLE_ENTRIES_PER_WORD)
+    bits = torch.nn.functional.pad((entries != 0).to(torch.int64),
+                                   (0, W * TABLE_ENTRIES_PER_WORD - M))
+    shifts = torch.arange(TABLE_ENTRIES_PER_WORD, device=entries.device, dtype=torch.int64)
+    words = (bits.view(B, S, W, TABLE_ENTRIES_PER_WORD) << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_table(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_table`: int64 0/1 ``[B, Sq, 32 * W]`` (the padding entries 0)."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(TABLE_ENTRIES_PER_WORD, device=words.device, dtype=torch.int64)
+    return ((w.unsqueeze(-1) >> shifts) & 1).flatten(-2)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class ExprPrinter:
         if isinstance(e, IntBitOp):
             return self.bitop(e.op, self.p(e.args[0]), self.p(e.args[1]))
         if isinstance(e, sp.core.function.AppliedUndef):
+            if len(e.args) == 2:  # a table param read at (row, column)
+                return self.table(type(e).__name__, e.args[0], e.args[1])
             return self.array(type(e).__name__, e.args[0])
         if isinstance(e, (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)):
             op = {sp.Lt: "<", sp.Le: "<=", sp.Gt: ">", sp.Ge: ">=", sp.Eq: "==", sp.Ne: "!="}
@@ -143,6 +145,9 @@ class ExprPrinter:
     def array(self, name, index):
         return f"{name}[{self.p(index)}]"
 
+    def table(self, name, row, col):
+        return f"{name}[{self.p(row)}, {self.p(col)}]"
+
     def land(self, xs):
         return "(" + " and ".join(xs) + ")"
 
@@ -202,6 +207,11 @@ class TorchPrinter(ExprPrinter):
             return f"{self.array_prefix}{name}_{index.name}"
         raise NotImplementedError(f"per-row array {name} subscripted by {index} (only i or j)")
 
+    def table(self, name, row, col):
+        if not (row.is_Symbol and row.name == "i"):
+            raise NotImplementedError(f"table {name} read at row {row} (only i)")
+        return f"_table({self.array_prefix}{name}_t, {self.p(col)})"
+
     def land(self, xs):
         return "(" + " & ".join(xs) + ")"
 
@@ -249,6 +259,17 @@ def _abs(a):
 
 def _where(c, a, b):
     return torch.where(_t(c), _t(a), _t(b))
+
+def _table(t, c):
+    # t: int64 0/1 [B, Sq, M], each row's entries; c: the columns read, on the [B, Sq, Sk] grid.
+    # A column outside [0, M) reads 0.
+    c = _t(c)
+    B, S, M = t.shape
+    c = torch.broadcast_to(c, (B, S, c.shape[-1]))
+    if M == 0:
+        return torch.zeros_like(c)
+    got = t.gather(2, c.clamp(0, M - 1))
+    return torch.where((c >= 0) & (c < M), got, 0)
 
 _TRUE = torch.tensor(True)
 _FALSE = torch.tensor(False)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.dsl.frontend import array_function, bool_xor, int_bit_op, shift
+from compilemask.dsl.frontend import array_function, bool_xor, int_bit_op, shift, table_function
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
@@ -623,8 +623,12 @@ class _Captured(_Sym):
                               f"{_MAX_VECTOR}: each becomes its own array)")
             tr.shape_deps[(self.leaf, 2)] = m
             return _Vec(tr, [self._selected([(2, c)], str(c))[idx] for c in range(m)])
+        if self.ndim == 3 and len(idx) == 3 and is_b[0]:
+            return self._read_pair(idx[1], idx[2], batched=True)
         if self.ndim == 1 and len(idx) == 1:
             return self._read(idx[0], 1)
+        if self.ndim == 2 and not is_b[0] and len(idx) == 2 and type(idx[1]) is not int:
+            return self._read_pair(idx[0], idx[1], batched=False)
         if self.ndim == 2 and not is_b[0]:
             if len(idx) == 1:  # t[x]: a row of a table, its column chosen next (t[x][0])
                 return _TableRow(self, idx[0])
@@ -652,6 +656,33 @@ class _Captured(_Sym):
             tr.derived[dname] = recipe
             tr.array_leaf[dname] = self.leaf
         return _Sym(tr, self._wrap(array_function(dname)(at)))
+
+    def _read_pair(self, x, y, batched: bool):
+        """``t[x, y]`` (``t[b, x, y]``) of a bool table at a token pair: a table param whose
+        row ``i`` is the table's row at ``x`` (gathered with the metadata; ``x`` a function of
+        q_idx), read at the column ``y`` (a function of kv_idx) in the rule. ``t[kv, q]`` reads
+        the transposed table."""
+        tr = self.tr
+        ex, ey = _val(tr, x), _val(tr, y)
+        transposed = _gather_var(tr, ex) == _J and _J not in ey.free_symbols
+        if transposed:
+            ex, ey = ey, ex
+        shown = f"{self.name}[{'b, ' if batched else ''}{_val(tr, x)}, {_val(tr, y)}]"
+        if not self.is_bool:
+            raise tr.fail(f"index {shown}: a table read at a token pair must be a bool tensor "
+                          "(capture the comparison, e.g. (t == 1), instead)")
+        if _gather_var(tr, ex) != _I or not isinstance(ey, sp.Expr) or _is_bool(ey) \
+                or _J not in ey.free_symbols or _I in ey.free_symbols:
+            raise tr.fail(f"index {shown}: a table read at a token pair takes its row from "
+                          "q_idx and its column from kv_idx (or the reverse)")
+        if any(len(f.args) == 2 for f in ey.atoms(sp.core.function.AppliedUndef)):
+            raise tr.fail(f"index {shown}: a table's column read from another table")
+        recipe = (self.leaf, ("rows", batched, transposed), ex.xreplace({_I: _X}))
+        dname = tr.gathers.get(recipe)
+        if dname is None:
+            dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_rows")
+            tr.derived[dname] = recipe
+        return _Sym(tr, sp.Ne(table_function(dname)(_I, ey), 0))
 
     def _read(self, idx, ndim):
         tr = self.tr
@@ -900,7 +931,7 @@ def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
             if ndim == 2:  # b-indexed, read directly or in a gather's index
                 B = max(B, leaf_of(leaf).shape[0])
         for _, leaf, ndim, _ in entry.derived:
-            if ndim == 2:
+            if ndim == 2 or isinstance(ndim, tuple) and ndim[0] == "rows" and ndim[1]:
                 B = max(B, leaf_of(leaf).shape[0])
     values = {}
     for p, leaf in (*entry.scalars, *entry.index_scalars):
@@ -946,6 +977,8 @@ def _gather(entry, name, src, ndim, index, values, B, seqlen):
         raise ValueError(f"mask_mod {entry.spec.name!r}: the index of {name} reads per-token "
                          f"tensors of different lengths {sorted(lengths)}")
     S = lengths.pop() if lengths else seqlen
+    if S is None and isinstance(ndim, tuple) and ndim[0] == "rows" and index == _X:
+        S = src.shape[-1 if ndim[2] else -2]  # t[q_idx, ...]: a row per query
     if S is None:
         raise ValueError(f"mask_mod {entry.spec.name!r}: a tensor is read at {shown} (q_idx or "
                          "kv_idx as i), whose number of tokens no per-token tensor says: pass "
@@ -955,6 +988,10 @@ def _gather(entry, name, src, ndim, index, values, B, seqlen):
     ns.update({p: values[p].long().reshape(-1, 1) for p in scalars})
     idx = torch.broadcast_to(eval(code, ns), (B, S))  # noqa: S307 - generated
     try:
+        if isinstance(ndim, tuple) and ndim[0] == "rows":  # a table's rows: [B, S, m]
+            _, batched, transposed = ndim
+            t = src.transpose(-1, -2) if transposed else src
+            return t[torch.arange(B).view(B, 1), idx] if batched else t[idx]
         if isinstance(ndim, tuple):  # ("column", c) of a [n, m] table
             return src[:, ndim[1]][idx]
         if ndim == 1:

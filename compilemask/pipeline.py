@@ -49,6 +49,7 @@ from compilemask.descriptor import (
     TileConfig,
     descriptor_shapes,
     make_descriptor,
+    pack_table,
 )
 from compilemask.env import configure_compile_caches
 from compilemask.native import segments
@@ -133,6 +134,7 @@ def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, dev
         first_use(mask, dev.type, "int64", config)
         out = tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd, bwd, device=dev,
                                   config=config.preprocess)
+        out["row_params"] = with_tables(mask, arrs, out["row_params"])
         desc = make_descriptor(mask, seqlen_q, seqlen_k, fwd, bwd, **out)
     else:
         starts, lens, region = torch_tables(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
@@ -161,11 +163,21 @@ def assemble(mask, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd_
     row_params = (torch.stack([arrs[a] for a in mask.array_params], dim=-1)
                   if mask.array_params
                   else torch.zeros(B, seqlen_q, 0, dtype=torch.int64, device=dev))
+    row_params = with_tables(mask, arrs, row_params.to(torch.int32))
     return make_descriptor(
         mask, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, intervals=intervals,
         row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
         params=params.to(torch.int32).contiguous(),
         row_params=row_params.to(torch.int32).contiguous())
+
+
+def with_tables(mask, arrs, row_params: torch.Tensor) -> torch.Tensor:
+    """``row_params`` with a table param's packed entries after the arrays (the descriptor's
+    layout); as it is for a mask without one."""
+    if not mask.table_params:
+        return row_params
+    words = [pack_table(arrs[t]) for t in mask.table_params]
+    return torch.cat([row_params.to(torch.int32), *words], dim=-1)
 
 
 def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
@@ -270,7 +282,8 @@ class Preprocessor:
         if got is None:
             mask, B = self.mask, self.batch_size
             # the general path validates the shape arguments (and raises its errors) once
-            probe = {p: torch.zeros((B, seqlen_q) if p in mask.array_params else (B,),
+            probe = {p: torch.zeros((B, seqlen_q) if p in mask.array_params else
+                                    (B, seqlen_q, 1) if p in mask.table_params else (B,),
                                     dtype=torch.int64) for p in mask.spec.params}
             mask.normalize_meta(probe, seqlen_q, seqlen_k, B, self.device, check_values=False)
             K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
@@ -293,8 +306,8 @@ class Preprocessor:
 
     def _matches(self, meta, inputs):
         """The metadata dtype when the fast path applies, else None."""
-        if type(meta) is not dict or meta.keys() != self._keys:
-            return None
+        if type(meta) is not dict or meta.keys() != self._keys or self.mask.table_params:
+            return None  # a table's words are packed by the general path
         dtype = torch.int64
         for n, (p, shape) in enumerate(inputs):
             v = meta[p]

@@ -114,8 +114,8 @@ def _to_z3(e, env: _Z3Env):
         return r
     if isinstance(e, sp.core.function.AppliedUndef):
         name = type(e).__name__
-        if name not in env.funcs:
-            env.funcs[name] = z3.Function(name, z3.IntSort(), z3.IntSort())
+        if name not in env.funcs:  # an array (one index) or a table (row, column)
+            env.funcs[name] = z3.Function(name, *[z3.IntSort()] * (len(e.args) + 1))
         app = env.funcs[name](*[to_z3(a, env) for a in e.args])
         env.side.append(app >= 0)
         return app

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from compilemask.descriptor import in_interval
+from compilemask.descriptor import in_interval, unpack_table
 
 __all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
 
@@ -50,6 +50,8 @@ def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
         else:
             arr_j = arr[:, :Sk]
         args += [arr.view(B, Sq, 1), arr_j.view(B, 1, Sk)]
+    if mask.table_params:  # one table: its words follow the arrays
+        args.append(unpack_table(desc.row_params[..., len(mask.array_params):]))
     fn = mask.torch_function(f"predicate_{region_index}")
     return torch.broadcast_to(fn(*args), (B, Sq, Sk))
 
@@ -111,6 +113,19 @@ def _uses_invert(fn, seen: set) -> bool:
     return any(_uses_invert(g, seen) for g in reach)
 
 
+class _TableRows:
+    """A table param as the rules read it: ``t[i, c]`` is whether row ``i``'s entry ``c`` is
+    set, False at columns outside the table."""
+
+    def __init__(self, entries: torch.Tensor):
+        self.rows = [[bool(x) for x in row] for row in entries.tolist()]
+
+    def __getitem__(self, rc):
+        i, c = (int(x) for x in rc)
+        row = self.rows[i]
+        return 0 <= c < len(row) and row[c]
+
+
 def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
     """Call the user's rules on every (i, j): a row belongs to the first region whose guard
     holds, and sees the keys its rule accepts. Slow by design; it is the oracle.
@@ -125,7 +140,9 @@ def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
     out = torch.zeros(B, seqlen_q, seqlen_k, dtype=torch.bool)
     for b in range(B):
         env = {p: num(int(scal[p][b, 0])) for p in scal}
-        env.update({a: (arrs[a][b].clone() if tensors else arrs[a][b].tolist()) for a in arrs})
+        env.update({a: (arrs[a][b].clone() if tensors else arrs[a][b].tolist()) for a in arrs
+                    if a not in mask.table_params})
+        env.update({t: _TableRows(arrs[t][b]) for t in mask.table_params})
         env["seqlen_q"], env["seqlen_k"] = num(seqlen_q), num(seqlen_k)
         memo: dict = {}
         regions = [(_rebind(r.when, env, memo), _rebind(r.visible, env, memo))

@@ -22,7 +22,8 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     terms, K and the GPU path. With ``meta`` and ``row``: that row's concrete intervals. With
     ``show_code``: the generated TileLang, CuTe and torch code too (some hundred lines)."""
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
-           f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"]
+           f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"
+           + (f", tables {list(mask.table_params)}" if mask.table_params else "")]
     for start, end, ids in mask.derived_arrays:
         what = "span of the id" if derived_kind(start, ids) == "span" else "run of equal ids"
         out.append(f"  {start}, {end}: the {what} of {ids} around each row, derived from the "

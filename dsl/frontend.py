@@ -26,6 +26,8 @@ __all__ = [
     "translate_rule",
     "rule_symbols",
     "array_function",
+    "table_function",
+    "is_table_read",
     "bool_xor",
     "IntBitOp",
     "BitAnd",
@@ -124,6 +126,22 @@ def array_function(name: str):
     return sp.Function(name, integer=True, nonnegative=True)
 
 
+def table_function(name: str):
+    """A table param read at the row and a column, ``name[i, c]``, is ``name(i, c)``: 1 where
+    row ``i``'s entry at column ``c`` is nonzero, 0 elsewhere and at columns outside the table."""
+    return sp.Function(name, integer=True, nonnegative=True)
+
+
+def is_table_read(e) -> bool:
+    """Whether ``e`` is a table read (a two-index function application)."""
+    return isinstance(e, sp.core.function.AppliedUndef) and len(e.args) == 2
+
+
+def _truth(e):
+    """A table read used as a condition: its entry is nonzero (as a bool tensor reads)."""
+    return sp.Ne(e, 0) if is_table_read(e) else e
+
+
 @dataclass
 class RuleContext:
     """Where a rule comes from, for error messages, and what the translation discovered."""
@@ -135,6 +153,7 @@ class RuleContext:
     array_params: set[str] = field(default_factory=set)
     scalar_params: set[str] = field(default_factory=set)
     divisor_params: set[str] = field(default_factory=set)
+    table_params: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -383,6 +402,8 @@ class _Translator:
         raise self.unsupported(target, "assignment target (only 'name = expr' or 'a, b = x, y')")
 
     def select(self, cond, then, other, node):
+        if _is_bool(then) or _is_bool(other):
+            then, other = _truth(then), _truth(other)
         if _is_bool(then) and _is_bool(other):
             return sp.Or(sp.And(cond, then), sp.And(sp.Not(cond), other))
         if _is_bool(then) or _is_bool(other):
@@ -390,6 +411,7 @@ class _Translator:
         return sp.Piecewise((then, cond), (other, True))
 
     def boolean(self, e, node):
+        e = _truth(e)
         if _is_bool(e):
             return e
         raise self.unsupported(node, "integer used as a condition (compare it explicitly)")
@@ -418,6 +440,7 @@ class _Translator:
                 return sp.Not(self.boolean(v, node))
             if isinstance(node.op, ast.Invert):
                 # logical not on booleans, as on torch bool tensors; on an int it is bitwise
+                v = _truth(v)
                 if _is_bool(v):
                     return sp.Not(v)
                 return -self.integer(v, node) - 1  # on an integer: bitwise not, -v - 1
@@ -453,6 +476,8 @@ class _Translator:
         """``&``, ``|``, ``^`` of booleans are and, or, xor (as on torch bool tensors)."""
         a, b = self.expr(node.left, env), self.expr(node.right, env)
         sym, combine = _BOOL_OPS_SYM[type(node.op)]
+        if _is_bool(a) or _is_bool(b) or is_table_read(a) and is_table_read(b):
+            a, b = _truth(a), _truth(b)  # a table's entries are booleans next to a condition
         if _is_bool(a) and _is_bool(b):
             return combine(a, b)
         if not _is_bool(a) and not _is_bool(b):  # integers: the bit operation
@@ -533,6 +558,11 @@ class _Translator:
         if name in self.ctx.scalar_params:
             raise ValueError(f"{self.where(node)}: param {name!r} is used both as a scalar and "
                              "as a per-row array")
+        if isinstance(node.slice, ast.Tuple):
+            return self.table_read(node, name, env)
+        if name in self.ctx.table_params:
+            raise ValueError(f"{self.where(node)}: param {name!r} is a table: read it as "
+                             f"{name}[i, column]")
         idx = self.integer(self.expr(node.slice, env), node.slice)
         # every pass reads a per-row array at the row or the key only; refuse anything else
         # here, where the rule and its line are known
@@ -544,6 +574,33 @@ class _Translator:
                       f"j only ({name}[i], {name}[j])")
         self.ctx.array_params.add(name)
         return array_function(name)(idx)
+
+    def table_read(self, node, name, env):
+        """``t[i, c]``: a table param (``[B, Sq, M]`` metadata: row i's M entries) at column
+        ``c``, an integer expression of ``j``; its regions keep it as their predicate."""
+        written = ast.unparse(node)
+        elts = node.slice.elts
+        if len(elts) != 2:
+            raise self.unsupported(node, f"subscript '{written}': a table is read as "
+                                         f"{name}[i, column]")
+        if name in self.ctx.array_params:
+            raise ValueError(f"{self.where(node)}: param {name!r} is used both as a per-row "
+                             "array and as a table")
+        if self.ctx.role == "when":
+            raise self.unsupported(node, f"table read '{written}' in a guard (a guard is a "
+                                         "function of the row: use a per-row array)")
+        row = self.integer(self.expr(elts[0], env), elts[0])
+        col = self.integer(self.expr(elts[1], env), elts[1])
+        if row != self.ctx.symbols["i"]:
+            raise self.unsupported(node, f"table read '{written}': a table's row is i "
+                                         f"({name}[i, column])")
+        if not col.has(self.ctx.symbols["j"]):
+            raise self.unsupported(node, f"table read '{written}': its column must depend on j "
+                                         "(a value of the row alone is a per-row array)")
+        if any(is_table_read(f) for f in col.atoms(sp.core.function.AppliedUndef)):
+            raise self.unsupported(node, f"table read '{written}': a column read from a table")
+        self.ctx.table_params.add(name)
+        return table_function(name)(row, col)
 
     def name(self, node, env):
         return self.lookup(node.id, env, node, allow_function=False)
@@ -562,6 +619,9 @@ class _Translator:
                 if name in self.ctx.array_params:
                     raise ValueError(f"{self.where(node)}: param {name!r} is a per-row array: "
                                      f"write {name}[i]")
+                if name in self.ctx.table_params:
+                    raise ValueError(f"{self.where(node)}: param {name!r} is a table: write "
+                                     f"{name}[i, column]")
                 self.ctx.scalar_params.add(name)
                 return self.ctx.symbols[name]
         if name in ("seqlen_q", "seqlen_k"):
@@ -623,7 +683,7 @@ def translate_rule(fn, ctx: RuleContext) -> TranslatedRule:
     found = _func_source_node(fn, _who(ctx, fn, 0))
     src = found[1]
     args = [ctx.symbols["i"]] if ctx.role == "when" else [ctx.symbols["i"], ctx.symbols["j"]]
-    expr = inline_function(fn, args, ctx, 0, found=found)
+    expr = _truth(inline_function(fn, args, ctx, 0, found=found))
     if not _is_bool(expr):
         raise TypeError(
             f"Region {ctx.region!r}, {ctx.role} function {fn.__name__!r}: must return a boolean "

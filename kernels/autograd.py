@@ -262,7 +262,8 @@ def _check_predicates(mask, length: int) -> None:
     check_kernel_predicates(mask, length)
     for r in mask.fallback_regions:
         try:
-            predicate_source(r.rule, mask.scalar_params, mask.array_params)
+            predicate_source(r.rule, mask.scalar_params, mask.array_params,
+                             table_params=mask.table_params)
         except UnsupportedExpression as e:
             raise NotImplementedError(
                 f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "

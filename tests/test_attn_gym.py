@@ -1,6 +1,6 @@
 """The attention-gym catalogue as its package writes it (``attn-gym``, a test dependency):
-every mask_mod that converts equals FlexAttention's ``create_mask`` element by element on CPU;
-the ones that do not yet are refused with an error naming the construct."""
+every mask_mod converts and equals FlexAttention's ``create_mask`` element by element on CPU
+(JetSpec's tree, a 2-D table read at a token pair, as a table param)."""
 
 from __future__ import annotations
 
@@ -152,14 +152,6 @@ def test_rows_of_values_key_the_conversion_by_their_length():
         _equal_create_mask(make(topk), 32, 32)
 
 
-def _refused():
-    anc = am.build_tree_ancestor_matrix([-1, 0, 1, 1, 3, 3, 0], device="cpu")
-    return {
-        "jetspec_tree": (am.generate_jetspec_tree_causal_mask_mod(0, anc),
-                         r"of a 2-d captured tensor"),
-    }
-
-
 @pytest.mark.parametrize("Sq", [48, 100, 129, 257])
 def test_flamingo_table_columns_convert(Sq):
     """Flamingo's cross attention reads a [num_images, 2] table's columns at the image of
@@ -176,10 +168,22 @@ def test_flamingo_table_columns_convert(Sq):
     assert torch.equal(got, create_mask(mm, B, 1, Sq, 48, device="cpu")[:, 0])
 
 
-@pytest.mark.parametrize("name", ["jetspec_tree"])
-def test_not_yet_converted_mask_mods_are_refused_by_construct(name):
-    """What the rules cannot say yet: 2-D tables read at a token pair. An error naming the
-    construct and its line."""
-    mm, what = _refused()[name]
-    with pytest.raises(NotImplementedError, match=what):
-        cm.from_mask_mod(mm)
+# draft trees: (parents, prefix keys); node 0 the root, -1 its parent
+TREES = [([-1], 0), ([-1], 3), ([-1, 0, 1, 1, 3, 3, 0], 0), ([-1, 0, 1, 1, 3, 3, 0], 5),
+         ([-1, 0, 0, 1, 2], 130), ([-1] + [random.Random(7).randrange(n) for n in range(1, 100)],
+                                   257)]
+
+
+@pytest.mark.parametrize("parents,prefix", TREES)
+def test_jetspec_tree_table_converts(parents, prefix):
+    """JetSpec's tree mask reads a 2-D ancestor table at a token pair
+    (``anc[q_idx, clamp(kv_idx - prefix)]``): a table param (the rows the queries read, packed
+    to bits), the prefix an exact interval and the tree keys' interval a predicate."""
+    anc = am.build_tree_ancestor_matrix(parents, device="cpu")
+    mm = am.generate_jetspec_tree_causal_mask_mod(prefix, anc)
+    n = len(parents)
+    _equal_create_mask(mm, n, prefix + n)
+    spec, _ = cm.from_mask_mod(mm)
+    mask = cm.compile_mask(spec)
+    if n > 1:
+        assert mask.table_params and mask.num_intervals == (2 if prefix else 1)

@@ -208,7 +208,27 @@ def test_bit_operation_predicate_compiles_in_fa4():
     _compiles_in_fa4(cm.compile_mask(spec), {}, 128)
 
 
-def _compiles_in_fa4(mask, meta, head_dim):
+@pytest.mark.slow  # kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+@pytest.mark.parametrize("variant", ["predicate", "intervals"])
+def test_table_predicate_compiles_in_fa4(variant):
+    """A table param's read (a word of row_params at a computed column, its bit) in FA4's
+    forward and backward, as the whole-mask predicate and after the interval test."""
+    from compilemask.codegen.cute_mask_mod import mask_mod_variant
+
+    spec = cm.MaskSpec("table_tree", params=["p", "n", "anc"], regions=[
+        cm.Region("all", when=lambda i: True,
+                  visible=lambda i, j: (j < p) | ((j >= p) & (j < p + n)  # noqa: F821
+                                                  & anc[i, j - p]))])  # noqa: F821
+    mask = cm.compile_mask(spec)
+    assert mask_mod_variant(mask) == "predicate"
+    gen = torch.Generator().manual_seed(0)
+    meta = {"p": torch.tensor([200, 150]), "n": torch.tensor([100, 80]),
+            "anc": torch.rand(2, 300, 100, generator=gen) < 0.3}
+    _compiles_in_fa4(mask, meta, 128, variant)
+
+
+def _compiles_in_fa4(mask, meta, head_dim, variant=None):
     _fa4_fake_env()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -218,15 +238,16 @@ def _compiles_in_fa4(mask, meta, head_dim):
     B, S, H, D = 2, 300, 4, head_dim
     desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
     lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64" if D == 128 else "bwd128")}
-    mm = mask_mod(mask)
-    assert mm is mask_mod(mask)  # cached by the mask's key
+    mm = mask_mod(mask, variant)
+    assert mm is mask_mod(mask, variant)  # cached by the mask's key
     with FakeTensorMode():
         q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
         fdesc, flists, _ = fake_on_cuda(desc, lists)
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"], variant=variant)
         assert out.shape == q.shape and lse.shape == (B, H, S)
         bwd_lists = flists["bwd64" if D == 128 else "bwd128"]
-        dq, dk, dv = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=bwd_lists)
+        dq, dk, dv = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=bwd_lists,
+                             variant=variant)
         assert dq.shape == q.shape and dk.shape == q.shape
 
 

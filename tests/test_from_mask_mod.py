@@ -274,13 +274,31 @@ def test_unsupported_constructs_name_the_construct_and_line():
 
     with pytest.raises(NotImplementedError, match=r"test_from_mask_mod\.py:\d+\): data-dependent"):
         cm.from_mask_mod(branchy)
-    table = torch.ones(8, 8, dtype=torch.bool)
+    table = torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) < 0.5
 
     def lookup(b, h, q_idx, kv_idx):
         return table[q_idx // 4, kv_idx // 4]
 
-    with pytest.raises(NotImplementedError, match=r"index table\[\.\.\., \.\.\.\] of a 2-d"):
+    # a bool table read at a token pair is a table param (tests/test_tables.py); its rows are
+    # gathered at q_idx // 4, whose number of tokens is asked
+    with pytest.raises(ValueError, match=r"seqlen=S"):
         cm.from_mask_mod(lookup)
+    spec, meta = cm.from_mask_mod(lookup, seqlen=32)
+    got = cm.compile_mask(spec).preprocess(meta, seqlen_q=32).dense_mask()
+    assert torch.equal(got, create_mask(lookup, 1, 1, 32, 32, device="cpu")[:, 0])
+
+    def mixed(b, h, q_idx, kv_idx):
+        return table[q_idx // 4, (kv_idx + q_idx) // 8]
+
+    with pytest.raises(NotImplementedError, match=r"row from q_idx and its column from kv_idx"):
+        cm.from_mask_mod(mixed)
+    counts = torch.ones(8, 8, dtype=torch.int32)
+
+    def counted(b, h, q_idx, kv_idx):
+        return counts[q_idx // 4, kv_idx // 4] == 1
+
+    with pytest.raises(NotImplementedError, match=r"must be a bool tensor"):
+        cm.from_mask_mod(counted)
     offs = torch.arange(8)
 
     def shifted(b, h, q_idx, kv_idx):
