@@ -25,6 +25,9 @@ from compilemask.descriptor import ExecutionDescriptor
 __all__ = ["HeadGroups", "preprocess_heads"]
 
 
+_INDICES: dict = {}  # (groups' heads, G, device) -> index tensors, shared by HeadGroups
+
+
 @dataclass(frozen=True)
 class HeadGroups:
     """Descriptors by group of query heads: ``groups[g] = (desc, heads)``, heads ascending,
@@ -52,9 +55,10 @@ class HeadGroups:
     def indices(self, G: int, device) -> tuple:
         """Per group ``(q heads, kv heads)`` as index tensors on ``device``, and the inverse
         order of the concatenated groups: computed on the host from the head tuples and made
-        once per (G, device), so a layer call neither synchronizes nor copies."""
-        key = (G, str(device))
-        got = self._indices.get(key)
+        once per (grouping, G, device) for every ``HeadGroups`` of that grouping (a host list
+        to a GPU tensor synchronizes), so a batch's new groups neither synchronize nor copy."""
+        key = (tuple(heads for _, heads in self.groups), G, str(device))
+        got = self._indices.get(key) or _INDICES.get(key)
         if got is None:
             per, order = [], []
             for _, heads in self.groups:
@@ -67,7 +71,11 @@ class HeadGroups:
             inv = [0] * self.num_heads
             for pos, h in enumerate(order):
                 inv[h] = pos
-            got = self._indices[key] = (per, torch.tensor(inv, device=device))
+            got = (per, torch.tensor(inv, device=device))
+            if len(_INDICES) > 256:
+                _INDICES.clear()
+            _INDICES[key] = got
+        self._indices[key] = got
         return got
 
     def split_sizes(self, G: int):
@@ -165,9 +173,12 @@ def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, sc
     if H % Hkv:
         raise ValueError(f"cm.attention: {H} query heads are not a multiple of {Hkv} kv heads")
     G = H // Hkv
-    per, inv = groups.indices(G, q.device)
-    heads = [idx for idx, _ in per]
     sizes = groups.split_sizes(G)
+    if sizes is not None and score_mod is None and learnable_sink is None:
+        per, inv = [(None, None)] * len(groups.groups), None  # views need no index tensors
+    else:
+        per, inv = groups.indices(G, q.device)
+    heads = [idx for idx, _ in per]
     if sizes is not None:  # consecutive runs: views in, one concatenation out, no reordering
         qs, ks, vs = q.split(sizes[0], 2), k.split(sizes[1], 2), v.split(sizes[1], 2)
         inv = None

@@ -129,6 +129,34 @@ def test_gpu_head_groups_vs_float32_reference(case):
         assert rel(a, e) <= 2 * rel(t, e) + 1e-4, (what, rel(a, e), rel(t, e))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["per_head_windows", "duo_split_kv_heads"])
+def test_gpu_head_groups_never_synchronize(case):
+    """A batch's new HeadGroups (its preprocess) + forward + backward: no host synchronization
+    after the first batch of a grouping (its index tensors are shared by every HeadGroups of
+    that grouping)."""
+    Sg, head_masks = 1000, CASES[case]()
+    q = torch.randn(2, Sg, H, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, Sg, HKV, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    for step in range(2):
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            groups = cm.preprocess_heads(head_masks, None, Sg, batch_size=2, device="cuda")
+            cm.attention(q, k, v, groups).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def test_head_groups_of_one_grouping_share_their_index_tensors():
+    """Index tensors are made once per grouping, not per HeadGroups (a host list copied to a GPU
+    synchronizes); views need none at all."""
+    head_masks = CASES["duo_split_kv_heads"]()
+    a, b = (cm.preprocess_heads(head_masks, None, S, batch_size=B) for _ in range(2))
+    assert a is not b and a.indices(2, "cpu")[1] is b.indices(2, "cpu")[1]
+
+
 def test_head_groups_in_a_transformers_model():
     """Per-head windows through a tiny Qwen3 (GQA) equal SDPA given the [B, H, S, S] mask,
     logits and gradients."""
