@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from compilemask.codegen.cute_mask_mod import mask_mod_variant
 from compilemask.codegen.cute_predicate import predicate_source
 from compilemask.compiler import _quotients, extract_intervals
 from compilemask.descriptor import TILE_EMPTY, TILE_FULL, TILE_MASKED, TILE_PARTIAL, TILE_VISIBLE
@@ -14,6 +15,10 @@ __all__ = ["explain", "descriptor_to_string", "row_intervals"]
 
 def _indent(text: str, pad: str = "      ") -> str:
     return "\n".join(pad + line for line in text.rstrip().splitlines())
+
+
+def _table_str(e) -> str:
+    return str(e).replace("](i, j)", "]")
 
 
 def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=None,
@@ -43,9 +48,11 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
                        "earlier guard holds too are not in this region")
         out.append("    rule, as written:")
         out.append(_indent(r.rule_source))
+        # a table read is an opaque atom named as written ("t[i, j - p](i, j)": drop its args)
+        show = _table_str if mask.table_params else str
         out.append(f"    DNF ({len(r.dnf)} term{'s' if len(r.dnf) != 1 else ''}):")
         for t in r.dnf:
-            out.append("      " + (" & ".join(str(a) for a in t) or "True"))
+            out.append("      " + (" & ".join(show(a) for a in t) or "True"))
         out.append("    extracted intervals (per term, before canonicalization):")
         for t in r.terms:
             lo = ", ".join(str(x) for x in t.lowers) or "0"
@@ -54,7 +61,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             if t.cond:
                 s += "  if " + " & ".join(str(c) for c in t.cond)
             if t.residual:
-                s += "  residual: " + " & ".join(str(c) for c in t.residual)
+                s += "  residual: " + " & ".join(show(c) for c in t.residual)
             out.append(s)
         out += _split_notes(r)
         if r.proofs:
@@ -62,7 +69,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
             out += ["      " + p for p in r.proofs]
         if r.fallback:
             out.append("    FALLBACK: partial tiles evaluate the rule as a predicate because:")
-            out += ["      " + why for why in r.fallback_reasons]
+            out += ["      " + _table_str(why) for why in r.fallback_reasons]
         out.append(f"    intervals ({r.num_intervals} slot{'s' if r.num_intervals != 1 else ''}):")
         for k, iv in enumerate(r.intervals):
             out.append(f"      slot {k}: {iv}")
@@ -76,7 +83,9 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append(f"  GPU path: native FA4 ({pat.describe()}); no tile lists, no mask_mod")
         out.append(f"    proof: {pat.proof}")
     else:
-        out.append("  GPU path: FA4 block-sparse lists + the interval mask_mod (not a native "
+        what = {"intervals": "the interval mask_mod", "rules": "the rules as the mask_mod",
+                "predicate": "the whole mask as one predicate"}[mask_mod_variant(mask)]
+        out.append(f"  GPU path: FA4 block-sparse lists + {what} (not a native "
                    "pattern: no equality with full, causal, a window or segments was proven)")
     if meta is not None and row is not None:
         out.append("")
