@@ -139,14 +139,15 @@ def _check_meta(mask, meta: dict, need_all: bool) -> None:
     if unknown:
         raise CliError(f"mask {mask.name!r} has no param(s) {', '.join(unknown)} "
                        f"(declared: {', '.join(params) or 'none'})")
-    arrays = [k for k in meta if k in mask.array_params]
+    arrays = [k for k in meta if k in mask.array_params or k in mask.table_params]
     if arrays:
-        raise CliError(f"param(s) {', '.join(arrays)} of mask {mask.name!r} are per-row arrays; "
-                       f"the command line takes scalar params only")
+        raise CliError(f"param(s) {', '.join(arrays)} of mask {mask.name!r} are per-row arrays "
+                       f"or tables; the command line takes scalar params only")
     if need_all:
-        if mask.array_params:
-            raise CliError(f"mask {mask.name!r} needs per-row array param(s) "
-                           f"{', '.join(mask.array_params)}, which the command line cannot give;"
+        if mask.array_params or mask.table_params:
+            raise CliError(f"mask {mask.name!r} needs per-row array or table param(s) "
+                           f"{', '.join(mask.array_params + mask.table_params)}, which the "
+                           f"command line cannot give;"
                            f" call compilemask.visualize from Python")
         missing = [p for p in params if p not in meta]
         if missing:

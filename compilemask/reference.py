@@ -31,29 +31,36 @@ def descriptor_dense_mask(desc) -> torch.Tensor:
     return dense
 
 
-def evaluate_predicate(desc, region_index: int) -> torch.Tensor:
-    """The residual predicate of a fallback region on the whole [B, Sq, Sk] grid."""
+def evaluate_predicate(desc, region_index: int, batch: int | None = None, rows=None,
+                       cols=None) -> torch.Tensor:
+    """The residual predicate of a fallback region on the ``[B, Sq, Sk]`` grid, or of one
+    sequence ``batch`` on rows ``[r0, r1)`` x keys ``[c0, c1)`` (``[1, r1 - r0, c1 - c0]``)."""
     mask = desc.mask
     B, Sq, Sk = desc.batch_size, desc.seqlen_q, desc.seqlen_k
+    r0, r1 = rows or (0, Sq)
+    c0, c1 = cols or (0, Sk)
+    seqs = slice(None) if batch is None else slice(batch, batch + 1)
+    nb = B if batch is None else 1
     dev = desc.intervals.device
-    i = torch.arange(Sq, device=dev, dtype=torch.int64).view(1, Sq, 1)
-    j = torch.arange(Sk, device=dev, dtype=torch.int64).view(1, 1, Sk)
+    i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, -1, 1)
+    j = torch.arange(c0, c1, device=dev, dtype=torch.int64).view(1, 1, -1)
     args = [i, j, Sq, Sk]
-    params = desc.params.to(torch.int64)
-    args += [params[:, k].view(B, 1, 1) for k in range(len(mask.scalar_params))]
+    params = desc.params[seqs].to(torch.int64)
+    args += [params[:, k].view(nb, 1, 1) for k in range(len(mask.scalar_params))]
+    row_params = desc.row_params[seqs]
     for k in range(len(mask.array_params)):
-        arr = desc.row_params[..., k].to(torch.int64)
+        arr = row_params[..., k].to(torch.int64)
         if Sk > Sq:
             # only arrays read at i reach here (preprocess refuses reads at j when Sk > Sq):
             # the padded key view keeps the generated signature and is never read
             arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))
         else:
             arr_j = arr[:, :Sk]
-        args += [arr.view(B, Sq, 1), arr_j.view(B, 1, Sk)]
+        args += [arr[:, r0:r1].view(nb, -1, 1), arr_j[:, c0:c1].view(nb, 1, -1)]
     if mask.table_params:  # one table: its words follow the arrays
-        args.append(unpack_table(desc.row_params[..., len(mask.array_params):]))
+        args.append(unpack_table(row_params[:, r0:r1, len(mask.array_params):]))
     fn = mask.torch_function(f"predicate_{region_index}")
-    return torch.broadcast_to(fn(*args), (B, Sq, Sk))
+    return torch.broadcast_to(fn(*args), (nb, r1 - r0, c1 - c0))
 
 
 def _rebind(fn, env: dict, memo: dict):

@@ -103,7 +103,8 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
                 out.append(f"  generated CuTe fallback predicate (region {r.index} {r.name!r}; "
                            f"the kernel ANDs it with the interval test in partial tiles):")
                 try:  # as kernels.fallback.Fallback.from_mask builds it
-                    src = predicate_source(r.rule, mask.scalar_params, mask.array_params)
+                    src = predicate_source(r.rule, mask.scalar_params, mask.array_params,
+                                           table_params=mask.table_params)
                     out.append(_indent(src, "    "))
                 except Exception as e:
                     out.append(f"    (not available: {type(e).__name__}: {e})")

@@ -31,6 +31,7 @@ import os
 import torch
 
 from compilemask.descriptor import TILE_FULL, TILE_MASKED, TILE_PARTIAL
+from compilemask.reference import evaluate_predicate
 
 __all__ = ["visualize", "figure", "image_format", "tile_visible_counts", "dense_rows",
            "PALETTE", "DENSE_LIMIT", "CHUNK_ELEMS"]
@@ -104,22 +105,8 @@ def dense_rows(desc, batch: int, r0: int, r1: int, c0: int = 0,
 
 def _predicate_rows(desc, batch, region_index, r0, r1, c0, c1) -> torch.Tensor:
     """The residual predicate of a fallback region on rows [r0, r1) x keys [c0, c1) of one
-    sequence (mirrors ``compilemask.reference.evaluate_predicate``, including its keys-past-Sq
-    convention for per-row arrays subscripted by j)."""
-    mask = desc.mask
-    Sq, Sk = desc.seqlen_q, desc.seqlen_k
-    dev = desc.intervals.device
-    i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, -1, 1)
-    j = torch.arange(c0, c1, device=dev, dtype=torch.int64).view(1, 1, -1)
-    args = [i, j, Sq, Sk]
-    args += [desc.params[batch, k].to(torch.int64).view(1, 1, 1)
-             for k in range(len(mask.scalar_params))]
-    for k, _name in enumerate(mask.array_params):
-        arr = desc.row_params[batch, :, k].to(torch.int64)  # [Sq]
-        arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq)) if Sk > Sq else arr[:Sk]
-        args += [arr[r0:r1].view(1, -1, 1), arr_j[c0:c1].view(1, 1, -1)]
-    fn = mask.torch_function(f"predicate_{region_index}")
-    return torch.broadcast_to(fn(*args), (1, r1 - r0, c1 - c0))[0]
+    sequence."""
+    return evaluate_predicate(desc, region_index, batch, (r0, r1), (c0, c1))[0]
 
 
 def _disjoint_pieces(iv: torch.Tensor):

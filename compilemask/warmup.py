@@ -30,7 +30,8 @@ def zero_meta(mask: CompiledMask, batch_size: int, seqlen: int, device) -> dict:
     meta = {}
     for p in mask.spec.params:
         fill = 1 if p in mask.divisor_params else 0
-        shape = (batch_size, seqlen) if p in mask.array_params else (batch_size,)
+        shape = ((batch_size, seqlen) if p in mask.array_params else
+                 (batch_size, seqlen, 1) if p in mask.table_params else (batch_size,))
         meta[p] = torch.full(shape, fill, dtype=torch.int32, device=device)
     return meta
 

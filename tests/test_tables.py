@@ -88,6 +88,35 @@ def test_tilelang_preprocess_matches_the_reference_with_a_table():
     assert torch.equal(tl.dense_mask(), mask.reference_mask(meta, 70, 90))
 
 
+def test_table_mask_through_the_bound_preprocessor_and_the_inspection_tools(tmp_path):
+    pytest.importorskip("tilelang")
+    mask = cm.compile_mask(_tree_spec())
+    meta = _meta(mask.name, 2, 50, 80, torch.Generator().manual_seed(4), M=33)
+    pre = mask.preprocessor(50, 80, batch_size=2, device="cpu")
+    desc = pre(meta)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, 50, 80))
+    assert "tables ['anc']" in mask.explain() and "anc[i, j - p] > 0" in mask.explain()
+    assert desc.to_string()
+    assert cm.visualize(desc, path=str(tmp_path / "tree.png"))
+
+
+def test_table_mask_under_a_layer_window_and_warmup_metadata():
+    """A model layer's window combined with a table mask (its metadata read back from the
+    descriptor's words), and the metadata ``warmup`` builds for a table param."""
+    from compilemask.integrations.transformers import windowed_descriptor
+    from compilemask.warmup import zero_meta
+
+    mask = cm.compile_mask(_tree_spec())
+    meta = _meta(mask.name, 2, 50, 50, torch.Generator().manual_seed(1), M=70)
+    desc = mask.preprocess(meta, 50, 50)
+    i, j = torch.arange(50).view(50, 1), torch.arange(50).view(1, 50)
+    got = windowed_descriptor(desc, 8).dense_mask()
+    assert torch.equal(got, desc.dense_mask() & (j > i - 8))
+    zeros = zero_meta(mask, 2, 50, "cpu")
+    assert zeros["anc"].shape == (2, 50, 1)
+    assert not mask.preprocess(zeros, 50).dense_mask().any()
+
+
 def test_table_reads_are_refused_where_they_cannot_be_read():
     def spec(visible, when=lambda i: True, params=("t",)):
         return cm.MaskSpec("bad", params=list(params), regions=[

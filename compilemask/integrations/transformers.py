@@ -50,7 +50,7 @@ import torch
 from compilemask import score_mods
 from compilemask.api import _validate, attention, select_engine
 from compilemask.compiled import CompiledMask, compile_mask
-from compilemask.descriptor import ExecutionDescriptor
+from compilemask.descriptor import ExecutionDescriptor, unpack_table
 from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
@@ -368,6 +368,9 @@ def windowed_descriptor(desc, window: int):
                 if p in mask.spec.params}
         meta.update({a: desc.row_params[:, :, n] for n, a in enumerate(mask.array_params)
                      if a in mask.spec.params})
+        # a table's entries from its words (the padding entries read as the columns past it)
+        meta.update({t: unpack_table(desc.row_params[:, :, len(mask.array_params):])
+                     for t in mask.table_params})
         got = per[window] = windowed_mask(mask, window).preprocess(
             meta, desc.seqlen_q, desc.seqlen_k, batch_size=desc.batch_size, device=desc.device)
     return got
