@@ -657,27 +657,27 @@ class _Captured(_Sym):
             tr.array_leaf[dname] = self.leaf
         return _Sym(tr, self._wrap(array_function(dname)(at)))
 
-    def _read_pair(self, x, y, batched: bool):
+    def _read_pair(self, x, y, batched: bool, test=None):
         """``t[x, y]`` (``t[b, x, y]``) of a bool table at a token pair: a table param whose
         row ``i`` is the table's row at ``x`` (gathered with the metadata; ``x`` a function of
         q_idx), read at the column ``y`` (a function of kv_idx) in the rule. ``t[kv, q]`` reads
-        the transposed table."""
+        the transposed table. A table of numbers is read through a comparison with a constant
+        (``test``: the operator and the constant, applied to the table at conversion)."""
         tr = self.tr
+        if not self.is_bool and test is None:
+            return _PairValue(self, x, y, batched)
         ex, ey = _val(tr, x), _val(tr, y)
         transposed = _gather_var(tr, ex) == _J and _J not in ey.free_symbols
         if transposed:
             ex, ey = ey, ex
         shown = f"{self.name}[{'b, ' if batched else ''}{_val(tr, x)}, {_val(tr, y)}]"
-        if not self.is_bool:
-            raise tr.fail(f"index {shown}: a table read at a token pair must be a bool tensor "
-                          "(capture the comparison, e.g. (t == 1), instead)")
         if _gather_var(tr, ex) != _I or not isinstance(ey, sp.Expr) or _is_bool(ey) \
                 or _J not in ey.free_symbols or _I in ey.free_symbols:
             raise tr.fail(f"index {shown}: a table read at a token pair takes its row from "
                           "q_idx and its column from kv_idx (or the reverse)")
         if any(len(f.args) == 2 for f in ey.atoms(sp.core.function.AppliedUndef)):
             raise tr.fail(f"index {shown}: a table's column read from another table")
-        recipe = (self.leaf, ("rows", batched, transposed), ex.xreplace({_I: _X}))
+        recipe = (self.leaf, ("rows", batched, transposed, test), ex.xreplace({_I: _X}))
         dname = tr.gathers.get(recipe)
         if dname is None:
             dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_rows")
@@ -696,6 +696,62 @@ class _Captured(_Sym):
 
 
 _MAX_VECTOR = 64
+
+_PAIR_TESTS = {"==": torch.eq, "!=": torch.ne, "<": torch.lt, "<=": torch.le, ">": torch.gt,
+               ">=": torch.ge}
+
+
+class _PairValue:
+    """``t[x, y]`` of a table of numbers at a token pair: only compared with a constant
+    (``t[q_idx, kv_idx] == 2``), which makes the bool table the rule reads."""
+
+    def __init__(self, cap: _Captured, x, y, batched: bool):
+        self.cap, self.x, self.y, self.batched = cap, x, y, batched
+
+    def _test(self, op, c):
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            c = _const_index(c)
+            if c is None:
+                raise self.cap.tr.fail(f"a table of numbers {self.cap.name!r} read at a token "
+                                       f"pair is compared with a constant only (here '{op}' "
+                                       "with a computed value)")
+        return self.cap._read_pair(self.x, self.y, self.batched, (op, c))
+
+    def __eq__(self, c):
+        return self._test("==", c)
+
+    def __ne__(self, c):
+        return self._test("!=", c)
+
+    def __lt__(self, c):
+        return self._test("<", c)
+
+    def __le__(self, c):
+        return self._test("<=", c)
+
+    def __gt__(self, c):
+        return self._test(">", c)
+
+    def __ge__(self, c):
+        return self._test(">=", c)
+
+    __hash__ = object.__hash__
+
+    def _arith(self, *_):
+        raise self.cap.tr.fail(f"arithmetic on a table of numbers {self.cap.name!r} read at a "
+                               "token pair (only a comparison with a constant)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _arith
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __neg__ = _arith
+
+    def __bool__(self):
+        raise self.cap.tr.fail("data-dependent Python control flow on a table read")
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self.cap.tr.fail(f"'.{name}' of a table of numbers {self.cap.name!r} read at a "
+                               "token pair (compare it with a constant)")
 
 
 class _Vec:
@@ -989,8 +1045,10 @@ def _gather(entry, name, src, ndim, index, values, B, seqlen):
     idx = torch.broadcast_to(eval(code, ns), (B, S))  # noqa: S307 - generated
     try:
         if isinstance(ndim, tuple) and ndim[0] == "rows":  # a table's rows: [B, S, m]
-            _, batched, transposed = ndim
+            _, batched, transposed, test = ndim
             t = src.transpose(-1, -2) if transposed else src
+            if test is not None:  # a table of numbers, read through its comparison
+                t = _PAIR_TESTS[test[0]](t, test[1])
             return t[torch.arange(B).view(B, 1), idx] if batched else t[idx]
         if isinstance(ndim, tuple):  # ("column", c) of a [n, m] table
             return src[:, ndim[1]][idx]

@@ -292,13 +292,13 @@ def test_unsupported_constructs_name_the_construct_and_line():
 
     with pytest.raises(NotImplementedError, match=r"row from q_idx and its column from kv_idx"):
         cm.from_mask_mod(mixed)
-    counts = torch.ones(8, 8, dtype=torch.int32)
+    counts = torch.randint(0, 3, (8, 8), generator=torch.Generator().manual_seed(1))
 
     def counted(b, h, q_idx, kv_idx):
-        return counts[q_idx // 4, kv_idx // 4] == 1
+        return (counts[q_idx // 4, kv_idx // 4] + 1) > 1
 
-    with pytest.raises(NotImplementedError, match=r"must be a bool tensor"):
-        cm.from_mask_mod(counted)
+    with pytest.raises(NotImplementedError, match=r"arithmetic on a table of numbers"):
+        cm.from_mask_mod(counted, seqlen=32)
     offs = torch.arange(8)
 
     def shifted(b, h, q_idx, kv_idx):

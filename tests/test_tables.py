@@ -183,3 +183,31 @@ def test_gpu_table_mask_vs_float32_reference(Sq, Sk, M):
     dense = mask.reference_mask({k: v.cpu() for k, v in meta.items()}, Sq, Sk)
     assert torch.equal(desc.dense_mask().cpu(), dense)
     check_attention_vs_reference(desc, q, k, v, "fa4", dense)
+
+
+@pytest.mark.parametrize("test", ["==", "!=", "<", ">=", "reflected"])
+def test_flex_tables_of_numbers_read_through_a_comparison(test):
+    """``t[q_idx, kv_idx] == c`` of an integer (or float) table: the comparison made at
+    conversion, the bool table a table param; equal to create_mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    gen = torch.Generator().manual_seed(2)
+    counts = torch.randint(0, 4, (2, 40, 40), generator=gen)
+    weights = torch.rand(40, 40, generator=gen)
+
+    def mm(b, h, q_idx, kv_idx):
+        x = counts[b, q_idx, kv_idx]
+        hit = {"==": x == 2, "!=": x != 0, "<": x < 1, ">=": x >= 3, "reflected": 2 <= x}[test]
+        return hit & (weights[q_idx, kv_idx] > 0.25) | (q_idx == kv_idx)
+
+    spec, meta = cm.from_mask_mod(mm)
+    with pytest.raises(NotImplementedError, match="at most one table"):
+        cm.compile_mask(spec)
+
+    def one(b, h, q_idx, kv_idx):
+        x = counts[b, q_idx, kv_idx]
+        return {"==": x == 2, "!=": x != 0, "<": x < 1, ">=": x >= 3, "reflected": 2 <= x}[test]
+
+    spec, meta = cm.from_mask_mod(one)
+    got = cm.compile_mask(spec).preprocess(meta, seqlen_q=40).dense_mask()
+    assert torch.equal(got, create_mask(one, 2, 1, 40, 40, device="cpu")[:, 0])
