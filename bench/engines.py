@@ -304,7 +304,9 @@ HEAD_WINDOWS = (512, 1024, 2048, 4096)  # per_head_windows: heads 2w, 2w+1 see w
 
 def run_heads_point(S, mode, rep, rows):
     """Per-head sliding windows (``per_head_windows``): ours as head groups (each group FA4's
-    own window kernel on its heads), Flex-FA4 with a per-head BlockMask of the same mask_mod."""
+    own window kernel on its heads) and folded (Flex's ``w[h]`` mask_mod converted per head,
+    one FA4 launch with per-head lists), Flex-FA4 with a per-head BlockMask of the same
+    mask_mod."""
     B, dev = max(1, TOKENS // S), "cuda"
     per = H // len(HEAD_WINDOWS)
     windows = torch.tensor([w for w in HEAD_WINDOWS for _ in range(per)], device=dev)
@@ -340,12 +342,24 @@ def run_heads_point(S, mode, rep, rows):
         qq, kk, vv = (t.detach().requires_grad_() for t in (qq, kk, vv))
         f(qq, kk, vv).backward(dout)
 
+    # the same mask_mod as Flex's, folded: one descriptor of B x H sequences, one FA4 launch
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B)
+    shared = [cm.compile_mask(s) for s in specs]
+
+    def pre_folded():
+        return cm.preprocess_heads(shared, metas, S, batch_size=B, device=dev, fold=True)
+
+    folded = pre_folded()
     try:
         rec("native", _bench(lambda: run(lambda a, b_, c: cm.attention(a, b_, c, groups), q, k,
                                          v, do), rep))
         rec("native+pre", _bench(lambda: run(lambda a, b_, c: cm.attention(a, b_, c, pre()), q,
                                              k, v, do), rep))
         rec("preprocess", _bench(pre, rep))
+        rec("folded", _bench(lambda: run(lambda a, b_, c: cm.attention(a, b_, c, folded), q, k,
+                                         v, do), rep))
+        rec("folded+pre", _bench(lambda: run(lambda a, b_, c: cm.attention(
+            a, b_, c, pre_folded()), q, k, v, do), rep))
         qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
         opts = {"BACKEND": "FLASH"}
         bm = _cbm()(mm, B, H, S, S, device=dev)
@@ -370,8 +384,8 @@ def _ratio(row, a, b):
 
 def to_markdown(rows, header):
     cols = ["native", "fa4", *FA4_VARIANTS, "cute", "fa4_native", "native_tanh", "fa4_tanh",
-            "flex_flash", "flex_triton",
-            "native+pre", "fa4+pre", "flex_flash+bm", "preprocess", "block_mask"]
+            "folded", "flex_flash", "flex_triton",
+            "native+pre", "fa4+pre", "folded+pre", "flex_flash+bm", "preprocess", "block_mask"]
     out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
            "", "| mask | S | mode | " + " | ".join(cols)
            + " | default | default vs flex_flash kernel | vs FA4 native | pre+kernel vs "

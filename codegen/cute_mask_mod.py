@@ -120,7 +120,14 @@ def _whole_mask_predicate(mask, any_region: bool = False):
     return expr
 
 
-def _whole_source(mask, expr) -> list[str]:
+def _batch_line(heads: int) -> str:
+    # a descriptor of a sequence per (batch, head) (heads > 1): its row b * heads + h
+    if heads == 1:
+        return "    b = batch[0]"
+    return f"    b = batch[0] * Int32({heads}) + head[0]"
+
+
+def _whole_source(mask, expr, heads: int = 1) -> list[str]:
 
     P, R = len(mask.scalar_params), len(mask.array_params)
     out = [predicate_source(expr, mask.scalar_params, mask.array_params,
@@ -128,7 +135,7 @@ def _whole_source(mask, expr) -> list[str]:
            "", "",
            "@cute.jit",
            "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
-           "    b = batch[0]",
+           _batch_line(heads),
            "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
            "    col = kv_idx[0]",
            "    max_row = seqlen_info.seqlen_q - 1"]
@@ -144,16 +151,17 @@ def _whole_source(mask, expr) -> list[str]:
     return out
 
 
-def mask_mod_source(mask, variant: str | None = None) -> str:
+def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
     """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles);
-    ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice."""
+    ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice; ``heads > 1``:
+    for a descriptor of a sequence per (batch, head), read at row ``b * heads + h``."""
     variant = _check_variant(mask, variant)
     if variant != "intervals":
         whole = whole_mask_predicate(mask, any_region=variant == "rules")
         what = "every region is a predicate" if variant == "predicate" else "its rules"
         out = [f"# mask_mod for {mask.name!r} (key {mask.key}): {what}",
                "import cutlass", "import cutlass.cute as cute", "from cutlass import Int32, Uint32",
-               "", *_whole_source(mask, whole)]
+               "", *_whole_source(mask, whole, heads)]
         return "\n".join(out + _select())
     K = max(mask.num_intervals, 1)
     fbs = _fallback_sources(mask)
@@ -171,7 +179,7 @@ def mask_mod_source(mask, variant: str | None = None) -> str:
         "@cute.jit",
         "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
         "    intervals = aux_tensors[0]",
-        "    b = batch[0]",
+        _batch_line(heads),
         "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
         "    col = kv_idx[0]",
     ]
@@ -215,13 +223,13 @@ def _check_variant(mask, variant):
     return variant
 
 
-def mask_mod(mask, variant: str | None = None):
-    """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key and the
-    variant."""
+def mask_mod(mask, variant: str | None = None, heads: int = 1):
+    """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key, the
+    variant and the heads folded into the batch."""
     variant = _check_variant(mask, variant)
     # a real module file: the CuTe DSL reads a jit function's source to build its AST
-    return _CACHE.get((mask.key, variant),
-                      lambda: compile_predicate(mask_mod_source(mask, variant), "mask_mod"))
+    return _CACHE.get((mask.key, variant, heads), lambda: compile_predicate(
+        mask_mod_source(mask, variant, heads), "mask_mod"))
 
 
 def aux_tensors(desc, variant: str | None = None) -> list:

@@ -20,7 +20,12 @@ __all__ = ["attention", "select_engine", "BACKENDS"]
 _SAID = said  # the said-once messages under their older name here, which callers clear
 
 
-def _validate(q, k, v, desc):
+def _dense(desc, heads: int):
+    dense = descriptor_dense_mask(desc)
+    return dense.view(-1, heads, *dense.shape[1:]) if heads > 1 else dense
+
+
+def _validate(q, k, v, desc, heads: int = 1):
     if not isinstance(desc, ExecutionDescriptor):
         raise TypeError(f"desc must be an ExecutionDescriptor (from CompiledMask.preprocess), "
                         f"got {type(desc).__name__}")
@@ -52,6 +57,10 @@ def _validate(q, k, v, desc):
             f"at axis 1: these look like [B, H, S, D]; pass {fix} (the output is [B, S, H, D])")
     if H % Hkv:
         raise ValueError(f"num heads of q ({H}) must be a multiple of those of k/v ({Hkv})")
+    if heads > 1:  # folded heads: a sequence per (batch, head)
+        if H != heads:
+            raise ValueError(f"cm.attention: q has {H} heads, the HeadGroups {heads}")
+        B = B * heads
     if (desc.batch_size, desc.seqlen_q, desc.seqlen_k) != (B, Sq, Sk):
         # metadata without tensors (or no params at all) carries no batch size: preprocess
         # makes one sequence unless told otherwise
@@ -73,7 +82,9 @@ def _cute_reason(q, desc):
     return None if kernel_available(q, desc) else "no CuTe kernel for this device/dtype/head dim"
 
 
-def _engine_reason(q, desc, engine: str, deterministic: bool):
+def _engine_reason(q, desc, engine: str, deterministic: bool, heads: int = 1):
+    if heads > 1 and engine in ("native", "cute"):
+        return "folded heads (a sequence per batch and head) run on the fa4 engine"
     if engine == "cute":
         return _cute_reason(q, desc)
     if deterministic and engine == "fa4":
@@ -81,7 +92,8 @@ def _engine_reason(q, desc, engine: str, deterministic: bool):
     return why_unavailable(q, desc, engine)
 
 
-def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -> str:
+def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
+                  heads: int = 1) -> str:
     """The engine ``attention`` runs for these tensors (see ``docs/decisions/engine.md``).
 
     ``auto`` on CUDA: ``native`` when the compiler proved the mask a native FA4 pattern for this
@@ -101,7 +113,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
                  "GPU engines need CUDA)")
         return "reference"
     if backend != "auto":
-        why = _engine_reason(q, desc, backend, deterministic)
+        why = _engine_reason(q, desc, backend, deterministic, heads)
         if why:
             raise NotImplementedError(f"cm.attention: backend={backend!r} cannot run this call: "
                                       f"{why}")
@@ -109,7 +121,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False) -
     order = ("cute",) if deterministic else ("native", "fa4", "cute")
     reasons = []
     for engine in order:
-        why = _engine_reason(q, desc, engine, deterministic)
+        why = _engine_reason(q, desc, engine, deterministic, heads)
         if why is None:
             return engine
         reasons.append(f"{engine}: {why}")
@@ -157,8 +169,11 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     with no value (gpt-oss's sinks; LSE includes it; differentiable), FA4's ``learnable_sink``
     on the fa4 and native engines.
     ``desc`` may be ``HeadGroups`` (``preprocess_heads``: a mask per group of heads), each group
-    run through its own descriptor."""
-    if isinstance(desc, HeadGroups):  # a mask per group of heads: each group its own call
+    run through its own descriptor, or all heads in one fa4 launch where they are folded."""
+    heads = 1
+    if isinstance(desc, HeadGroups) and desc.folded:  # one launch: a sequence per batch x head
+        desc, heads = desc.groups[0][0], desc.num_heads
+    elif isinstance(desc, HeadGroups):  # a mask per group of heads: each group its own call
         return attention_heads(attention, q, k, v, desc, return_lse,
                                softmax_scale=softmax_scale, deterministic=deterministic,
                                backend=backend, options=options, score_mod=score_mod,
@@ -168,9 +183,9 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     if options is not None and not isinstance(options, KernelOptions):
         raise TypeError(f"options must be a compilemask.KernelOptions or None, got "
                         f"{type(options).__name__}")
-    _validate(q, k, v, desc)
+    _validate(q, k, v, desc, heads)
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
-    engine = select_engine(q, desc, backend, deterministic)
+    engine = select_engine(q, desc, backend, deterministic, heads)
     score = None
     if score_mod is not None and engine == "reference" and desc.q_offset:
         _check_rows(desc, compile_score_mod(score_mod)[0].row_shift_invariant, return_lse)
@@ -182,7 +197,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             raise TypeError(f"learnable_sink must be a [H] tensor, got "
                             f"{type(learnable_sink).__name__}")
         if engine == "reference":
-            return attention_reference(q, k, v, descriptor_dense_mask(desc),
+            return attention_reference(q, k, v, _dense(desc, heads),
                                        softmax_scale=softmax_scale, return_lse=return_lse,
                                        score_mod=score_mod, learnable_sink=learnable_sink)
         if learnable_sink is not None:
@@ -222,4 +237,4 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             _check_rows(desc, sm.row_shift_invariant, return_lse)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options, score=score,
-                        sink=learnable_sink)
+                        sink=learnable_sink, heads=heads)

@@ -10,7 +10,12 @@ others) and puts the outputs back in head order; with GQA a group that holds eve
 of its kv heads keeps GQA, otherwise its kv heads are gathered per query head.
 ``groups.dense_mask()`` is ``[B, H, Sq, Sk]``.
 
-Every mask reads the same metadata dict (each takes the params it names).
+Every mask reads the same metadata dict (each takes the params it names), or each head its
+own (``from_mask_mod_heads``' metas). Heads that share one compiled mask with metadata of their
+own may be *folded* (``preprocess_heads(..., fold=True)``): one descriptor of ``B * H``
+sequences, sequence ``b * H + h`` holding head ``h`` of batch ``b``, and one FA4 launch over
+every head with per-head tile lists (FlexAttention's own structure for a per-head BlockMask),
+instead of a launch per group.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class HeadGroups:
 
     groups: tuple
     num_heads: int
+    folded: bool = False  # one group, its descriptor a sequence per (batch, head)
 
     def __post_init__(self):
         seen = sorted(h for _, heads in self.groups for h in heads)
@@ -50,6 +56,9 @@ class HeadGroups:
                     first.batch_size, first.seqlen_q, first.seqlen_k):
                 raise ValueError("HeadGroups: the groups' descriptors disagree on batch size or "
                                  "lengths")
+        if self.folded and (len(self.groups) != 1 or first.batch_size % self.num_heads):
+            raise ValueError("HeadGroups: folded heads are one group whose descriptor holds "
+                             "batch x heads sequences")
         object.__setattr__(self, "_indices", {})
 
     def indices(self, G: int, device) -> tuple:
@@ -101,11 +110,15 @@ class HeadGroups:
 
     @property
     def batch_size(self) -> int:
-        return self.groups[0][0].batch_size
+        B = self.groups[0][0].batch_size
+        return B // self.num_heads if self.folded else B
 
     def dense_mask(self) -> torch.Tensor:
         """bool ``[B, H, Sq, Sk]``."""
         first = self.groups[0][0]
+        if self.folded:
+            dense = first.dense_mask()
+            return dense.view(-1, self.num_heads, *dense.shape[1:])
         out = torch.zeros(first.batch_size, self.num_heads, first.seqlen_q, first.seqlen_k,
                           dtype=torch.bool, device=first.device)
         for desc, heads in self.groups:
@@ -113,16 +126,23 @@ class HeadGroups:
         return out
 
     def explain(self) -> str:
+        if self.folded:
+            desc = self.groups[0][0]
+            return (f"heads {list(range(self.num_heads))} folded: mask {desc.mask.name!r} (key "
+                    f"{desc.mask.key}), a sequence per (batch, head), one launch")
         return "\n".join(f"heads {list(heads)}: mask {desc.mask.name!r} (key {desc.mask.key})"
                          for desc, heads in self.groups)
 
 
 def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
-                     seqlen_k: int | None = None, **kwargs) -> HeadGroups:
+                     seqlen_k: int | None = None, *, fold: bool = False,
+                     **kwargs) -> HeadGroups:
     """One mask per query head -> ``HeadGroups`` (one ``preprocess`` per distinct mask and
     metadata, with ``kwargs`` as ``CompiledMask.preprocess`` takes them). ``meta``: one dict
     every mask reads, or a list of one per head (``from_mask_mod_heads``' metas); heads with
-    the same mask that read the same tensors share a descriptor."""
+    the same mask that read the same tensors share a descriptor. ``fold=True``, where every
+    head has the same compiled mask and their metadata differ: one descriptor of a sequence per
+    (batch, head) and one launch for all heads (the fa4 engine; see the module docstring)."""
     head_masks = list(head_masks)
     if not head_masks:
         raise ValueError("preprocess_heads: head_masks is empty (one mask per query head)")
@@ -144,10 +164,44 @@ def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
         read = tuple((p, ("t", v.data_ptr(), v.shape, v.stride(), v.dtype)
                       if isinstance(v, torch.Tensor) else ("v", v)) for p, v in own.items())
         by_key.setdefault((m.key, read), (m, own, []))[2].append(h)
+    if fold and len(by_key) > 1 and len({m.key for m, _, _ in by_key.values()}) == 1:
+        return _folded(head_masks[0], [{p: mh[p] for p in head_masks[0].spec.params}
+                                        if mh else {} for mh in metas], seqlen_q, seqlen_k,
+                       kwargs)
     groups = []
     for m, own, heads in by_key.values():
         groups.append((m.preprocess(own or None, seqlen_q, seqlen_k, **kwargs), tuple(heads)))
     return HeadGroups(tuple(groups), len(head_masks))
+
+
+def _folded(mask, metas, seqlen_q, seqlen_k, kwargs) -> HeadGroups:
+    """Every head's metadata stacked into one batch of ``B * H`` sequences (``b * H + h``),
+    preprocessed once."""
+    if seqlen_q is None:
+        raise ValueError("preprocess_heads: seqlen_q is required")
+    Sk = seqlen_q if seqlen_k is None else seqlen_k
+    H = len(metas)
+    batch_size = kwargs.pop("batch_size", None)
+    device = kwargs.get("device")
+    per = [mask.normalize_meta(m or None, seqlen_q, Sk, batch_size, device, check_values=False)
+           for m in metas]
+    B = max(b for b, *_ in per)
+    if any(b not in (1, B) for b, *_ in per):
+        raise ValueError(f"preprocess_heads: the heads' metadata give batch sizes "
+                         f"{sorted({b for b, *_ in per})}")
+    stacked = {}
+    for p in mask.spec.params:
+        got = [scal[p] if p in scal else arrs[p] for _, scal, arrs, _ in per]
+        vals = [v.expand(B, *v.shape[1:]) for v in got]
+        if p in mask.table_params:  # entries past a head's table read False either way
+            M = max(v.shape[-1] for v in vals)
+            vals = [torch.nn.functional.pad(v.to(torch.uint8), (0, M - v.shape[-1]))
+                    for v in vals]
+        v = torch.stack(vals, dim=1)  # [B, H, ...]
+        v = v.reshape(B * H, *v.shape[2:])
+        stacked[p] = v.reshape(B * H) if p in mask.scalar_params else v
+    desc = mask.preprocess(stacked or None, seqlen_q, Sk, batch_size=B * H, **kwargs)
+    return HeadGroups(((desc, tuple(range(H))),), H, folded=True)
 
 
 def _global_heads(score_mod, heads):

@@ -183,7 +183,7 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
     """Dense masked attention in float32: q [B, Sq, H, D], k/v [B, Sk, Hkv, D], mask [B, Sq, Sk];
     ``score_mod`` (FlexAttention's) applied to the scaled scores before the mask;
     ``learnable_sink`` [H]: a per-head logit in every row's softmax that no value goes with
-    (gpt-oss's sinks, FA4's ``learnable_sink``).
+    (gpt-oss's sinks, FA4's ``learnable_sink``). A ``[B, H, Sq, Sk]`` mask is one per head.
 
     Rows that see nothing give O = 0 and LSE = -inf (never NaN); differentiable."""
     B, Sq, H, D = q.shape
@@ -197,7 +197,8 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if score_mod is not None:
         s = apply_score_mod(s, score_mod)
-    m = dense_mask.to(s.device).unsqueeze(1)
+    m = dense_mask.to(s.device)
+    m = m if m.dim() == 4 else m.unsqueeze(1)  # [B, H, Sq, Sk]: a mask per head
     s = s.masked_fill(~m, float("-inf"))
     row_max = s.amax(dim=-1, keepdim=True)
     if learnable_sink is not None:

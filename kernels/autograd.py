@@ -61,11 +61,12 @@ class _Call(NamedTuple):
     score_mod: str  # a compiled score_mod's key ("" for none)
     score_aux: list  # its tables, as the kernels read them
     sink: Optional[Tensor]  # a per-head learnable sink logit [H] (gpt-oss), or None
+    heads: int  # > 1: the descriptor's sequences are (batch, head) pairs, head-major per batch
 
 
 _CALL_SCHEMA = ("str mask_key, float softmax_scale, bool deterministic, str engine, "
                 "Tensor[] extra, SymInt max_seqlen, str options, str score_mod, "
-                "Tensor[] score_aux, Tensor? sink")
+                "Tensor[] score_aux, Tensor? sink, int heads")
 _LISTS = ("extra", "score_aux")  # the fields that are lists of tensors
 
 
@@ -79,6 +80,14 @@ def _descriptor(d: DescriptorArgs, call: _Call):
     # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
     segments = (call.extra[0], call.max_seqlen) if len(call.extra) == 1 else None
     return d.descriptor(mask_for_key(call.mask_key), segments)
+
+
+def _dense(desc, call: _Call):
+    """The descriptor's dense mask, ``[B, H, Sq, Sk]`` where it holds a sequence per head."""
+    dense = descriptor_dense_mask(desc)
+    if call.heads > 1:
+        return dense.view(-1, call.heads, *dense.shape[1:])
+    return dense
 
 
 def _lists(extra, backward: bool):
@@ -139,7 +148,8 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
             vf = vf.repeat_interleave(G, dim=1)
         lse = lse.to(acc)
         s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale  # [B, H, Sq, Sk]
-        m = dense_mask.to(s.device).unsqueeze(1)
+        m = dense_mask.to(s.device)
+        m = m if m.dim() == 4 else m.unsqueeze(1)  # [B, H, Sq, Sk]: a mask per head
         sees = torch.isfinite(lse).unsqueeze(-1)  # rows that see something
         lse_safe = torch.where(sees, lse.unsqueeze(-1), torch.zeros_like(lse.unsqueeze(-1)))
         p = torch.where(m & sees, torch.exp(s - lse_safe), torch.zeros_like(s))
@@ -287,14 +297,14 @@ def _fwd_impl(q, k, v, desc, call: _Call) -> tuple[Tensor, Tensor]:
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
                            variant=_mask_mod_variant(call.options), score=_score_of(call),
-                           sink=call.sink)
+                           sink=call.sink, heads=call.heads)
         return out.contiguous(), lse.contiguous()
     if call.sink is not None and engine != "reference":
         raise NotImplementedError(f"compilemask::attention_fwd: no learnable sink on the "
                                   f"{engine} engine")
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
-    return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale, call.sink)
+    return attention_fwd_reference(q, k, v, _dense(desc, call), scale, call.sink)
 
 
 @attention_fwd.register_fake
@@ -316,14 +326,14 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
                         variant=_mask_mod_variant(call.options), score=_score_of(call),
-                        sink=call.sink)
+                        sink=call.sink, heads=call.heads)
         grads = tuple(g.contiguous() for g in grads)
         return grads if len(grads) == 4 else (*grads, no_sink)
     if q.is_cuda and engine == "cute":
         return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
                            call.deterministic, call.options), no_sink)
-    grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
-                                    scale, call.sink)
+    grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse, _dense(desc, call), scale,
+                                    call.sink)
     return grads if call.sink is not None else (*grads, no_sink)
 
 
@@ -374,13 +384,14 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
                  deterministic: bool = False, engine: str = "cute", options=None, score=None,
-                 sink=None):
+                 sink=None, heads: int = 1):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
     "reference" (the dense path on any device); ``options``: the cute kernels'
     ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the kernels
     read them)`` (``compilemask.score_mod``; fa4 / native engines); ``sink``: a learnable sink
-    logit per head ``[H]`` (fa4 / native / reference; differentiable)."""
+    logit per head ``[H]`` (fa4 / native / reference; differentiable); ``heads > 1``: the
+    descriptor holds one sequence per (batch, head), ``b * heads + h`` (fa4 / reference)."""
     key = register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
@@ -393,7 +404,7 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
                  options.to_str() if options is not None else "",
                  score[0] if score is not None else "",
-                 list(score[1]) if score is not None else [], sink)
+                 list(score[1]) if score is not None else [], sink, int(heads))
     if _needs_op(q, k, v, sink):
         out, lse = torch.ops.compilemask.attention_fwd(
             q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)

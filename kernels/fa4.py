@@ -118,25 +118,37 @@ def _timed(what: str, desc, engine: str, q):
 
 
 def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
-        score=None, sink=None):
+        score=None, sink=None, heads: int = 1):
     """(out [B, Sq, H, D], lse float32 [B, H, Sq]) through FA4; ``variant``: the mask_mod's
     (``KernelOptions.mask_mod``; None: the mask's default); ``score``: ``(ScoreMod, its
     tables)`` of a score_mod, or None; ``sink``: a learnable sink logit per head (FA4's
-    ``learnable_sink``; the LSE includes it)."""
+    ``learnable_sink``; the LSE includes it); ``heads > 1``: the descriptor holds a sequence
+    per (batch, head) (``_per_head``)."""
     return _timed("forward", desc, engine, q)(_fwd)(q, k, v, desc, softmax_scale, engine, lists,
-                                                    variant, score, sink)
+                                                    variant, score, sink, heads)
 
 
 def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-        deterministic: bool = False, lists=None, variant=None, score=None, sink=None):
+        deterministic: bool = False, lists=None, variant=None, score=None, sink=None,
+        heads: int = 1):
     """(dq, dk, dv), and dsink with a ``sink``, through FA4's backward for the same engine as
     the forward."""
     return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
                                                      softmax_scale, engine, dlse, deterministic,
-                                                     lists, variant, score, sink)
+                                                     lists, variant, score, sink, heads)
 
 
-def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=None) -> dict:
+def _per_head(lists, heads: int):
+    """A descriptor of ``B * heads`` sequences (``b * heads + h``) as FA4's per-head lists:
+    ``[B * H, 1, R(, C)]`` viewed ``[B, H, R(, C)]`` (FA4 then runs every head in one launch,
+    hands the mask_mod the query head and turns pack_gqa off)."""
+    if heads == 1:
+        return lists
+    return type(lists)(*(t.view(-1, heads, *t.shape[2:]) for t in lists))
+
+
+def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=None,
+          heads: int = 1) -> dict:
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
     tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
     query heads per kv head (the backward's score_mod indices come packed by it)."""
@@ -148,7 +160,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
                                  "0.. of the sequence (q_offset != 0); only 'intervals' reads "
                                  "them right")
             variant = "intervals"
-        kw["mask_mod"] = mask_mod(desc.mask, variant)
+        kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
         sm, tables = score
@@ -177,10 +189,10 @@ def _leading_dim(t):
 
 
 def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
-         score=None, sink=None):
+         score=None, sink=None, heads: int = 1):
     from flash_attn.cute import flash_attn_varlen_func
 
-    mods = _mods(desc, engine, variant, score, backward=False, sink=sink)
+    mods = _mods(desc, engine, variant, score, backward=False, sink=sink, heads=heads)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -195,7 +207,7 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
         return _fa4_fwd(q, k, v, softmax_scale=softmax_scale, **_native_kwargs(pat), **mods)
 
-    lists = desc.block_sparse("fwd") if lists is None else lists
+    lists = _per_head(desc.block_sparse("fwd") if lists is None else lists, heads)
     return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
                     block_sparse_tensors=_bs_torch(lists, FWD_TILES), **mods)
 
@@ -229,10 +241,11 @@ def _fa4_bwd(*args, **kwargs):
 
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
-         deterministic: bool = False, lists=None, variant=None, score=None, sink=None):
+         deterministic: bool = False, lists=None, variant=None, score=None, sink=None,
+         heads: int = 1):
     D = q.shape[-1]
     mods = _mods(desc, engine, variant, score, backward=True, gqa=q.shape[2] // k.shape[2],
-                 sink=sink)
+                 sink=sink, heads=heads)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":
@@ -257,7 +270,7 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
                         dlse=dlse, **mods)
 
     kind = "bwd64" if D == 128 else "bwd128"
-    lists = desc.block_sparse(kind) if lists is None else lists
+    lists = _per_head(desc.block_sparse(kind) if lists is None else lists, heads)
     return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale,
                     block_sparse_tensors=_bs_torch(lists, (BWD_TILE_M[D], 128)),
                     deterministic=deterministic, dlse=dlse, **mods)

@@ -26,7 +26,8 @@ def _rel(a, b):
 
 def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, score_mod=None):
     """cm.attention's output and gradients against a float32 reference, within twice PyTorch's
-    own bf16 error; rows that see nothing give exact zeros. ``score_mod``: FlexAttention's, on
+    own bf16 error; rows that see nothing give exact zeros. ``dense``: ``[B, Sq, Sk]``, or
+    ``[B, H, Sq, Sk]`` for ``HeadGroups``. ``score_mod``: FlexAttention's, on
     every path (PyTorch's bf16 rounds its result to bf16)."""
     import compilemask as cm
     from compilemask.reference import apply_score_mod, attention_reference
@@ -52,7 +53,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
         s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
         if score_mod is not None:
             s = apply_score_mod(s, score_mod)
-        m = dense.unsqueeze(1)
+        m = dense if dense.dim() == 4 else dense.unsqueeze(1)  # [B, H, Sq, Sk]: per head
         empty_row = ~m.any(-1, keepdim=True)
         s = torch.where(m, s, float("-inf"))
         s = torch.where(empty_row, torch.zeros_like(s), s)
@@ -65,8 +66,9 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
     for what, o, e, t in zip(("out", "dq", "dk", "dv"), got, exact, bf16):
         assert torch.isfinite(o).all(), (engine, what)
         assert _rel(o, e) <= 2 * _rel(t, e) + 1e-4, (engine, what, _rel(o, e), _rel(t, e))
-    empty = ~dense.any(-1)
-    assert torch.equal(out[empty], torch.zeros_like(out[empty])), engine
+    empty = ~dense.any(-1)  # [B, Sq], or [B, H, Sq] for a mask per head
+    rows = out if dense.dim() == 3 else out.transpose(1, 2)
+    assert torch.equal(rows[empty], torch.zeros_like(rows[empty])), engine
 
 
 def check_output_vs_reference(out, q, k, v, dense):

@@ -228,6 +228,41 @@ def test_table_predicate_compiles_in_fa4(variant):
     _compiles_in_fa4(mask, meta, 128, variant)
 
 
+@pytest.mark.slow  # kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_folded_heads_compile_in_fa4():
+    """Per-head windows folded into one launch: per-head lists ``[B, H, R, C]`` and a mask_mod
+    reading row ``b * H + h`` of the descriptor, in FA4's forward and backward (GQA)."""
+    _fa4_fake_env()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.codegen.cute_mask_mod import mask_mod_source
+    from compilemask.kernels import fa4
+
+    H, B, S, D = 4, 2, 300, 128
+    w = torch.tensor([16, 64, 128, 200])
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B)
+    groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, S, batch_size=B,
+                                 fold=True)
+    desc = groups.groups[0][0]
+    assert groups.folded and desc.batch_size == B * H
+    assert f"b = batch[0] * Int32({H}) + head[0]" in mask_mod_source(desc.mask, heads=H)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(B, S, 2, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, _ = fake_on_cuda(desc, lists)
+        out, lse = fa4.fwd(q, kv, kv, fdesc, D**-0.5, "fa4", lists=flists["fwd"], heads=H)
+        assert out.shape == q.shape and lse.shape == (B, H, S)
+        dq, dk, dv = fa4.bwd(q, q, kv, kv, out, lse, fdesc, D**-0.5, "fa4",
+                             lists=flists["bwd64"], heads=H)[:3]
+        assert dq.shape == q.shape and dk.shape == kv.shape
+
+
 def _compiles_in_fa4(mask, meta, head_dim, variant=None):
     _fa4_fake_env()
     from torch._subclasses.fake_tensor import FakeTensorMode

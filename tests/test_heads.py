@@ -157,9 +157,10 @@ def test_head_groups_of_one_grouping_share_their_index_tensors():
     assert a is not b and a.indices(2, "cpu")[1] is b.indices(2, "cpu")[1]
 
 
-def test_head_groups_in_a_transformers_model():
+@pytest.mark.parametrize("fold", [False, True])
+def test_head_groups_in_a_transformers_model(fold):
     """Per-head windows through a tiny Qwen3 (GQA) equal SDPA given the [B, H, S, S] mask,
-    logits and gradients."""
+    logits and gradients; as groups, and folded (``w[h]`` converted per head)."""
     transformers = pytest.importorskip("transformers")
     import copy
 
@@ -176,7 +177,13 @@ def test_head_groups_in_a_transformers_model():
     mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
                                                         attn_implementation=name)
     mod.load_state_dict(ref.state_dict())
-    groups = cm.preprocess_heads(CASES["per_head_windows"](), None, 33, batch_size=2)
+    if fold:
+        specs, metas = cm.from_mask_mod_heads(_windows_mm, num_heads=4, batch_size=2)
+        groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, 33,
+                                     batch_size=2, fold=True)
+        assert groups.folded
+    else:
+        groups = cm.preprocess_heads(CASES["per_head_windows"](), None, 33, batch_size=2)
     ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(1))
     runs = []
     for model, kw in ((ref, {"attention_mask": groups.dense_mask()}),
@@ -277,3 +284,98 @@ def test_consecutive_head_runs_split_into_views():
         assert groups.split_sizes(H // HKV) == sizes, case
     groups = cm.preprocess_heads(CASES["per_head_windows"](), None, seqlen_q=S, batch_size=B)
     assert groups.split_sizes(1) == ([1, 2, 1], [1, 2, 1])
+
+
+# ---- folded heads: one descriptor of a sequence per (batch, head), one launch ----------------
+WINDOWS = torch.tensor([2, 5, 11, 30])
+
+
+def _windows_mm(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < WINDOWS[h])
+
+
+def _docs_mm(doc):
+    def mm(b, h, q_idx, kv_idx):
+        return (doc[b, h, q_idx] == doc[b, h, kv_idx]) & (kv_idx <= q_idx)
+    return mm
+
+
+def _folded(mm, Sq=S):
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B, seqlen=Sq)
+    return cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, Sq, batch_size=B,
+                               fold=True)
+
+
+@pytest.mark.parametrize("case", ["windows", "documents"])
+def test_folded_heads_equal_flex_and_dense_attention(case):
+    """Heads of one compiled mask with their own metadata (``w[h]``, per-head documents),
+    folded: the mask equals create_mask per head, attention and its gradients dense
+    attention with that [B, H, Sq, Sk] mask (GQA)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    if case == "windows":
+        mm = _windows_mm
+    else:
+        doc = torch.randint(0, 3, (B, H, S), generator=torch.Generator().manual_seed(3))
+        mm = _docs_mm(doc.sort(dim=-1).values)
+    groups = _folded(mm)
+    assert groups.folded and groups.batch_size == B and len(groups.groups) == 1
+    assert "folded" in groups.explain()
+    want = create_mask(mm, B, H, S, S, device="cpu")
+    assert torch.equal(groups.dense_mask(), want)
+    q, k, v = _qkv()
+    out = cm.attention(q, k, v, groups)
+    ref, _ = _dense(q, k, v, want)
+    torch.testing.assert_close(out, ref)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    exp = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e)
+
+
+def test_fold_needs_one_compiled_mask_and_runs_on_fa4_only():
+    """Heads of different masks stay groups; folded heads refuse the native and cute engines
+    by name."""
+    from compilemask.api import _engine_reason
+
+    per_head = CASES["per_head_windows"]()  # four compiled windows, three masks
+    groups = cm.preprocess_heads(per_head, None, S, batch_size=B, fold=True)
+    assert not groups.folded and len(groups.groups) == 3
+    desc = _folded(_windows_mm).groups[0][0]
+    q = torch.empty(B, S, H, D)
+    for engine in ("native", "cute"):
+        assert "fa4 engine" in _engine_reason(q, desc, engine, False, heads=H)
+    with pytest.raises(ValueError, match="q has 3 heads, the HeadGroups 4"):
+        cm.attention(torch.randn(B, S, 3, D), torch.randn(B, S, 1, D),
+                     torch.randn(B, S, 1, D), _folded(_windows_mm))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_gpu_folded_heads_vs_float32_reference(hkv):
+    """Per-head windows in one FA4 launch (per-head lists, the mask_mod at row b * H + h),
+    MHA and GQA, forward and backward within twice PyTorch's bf16 error; no host sync."""
+    from helpers import check_attention_vs_reference
+
+    Sg = 1000
+    w = torch.tensor([64, 200, 513, 1000], device="cuda")
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=2)
+    head_masks = [cm.compile_mask(s) for s in specs]
+    groups = cm.preprocess_heads(head_masks, metas, Sg, batch_size=2, device="cuda", fold=True)
+    assert groups.folded
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, Sg, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, Sg, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    check_attention_vs_reference(groups, q, k, v, "fa4", groups.dense_mask())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = cm.preprocess_heads(head_masks, metas, Sg, batch_size=2, device="cuda", fold=True)
+        qq = q.detach().requires_grad_()
+        cm.attention(qq, k, v, again).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -453,7 +453,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         checked = tuple((_check_window(module, d, window, d.seqlen_q, d.seqlen_k), h)
                         for d, h in desc.groups)
         if any(a[0] is not b[0] for a, b in zip(checked, desc.groups)):  # a window combined
-            desc = HeadGroups(checked, desc.num_heads)
+            desc = HeadGroups(checked, desc.num_heads, folded=desc.folded)
         if keep is not None:
             raise NotImplementedError(
                 "compilemask attention: per-head masks (HeadGroups) with a padded "
