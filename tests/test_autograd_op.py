@@ -162,7 +162,22 @@ def test_fake_shapes_and_opcheck():
     from compilemask.kernels.autograd import register_mask
 
     args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(desc).to_op_args(),
-            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [], None)
+            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [], None, 1)
+    torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    # folded heads: a descriptor of batch x heads sequences, the head count an op argument
+    import compilemask as cm
+
+    w = torch.tensor([1, 3, 5, 9])
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=4, batch_size=2)
+    folded = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, 21, batch_size=2,
+                                 fold=True).groups[0][0]
+    args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(folded).to_op_args(),
+            register_mask(folded.mask), 0.25, False, "reference", [], 0, "", "", [], None, 4)
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

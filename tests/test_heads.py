@@ -379,3 +379,12 @@ def test_gpu_folded_heads_vs_float32_reference(hkv):
         cm.attention(qq, k, v, again).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_folded_heads_under_torch_compile():
+    """Folded heads through the custom ops in a compiled graph (fullgraph), equal to eager."""
+    groups = _folded(_windows_mm)
+    q, k, v = _qkv()
+    f = torch.compile(lambda a, b, c: cm.attention(a, b, c, groups), backend="eager",
+                      fullgraph=True)
+    torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, groups))

@@ -86,7 +86,7 @@ def test_attention_passes_options_through_the_op():
     class Spy(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.compilemask.attention_fwd.default:
-                seen.append(args[-4])  # options, then the score_mod key, tables and sink
+                seen.append(args[-5])  # options, then the score_mod key, tables, sink, heads
             return func(*args, **(kwargs or {}))
 
     with Spy():

@@ -371,7 +371,8 @@ def test_softcap_option_runs_the_generated_score_mod():
     from compilemask.score_mod import compile_score_mod
 
     sm, tables = compile_score_mod(_cases()["softcap_sliding_window"][0])
-    call = autograd._Call("k", 1.0, False, "native", [], 0, "softcap=score_mod", sm.key, [], None)
+    call = autograd._Call("k", 1.0, False, "native", [], 0, "softcap=score_mod", sm.key, [], None,
+                          1)
     got, _ = autograd._score_of(call)
     assert sm.softcap == 50.0 and got.softcap is None and got.key != sm.key
     assert got.expr == sm.expr and "cute.math.tanh" in score_mod_source(got)
