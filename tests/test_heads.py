@@ -306,7 +306,7 @@ def _folded(mm, Sq=S):
                                fold=True)
 
 
-@pytest.mark.parametrize("case", ["windows", "documents"])
+@pytest.mark.parametrize("case", ["windows", "documents", "tables"])
 def test_folded_heads_equal_flex_and_dense_attention(case):
     """Heads of one compiled mask with their own metadata (``w[h]``, per-head documents),
     folded: the mask equals create_mask per head, attention and its gradients dense
@@ -315,6 +315,11 @@ def test_folded_heads_equal_flex_and_dense_attention(case):
 
     if case == "windows":
         mm = _windows_mm
+    elif case == "tables":  # a bool table per head, read at the token pair
+        t = torch.rand(B, H, S, S, generator=torch.Generator().manual_seed(5)) < 0.3
+
+        def mm(b, h, q_idx, kv_idx):
+            return t[b, h, q_idx, kv_idx] | (q_idx == kv_idx)
     else:
         doc = torch.randint(0, 3, (B, H, S), generator=torch.Generator().manual_seed(3))
         mm = _docs_mm(doc.sort(dim=-1).values)
