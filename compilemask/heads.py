@@ -26,6 +26,7 @@ import torch
 
 from compilemask.compiled import CompiledMask
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.pipeline import with_lists
 
 __all__ = ["HeadGroups", "preprocess_heads"]
 
@@ -201,6 +202,10 @@ def _folded(mask, metas, seqlen_q, seqlen_k, kwargs) -> HeadGroups:
         v = v.reshape(B * H, *v.shape[2:])
         stacked[p] = v.reshape(B * H) if p in mask.scalar_params else v
     desc = mask.preprocess(stacked or None, seqlen_q, Sk, batch_size=B * H, **kwargs)
+    # folded heads run on FA4's lists even where the mask is native (a native kernel takes one
+    # pattern for every head): made with the descriptor, not per call
+    if desc.lists is None:
+        desc = with_lists(desc, kwargs["config"]) if kwargs.get("config") else with_lists(desc)
     return HeadGroups(((desc, tuple(range(H))),), H, folded=True)
 
 

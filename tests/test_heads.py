@@ -386,6 +386,25 @@ def test_gpu_folded_heads_vs_float32_reference(hkv):
         torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.gpu
+def test_gpu_folded_per_head_documents_vs_float32_reference():
+    """Per-head packed documents (a mask proven native as segments) folded: the lists are made
+    with the descriptor and FA4's one launch runs every head."""
+    from helpers import check_attention_vs_reference
+
+    Sg = 1000
+    gen = torch.Generator().manual_seed(1)
+    doc = torch.randint(0, 5, (2, H, Sg), generator=gen).sort(dim=-1).values.cuda()
+    specs, metas = cm.from_mask_mod_heads(_docs_mm(doc), num_heads=H, batch_size=2)
+    groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, Sg, batch_size=2,
+                                 device="cuda", fold=True)
+    assert groups.folded and groups.groups[0][0].lists is not None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, Sg, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    check_attention_vs_reference(groups, q, k, v, "fa4", groups.dense_mask())
+
+
 def test_folded_heads_under_torch_compile():
     """Folded heads through the custom ops in a compiled graph (fullgraph), equal to eager."""
     groups = _folded(_windows_mm)
