@@ -211,3 +211,31 @@ def test_flex_tables_of_numbers_read_through_a_comparison(test):
     spec, meta = cm.from_mask_mod(one)
     got = cm.compile_mask(spec).preprocess(meta, seqlen_q=40).dense_mask()
     assert torch.equal(got, create_mask(one, 2, 1, 40, 40, device="cpu")[:, 0])
+
+
+@pytest.mark.parametrize("S", [1, 33, 130])
+def test_draft_tree_mask_module(S):
+    """``masks.draft_tree``: equal to its rules by brute force and to its FlexAttention
+    mask_mod on random trees (any depth), and to attention-gym's JetSpec tree on the draft
+    rows of the same tree."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from compilemask import masks
+
+    mask = cm.compile_mask(masks.draft_tree())
+    gen = torch.Generator().manual_seed(S)
+    meta = masks.random_meta(mask.spec, 3, S, gen)
+    desc = mask.preprocess(meta, seqlen_q=S)
+    assert torch.equal(desc.dense_mask(), mask.reference_mask(meta, S))
+    mm = masks.flex_mask_mod(mask.spec, meta, S)
+    assert torch.equal(desc.dense_mask(), create_mask(mm, 3, 1, S, S, device="cpu")[:, 0])
+    am = pytest.importorskip("attn_gym.masks")
+    parents, prefix = [-1, 0, 1, 1, 3, 0, 5][:max(0, S - 1)], 1
+    if parents:
+        tree = masks.draft_tree_meta(prefix, parents, S)
+        rows = mask.preprocess(tree, seqlen_q=S).dense_mask()[0, prefix:prefix + len(parents)]
+        anc = am.build_tree_ancestor_matrix(parents, device="cpu")
+        jet = create_mask(am.generate_jetspec_tree_causal_mask_mod(prefix, anc), 1, 1,
+                          len(parents), prefix + len(parents), device="cpu")[0, 0]
+        assert torch.equal(rows[:, :prefix + len(parents)], jet)
+        assert not rows[:, prefix + len(parents):].any()

@@ -22,6 +22,7 @@ from compilemask.masks.causal import causal
 from compilemask.masks.chunked_causal import chunked_causal
 from compilemask.masks.clear import clear
 from compilemask.masks.dilated_causal import dilated_causal
+from compilemask.masks.draft_tree import draft_tree, draft_tree_meta
 from compilemask.masks.hstu import hstu
 from compilemask.masks.packed_documents import packed_documents
 from compilemask.masks.packed_prefix_lm import packed_prefix_lm
@@ -46,6 +47,8 @@ __all__ = [
     "sink_window",
     "tree_verify",
     "tree_meta",
+    "draft_tree",
+    "draft_tree_meta",
     "random_meta",
     "flex_mask_mod",
     "recipes_for",

@@ -59,6 +59,7 @@ def show(spec: MaskSpec, seqlen: int = 256, batch: int = 1, seed: int = 0,
                            fwd_tiles=(64, 64))
     if meta:
         print("metadata of sequence 0:",
-              {k: (v[0].tolist() if v.dim() == 1 else "per-row array") for k, v in meta.items()})
+              {k: (v[0].tolist() if v.dim() == 1 else "per-row array" if v.dim() == 2 else "table")
+               for k, v in meta.items()})
     print(desc.to_string(batch=0))
     return desc
