@@ -53,6 +53,7 @@ SPECS = {
     "packed_prefix_lm": masks.packed_prefix_lm,
     "prefix_lm": masks.prefix_lm,
     "tree_verify": lambda: masks.tree_verify(8),
+    "draft_tree": masks.draft_tree,
 }
 # the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
 # lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
@@ -127,10 +128,11 @@ def workload_meta(name, B, S, dev):
         g = torch.Generator().manual_seed(S)
         return {"prefix_len": torch.randint(S // 4, S // 2 + 1, (B,), generator=g).to(
             dev, torch.int32)}
-    if name in ("packed_prefix_lm", "tree_verify"):  # the recipes' bench_meta (documents of
-        # 256-4096 tokens; 256 draft tokens in a tree of 8 levels after a long prefix)
+    if name in ("packed_prefix_lm", "tree_verify", "draft_tree"):  # the recipes' bench_meta
+        # (documents of 256-4096 tokens; 256 draft tokens in a tree after a long prefix)
         meta = masks.recipes_for(SPECS[name]()).bench_meta(B, S)
-        return {k: v.to(dev, torch.int32) for k, v in meta.items()}
+        return {k: v.to(dev, torch.bool if v.dtype is torch.bool else torch.int32)
+                for k, v in meta.items()}
     return make_meta(name, B, S, device=dev)
 
 
@@ -143,7 +145,7 @@ def workload_mask_mod(name, meta, S):
         flat = meta["doc_start"].reshape(-1)  # 1-D loads: what the FLASH backend translates
         return lambda b, h, q, kv: (flat[b * S + q] <= kv) & (kv <= q)
     if name in ("sink_window", "chunked_causal", "block_causal", "packed_prefix_lm",
-                "prefix_lm", "tree_verify"):
+                "prefix_lm", "tree_verify", "draft_tree"):
         return masks.flex_mask_mod(SPECS[name](), meta)
     return flex_mask_mod(name, meta)
 

@@ -18,7 +18,7 @@ import torch
 from compilemask.dsl import MaskSpec, Region
 from compilemask.masks._registry import Recipes, register, show
 
-__all__ = ["draft_tree", "draft_tree_meta", "random_meta", "flex_mask_mod", "main"]
+__all__ = ["draft_tree", "draft_tree_meta", "random_meta", "bench_meta", "flex_mask_mod", "main"]
 
 
 def draft_tree() -> MaskSpec:
@@ -31,7 +31,7 @@ def draft_tree() -> MaskSpec:
                visible=lambda i, j: (j < tree_start) | ((j >= tree_start) & (j <= i)  # noqa: F821
                                                          & anc[i, j - tree_start])),  # noqa: F821
     ])
-    return register(spec, Recipes(__name__, random_meta, flex_mask_mod))
+    return register(spec, Recipes(__name__, random_meta, flex_mask_mod, bench_meta))
 
 
 def draft_tree_meta(prefix_len: int, parents, seqlen: int) -> dict:
@@ -69,6 +69,17 @@ def random_meta(batch_size: int, seqlen: int, gen: torch.Generator | None = None
     anc = torch.cat([torch.nn.functional.pad(p["anc"], (0, M - p["anc"].shape[-1]))
                      for p in parts])
     return {"tree_start": torch.cat([p["tree_start"] for p in parts]), "anc": anc}
+
+
+def bench_meta(batch: int, seqlen: int, seed: int = 0, drafts: int = 256) -> dict:
+    """EAGLE-style verification: a long prefix, then ``drafts`` tokens in a random tree (each
+    draft's parent any earlier draft, or the prefix)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = min(drafts, seqlen)
+    parts = [draft_tree_meta(seqlen - n, [int(torch.randint(-1, t, (1,), generator=gen)) if t
+                                          else -1 for t in range(n)], seqlen)
+             for _ in range(batch)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def flex_mask_mod(meta: dict, seqlen: int | None = None):
