@@ -73,11 +73,17 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
     starts, lens: int64 ``[B, Sq, K]`` (clipped to [0, Sk)); always_masked: bool ``[B, Sq, K]``,
     the slots that add no coverage (``visibility_only_slots``), or bool ``[B, Sq]``, rows none of
     whose slots add coverage."""
-    B, Sq, K = starts.shape
-    n_m, n_n = tiles.num_blocks(seqlen_q, seqlen_k)
+    rows = _row_states(starts, lens, always_masked, tiles.tile_n, seqlen_k)
+    return _tile_states(*rows, tiles.tile_m)
+
+
+def _row_states(starts, lens, always_masked, tile_n: int, seqlen_k: int):
+    """Per row and column range of ``tile_n`` keys: (some key visible, some key masked), bool
+    ``[B, Sq, n_n]`` each; the tilings' row heights only group them."""
+    n_n = -(-seqlen_k // tile_n)
     dev = starts.device
-    col0 = torch.arange(n_n, device=dev, dtype=torch.int64) * tiles.tile_n  # [n_n]
-    col1 = torch.clamp(col0 + tiles.tile_n, max=seqlen_k)
+    col0 = torch.arange(n_n, device=dev, dtype=torch.int64) * tile_n  # [n_n]
+    col1 = torch.clamp(col0 + tile_n, max=seqlen_k)
     s = starts.unsqueeze(-1)  # [B, Sq, K, 1]
     e = (starts + lens).unsqueeze(-1)
     nonempty = (lens > 0).unsqueeze(-1)
@@ -88,20 +94,32 @@ def tile_states(starts, lens, always_masked, tiles: TileConfig, seqlen_q: int, s
         counts = counts & ~always_masked
     covered = _covered(starts, torch.where(counts, starts + lens, starts), col0, col1)
     masked = ~covered if per_slot else ~covered | always_masked.unsqueeze(-1)
-    pad = n_m * tiles.tile_m - Sq
-    row_ok = torch.ones(B, Sq, 1, dtype=torch.bool, device=dev)
-    if pad:
+    return overlap, masked
+
+
+def _tile_states(overlap, masked, tile_m: int):
+    """Row states grouped into tiles of ``tile_m`` rows (rows past Sq: neither)."""
+    B, Sq, n_n = overlap.shape
+    n_m = -(-Sq // tile_m)
+    if n_m == 1:  # one row of tiles (a decode step's few rows): no padding to the tile
+        vis = overlap.any(dim=1, keepdim=True)
+        msk = masked.any(dim=1, keepdim=True) & vis
+        return vis.to(torch.uint8) * TILE_VISIBLE + msk.to(torch.uint8) * TILE_MASKED
+    pad = n_m * tile_m - Sq
+    if pad:  # padding rows are neither visible nor masked
         overlap = torch.nn.functional.pad(overlap, (0, 0, 0, pad))
         masked = torch.nn.functional.pad(masked, (0, 0, 0, pad))
-        row_ok = torch.nn.functional.pad(row_ok, (0, 0, 0, pad))
-    masked = masked & row_ok
-    vis = overlap.view(B, n_m, tiles.tile_m, n_n).any(dim=2)
-    msk = masked.view(B, n_m, tiles.tile_m, n_n).any(dim=2) & vis  # '10' never occurs
+    vis = overlap.view(B, n_m, tile_m, n_n).any(dim=2)
+    msk = masked.view(B, n_m, tile_m, n_n).any(dim=2) & vis  # '10' never occurs
     return vis.to(torch.uint8) * TILE_VISIBLE + msk.to(torch.uint8) * TILE_MASKED
 
 
 def bitmaps(starts, lens, always_masked, fwd: TileConfig, bwd: TileConfig, seqlen_q, seqlen_k):
-    """Both bitmaps: forward ``[B, n_m, W]`` (n_block packed), backward ``[B, n_n, W]``."""
-    f = tile_states(starts, lens, always_masked, fwd, seqlen_q, seqlen_k)
-    b = tile_states(starts, lens, always_masked, bwd, seqlen_q, seqlen_k)
+    """Both bitmaps: forward ``[B, n_m, W]`` (n_block packed), backward ``[B, n_n, W]``. The
+    row states are computed once where the tilings' columns agree (FA4's: 128 keys both)."""
+    rows = _row_states(starts, lens, always_masked, fwd.tile_n, seqlen_k)
+    f = _tile_states(*rows, fwd.tile_m)
+    if bwd.tile_n != fwd.tile_n:
+        rows = _row_states(starts, lens, always_masked, bwd.tile_n, seqlen_k)
+    b = _tile_states(*rows, bwd.tile_m)
     return pack_bitmap(f), pack_bitmap(b.transpose(1, 2).contiguous())
