@@ -90,7 +90,7 @@ from .tilelang_build import (
 from .tl_printer import TileLangPrinter
 
 __all__ = ["PreprocessConfig", "DEFAULT_PREPROCESS_CONFIG", "tilelang_source",
-           "tilelang_kernel", "tilelang_preprocess", "launcher", "compile_count",
+           "tilelang_kernel", "tilelang_preprocess", "tilelang_rows", "launcher", "compile_count",
            "PreprocessPlan", "plan"]
 
 
@@ -199,22 +199,24 @@ COV_FWD VIS_BWD COV_BWD COUNTERS B Sq NM_FWD W_FWD NN_BWD W_BWD add_range prepro
 SUB vis cov u row_out row_region fwd_bitmap bwd_bitmap params row_params seqlen_k nn_fwd chunks bx
 c b tx count lo hi
 start end i sq sk region ss ee cs ce tmp EMPTY acc word q e rr r row k j s n a v t mf m_tile gw
-rows_in x n_tile mb a z counter lo_tile hi_tile
+rows_in x n_tile mb a z counter lo_tile hi_tile row_pos key_end seqlen kend
 """.split())
 
 
 def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = None,
                     bwd_tiles: TileConfig | None = None,
                     config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG,
-                    meta_dtype: str = "int64") -> str:
+                    meta_dtype: str = "int64", rows: bool = False) -> str:
     """The generated TileLang program (module text defining ``preprocess``) for ``mask``;
-    ``meta_dtype`` is the metadata's integer type (int32 values are widened on load)."""
+    ``meta_dtype`` is the metadata's integer type (int32 values are widened on load);
+    ``rows``: the rows are given positions of a longer sequence (``row_pos``, ``key_end``,
+    ``seqlen`` inputs; the arrays are read at the rows: ``tilelang_rows``)."""
     check_target(target)
     fwd = fwd_tiles or DEFAULT_FWD_TILES
     bwd = bwd_tiles or DEFAULT_BWD_TILES
     _check_meta_dtype(meta_dtype)
     return _Emitter(mask, plan(mask.num_intervals, fwd, bwd, config), target,
-                    meta_dtype).source()
+                    meta_dtype, rows).source()
 
 
 def _check_meta_dtype(meta_dtype: str) -> str:
@@ -224,10 +226,14 @@ def _check_meta_dtype(meta_dtype: str) -> str:
 
 
 class _Emitter(ProgramEmitter):
-    def __init__(self, mask, pl: PreprocessPlan, target: str, meta_dtype: str = "int64"):
+    def __init__(self, mask, pl: PreprocessPlan, target: str, meta_dtype: str = "int64",
+                 rows: bool = False):
         super().__init__(target)
         self.mask = mask
         self.pl = pl
+        # rows: row r of sequence b is position row_pos[b, r] of a `seqlen`-token sequence
+        # (the rows of a served or context-parallel descriptor), its keys clipped at key_end[b]
+        self.rows = rows
         self.meta_dtype = meta_dtype
         # metadata buffers are named after their params, unless that clashes with a name of
         # the program (then ``<name>_param``)
@@ -330,7 +336,12 @@ class _Emitter(ProgramEmitter):
         if m.array_params:
             w(1, f'row_params: T.Tensor((B, Sq, {len(m.array_params)}), "int32"),  '
                  '# out: per-row arrays')
+        if self.rows:
+            w(1, 'row_pos: T.Tensor((B, Sq), "int64"),  # position of each row in its sequence')
+            w(1, 'key_end: T.Tensor((B,), "int32"),  # keys at or past it are not shown')
         w(1, "seqlen_k: T.int32,")
+        if self.rows:
+            w(1, "seqlen: T.int32,  # the sequence's length: seqlen_q and seqlen_k of the rules")
         w(0, "):")
         threads = ", threads=THREADS" if self.cuda else ""
         w(1, "nn_fwd = T.ceildiv(seqlen_k, TN_FWD)  # forward n-tiles")
@@ -354,6 +365,8 @@ class _Emitter(ProgramEmitter):
         w(ind, 'i = T.alloc_var("int64")  # the row, for the endpoint expressions')
         w(ind, 'sq = T.alloc_var("int64")')
         w(ind, 'sk = T.alloc_var("int64")')
+        if self.rows:
+            w(ind, 'kend = T.alloc_var("int64")  # where the row\'s keys end')
         w(ind, 'region = T.alloc_var("int32")')
         w(ind, 'ss = T.alloc_local((K,), "int32")  # slots sorted by start, for the coverage')
         w(ind, 'ee = T.alloc_local((K,), "int32")')
@@ -409,33 +422,44 @@ class _Emitter(ProgramEmitter):
         w(ind, "row = bx * ROWS + r")
         w(ind, "if row < Sq:")
         ind += 1
-        w(ind, "i = T.Cast(\"int64\", row)")
-        w(ind, "sq = T.Cast(\"int64\", Sq)")
-        w(ind, "sk = T.Cast(\"int64\", seqlen_k)")
+        if self.rows:
+            w(ind, "i = row_pos[b, row]")
+            w(ind, "sq = T.Cast(\"int64\", seqlen)")
+            w(ind, "sk = T.Cast(\"int64\", seqlen)")
+            w(ind, "kend = T.Cast(\"int64\", T.min(seqlen_k, key_end[b]))")
+        else:
+            w(ind, "i = T.Cast(\"int64\", row)")
+            w(ind, "sq = T.Cast(\"int64\", Sq)")
+            w(ind, "sk = T.Cast(\"int64\", seqlen_k)")
         w(ind, "region = -1")
         w(ind, "for k in T.unroll(K):")
         w(ind + 1, "lo[k] = 0")
         w(ind + 1, "hi[k] = 0")
+        rind = ind
+        if self.rows:  # a position outside the sequence is padding: no region, empty slots
+            w(ind, "if T.And(i >= 0, i < sq):")
+            rind = ind + 1
         for r in m.regions:
             tag = " (fallback: slots over-approximate)" if r.fallback else ""
-            w(ind, f"# region {r.index} {r.name!r}: rows where {r.guard}{tag}")
+            w(rind, f"# region {r.index} {r.name!r}: rows where {r.guard}{tag}")
             g = pr(r.guard)
             cond = "region < 0" if g == "True" else f"T.And(region < 0, {g})"
-            w(ind, f"if {cond}:")
-            w(ind + 1, f"region = {r.index}")
+            w(rind, f"if {cond}:")
+            w(rind + 1, f"region = {r.index}")
             for k, iv in enumerate(r.intervals):
-                w(ind + 1, f"# slot {k}: [{iv.lower}, {iv.upper})"
+                w(rind + 1, f"# slot {k}: [{iv.lower}, {iv.upper})"
                   + ("" if iv.cond is sp.true else f" if {iv.cond}"))
-                d = ind + 1
+                d = rind + 1
                 if iv.cond is not sp.true:
                     w(d, f"if {pr(iv.cond)}:")
                     d += 1
                 w(d, f"lo[{k}] = {pr(iv.lower)}")
                 w(d, f"hi[{k}] = {pr(iv.upper)}")
+        clip = "kend" if self.rows else "sk"
         w(ind, "# clip to the keys that exist; an empty slot is (0, 0)")
         w(ind, "for k in T.unroll(K):")
-        w(ind + 1, "s = T.min(T.max(lo[k], 0), sk)")
-        w(ind + 1, "n = T.max(T.min(T.max(hi[k], 0), sk) - s, 0)")
+        w(ind + 1, f"s = T.min(T.max(lo[k], 0), {clip})")
+        w(ind + 1, f"n = T.max(T.min(T.max(hi[k], 0), {clip}) - s, 0)")
         w(ind + 1, "start[k] = T.Cast(\"int32\", T.if_then_else(n > 0, s, 0))")
         w(ind + 1, "end[k] = start[k] + T.Cast(\"int32\", n)")
         w(ind, "if c == 0:")
@@ -620,43 +644,46 @@ def compile_count() -> int:
 
 def tilelang_kernel(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,
                     meta_dtype: str = "int64",
-                    config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG):
-    """The compiled program for (spec key, plan, target, metadata dtype): compiled once per
-    process, loaded from TileLang's disk cache in the next."""
+                    config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG, rows: bool = False):
+    """The compiled program for (spec key, plan, target, metadata dtype, rows variant):
+    compiled once per process, loaded from TileLang's disk cache in the next."""
     check_target(target)
     key = (mask.key, plan(mask.num_intervals, fwd_tiles, bwd_tiles, config), target,
-           _check_meta_dtype(meta_dtype))
+           _check_meta_dtype(meta_dtype)) + (("rows",) if rows else ())
 
     def build():
         return compile_program(*preprocess_program(mask, fwd_tiles, bwd_tiles, target,
-                                                   meta_dtype, config))
+                                                   meta_dtype, config, rows))
 
     return _KERNELS.get(key, build)
 
 
 def preprocess_program(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, target: str,
                        meta_dtype: str = "int64",
-                       config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> Program:
+                       config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG,
+                       rows: bool = False) -> Program:
     """What :func:`tilelang_kernel` compiles, as a ``tilelang_build.Program`` (``prebuild``)."""
-    src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, config, meta_dtype)
-    return Program(src, f"{target}_{mask.key}", "preprocess", target,
-                   f"the preprocess program of mask {mask.name!r}")
+    src = tilelang_source(mask, target, fwd_tiles, bwd_tiles, config, meta_dtype, rows)
+    what = "row-descriptor program" if rows else "preprocess program"
+    return Program(src, f"{target}_{mask.key}{'_rows' if rows else ''}", "preprocess", target,
+                   f"the {what} of mask {mask.name!r}")
 
 
 _LAUNCHERS: dict = {}
 
 
 def launcher(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, device_type: str,
-             meta_dtype: str = "int64", config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG):
+             meta_dtype: str = "int64", config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG,
+             rows: bool = False):
     """The compiled program's entry point for ``device_type`` ("cuda": the raw TVM-FFI function,
     without TileLang's per-call wrapper; "cpu": the C target)."""
-    key = (mask.key, fwd_tiles, bwd_tiles, device_type, meta_dtype, config)
+    key = (mask.key, fwd_tiles, bwd_tiles, device_type, meta_dtype, config, rows)
     fn = _LAUNCHERS.get(key)
     if fn is None:
         if device_type not in ("cuda", "cpu"):
             raise ValueError(f"tilelang preprocess: unsupported device {device_type}")
         target = "cuda" if device_type == "cuda" else "c"
-        kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target, meta_dtype, config)
+        kern = tilelang_kernel(mask, fwd_tiles, bwd_tiles, target, meta_dtype, config, rows)
         fn = _LAUNCHERS[key] = raw_launch(kern) if target == "cuda" else kern
     return fn
 
@@ -681,6 +708,27 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
     args += launch_outputs(out, P, R)
     args.append(int(seqlen_k))
     launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config)(*args)
+    return out
+
+
+def tilelang_rows(mask, B, scal, arrs_at, row_pos, key_end, seqlen: int, seqlen_k: int,
+                  fwd_tiles, bwd_tiles, *, device,
+                  config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> dict:
+    """The rows variant: rows ``r`` of sequence ``b`` at positions ``row_pos[b, r]`` (int64
+    ``[B, n]``; outside ``[0, seqlen)``: padding) of a ``seqlen``-token sequence, against
+    ``seqlen_k`` keys clipped at ``key_end[b]`` (int32 ``[B]``); ``arrs_at``: the arrays at the
+    rows (``[B, n]``). The descriptor's tensors by field name, one launch."""
+    dev = torch.device(device)
+    K, n = mask.num_intervals, row_pos.shape[1]
+    P, R = len(mask.scalar_params), len(mask.array_params)
+    shapes = descriptor_shapes(B, n, seqlen_k, K, P, R, fwd_tiles, bwd_tiles)
+    out = {f: torch.empty(s, dtype=torch.int32, device=dev) for f, s in shapes.items()}
+    args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
+    args += [_as_i64(arrs_at[a], dev) for a in mask.array_params]
+    args += launch_outputs(out, P, R)
+    args += [_as_i64(row_pos, dev), key_end.to(device=dev, dtype=torch.int32).contiguous(),
+             int(seqlen_k), int(seqlen)]
+    launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config, rows=True)(*args)
     return out
 
 

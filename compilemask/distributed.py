@@ -45,8 +45,9 @@ import torch
 
 from compilemask import pipeline
 from compilemask.api import attention
+from compilemask.codegen.preprocess import tilelang_rows
 from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, _tiles_arg
-from compilemask.descriptor import ExecutionDescriptor
+from compilemask.descriptor import ExecutionDescriptor, make_descriptor
 from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps
 
@@ -198,14 +199,18 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                     batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
                     bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
                     key_limit: torch.Tensor | None = None, device=None,
-                    who: str = "shard_descriptor") -> ExecutionDescriptor:
+                    who: str = "shard_descriptor", backend: str = "auto") -> ExecutionDescriptor:
     """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served
     (``compilemask.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
     at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal.
     ``device``: where it is made (default: the metadata's, else the CPU). Its ``q_offset`` is
-    -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position)."""
+    -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position).
+    ``backend``: "tilelang" (the preprocess program's rows variant: one launch), "torch" (the
+    generated reference), "auto" (TileLang on CUDA where available)."""
+    if backend not in ("auto", "torch", "tilelang"):
+        raise ValueError(f"{who}: backend must be auto, torch or tilelang, got {backend!r}")
     if mask.has_fallback:
         raise NotImplementedError(
             f"{who}: mask {mask.name!r} has fallback region(s) "
@@ -217,6 +222,18 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check, device)
     rows = rows.to(dev)
     n = rows.shape[-1]
+    if backend == "tilelang" or (backend == "auto" and dev.type == "cuda"
+                                 and pipeline.has_tilelang()):
+        at = rows.clamp(min=0, max=S - 1)
+        at = at.expand(B, n) if at.dim() == 1 else at
+        arrs_at = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+        row_pos = rows.expand(B, n) if rows.dim() == 1 else rows
+        key_end = (torch.full((B,), S, dtype=torch.int32, device=dev) if key_limit is None
+                   else key_limit.to(dev).expand(B))
+        out = tilelang_rows(mask, B, scal, arrs_at, row_pos, key_end, S, S, fwd_tiles, bwd_tiles,
+                            device=dev)
+        desc = make_descriptor(mask, n, S, fwd_tiles, bwd_tiles, **out)
+        return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1)
     starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
     if key_limit is not None:  # a sequence's keys end at its limit (a KV cache's used part)
         end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))

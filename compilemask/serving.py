@@ -65,8 +65,9 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
                      fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
                      check: bool = False) -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
-    against all ``seqlen_k`` keys (see the module docstring); built with torch on the
-    metadata's device (a decode step's is a few small launches).
+    against all ``seqlen_k`` keys (see the module docstring); made on the metadata's device, on
+    CUDA by the preprocess program's rows variant (one launch and the lists' one; the torch
+    reference elsewhere).
 
     ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
     buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are

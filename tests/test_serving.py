@@ -273,6 +273,49 @@ def test_step_descriptor_copies_nothing_between_devices(name):
         assert d.device.type == "meta" and not w.found, w.found[:1]
 
 
+@pytest.mark.parametrize("name", ["hstu", "tree_verify"])
+def test_row_descriptor_program_equals_the_reference(name):
+    """The preprocess program's rows variant (TileLang's C target here; CUDA on the GPU) writes
+    the torch reference's descriptor field by field: the last rows, random positions with
+    padding on both sides, leading rows, with and without per-request key limits."""
+    pytest.importorskip("tilelang")
+    from compilemask.distributed import rows_descriptor
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    S, B = 700, 3
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(2)
+    for rows in (torch.arange(S - 5, S), torch.randint(-3, S + 4, (B, 9), generator=gen),
+                 torch.arange(0, 300)):
+        for limit in (None, torch.tensor([S, 400, 3])):
+            want, got = (rows_descriptor(mask, meta, S, rows, key_limit=limit, batch_size=B,
+                                         backend=b) for b in ("torch", "tilelang"))
+            for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params",
+                      "row_params"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), (f, rows.shape, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "hstu", "tree_verify", "packed_documents"])
+def test_gpu_row_descriptor_program_equals_the_reference(name):
+    """On CUDA a query descriptor comes from the rows program: equal to the torch reference."""
+    from compilemask.distributed import rows_descriptor
+
+    mask = cm.compile_mask(masks.EXAMPLES[name]())
+    S, B = 2000, 4
+    meta = {k: v.cuda() for k, v in masks.random_meta(
+        mask.spec, B, S, torch.Generator().manual_seed(3)).items()}
+    used = torch.tensor([2000, 1500, 7, 640], device="cuda")
+    rows = used.view(-1, 1) - 4 + torch.arange(4, device="cuda").view(1, -1)
+    want, got = (rows_descriptor(mask, meta, S, rows, key_limit=used, batch_size=B,
+                                 device="cuda", backend=b) for b in ("torch", "auto"))
+    for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params", "row_params"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    for kind in ("fwd", "bwd64"):
+        for a, b in zip(got.block_sparse(kind), want.block_sparse(kind)):
+            assert torch.equal(a, b), kind
+
+
 @pytest.mark.gpu
 def test_gpu_decode_step_captures_in_a_cuda_graph():
     """A decode step over fixed buffers (the KV buffer, the requests' lengths as a device

@@ -282,6 +282,16 @@ def test_cuda_source_compiles_sm90a(masks, name):
     assert "__global__" in src and "__syncthreads" in src
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_rows_variant_cuda_source_compiles_sm90a(masks):
+    """The rows variant (served and context-parallel rows: positions, key limits) for CUDA."""
+    kern = tlp.tilelang_kernel(masks["hstu"], DEFAULT_FWD_TILES, DEFAULT_BWD_TILES, "cuda",
+                               rows=True)
+    src = kern.get_kernel_source()
+    assert "__global__" in src and "row_pos" in src and "key_end" in src
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
