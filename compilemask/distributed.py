@@ -207,8 +207,9 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal.
     ``device``: where it is made (default: the metadata's, else the CPU). Its ``q_offset`` is
     -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position).
-    ``backend``: "tilelang" (the preprocess program's rows variant: one launch), "torch" (the
-    generated reference), "auto" (TileLang on CUDA where available)."""
+    ``backend``: "tilelang" (the preprocess program's rows variant: one launch, equal to the
+    reference on TileLang's C target), "torch" (the generated reference), "auto" (the
+    reference until the rows program has run on the GPU)."""
     if backend not in ("auto", "torch", "tilelang"):
         raise ValueError(f"{who}: backend must be auto, torch or tilelang, got {backend!r}")
     if mask.has_fallback:
@@ -222,8 +223,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check, device)
     rows = rows.to(dev)
     n = rows.shape[-1]
-    if backend == "tilelang" or (backend == "auto" and dev.type == "cuda"
-                                 and pipeline.has_tilelang()):
+    if backend == "tilelang":
         at = rows.clamp(min=0, max=S - 1)
         at = at.expand(B, n) if at.dim() == 1 else at
         arrs_at = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}

@@ -63,11 +63,11 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
                      seqused_k: torch.Tensor | None = None,
                      seqused_q: torch.Tensor | None = None, device=None,
                      fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
-                     check: bool = False) -> ExecutionDescriptor:
+                     check: bool = False, backend: str = "auto") -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
-    against all ``seqlen_k`` keys (see the module docstring); made on the metadata's device, on
-    CUDA by the preprocess program's rows variant (one launch and the lists' one; the torch
-    reference elsewhere).
+    against all ``seqlen_k`` keys (see the module docstring); made on the metadata's device by
+    the generated torch reference, or with ``backend="tilelang"`` by the preprocess program's
+    rows variant (one launch and the lists' one).
 
     ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
     buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are
@@ -116,7 +116,7 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
         desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
                                bwd_tiles=bwd_tiles, check=check, key_limit=used, device=dev,
-                               who="query_descriptor")
+                               who="query_descriptor", backend=backend)
         # rows at each request's own positions (q_offset -1): never FA4's native
         return dataclasses.replace(
             desc, seqused_k=used.to(torch.int32),
@@ -124,7 +124,7 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
     desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
                            fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check, device=dev,
-                           who="query_descriptor")
+                           who="query_descriptor", backend=backend)
     # the native engine may run it: FA4's causal and windows align bottom-right as these rows
     return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
 
