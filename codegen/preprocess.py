@@ -90,7 +90,7 @@ from .tilelang_build import (
 from .tl_printer import TileLangPrinter
 
 __all__ = ["PreprocessConfig", "DEFAULT_PREPROCESS_CONFIG", "tilelang_source",
-           "tilelang_kernel", "tilelang_preprocess", "tilelang_rows", "launcher", "compile_count",
+           "tilelang_kernel", "tilelang_preprocess", "launcher", "compile_count",
            "PreprocessPlan", "plan"]
 
 
@@ -210,7 +210,7 @@ def tilelang_source(mask, target: str = "cuda", fwd_tiles: TileConfig | None = N
     """The generated TileLang program (module text defining ``preprocess``) for ``mask``;
     ``meta_dtype`` is the metadata's integer type (int32 values are widened on load);
     ``rows``: the rows are given positions of a longer sequence (``row_pos``, ``key_end``,
-    ``seqlen`` inputs; the arrays are read at the rows: ``tilelang_rows``)."""
+    ``seqlen`` inputs; the arrays are read at the rows: ``tilelang_preprocess(..., rows=)``)."""
     check_target(target)
     fwd = fwd_tiles or DEFAULT_FWD_TILES
     bwd = bwd_tiles or DEFAULT_BWD_TILES
@@ -694,10 +694,16 @@ def launcher(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, device_type: st
 
 
 def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_tiles, *,
-                        device, config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> dict:
+                        device, config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG,
+                        rows: tuple | None = None) -> dict:
     """Run the generated program (CUDA for a CUDA device, the C target on CPU): the descriptor's
     tensors by field name. ``scal``: int64 ``[B, 1]`` per scalar param; ``arrs``: ``[B, Sq]``
-    per array param (the derived run bounds included). No host sync."""
+    per array param (the derived run bounds included). No host sync.
+
+    ``rows = (row_pos, key_end, seqlen)``: the rows variant, row ``r`` of sequence ``b`` being
+    position ``row_pos[b, r]`` (int64 ``[B, Sq]``; outside ``[0, seqlen)``: padding) of a
+    ``seqlen``-token sequence, its keys clipped at ``key_end[b]`` (int ``[B]``); ``arrs`` are
+    then the arrays at the rows."""
     dev = torch.device(device)
     K = mask.num_intervals
     P, R = len(mask.scalar_params), len(mask.array_params)
@@ -706,29 +712,13 @@ def tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd_tiles, bwd_
     args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
     args += [_as_i64(arrs[a], dev) for a in mask.array_params]
     args += launch_outputs(out, P, R)
+    if rows is not None:
+        row_pos, key_end, seqlen = rows
+        args += [_as_i64(row_pos, dev), key_end.to(device=dev, dtype=torch.int32).contiguous()]
     args.append(int(seqlen_k))
-    launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config)(*args)
-    return out
-
-
-def tilelang_rows(mask, B, scal, arrs_at, row_pos, key_end, seqlen: int, seqlen_k: int,
-                  fwd_tiles, bwd_tiles, *, device,
-                  config: PreprocessConfig = DEFAULT_PREPROCESS_CONFIG) -> dict:
-    """The rows variant: rows ``r`` of sequence ``b`` at positions ``row_pos[b, r]`` (int64
-    ``[B, n]``; outside ``[0, seqlen)``: padding) of a ``seqlen``-token sequence, against
-    ``seqlen_k`` keys clipped at ``key_end[b]`` (int32 ``[B]``); ``arrs_at``: the arrays at the
-    rows (``[B, n]``). The descriptor's tensors by field name, one launch."""
-    dev = torch.device(device)
-    K, n = mask.num_intervals, row_pos.shape[1]
-    P, R = len(mask.scalar_params), len(mask.array_params)
-    shapes = descriptor_shapes(B, n, seqlen_k, K, P, R, fwd_tiles, bwd_tiles)
-    out = {f: torch.empty(s, dtype=torch.int32, device=dev) for f, s in shapes.items()}
-    args = [_as_i64(scal[p].reshape(B), dev) for p in mask.scalar_params]
-    args += [_as_i64(arrs_at[a], dev) for a in mask.array_params]
-    args += launch_outputs(out, P, R)
-    args += [_as_i64(row_pos, dev), key_end.to(device=dev, dtype=torch.int32).contiguous(),
-             int(seqlen_k), int(seqlen)]
-    launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config, rows=True)(*args)
+    if rows is not None:
+        args.append(int(seqlen))
+    launcher(mask, fwd_tiles, bwd_tiles, dev.type, "int64", config, rows=rows is not None)(*args)
     return out
 
 

@@ -20,11 +20,6 @@ __all__ = ["attention", "select_engine", "BACKENDS"]
 _SAID = said  # the said-once messages under their older name here, which callers clear
 
 
-def _dense(desc, heads: int):
-    dense = descriptor_dense_mask(desc)
-    return dense.view(-1, heads, *dense.shape[1:]) if heads > 1 else dense
-
-
 def _validate(q, k, v, desc, heads: int = 1):
     if not isinstance(desc, ExecutionDescriptor):
         raise TypeError(f"desc must be an ExecutionDescriptor (from CompiledMask.preprocess), "
@@ -197,7 +192,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             raise TypeError(f"learnable_sink must be a [H] tensor, got "
                             f"{type(learnable_sink).__name__}")
         if engine == "reference":
-            return attention_reference(q, k, v, _dense(desc, heads),
+            return attention_reference(q, k, v, descriptor_dense_mask(desc, heads),
                                        softmax_scale=softmax_scale, return_lse=return_lse,
                                        score_mod=score_mod, learnable_sink=learnable_sink)
         if learnable_sink is not None:

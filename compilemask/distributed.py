@@ -45,7 +45,7 @@ import torch
 
 from compilemask import pipeline
 from compilemask.api import attention
-from compilemask.codegen.preprocess import tilelang_rows
+from compilemask.codegen.preprocess import tilelang_preprocess
 from compilemask.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, _tiles_arg
 from compilemask.descriptor import ExecutionDescriptor, make_descriptor
 from compilemask.segments import derive_run_arrays
@@ -113,17 +113,23 @@ def _normalized(mask, meta, seqlen, batch_size, check, device=None):
     return B, scal, arrs, dev
 
 
+def _arrays_at(mask, arrs, seqlen, rows):
+    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``)."""
+    at = rows.clamp(min=0, max=seqlen - 1)
+    if rows.dim() == 1:
+        return at, {a: arrs[a].index_select(1, at) for a in mask.array_params}
+    return at, {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+
+
 def _rows_table(mask, B, scal, arrs, seqlen, rows):
     """The generated interval table evaluated at global ``rows`` (int64 [n], or [B, n] per
     sequence; entries outside [0, seqlen) are padding: empty, region -1). Returns starts, lens,
     region and the arrays at the rows."""
     valid = (rows >= 0) & (rows < seqlen)
-    at = rows.clamp(min=0, max=seqlen - 1)
+    at, arrs_at = _arrays_at(mask, arrs, seqlen, rows)
     if rows.dim() == 1:
-        arrs_at = {a: arrs[a].index_select(1, at) for a in mask.array_params}
         at, v = at.unsqueeze(0), valid.view(1, -1)
     else:
-        arrs_at = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
         v = valid
     args = [at, seqlen, seqlen] + [scal[p] for p in mask.scalar_params] + [
         arrs_at[a] for a in mask.array_params]
@@ -224,25 +230,22 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     rows = rows.to(dev)
     n = rows.shape[-1]
     if backend == "tilelang":
-        at = rows.clamp(min=0, max=S - 1)
-        at = at.expand(B, n) if at.dim() == 1 else at
-        arrs_at = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
-        row_pos = rows.expand(B, n) if rows.dim() == 1 else rows
+        _, arrs_at = _arrays_at(mask, arrs, S, rows)
         key_end = (torch.full((B,), S, dtype=torch.int32, device=dev) if key_limit is None
                    else key_limit.to(dev).expand(B))
-        out = tilelang_rows(mask, B, scal, arrs_at, row_pos, key_end, S, S, fwd_tiles, bwd_tiles,
-                            device=dev)
+        out = tilelang_preprocess(mask, B, scal, arrs_at, n, S, fwd_tiles, bwd_tiles, device=dev,
+                                  rows=(rows.expand(B, n), key_end, S))
         desc = make_descriptor(mask, n, S, fwd_tiles, bwd_tiles, **out)
-        return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1)
-    starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
-    if key_limit is not None:  # a sequence's keys end at its limit (a KV cache's used part)
-        end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
-        lens = (end - starts).clamp(min=0)
-        starts = torch.where(lens > 0, starts, 0)
-    always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused)
-    fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
-    desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles, fwd,
-                             bwd_tiles, bwd)
+    else:
+        starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
+        if key_limit is not None:  # a sequence's keys end at its limit (a KV cache's used part)
+            end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
+            lens = (end - starts).clamp(min=0)
+            starts = torch.where(lens > 0, starts, 0)
+        always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused)
+        fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
+        desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles,
+                                 fwd, bwd_tiles, bwd)
     # no segments: FA4's varlen needs rows in global order
     return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1)
 

@@ -26,7 +26,8 @@ import torch
 
 from compilemask.compiled import CompiledMask
 from compilemask.descriptor import ExecutionDescriptor
-from compilemask.pipeline import with_lists
+from compilemask.pipeline import DEFAULT_CONFIG, with_lists
+from compilemask.reference import descriptor_dense_mask
 
 __all__ = ["HeadGroups", "preprocess_heads"]
 
@@ -60,7 +61,6 @@ class HeadGroups:
         if self.folded and (len(self.groups) != 1 or first.batch_size % self.num_heads):
             raise ValueError("HeadGroups: folded heads are one group whose descriptor holds "
                              "batch x heads sequences")
-        object.__setattr__(self, "_indices", {})
 
     def indices(self, G: int, device) -> tuple:
         """Per group ``(q heads, kv heads)`` as index tensors on ``device``, and the inverse
@@ -68,7 +68,7 @@ class HeadGroups:
         once per (grouping, G, device) for every ``HeadGroups`` of that grouping (a host list
         to a GPU tensor synchronizes), so a batch's new groups neither synchronize nor copy."""
         key = (tuple(heads for _, heads in self.groups), G, str(device))
-        got = self._indices.get(key) or _INDICES.get(key)
+        got = _INDICES.get(key)
         if got is None:
             per, order = [], []
             for _, heads in self.groups:
@@ -85,7 +85,6 @@ class HeadGroups:
             if len(_INDICES) > 256:
                 _INDICES.clear()
             _INDICES[key] = got
-        self._indices[key] = got
         return got
 
     def split_sizes(self, G: int):
@@ -118,8 +117,7 @@ class HeadGroups:
         """bool ``[B, H, Sq, Sk]``."""
         first = self.groups[0][0]
         if self.folded:
-            dense = first.dense_mask()
-            return dense.view(-1, self.num_heads, *dense.shape[1:])
+            return descriptor_dense_mask(first, self.num_heads)
         out = torch.zeros(first.batch_size, self.num_heads, first.seqlen_q, first.seqlen_k,
                           dtype=torch.bool, device=first.device)
         for desc, heads in self.groups:
@@ -159,16 +157,15 @@ def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
     else:
         metas = [meta] * len(head_masks)
     by_key: dict = {}
-    for h, (m, mh) in enumerate(zip(head_masks, metas)):
-        own = {p: mh[p] for p in m.spec.params} if mh else {}
+    owns = [{p: mh[p] for p in m.spec.params} if mh else {}
+            for m, mh in zip(head_masks, metas)]
+    for h, (m, own) in enumerate(zip(head_masks, owns)):
         # the same tensors, or equal ints: per-head selections are views of their own
         read = tuple((p, ("t", v.data_ptr(), v.shape, v.stride(), v.dtype)
                       if isinstance(v, torch.Tensor) else ("v", v)) for p, v in own.items())
         by_key.setdefault((m.key, read), (m, own, []))[2].append(h)
     if fold and len(by_key) > 1 and len({m.key for m, _, _ in by_key.values()}) == 1:
-        return _folded(head_masks[0], [{p: mh[p] for p in head_masks[0].spec.params}
-                                        if mh else {} for mh in metas], seqlen_q, seqlen_k,
-                       kwargs)
+        return _folded(head_masks[0], owns, seqlen_q, seqlen_k, kwargs)
     groups = []
     for m, own, heads in by_key.values():
         groups.append((m.preprocess(own or None, seqlen_q, seqlen_k, **kwargs), tuple(heads)))
@@ -205,7 +202,7 @@ def _folded(mask, metas, seqlen_q, seqlen_k, kwargs) -> HeadGroups:
     # folded heads run on FA4's lists even where the mask is native (a native kernel takes one
     # pattern for every head): made with the descriptor, not per call
     if desc.lists is None:
-        desc = with_lists(desc, kwargs["config"]) if kwargs.get("config") else with_lists(desc)
+        desc = with_lists(desc, kwargs.get("config") or DEFAULT_CONFIG)
     return HeadGroups(((desc, tuple(range(H))),), H, folded=True)
 
 

@@ -268,6 +268,8 @@ class Preprocessor:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
         self.fast = (dev.type == "cuda") if check_values is None else not check_values
+        # a table's words are packed by the general path
+        self.fast = self.fast and not mask.table_params
         self._launches = {}  # metadata dtype -> launch function
         self._shapes = {}  # (seqlen_q, seqlen_k) -> output shapes
         self._keys = set(mask.spec.params)
@@ -306,8 +308,8 @@ class Preprocessor:
 
     def _matches(self, meta, inputs):
         """The metadata dtype when the fast path applies, else None."""
-        if type(meta) is not dict or meta.keys() != self._keys or self.mask.table_params:
-            return None  # a table's words are packed by the general path
+        if type(meta) is not dict or meta.keys() != self._keys:
+            return None
         dtype = torch.int64
         for n, (p, shape) in enumerate(inputs):
             v = meta[p]

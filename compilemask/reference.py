@@ -13,8 +13,9 @@ from compilemask.descriptor import in_interval, unpack_table
 __all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
 
 
-def descriptor_dense_mask(desc) -> torch.Tensor:
-    """bool [B, Sq, Sk] from the Interval Table (and fallback predicates), as a kernel sees it."""
+def descriptor_dense_mask(desc, heads: int = 1) -> torch.Tensor:
+    """bool [B, Sq, Sk] from the Interval Table (and fallback predicates), as a kernel sees it;
+    ``heads > 1``: a descriptor of a sequence per (batch, head) as ``[B, heads, Sq, Sk]``."""
     mask = desc.mask
     iv = desc.intervals.to(torch.int64)
     starts, lens = iv[..., 0], iv[..., 1]
@@ -28,7 +29,7 @@ def descriptor_dense_mask(desc) -> torch.Tensor:
         rows = desc.row_region == r.index  # [B, Sq]
         pred = evaluate_predicate(desc, r.index)
         dense = torch.where(rows.unsqueeze(-1), dense & pred, dense)
-    return dense
+    return dense.view(-1, heads, *dense.shape[1:]) if heads > 1 else dense
 
 
 def evaluate_predicate(desc, region_index: int, batch: int | None = None, rows=None,

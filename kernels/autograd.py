@@ -82,14 +82,6 @@ def _descriptor(d: DescriptorArgs, call: _Call):
     return d.descriptor(mask_for_key(call.mask_key), segments)
 
 
-def _dense(desc, call: _Call):
-    """The descriptor's dense mask, ``[B, H, Sq, Sk]`` where it holds a sequence per head."""
-    dense = descriptor_dense_mask(desc)
-    if call.heads > 1:
-        return dense.view(-1, call.heads, *dense.shape[1:])
-    return dense
-
-
 def _lists(extra, backward: bool):
     """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
     else None."""
@@ -304,7 +296,8 @@ def _fwd_impl(q, k, v, desc, call: _Call) -> tuple[Tensor, Tensor]:
                                   f"{engine} engine")
     if q.is_cuda and engine == "cute":
         return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
-    return attention_fwd_reference(q, k, v, _dense(desc, call), scale, call.sink)
+    dense = descriptor_dense_mask(desc, call.heads)
+    return attention_fwd_reference(q, k, v, dense, scale, call.sink)
 
 
 @attention_fwd.register_fake
@@ -332,8 +325,8 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
     if q.is_cuda and engine == "cute":
         return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
                            call.deterministic, call.options), no_sink)
-    grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse, _dense(desc, call), scale,
-                                    call.sink)
+    grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse,
+                                    descriptor_dense_mask(desc, call.heads), scale, call.sink)
     return grads if call.sink is not None else (*grads, no_sink)
 
 
