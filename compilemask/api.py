@@ -79,7 +79,8 @@ def _cute_reason(q, desc):
 
 def _engine_reason(q, desc, engine: str, deterministic: bool, heads: int = 1):
     if heads > 1 and engine in ("native", "cute"):
-        return "folded heads (a sequence per batch and head) run on the fa4 engine"
+        return ("folded heads (a sequence per batch and head) run on the fa4 engine; "
+                "preprocess_heads(..., fold=False) keeps a descriptor per head group")
     if engine == "cute":
         return _cute_reason(q, desc)
     if deterministic and engine == "fa4":

@@ -12,10 +12,12 @@ of its kv heads keeps GQA, otherwise its kv heads are gathered per query head.
 
 Every mask reads the same metadata dict (each takes the params it names), or each head its
 own (``from_mask_mod_heads``' metas). Heads that share one compiled mask with metadata of their
-own may be *folded* (``preprocess_heads(..., fold=True)``): one descriptor of ``B * H``
-sequences, sequence ``b * H + h`` holding head ``h`` of batch ``b``, and one FA4 launch over
-every head with per-head tile lists (FlexAttention's own structure for a per-head BlockMask),
-instead of a launch per group.
+own are *folded* by default: one descriptor of ``B * H`` sequences, sequence ``b * H + h``
+holding head ``h`` of batch ``b``, and one FA4 launch over every head with per-head tile lists
+(FlexAttention's own structure for a per-head BlockMask), instead of a launch per group: per-head
+windows train 1.08-1.10x Flex-FA4's kernel folded, 0.96-1.03x as four native groups (H200,
+``docs/performance.md``). ``fold=False`` keeps a descriptor per group (the native and cute
+engines, deterministic backward).
 """
 
 from __future__ import annotations
@@ -134,14 +136,15 @@ class HeadGroups:
 
 
 def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
-                     seqlen_k: int | None = None, *, fold: bool = False,
+                     seqlen_k: int | None = None, *, fold: bool | None = None,
                      **kwargs) -> HeadGroups:
     """One mask per query head -> ``HeadGroups`` (one ``preprocess`` per distinct mask and
     metadata, with ``kwargs`` as ``CompiledMask.preprocess`` takes them). ``meta``: one dict
     every mask reads, or a list of one per head (``from_mask_mod_heads``' metas); heads with
-    the same mask that read the same tensors share a descriptor. ``fold=True``, where every
-    head has the same compiled mask and their metadata differ: one descriptor of a sequence per
-    (batch, head) and one launch for all heads (the fa4 engine; see the module docstring)."""
+    the same mask that read the same tensors share a descriptor. Where every head has the same
+    compiled mask and their metadata differ, the heads are folded (``fold=None``, the default,
+    or True): one descriptor of a sequence per (batch, head) and one launch for all heads (the
+    fa4 engine; see the module docstring); ``fold=False``: a descriptor per group."""
     head_masks = list(head_masks)
     if not head_masks:
         raise ValueError("preprocess_heads: head_masks is empty (one mask per query head)")
@@ -164,7 +167,10 @@ def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
         read = tuple((p, ("t", v.data_ptr(), v.shape, v.stride(), v.dtype)
                       if isinstance(v, torch.Tensor) else ("v", v)) for p, v in own.items())
         by_key.setdefault((m.key, read), (m, own, []))[2].append(h)
-    if fold and len(by_key) > 1 and len({m.key for m, _, _ in by_key.values()}) == 1:
+    if fold not in (None, True, False):
+        raise TypeError(f"preprocess_heads: fold must be None, True or False, got {fold!r}")
+    if (fold is not False and len(by_key) > 1
+            and len({m.key for m, _, _ in by_key.values()}) == 1):
         return _folded(head_masks[0], owns, seqlen_q, seqlen_k, kwargs)
     groups = []
     for m, own, heads in by_key.values():

@@ -65,9 +65,9 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
                      fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
                      check: bool = False, backend: str = "auto") -> ExecutionDescriptor:
     """The descriptor of the last ``seqlen_q`` positions of a ``seqlen_k``-token sequence
-    against all ``seqlen_k`` keys (see the module docstring); made on the metadata's device by
-    the generated torch reference, or with ``backend="tilelang"`` by the preprocess program's
-    rows variant (one launch and the lists' one).
+    against all ``seqlen_k`` keys (see the module docstring); made on the metadata's device,
+    on CUDA by the preprocess program's rows variant (one launch and the lists' one), on the
+    CPU by the generated torch reference (``backend="torch"`` or ``"tilelang"`` to choose).
 
     ``seqused_k`` (int ``[B]``, each at most ``seqlen_k``): a batch of requests in one KV
     buffer, sequence ``b`` holding ``seqused_k[b]`` keys (FA4's ``seqused_k``); its queries are

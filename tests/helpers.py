@@ -4,7 +4,7 @@ reference within PyTorch's own bf16 error."""
 import pytest
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE, BlockSparseLists
 
 
 def dense_tile_states(dense: torch.Tensor, tile_m: int, tile_n: int) -> torch.Tensor:
@@ -161,3 +161,21 @@ class HostCopies:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def assert_lists_equal(ref: BlockSparseLists, out: BlockSparseLists, what: str):
+    """Equal counts and equal first ``cnt`` entries of every row (the rest is unspecified)."""
+    for name, (a, b) in zip(ref._fields, zip(ref, out)):
+        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (what, name)
+    assert ref.mask_idx.device == out.mask_idx.device
+    slot = torch.arange(ref.num_cols, device=ref.mask_idx.device)
+    for cnt, ra, oa, name in ((ref.mask_cnt, ref.mask_idx, out.mask_idx, "mask"),
+                              (ref.full_cnt, ref.full_idx, out.full_idx, "full")):
+        oc = out.mask_cnt if name == "mask" else out.full_cnt
+        if not torch.equal(cnt, oc):
+            bad = (cnt != oc).nonzero()[:5].tolist()
+            raise AssertionError(f"{what}: {name}_cnt differs at {bad}")
+        live = slot < cnt.unsqueeze(-1)
+        if not torch.equal(torch.where(live, ra, 0), torch.where(live, oa, 0)):
+            bad = (live & (ra != oa)).nonzero()[:5].tolist()
+            raise AssertionError(f"{what}: {name}_idx differs at {bad}")

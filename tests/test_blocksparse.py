@@ -36,7 +36,7 @@ from compilemask.descriptor import (
 )
 from compilemask.masks import EXAMPLES, random_meta
 
-from helpers import dense_tile_states, sweep
+from helpers import assert_lists_equal, dense_tile_states, sweep
 
 NAMES = sorted(EXAMPLES)
 TILES_128 = TileConfig(128, 128)
@@ -75,24 +75,6 @@ def descriptors(m, B, sq, sk):
 def shapes_for(m, shapes):
     # random_meta draws per-row arrays for square shapes only
     return [s for s in shapes if not (m.array_params and s[1] != s[2])]
-
-
-def assert_lists_equal(ref: BlockSparseLists, out: BlockSparseLists, what: str):
-    """Equal counts and equal first ``cnt`` entries of every row (the rest is unspecified)."""
-    for name, (a, b) in zip(ref._fields, zip(ref, out)):
-        assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (what, name)
-    assert ref.mask_idx.device == out.mask_idx.device
-    slot = torch.arange(ref.num_cols, device=ref.mask_idx.device)
-    for cnt, ra, oa, name in ((ref.mask_cnt, ref.mask_idx, out.mask_idx, "mask"),
-                              (ref.full_cnt, ref.full_idx, out.full_idx, "full")):
-        oc = out.mask_cnt if name == "mask" else out.full_cnt
-        if not torch.equal(cnt, oc):
-            bad = (cnt != oc).nonzero()[:5].tolist()
-            raise AssertionError(f"{what}: {name}_cnt differs at {bad}")
-        live = slot < cnt.unsqueeze(-1)
-        if not torch.equal(torch.where(live, ra, 0), torch.where(live, oa, 0)):
-            bad = (live & (ra != oa)).nonzero()[:5].tolist()
-            raise AssertionError(f"{what}: {name}_idx differs at {bad}")
 
 
 def check_well_formed(lists: BlockSparseLists):

@@ -220,18 +220,22 @@ def _head_mask_mods():
     return [per_head_window, duo, branch_on_h, per_head_documents]
 
 
+@pytest.mark.parametrize("fold", [None, False])
 @pytest.mark.parametrize("n", range(4))
-def test_mask_mods_reading_h_equal_create_mask_per_head(n):
+def test_mask_mods_reading_h_equal_create_mask_per_head(n, fold):
     """``from_mask_mod_heads``: h a constant per head, head-indexed tensors selected at it;
     the head groups' [B, H, Sq, Sk] mask equals FlexAttention's create_mask, and attention
-    equals dense per-head attention; heads with equal rules share a compiled mask."""
+    equals dense per-head attention; heads with equal rules share a compiled mask. By default
+    heads of one compiled mask fold into one descriptor; ``fold=False`` keeps groups."""
     from torch.nn.attention.flex_attention import create_mask
 
     mm = _head_mask_mods()[n]
     specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B)
     compiled = [cm.compile_mask(s) for s in specs]
     assert len(compiled) == len(metas) == H
-    groups = cm.preprocess_heads(compiled, metas, seqlen_q=S, batch_size=B)
+    groups = cm.preprocess_heads(compiled, metas, seqlen_q=S, batch_size=B, fold=fold)
+    one_mask = len({c.key for c in compiled}) == 1
+    assert groups.folded == (fold is None and one_mask), groups  # every head's w[h] its own
     want = create_mask(mm, B, H, S, S, device="cpu")
     assert torch.equal(groups.dense_mask(), want), mm.__name__
     q, k, v = _qkv(3)

@@ -546,7 +546,8 @@ def test_gpu_score_mod_on_a_segments_mask_runs_the_lists():
                                          ("causal", "fa4")])
 def test_gpu_learnable_sink_vs_float32_reference(name, engine):
     """gpt-oss's sinks on FA4 (its learnable_sink): output, dq, dk, dv and dsink within twice
-    PyTorch's own bf16 error of the float32 reference."""
+    PyTorch's own bf16 error of the float32 reference; dsink's from the bf16 output, as a flash
+    backward forms it (FA4's, PyTorch's flash SDPA's: rowsum(dO * O) over the stored O)."""
     from compilemask.reference import attention_reference
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
@@ -576,7 +577,14 @@ def test_gpu_learnable_sink_vs_float32_reference(name, engine):
             col = s_.to(s.dtype).view(1, 4, 1, 1).expand(2, 4, 1000, 1)
             p = torch.cat([s, col], dim=-1).softmax(-1)[..., :-1]
             o = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+            # dsink as a flash backward forms it, from the output it stored in bf16:
+            # -sum over rows of exp(sink - lse) * rowsum(dO * O)
+            lse = torch.cat([s, col], dim=-1).float().logsumexp(-1)  # [B, H, Sq]
+            dpsum = (do.float() * o.detach().float()).sum(-1).transpose(1, 2)
+            flash_dsink = -(torch.exp(s_.detach().view(1, 4, 1) - lse) * dpsum).sum((0, 2))
         o.backward(do.to(o.dtype))
+        if kind == "bf16":
+            return [o] + [x.grad for x in xs] + [flash_dsink]
         return [o] + [x.grad for x in xs] + [s_.grad]
 
     def rel(a, b):

@@ -14,6 +14,8 @@ import compilemask as cm
 from compilemask import masks
 from compilemask.serving import DecodeState, query_descriptor
 
+from helpers import assert_lists_equal
+
 SERVED = ["causal", "prefix_lm", "hstu", "shared_prompt_rm", "clear", "sliding_window",
           "packed_documents", "packed_prefix_lm", "tree_verify", "sink_window", "chunked_causal"]
 
@@ -313,8 +315,7 @@ def test_gpu_row_descriptor_program_equals_the_reference(name):
     for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params", "row_params"):
         assert torch.equal(getattr(got, f), getattr(want, f)), f
     for kind in ("fwd", "bwd64"):
-        for a, b in zip(got.block_sparse(kind), want.block_sparse(kind)):
-            assert torch.equal(a, b), kind
+        assert_lists_equal(want.block_sparse(kind), got.block_sparse(kind), kind)
     q = torch.randn(B, 4, 4, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     outs = [cm.attention(q, k, v, query_descriptor(mask, meta, S, 4, batch_size=B,
