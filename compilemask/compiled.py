@@ -33,9 +33,17 @@ from compilemask.descriptor import (
     ExecutionDescriptor,
     TileConfig,
 )
-from compilemask.dsl.frontend import RuleContext, is_table_read, rule_symbols, translate_rule
+from compilemask.dsl.frontend import (
+    HEAD_INDEX,
+    HeadIndexRead,
+    RuleContext,
+    is_table_read,
+    rule_symbols,
+    translate_rule,
+)
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
+from compilemask.heads import HeadGroups, head_count, per_head_meta, preprocess_heads
 from compilemask.native import native_pattern
 from compilemask.prover import Prover
 from compilemask.reference import brute_force_mask, descriptor_dense_mask
@@ -118,19 +126,35 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
     if not isinstance(spec, MaskSpec):
         raise TypeError(f"compile_mask expects a MaskSpec, got {type(spec).__name__}")
     fkey = _spec_key(spec)
-    ir = _SPEC_CACHE.get(fkey) if fkey is not None else None
-    if ir is None:
-        ir = _compile_spec(spec)
+    entry = _SPEC_CACHE.get(fkey) if fkey is not None else None
+    if entry is None:
+        entry = _compile_spec_or_heads(spec)
         if fkey is not None:
             with _LOCK:
                 if len(_SPEC_CACHE) > 4096:
                     _SPEC_CACHE.clear()
-                _SPEC_CACHE[fkey] = ir
-    mask = CompiledMask(spec, ir)
+                _SPEC_CACHE[fkey] = entry
+    ir, reads_head = entry
+    if reads_head:
+        spec = _with_head_param(spec)
+    mask = CompiledMask(spec, ir, head_param=HEAD_INDEX if reads_head else None)
     # registered when compiled, so that a traced model's custom ops find it without a side
     # effect at trace time
     register_mask(mask)
     return mask
+
+
+def _with_head_param(spec: MaskSpec) -> MaskSpec:
+    return MaskSpec(spec.name, (*spec.params, HEAD_INDEX), spec.regions)
+
+
+def _compile_spec_or_heads(spec: MaskSpec) -> tuple[_IR, bool]:
+    """The spec's IR, and whether its rules read the head index ``h`` (then compiled as the
+    last scalar param, which per-head preprocessing sets to each head's index)."""
+    try:
+        return _compile_spec(spec), False
+    except HeadIndexRead:
+        return _compile_spec(_with_head_param(spec)), True
 
 
 def _compile_spec(spec: MaskSpec) -> _IR:
@@ -241,9 +265,12 @@ def _check_int64(r: CompiledRegion) -> None:
 class CompiledMask:
     """The offline artefact of one MaskSpec: per-region intervals, K, generated code."""
 
-    def __init__(self, spec: MaskSpec, ir: _IR):
+    def __init__(self, spec: MaskSpec, ir: _IR, head_param: str | None = None):
         self.spec = spec
         self._ir = ir
+        # "h" where the rules read the query head: a scalar param that preprocess(...,
+        # num_heads=H) sets per head (``spec.params`` ends with it)
+        self.head_param = head_param
 
     # ---- inspection ------------------------------------------------------------------------
     @property
@@ -346,9 +373,16 @@ class CompiledMask:
                    batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False, device=None,
                    backend: str = "auto", config: pipeline.PipelineConfig | None = None,
-                   max_segments: int | None = None) -> ExecutionDescriptor:
+                   max_segments: int | None = None, num_heads: int | None = None,
+                   fold: bool | None = None) -> ExecutionDescriptor | HeadGroups:
         """Metadata of one batch -> Execution Descriptor (forward and backward), with what its
         engines read (``compilemask.pipeline``).
+
+        Per-head masks: with ``num_heads=H`` (required where the rules read the head index
+        ``h``), metadata may carry a head axis (a scalar param ``[B, H]``, an array ``[B, H,
+        Sq]``, a table ``[B, H, Sq, M]``) and the result is ``HeadGroups`` of the H heads, each
+        head's metadata its slice (``h`` its index), folded into one descriptor unless
+        ``fold=False`` (``preprocess_heads``); ``dense_mask()`` is ``[B, H, Sq, Sk]``.
 
         ``backend``: "torch" (the generated reference), "tilelang" (the generated TileLang
         kernel: CUDA on GPU metadata, the C target on CPU) or "auto" (TileLang on CUDA when
@@ -363,6 +397,15 @@ class CompiledMask:
         belongs to the first region whose guard holds."""
         if seqlen_q is None:
             raise ValueError("preprocess: seqlen_q is required")
+        heads = head_count(self, meta, num_heads)
+        if heads is None and fold is not None:
+            raise ValueError("preprocess: fold applies to per-head masks (num_heads=H, or "
+                             "metadata with a head axis)")
+        if heads is not None:
+            return preprocess_heads(
+                [self] * heads, per_head_meta(self, meta, heads), seqlen_q, seqlen_k, fold=fold,
+                batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                device=device, backend=backend, config=config, max_segments=max_segments)
         seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
         cfg = _config_arg(config, fwd_tiles, bwd_tiles)
         return pipeline.preprocess(self, meta, seqlen_q, seqlen_k, batch_size=batch_size,
@@ -463,6 +506,12 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         raise TypeError(f"meta must be a dict of param name -> int or tensor, got "
                         f"{type(meta).__name__}")
     missing = [p for p in spec.params if p not in meta]
+    if missing and missing[-1] == mask.head_param:
+        raise ValueError(f"mask {spec.name!r} reads the head index {mask.head_param!r}: "
+                         f"preprocess(..., num_heads=H) sets it per head, or pass "
+                         f"meta[{mask.head_param!r}] = a head for that head's descriptor"
+                         + (f"; metadata is also missing {missing[:-1]}" if missing[:-1]
+                            else ""))
     if missing:
         raise ValueError(f"mask {spec.name!r}: metadata is missing param(s) {missing}")
     extra = [k for k in meta if k not in spec.params]
@@ -487,7 +536,8 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
             if p in mask.table_params:
                 if v.dim() != 3 or v.shape[1] != seqlen_q:
                     raise ValueError(f"param {p!r} is a table: expected a [B, Sq={seqlen_q}, M] "
-                                     f"tensor (row i's M entries), got {list(v.shape)}")
+                                     f"tensor (row i's M entries), got {list(v.shape)} (per "
+                                     "head: [B, H, Sq, M] with preprocess(..., num_heads=H))")
                 if B is None:
                     B = v.shape[0]
                 elif v.shape[0] != B:
@@ -501,7 +551,10 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                 continue
             if v.dim() != want:
                 shape = "[B, Sq]" if want == 2 else "[B] (or 0-d)"
-                raise ValueError(f"param {p!r}: expected shape {shape}, got {list(v.shape)}")
+                per_head = "[B, H, Sq]" if want == 2 else "[B, H]"
+                raise ValueError(f"param {p!r}: expected shape {shape}, got {list(v.shape)} (a "
+                                 f"value per head is {per_head} with preprocess(..., "
+                                 "num_heads=H))")
             if B is None:
                 B = v.shape[0]
             elif v.shape[0] != B:

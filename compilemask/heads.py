@@ -26,12 +26,63 @@ from dataclasses import dataclass
 
 import torch
 
-from compilemask.compiled import CompiledMask
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.pipeline import DEFAULT_CONFIG, with_lists
 from compilemask.reference import descriptor_dense_mask
 
 __all__ = ["HeadGroups", "preprocess_heads"]
+
+_HEAD_AXIS = {"scalar": (2, "[B, H]"), "array": (3, "[B, H, Sq]"), "table": (4, "[B, H, Sq, M]")}
+
+
+def _kind(mask, p: str) -> str:
+    return ("table" if p in mask.table_params else "array" if p in mask.array_params
+            else "scalar")
+
+
+def head_count(mask, meta, num_heads) -> int | None:
+    """The head count of a per-head preprocess: ``num_heads`` (None for a mask of every head),
+    checked against the metadata's head axes (a scalar param ``[B, H]``, an array ``[B, H,
+    Sq]``, a table ``[B, H, Sq, M]``). The count is never inferred from a shape: a ``[B, Sq]``
+    tensor passed for a scalar by mistake would read as Sq heads; it stays a shape error."""
+    if num_heads is not None and (not isinstance(num_heads, int) or isinstance(num_heads, bool)
+                                  or num_heads < 1):
+        raise ValueError(f"preprocess: num_heads must be a positive int, got {num_heads!r}")
+    h = mask.head_param
+    if h is not None and meta and h in meta:
+        if num_heads is not None:
+            raise ValueError(f"preprocess: mask {mask.name!r} reads the head index {h!r}, which "
+                             f"num_heads={num_heads} sets per head; leave {h!r} out of the "
+                             "metadata")
+        return None  # one head's descriptor, at the head the caller chose
+    if h is not None and num_heads is None:
+        raise ValueError(f"preprocess: mask {mask.name!r} reads the head index {h!r}: pass "
+                         f"num_heads=H (or meta[{h!r}] = a head for that head's descriptor)")
+    if num_heads is None:
+        return None
+    for p, v in (meta or {}).items():
+        if p not in mask.spec.params or not isinstance(v, torch.Tensor):
+            continue
+        ndim, shape = _HEAD_AXIS[_kind(mask, p)]
+        if v.dim() == ndim and v.shape[1] != num_heads:
+            raise ValueError(f"preprocess: num_heads={num_heads}, but param {p!r} (a value per "
+                             f"head is {shape}) has {v.shape[1]} heads: {list(v.shape)}")
+    return num_heads
+
+
+def per_head_meta(mask, meta, heads: int) -> list[dict]:
+    """Each head's metadata: params with a head axis sliced at the head (views), the others
+    as given, the head index param set to the head."""
+    metas = []
+    for h in range(heads):
+        own = {}
+        for p, v in (meta or {}).items():
+            ndim, _ = _HEAD_AXIS[_kind(mask, p)] if p in mask.spec.params else (None, None)
+            own[p] = v[:, h] if isinstance(v, torch.Tensor) and v.dim() == ndim else v
+        if mask.head_param is not None:
+            own[mask.head_param] = h
+        metas.append(own)
+    return metas
 
 
 _INDICES: dict = {}  # (groups' heads, G, device) -> index tensors, shared by HeadGroups
@@ -149,7 +200,7 @@ def preprocess_heads(head_masks, meta=None, seqlen_q: int | None = None,
     if not head_masks:
         raise ValueError("preprocess_heads: head_masks is empty (one mask per query head)")
     for h, m in enumerate(head_masks):
-        if not isinstance(m, CompiledMask):
+        if not (callable(getattr(m, "normalize_meta", None)) and hasattr(m, "key")):
             raise TypeError(f"preprocess_heads: head {h}'s mask is a {type(m).__name__}, not a "
                             "compile_mask(...) result")
     if isinstance(meta, (list, tuple)):

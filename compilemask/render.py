@@ -29,6 +29,9 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"
            + (f", tables {list(mask.table_params)}" if mask.table_params else "")]
+    if getattr(mask, "head_param", None):
+        out.append(f"  {mask.head_param}: the query head, set per head by preprocess(..., "
+                   "num_heads=H)")
     for start, end, ids in mask.derived_arrays:
         what = "span of the id" if derived_kind(start, ids) == "span" else "run of equal ids"
         out.append(f"  {start}, {end}: the {what} of {ids} around each row, derived from the "

@@ -3,8 +3,9 @@
 A rule is read from its source (``ast``), never executed. Names resolve, in this order, to the
 function's arguments (``i``, ``j``), local assignments, declared params (runtime symbols),
 ``seqlen_q``/``seqlen_k``, and globals or closure cells holding ints (compile-time constants) or
-plain helper functions (inlined). Anything else is an error that names the region, the function,
-the name and its source line.
+plain helper functions (inlined); ``h``, where nothing else binds it, is the query head (a
+per-head mask). Anything else is an error that names the region, the function, the name and its
+source line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 __all__ = [
+    "HEAD_INDEX",
+    "HeadIndexRead",
     "RuleContext",
     "TranslatedRule",
     "SourceMatchError",
@@ -106,6 +109,15 @@ def shift(sym: str, a, k):
 
 _BOOL_OPS_SYM = {ast.BitAnd: ("&", sp.And), ast.BitOr: ("|", sp.Or), ast.BitXor: ("^", bool_xor)}
 _BOOL_OPS = tuple(_BOOL_OPS_SYM)
+
+
+# A rule reading ``h`` where no param, variable or builtin of that name exists reads the query
+# head: ``compile_mask`` then makes it a scalar param that per-head preprocessing fills.
+HEAD_INDEX = "h"
+
+
+class HeadIndexRead(ValueError):
+    """A rule read the head index ``h`` without a param of that name."""
 
 
 def rule_symbols(params) -> dict[str, sp.Symbol]:
@@ -636,6 +648,8 @@ class _Translator:
             value = self.fn.__globals__[name]
         elif hasattr(builtins, name):
             value = getattr(builtins, name)
+        elif name == HEAD_INDEX:
+            raise HeadIndexRead(f"{self.where(node)}: reads the head index {HEAD_INDEX!r}")
         else:
             raise ValueError(
                 f"{self.where(node)}: name {name!r} is not a declared param, an int constant or "

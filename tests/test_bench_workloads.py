@@ -80,10 +80,11 @@ def test_serving_and_score_mod_bench_pieces():
 
     rows = [{"Sk": 8192, "Sq": 1, "engine": "native", "fa4": 0.05, "cm": 0.05, "desc": 0.02,
              "cm+desc": 0.07, "fa4_graph": 0.04, "cm_graph": 0.05, "cm+desc_graph": 0.3,
-             "fa4_host": 0.09, "cm_host": 0.11}]
+             "fa4_host": 0.09, "cm_host": 0.11, "desc_program": 0.01,
+             "cm+desc_program_graph": 0.06}]
     table = to_markdown(rows, "# decode")
     assert ("| 8192 | 1 | native | 0.0500 | 0.0500 | 1.00x | 0.0200 | 0.0700 | 0.0400 | 0.0500 "
-            "| 0.80x | 0.3000 | 0.0900 | 0.1100 |") in table
+            "| 0.80x | 0.3000 | 0.0900 | 0.1100 | 0.0100 | 0.0600 |") in table
     paged = paged_markdown([{"Sk": 8192, "Sq": 4, "page_size": 64, "fa4": 0.06,
                              "cm_causal": 0.06, "cm_prefix_lm": 0.08}])
     assert "| 8192 | 4 | 64 | 0.0600 | 0.0600 | 1.00x | 0.0800 | 0.75x |" in paged

@@ -416,3 +416,136 @@ def test_folded_heads_under_torch_compile():
     f = torch.compile(lambda a, b, c: cm.attention(a, b, c, groups), backend="eager",
                       fullgraph=True)
     torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, groups))
+
+
+# ---- per-head masks written in the DSL: the head index h, metadata with a head axis ----------
+
+H_GLOBAL = 3  # a module constant a rule may read under its own name
+
+
+def _duo_spec():
+    # retrieval heads (h < 2) causal, the others 4 sinks and a window of w keys
+    def visible(i, j):
+        return (j <= i) & ((h < 2) | (j < 4) | (j > i - w))  # noqa: F821
+
+    return cm.MaskSpec("duo_rules", params=("w",), regions=[cm.Region(
+        "all", lambda i: True, visible)])
+
+
+def _brute(mask, meta):
+    from compilemask.reference import brute_force_mask
+
+    B_, scal, arrs, _ = mask.normalize_meta(meta, S, S, B, None)
+    return brute_force_mask(mask, B_, scal, arrs, S, S)
+
+
+@pytest.mark.parametrize("fold", [None, False])
+def test_rules_reading_h_equal_brute_force_per_head(fold):
+    """A rule reading ``h`` (no param or variable of that name): ``preprocess(...,
+    num_heads=H)`` gives HeadGroups whose [B, H, Sq, Sk] mask is the user's rule called per head
+    (brute force), folded by default; one head's descriptor with ``meta['h']``; attention and
+    gradients equal dense per-head attention."""
+    mask = cm.compile_mask(_duo_spec())
+    assert mask.head_param == "h" and mask.spec.params == ("w", "h")
+    assert "h: the query head" in mask.explain()
+    w = torch.tensor([2, 9])
+    groups = mask.preprocess({"w": w}, S, num_heads=H, fold=fold)
+    assert groups.folded == (fold is None) and groups.num_heads == H
+    dense = groups.dense_mask()
+    assert dense.shape == (B, H, S, S)
+    for h_ in range(H):
+        want = _brute(mask, {"w": w, "h": h_})
+        assert torch.equal(dense[:, h_], want), h_
+        assert torch.equal(mask.preprocess({"w": w, "h": h_}, S).dense_mask(), want)
+    assert not torch.equal(dense[:, 0], dense[:, 2])  # the heads differ
+    q, k, v = _qkv(5)
+    out = cm.attention(q, k, v, groups)
+    ref, _ = _dense(q, k, v, dense)
+    torch.testing.assert_close(out, ref)
+    g_out = torch.autograd.grad(out.sum(), (q, k, v))
+    g_ref = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(g_out, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_head_axis_metadata_per_head():
+    """With ``num_heads``, scalars ``[B, H]``, arrays ``[B, H, Sq]`` and tables ``[B, H, Sq,
+    M]`` carry a head axis, each head reads its slice; equal to the rule per head. Without it
+    a head axis stays a shape error (never a head count guessed from a shape)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(1, S, (B, H), generator=g)
+    win = cm.compile_mask(cm.MaskSpec("w_per_head", params=("w",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: (j <= i) & (j > i - w))]))
+    with pytest.raises(ValueError, match=r"a value per head is \[B, H\] with preprocess"):
+        win.preprocess({"w": w}, S)
+    groups = win.preprocess({"w": w}, S, num_heads=H)
+    assert groups.num_heads == H and groups.folded
+    ii, jj = torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1)
+    assert torch.equal(groups.dense_mask(), (jj <= ii) & (jj > ii - w.view(B, H, 1, 1)))
+    docs = cm.compile_mask(cm.MaskSpec("docs_per_head", params=("doc",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: (j <= i) & (doc[j] == doc[i]))]))
+    doc = torch.randint(0, 4, (B, H, S), generator=g).sort(-1).values
+    groups = docs.preprocess({"doc": doc}, S, num_heads=H)
+    assert groups.num_heads == H
+    want = (jj <= ii) & (doc.unsqueeze(-1) == doc.unsqueeze(-2))
+    assert torch.equal(groups.dense_mask(), want)
+    tree = cm.compile_mask(cm.MaskSpec("tab_per_head", params=("anc",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: (j <= i) & (anc[i, j] == 1))]))
+    anc = torch.rand(B, H, S, S, generator=g) < 0.5
+    groups = tree.preprocess({"anc": anc}, S, num_heads=H)
+    assert torch.equal(groups.dense_mask(), (jj <= ii) & anc)
+
+
+def test_per_head_preprocess_refusals_name_the_fix():
+    mask = cm.compile_mask(_duo_spec())
+    with pytest.raises(ValueError, match=r"reads the head index 'h': pass num_heads=H"):
+        mask.preprocess({"w": 3}, S)
+    with pytest.raises(ValueError, match=r"reads the head index 'h': preprocess\(\.\.\., "
+                                         r"num_heads=H\) sets it per head"):
+        mask.normalize_meta({"w": 3}, S, S, B, None)  # the bound Preprocessor's check too
+    with pytest.raises(ValueError, match=r"num_heads=4 sets per head; leave 'h' out"):
+        mask.preprocess({"w": 3, "h": 1}, S, num_heads=4)
+    with pytest.raises(ValueError, match=r"num_heads=3, but param 'w' .* has 4 heads"):
+        mask.preprocess({"w": torch.ones(B, 4, dtype=torch.int64)}, S, num_heads=3)
+    with pytest.raises(ValueError, match=r"num_heads must be a positive int"):
+        mask.preprocess({"w": 3}, S, num_heads=0)
+    plain = cm.compile_mask(masks.causal())
+    with pytest.raises(ValueError, match=r"fold applies to per-head masks"):
+        plain.preprocess(None, S, fold=True)
+    # every head the same mask: HeadGroups of one group for the [B, H, Sq, Sk] view
+    groups = plain.preprocess(None, S, batch_size=B, num_heads=H)
+    assert len(groups.groups) == 1 and not groups.folded
+    assert groups.dense_mask().shape == (B, H, S, S)
+
+
+def test_a_variable_named_h_stays_a_constant():
+    """``h`` bound in the rule's scope (a global, a closure cell) or declared as a param keeps
+    its meaning: only an unbound ``h`` is the head index."""
+    h = 2
+    closure = cm.compile_mask(cm.MaskSpec("h_closure", regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: j <= i - h)]))
+    module = cm.compile_mask(cm.MaskSpec("h_module", regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: j <= i - H_GLOBAL)]))
+    declared = cm.compile_mask(cm.MaskSpec("h_param", params=("h",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: j <= i - h)]))
+    assert closure.head_param is module.head_param is declared.head_param is None
+    ii, jj = torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1)
+    assert torch.equal(closure.preprocess(None, S).dense_mask()[0], jj <= ii - 2)
+    assert torch.equal(declared.preprocess({"h": 5}, S).dense_mask()[0], jj <= ii - 5)
+
+
+@pytest.mark.gpu
+def test_gpu_rules_reading_h_vs_float32_reference():
+    """DuoAttention heads written with ``h`` in the DSL, folded into one FA4 launch on CUDA,
+    GQA, forward and backward within twice PyTorch's bf16 error."""
+    from helpers import check_attention_vs_reference
+
+    Sg = 1000
+    mask = cm.compile_mask(_duo_spec())
+    groups = mask.preprocess({"w": torch.tensor([300, 77], device="cuda")}, Sg, num_heads=H)
+    assert groups.folded
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, Sg, H, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, Sg, HKV, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    check_attention_vs_reference(groups, q, k, v, "fa4", groups.dense_mask())
