@@ -100,7 +100,7 @@ class _IR:
 
 
 _IR_CACHE: dict[str, _IR] = {}
-_SPEC_CACHE: dict = {}  # what the rule functions read -> _IR (skips reading the source)
+_SPEC_CACHE: dict = {}  # what the rule functions read -> (_IR, reads h): skips the source
 _LOCK = threading.Lock()
 
 
@@ -399,8 +399,7 @@ class CompiledMask:
             raise ValueError("preprocess: seqlen_q is required")
         heads = head_count(self, meta, num_heads)
         if heads is None and fold is not None:
-            raise ValueError("preprocess: fold applies to per-head masks (num_heads=H, or "
-                             "metadata with a head axis)")
+            raise ValueError("preprocess: fold applies to per-head masks (num_heads=H)")
         if heads is not None:
             return preprocess_heads(
                 [self] * heads, per_head_meta(self, meta, heads), seqlen_q, seqlen_k, fold=fold,
