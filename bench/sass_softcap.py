@@ -1,0 +1,97 @@
+"""Static SASS of FA4's sm90 kernels for a softcap, compiled on the CPU (no GPU): FA4's own
+``softcap`` against the same softcap as the generated score_mod (``KernelOptions(softcap=
+"score_mod")``), sliding window 4096, D = 128, bf16, the native engine.
+
+Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, FFMA / FMUL, and the PTX's
+``div.rn.f32`` (an IEEE division per score, which ptxas expands into a reciprocal, Newton steps
+and a slow-path branch). A static count, not a timing: it says what each score costs, the
+H200 says what that is worth (``bench/h200.sh engines`` with ``native_tanh``).
+
+    python bench/sass_softcap.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("fa4", "score_mod")
+
+
+def _compile(kind: str, dump: Path) -> None:
+    """One process per variant: the CuTe DSL reads its dump settings at import."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
+               FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx,cubin,sass",
+               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"))
+    subprocess.run([sys.executable, __file__, "--child", kind], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _child(kind: str) -> None:
+    import dataclasses
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.kernels import fa4
+    from compilemask.score_mod import compile_score_mod
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 50.0 * torch.tanh(score / 50.0)
+
+    mask = cm.compile_mask(masks.sliding_window(4096))
+    B, S, H, D = 2, 300, 4, 128
+    desc = mask.preprocess(None, seqlen_q=S, batch_size=B)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    sm, tables = compile_score_mod(softcap)
+    if kind == "score_mod":  # what KernelOptions(softcap="score_mod") hands FA4
+        sm = dataclasses.replace(sm, softcap=None, key="")
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, fake = fake_on_cuda(desc, lists)
+        score = (sm, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "native", lists=flists["fwd"], score=score)
+        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "native", lists=flists["bwd64"],
+                score=score)
+
+
+def _counts(dump: Path, kernel: str) -> dict:
+    sass = next(dump.glob(f"*{kernel}*.sass")).read_text()
+    ptx = next(dump.glob(f"*{kernel}*.ptx")).read_text()
+    return {"instructions": sass.count(";"), "BRA": len(re.findall(r"\bBRA\b", sass)),
+            "MUFU.TANH": sass.count("MUFU.TANH"), "MUFU.EX2": sass.count("MUFU.EX2"),
+            "FFMA": len(re.findall(r"\bFFMA\b", sass)), "FMUL": len(re.findall(r"\bFMUL\b", sass)),
+            "div.rn.f32 (PTX)": ptx.count("div.rn.f32")}
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child(sys.argv[2])
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {}
+        for kind in KINDS:
+            dump = Path(tmp) / kind
+            dump.mkdir()
+            _compile(kind, dump)
+            for kernel in ("fwd_sm90", "bwd_sm90"):
+                rows[(kind, kernel)] = _counts(dump, kernel)
+    cols = list(next(iter(rows.values())))
+    print("| softcap as | kernel | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for (kind, kernel), c in rows.items():
+        print(f"| {kind} | {kernel} | " + " | ".join(str(c[k]) for k in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
