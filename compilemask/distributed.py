@@ -215,8 +215,8 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position).
     ``backend``: "tilelang" (the preprocess program's rows variant: one launch, equal to the
     reference field by field on CUDA and TileLang's C target), "torch" (the generated
-    reference: a few dozen small launches), "auto" (the program on CUDA, the reference on the
-    CPU)."""
+    reference: a few dozen small launches), "auto" (the program on CUDA where TileLang is
+    installed, else the reference)."""
     if backend not in ("auto", "torch", "tilelang"):
         raise ValueError(f"{who}: backend must be auto, torch or tilelang, got {backend!r}")
     if mask.has_fallback:
@@ -231,7 +231,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     rows = rows.to(dev)
     n = rows.shape[-1]
     if backend == "auto":  # a decode step's descriptor: 0.15 ms in one launch vs 1.2 ms (H200)
-        backend = "tilelang" if torch.device(dev).type == "cuda" else "torch"
+        backend = "tilelang" if dev.type == "cuda" and pipeline.has_tilelang() else "torch"
     if backend == "tilelang":
         _, arrs_at = _arrays_at(mask, arrs, S, rows)
         key_end = (torch.full((B,), S, dtype=torch.int32, device=dev) if key_limit is None

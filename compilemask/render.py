@@ -29,7 +29,7 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"
            + (f", tables {list(mask.table_params)}" if mask.table_params else "")]
-    if getattr(mask, "head_param", None):
+    if mask.head_param:
         out.append(f"  {mask.head_param}: the query head, set per head by preprocess(..., "
                    "num_heads=H)")
     for start, end, ids in mask.derived_arrays:

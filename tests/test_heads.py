@@ -27,6 +27,18 @@ def _dense(q, k, v, mask4, score_mod=None):
     return torch.einsum("bhqk,bkhd->bqhd", p, vv), lse
 
 
+def _check_vs_dense(groups, mask4, seed):
+    """Attention through ``groups`` and its gradients equal dense attention with ``mask4``."""
+    q, k, v = _qkv(seed)
+    out = cm.attention(q, k, v, groups)
+    ref, _ = _dense(q, k, v, mask4)
+    torch.testing.assert_close(out, ref)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    exp = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e)
+
+
 def _qkv(seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(B, S, n, D, generator=g, dtype=torch.float64, requires_grad=True)
@@ -332,14 +344,7 @@ def test_folded_heads_equal_flex_and_dense_attention(case):
     assert "folded" in groups.explain()
     want = create_mask(mm, B, H, S, S, device="cpu")
     assert torch.equal(groups.dense_mask(), want)
-    q, k, v = _qkv()
-    out = cm.attention(q, k, v, groups)
-    ref, _ = _dense(q, k, v, want)
-    torch.testing.assert_close(out, ref)
-    got = torch.autograd.grad(out.sum(), (q, k, v))
-    exp = torch.autograd.grad(ref.sum(), (q, k, v))
-    for a, e in zip(got, exp):
-        torch.testing.assert_close(a, e)
+    _check_vs_dense(groups, want, seed=0)
 
 
 def test_fold_needs_one_compiled_mask_and_runs_on_fa4_only():
@@ -458,14 +463,7 @@ def test_rules_reading_h_equal_brute_force_per_head(fold):
         assert torch.equal(dense[:, h_], want), h_
         assert torch.equal(mask.preprocess({"w": w, "h": h_}, S).dense_mask(), want)
     assert not torch.equal(dense[:, 0], dense[:, 2])  # the heads differ
-    q, k, v = _qkv(5)
-    out = cm.attention(q, k, v, groups)
-    ref, _ = _dense(q, k, v, dense)
-    torch.testing.assert_close(out, ref)
-    g_out = torch.autograd.grad(out.sum(), (q, k, v))
-    g_ref = torch.autograd.grad(ref.sum(), (q, k, v))
-    for a, b in zip(g_out, g_ref):
-        torch.testing.assert_close(a, b)
+    _check_vs_dense(groups, dense, seed=5)
 
 
 def test_head_axis_metadata_per_head():
