@@ -160,7 +160,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     kv_idx)`` applied to the scaled scores before the mask, as written. On the reference engine
     it runs as it is (gradients flow into what it captures too); the fa4 and native engines
     run it compiled (``compilemask.score_mod``: its captured tensors are read in the kernel,
-    on q's device, without gradients; a softcap ``c * tanh(score / c)`` is FA4's own), the
+    on q's device, without gradients; a softcap ``c * tanh(score / c)`` multiplies by ``1/c``,
+    or is FA4's own under ``KernelOptions(softcap="fa4")``), the
     cute engine refuses it. ``learnable_sink``: a per-head logit ``[H]`` in every row's softmax
     with no value (gpt-oss's sinks; LSE includes it; differentiable), FA4's ``learnable_sink``
     on the fa4 and native engines.

@@ -19,6 +19,10 @@ __all__ = ["KernelOptions", "default_options", "device_arch", "bitmap_fits_smem"
 # q tiles up to 4096, i.e. Sq <= 262144 at tile_m = 64)
 BITMAP_SMEM_WORDS = 256
 
+# FA4's own softcap divides every score (div.rn.f32); the generated score_mod multiplies by 1/c:
+# 1.27x / 1.22x faster train steps at 8K / 32K (docs/decisions/engine.md)
+DEFAULT_SOFTCAP = "score_mod"
+
 _CHOICES = {
     "bwd_arch": (80, 90),
     "bwd_dq": ("atomic", "red2"),
@@ -47,9 +51,9 @@ class KernelOptions:
     * ``mask_mod``: the ``fa4`` engine's partial-tile test, ``"rules"`` (the rules as index
       arithmetic), ``"intervals"`` (the Interval Table) or ``"predicate"`` (every region a
       fallback predicate); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses per mask.
-    * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs FA4's own ``softcap``
-      (``"fa4"``, its ``tanh.approx``) or the generated score_mod (``"score_mod"``, a precise
-      ``tanh``, as Flex-FA4 runs it).
+    * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs as the generated
+      score_mod (``"score_mod"``: a multiply by ``1/c``, as Flex-FA4 runs it) or FA4's own
+      ``softcap`` (``"fa4"``: an IEEE division per score); None: :data:`DEFAULT_SOFTCAP`.
     """
 
     bwd_arch: Optional[int] = None
@@ -136,7 +140,7 @@ def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> Kern
         # cp.async is a wash
         bwd_meta="async" if num_intervals > 2 else "regs",
         bwd_bitmap="smem" if bitmap_fits_smem(num_q_tiles) else "global",
-        softcap="fa4",
+        softcap=DEFAULT_SOFTCAP,
     )
 
 

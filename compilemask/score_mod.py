@@ -18,7 +18,8 @@ Arithmetic is float32 (Int32 for integers) in the order sympy normalizes the exp
 float rounded to an integer exactly at a multiple (a log bucket's edge) can land in the
 neighbouring bucket where that order rounds differently from torch's (as any two compilers of
 one score_mod can). The derivative (``ScoreMod.grad``) is sympy's, exact;
-``c * tanh(score / c)`` is recognized as a softcap (``ScoreMod.softcap``, FA4's own).
+``c * tanh(score / c)`` is recognized as a softcap (``ScoreMod.softcap``:
+FA4's own under ``KernelOptions(softcap="fa4")``).
 Conversions are cached by everything the score_mod
 reads apart from tensor values (``compilemask.fingerprint``) plus the tables' shapes; the key
 (``ScoreMod.key``) is the expression itself, so two score_mods of equal meaning share kernels.

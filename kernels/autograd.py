@@ -36,7 +36,7 @@ from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
 from compilemask.log import say_once
-from compilemask.options import KernelOptions
+from compilemask.options import DEFAULT_SOFTCAP, KernelOptions
 from compilemask.reference import attention_reference, descriptor_dense_mask
 from compilemask.score_mod import score_mod_for_key
 
@@ -190,10 +190,11 @@ def _mask_mod_variant(options: str):
 
 
 def _score_of(call: _Call):
-    """The call's score_mod as the FA4 engines take it: a recognized softcap is FA4's own unless
-    ``KernelOptions.softcap`` says ``"score_mod"``."""
+    """The call's score_mod as the FA4 engines take it: a recognized softcap is FA4's own only
+    where ``KernelOptions.softcap`` says ``"fa4"`` (the default: ``DEFAULT_SOFTCAP``)."""
     score = _score(call)
-    if score is not None and getattr(_kernel_options(call.options), "softcap", None) == "score_mod":
+    mode = getattr(_kernel_options(call.options), "softcap", None) or DEFAULT_SOFTCAP
+    if score is not None and score[0].softcap is not None and mode == "score_mod":
         score = (dataclasses.replace(score[0], softcap=None, key=""), score[1])
     return score
 

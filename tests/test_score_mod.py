@@ -350,9 +350,9 @@ def test_gpu_score_mod_vs_float32_reference(name, engine):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["fa4", "native"])
-def test_gpu_softcap_as_generated_score_mod_vs_float32_reference(engine):
-    """``KernelOptions(softcap="score_mod")``: the softcap runs as the generated score_mod (a
-    precise tanh) instead of FA4's own, forward and backward within twice PyTorch's bf16 error."""
+def test_gpu_softcap_as_fa4s_own_vs_float32_reference(engine):
+    """``KernelOptions(softcap="fa4")``: the softcap runs as FA4's own ``softcap`` instead of the
+    generated score_mod (the default), forward and backward within twice PyTorch's bf16 error."""
     from helpers import check_attention_vs_reference
 
     fn, _, spec, _ = _cases()["softcap_sliding_window"]
@@ -360,12 +360,13 @@ def test_gpu_softcap_as_generated_score_mod_vs_float32_reference(engine):
     q = torch.randn(2, 1000, H, 128, device="cuda", dtype=torch.bfloat16) * 4
     k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     check_attention_vs_reference(desc, q, k, v, engine, desc.dense_mask(), score_mod=fn,
-                                 options=cm.KernelOptions(softcap="score_mod"))
+                                 options=cm.KernelOptions(softcap="fa4"))
 
 
 def test_softcap_option_runs_the_generated_score_mod():
-    """The option drops the recognized softcap for the call (a new key: never FA4's softcap
-    kernel's entry); the generated code is a precise tanh and its derivative."""
+    """By default (and with ``softcap="score_mod"``) the recognized softcap is dropped for the
+    call (a new key: never FA4's softcap kernel's entry) and runs as the generated tanh and its
+    derivative; ``softcap="fa4"`` keeps FA4's own."""
     from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.kernels import autograd
     from compilemask.score_mod import compile_score_mod
@@ -376,8 +377,10 @@ def test_softcap_option_runs_the_generated_score_mod():
     got, _ = autograd._score_of(call)
     assert sm.softcap == 50.0 and got.softcap is None and got.key != sm.key
     assert got.expr == sm.expr and "cute.math.tanh" in score_mod_source(got)
-    plain, _ = autograd._score_of(call._replace(options=""))
-    assert plain.softcap == 50.0
+    default, _ = autograd._score_of(call._replace(options=""))
+    assert default.softcap is None and default.key == got.key
+    own, _ = autograd._score_of(call._replace(options="softcap=fa4"))
+    assert own.softcap == 50.0 and own.key == sm.key
     with pytest.raises(ValueError, match="softcap"):
         cm.KernelOptions(softcap="precise")
 

@@ -18,8 +18,8 @@ The mask is the descriptor's, with two things the model has a say in:
   dropped before any layer (one look on the host, as transformers' own masks take; under
   tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
 * softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``
-  (FA4's own softcap on the fa4 and native engines); gpt-oss's per-head sinks (``s_aux``):
-  ``learnable_sink`` (FA4's on the GPU engines).
+  (a multiply by ``1/cap`` and a tanh per score on the fa4 and native engines); gpt-oss's
+  per-head sinks (``s_aux``): ``learnable_sink`` (FA4's on the GPU engines).
 * sliding windows: a layer that attends within a window (``sliding_window`` of the module, of
   the call, or of a ``"sliding_attention"`` layer's config) runs the descriptor as it is where
   its mask is proven to stay within that window (``within_window``: its native pattern, else z3
