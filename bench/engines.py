@@ -58,7 +58,8 @@ SPECS = {
 # the fa4 engine with its mask_mod forced (KernelOptions.mask_mod), and the ceiling: the same
 # lists with a mask_mod that returns True (a wrong mask, timing only: what any cheaper
 # partial-tile test could gain at most)
-FA4_VARIANTS = {"fa4_rules": "rules", "fa4_intervals": "intervals", "fa4_true": None}
+FA4_VARIANTS = {"fa4_rules": "rules", "fa4_intervals": "intervals", "fa4_rows": "rows",
+                "fa4_true": None}
 
 
 def make_score_mod(name, dev):

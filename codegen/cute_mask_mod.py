@@ -34,11 +34,16 @@ from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "VARIANTS"]
+           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
-# per-row arrays read); "intervals": the Interval Table test (and fallback predicates)
-VARIANTS = ("predicate", "rules", "intervals")
+# per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
+# "rows": the interval test, which FA4's sm90 forward applies a row at a time
+# (kernels/fa4_rowmask.py; masks without fallback regions; a backward takes the default)
+VARIANTS = ("predicate", "rules", "intervals", "rows")
+
+# on a "rows" mask_mod: (K, heads), read by kernels/fa4_rowmask.py
+ROWS_ATTR = "__compilemask_rows__"
 
 _CACHE = CompileCache("mask_mod")
 
@@ -156,7 +161,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
     ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice; ``heads > 1``:
     for a descriptor of a sequence per (batch, head), read at row ``b * heads + h``."""
     variant = _check_variant(mask, variant)
-    if variant != "intervals":
+    if variant not in ("intervals", "rows"):
         whole = whole_mask_predicate(mask, any_region=variant == "rules")
         what = "every region is a predicate" if variant == "predicate" else "its rules"
         out = [f"# mask_mod for {mask.name!r} (key {mask.key}): {what}",
@@ -172,6 +177,9 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         "from cutlass import Int32, Uint32",
         "",
     ]
+    if variant == "rows":  # code, not a comment: FA4's kernel key must tell it from "intervals"
+        out += ["# FA4's sm90 forward masks a row at a time (kernels/fa4_rowmask.py)",
+                f"ROWS = ({K}, {heads})", ""]
     for _, src in fbs:
         out += [src.rstrip(), ""]
     out += [
@@ -217,6 +225,11 @@ def _check_variant(mask, variant):
     if variant == "predicate" and whole_mask_predicate(mask) is None:
         raise ValueError(f"mask {mask.name!r}: the 'predicate' mask_mod needs every region to "
                          "be a fallback region")
+    if variant == "rows" and mask.has_fallback:
+        raise ValueError(f"mask {mask.name!r}: the 'rows' mask_mod needs every region to be "
+                         "intervals (regions " + ", ".join(repr(r.name) for r in
+                                                          mask.fallback_regions)
+                         + " keep a predicate)")
     if variant == "rules" and whole_mask_predicate(mask, any_region=True) is None:
         raise ValueError(f"mask {mask.name!r}: its rules do not form one predicate (a rule "
                          "reads seqlen_q / seqlen_k or a derived array)")
@@ -227,15 +240,29 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
     """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key, the
     variant and the heads folded into the batch."""
     variant = _check_variant(mask, variant)
-    # a real module file: the CuTe DSL reads a jit function's source to build its AST
-    return _CACHE.get((mask.key, variant, heads), lambda: compile_predicate(
-        mask_mod_source(mask, variant, heads), "mask_mod"))
+
+    def build():
+        # a real module file: the CuTe DSL reads a jit function's source to build its AST
+        fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
+        if variant == "rows":
+            setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
+        return fn
+
+    return _CACHE.get((mask.key, variant, heads), build)
+
+
+def forward_variant(mask, variant: str | None, backward: bool) -> str:
+    """The mask_mod variant of one FA4 call: ``"rows"`` is a forward strategy (FA4's sm90
+    backward holds the tile transposed), so a backward asked for it takes the default."""
+    if backward and variant == "rows":
+        return mask_mod_variant(mask)
+    return _check_variant(mask, variant)
 
 
 def aux_tensors(desc, variant: str | None = None) -> list:
     """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
     B, Sq, K, _ = desc.intervals.shape
-    if _check_variant(desc.mask, variant) != "intervals":
+    if _check_variant(desc.mask, variant) not in ("intervals", "rows"):
         return [t for t in (desc.params, desc.row_params) if t.shape[-1]] or None
     tensors = [desc.intervals.view(B, Sq, 2 * K)]
     if desc.mask.has_fallback:

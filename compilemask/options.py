@@ -29,7 +29,7 @@ _CHOICES = {
     "fwd_mask": ("compare", "bits"),
     "bwd_meta": ("regs", "async"),
     "bwd_bitmap": ("smem", "global"),
-    "mask_mod": ("rules", "intervals", "predicate"),
+    "mask_mod": ("rules", "intervals", "predicate", "rows"),
     "softcap": ("fa4", "score_mod"),
 }
 
@@ -49,8 +49,9 @@ class KernelOptions:
     * ``bwd_bitmap``: where the wgmma backward's scans read the bitmap row, ``"smem"`` (a
       shared-memory copy, when the row fits: up to 4096 q tiles) or ``"global"``.
     * ``mask_mod``: the ``fa4`` engine's partial-tile test, ``"rules"`` (the rules as index
-      arithmetic), ``"intervals"`` (the Interval Table) or ``"predicate"`` (every region a
-      fallback predicate); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses per mask.
+      arithmetic), ``"intervals"`` (the Interval Table), ``"predicate"`` (every region a
+      fallback predicate) or ``"rows"`` (the forward's Interval Table read a row at a time,
+      the backward the default); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses.
     * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs as the generated
       score_mod (``"score_mod"``: a multiply by ``1/c``, as Flex-FA4 runs it) or FA4's own
       ``softcap`` (``"fa4"``: an IEEE division per score); None: :data:`DEFAULT_SOFTCAP`.

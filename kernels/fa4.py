@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod
+from compilemask.codegen.cute_mask_mod import aux_tensors, forward_variant, mask_mod
 from compilemask.codegen.cute_score_mod import score_mod_fns
 from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
@@ -155,11 +155,15 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
     kw, aux = {}, []
     if engine == "fa4":
         if desc.q_offset:  # rows elsewhere in the sequence: only the table knows their positions
-            if variant not in (None, "intervals"):
+            if variant not in (None, "intervals", "rows"):
                 raise ValueError(f"mask_mod variant {variant!r}: this descriptor's rows are not "
-                                 "0.. of the sequence (q_offset != 0); only 'intervals' reads "
-                                 "them right")
-            variant = "intervals"
+                                 "0.. of the sequence (q_offset != 0); only 'intervals' and "
+                                 "'rows' read them right")
+            variant = "rows" if variant == "rows" and not backward else "intervals"
+        else:
+            variant = forward_variant(desc.mask, variant, backward)
+        if variant == "rows":
+            _install_rowmask()
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -177,6 +181,13 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
     if sink is not None:
         kw["learnable_sink"] = sink
     return kw
+
+
+@functools.lru_cache(maxsize=None)
+def _install_rowmask() -> None:
+    from . import fa4_rowmask  # imports FA4's forward kernel module
+
+    fa4_rowmask.install()
 
 
 def _leading_dim(t):

@@ -1,0 +1,150 @@
+"""The ``"rows"`` mask_mod variant: FA4's sm90 forward reads the Interval Table a row at a time
+(``kernels/fa4_rowmask.py``). CPU: the FA4 internals it relies on, the variant's key and
+refusals, a fake compile; GPU: every interval mask, rectangular shapes and folded heads against
+the float32 reference."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.codegen.cute_mask_mod import (
+    ROWS_ATTR,
+    forward_variant,
+    mask_mod,
+    mask_mod_source,
+    mask_mod_variant,
+)
+
+from helpers import check_attention_vs_reference, fake_on_cuda
+
+ROW_MASKS = sorted(n for n in masks.EXAMPLES
+                   if not cm.compile_mask(masks.EXAMPLES[n]()).has_fallback)
+
+
+def _fa4():
+    return pytest.importorskip("flash_attn.cute.flash_fwd_sm90")
+
+
+def test_fa4_internals_the_row_mask_relies_on():
+    """Fails when the pinned flash-attn-4 changes what ``RowIntervalMask`` overrides or calls:
+    the forward module's ``AttentionMask`` global (the class it builds its masks from), the
+    ``apply_mask`` parameters, the R2P helpers and their 32-column chunks."""
+    fwd_mod = _fa4()
+    from flash_attn.cute import mask as fa4_mask
+
+    from compilemask.kernels.fa4_rowmask import RowIntervalMask, install
+
+    assert fwd_mod.AttentionMask in (fa4_mask.AttentionMask, RowIntervalMask)
+    assert "AttentionMaskCls = partial(\n            AttentionMask," in inspect.getsource(
+        fwd_mod.FlashAttentionForwardSm90)
+    params = list(inspect.signature(fa4_mask.AttentionMask.apply_mask).parameters)
+    assert params == list(inspect.signature(RowIntervalMask.apply_mask).parameters)
+    assert fa4_mask.MASK_R2P_CHUNK_SIZE == 32
+    for name in ("mask_r2p_lambda", "r2p_bitmask_above", "r2p_bitmask_below",
+                 "sm90_col_to_r2p_idx"):
+        assert callable(getattr(fa4_mask, name)), name
+    install()
+    assert fwd_mod.AttentionMask is RowIntervalMask
+    install()  # idempotent
+    assert fwd_mod.AttentionMask is RowIntervalMask
+
+
+def test_rows_variant_key_marker_and_refusals():
+    """A kernel key of its own (code, not a comment, differs from "intervals"), the (K, heads)
+    marker the forward reads, a refusal naming the regions that keep a predicate, and the
+    backward's default in its place."""
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    rows, intervals = mask_mod(mask, "rows"), mask_mod(mask, "intervals")
+    assert rows.__cute_hash__ != intervals.__cute_hash__
+    assert getattr(rows, ROWS_ATTR) == (2, 1) and not hasattr(intervals, ROWS_ATTR)
+    assert getattr(mask_mod(mask, "rows", heads=4), ROWS_ATTR) == (2, 4)
+    assert "ROWS = (2, 1)" in mask_mod_source(mask, "rows")
+    assert forward_variant(mask, "rows", backward=False) == "rows"
+    assert forward_variant(mask, "rows", backward=True) == mask_mod_variant(mask)
+    assert forward_variant(mask, None, backward=False) == mask_mod_variant(mask)
+    dilated = cm.compile_mask(masks.dilated_causal())
+    with pytest.raises(ValueError, match="'rows' mask_mod needs every region to be intervals"):
+        mask_mod_source(dilated, "rows")
+    assert cm.KernelOptions(mask_mod="rows").mask_mod == "rows"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_rows_forward_compiles_in_fa4():
+    """FA4's sm90 forward with the row mask, and the backward it pairs with (the mask's default
+    per-score test), compile for a K = 2 mask (fake tensors; no GPU)."""
+    from test_fa4_engine import _fa4_fake_env
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+
+    _fa4_fake_env()
+    _fa4()
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    B, S, H, D = 2, 300, 4, 128
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(0))
+    desc = mask.preprocess(meta, seqlen_q=S, batch_size=B)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, _ = fake_on_cuda(desc, lists)
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"], variant="rows")
+        assert out.shape == q.shape and lse.shape == (B, H, S)
+        dq = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=flists["bwd64"],
+                     variant="rows")[0]
+        assert dq.shape == q.shape
+
+
+def _case(name, B, S, H, Hkv, D, seed, Sk=None):
+    spec = masks.EXAMPLES[name]()
+    gen = torch.Generator().manual_seed(seed)
+    meta = {k: v.cuda() for k, v in masks.random_meta(spec, B, S, gen).items()}
+    desc = cm.compile_mask(spec).preprocess(meta or None, seqlen_q=S, seqlen_k=Sk, batch_size=B,
+                                            device="cuda")
+    Sk = S if Sk is None else Sk
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return desc, q, k, v
+
+
+ROWS = cm.KernelOptions(mask_mod="rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ROW_MASKS)
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_rows_vs_float32_reference(name, D):
+    """Every example mask without fallback regions (random metadata with empty segments and
+    rows that see nothing; 1000 rows, not a multiple of the tile), forward and backward."""
+    desc, q, k, v = _case(name, 2, 1000, 4, 2, D, seed=13)
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(), options=ROWS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hstu", "clear", "causal", "tree_verify"])
+def test_gpu_rows_rectangular_and_mha(name):
+    # Sq != Sk: the last kv tile's seqlen limit clips the row's intervals
+    desc, q, k, v = _case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(), options=ROWS)
+
+
+@pytest.mark.gpu
+def test_gpu_rows_folded_heads():
+    """Per-head windows folded into one launch: the row mask reads row ``b * H + h``."""
+    H, B, S = 4, 2, 1000
+    w = torch.tensor([16, 64, 300, 1000])
+
+    def mm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < w[h])
+
+    specs, metas = cm.from_mask_mod_heads(mm, num_heads=H, batch_size=B)
+    groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, S, batch_size=B,
+                                 fold=True, device="cuda")
+    assert groups.folded
+    q = torch.randn(B, S, H, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(groups, q, k, v, "fa4", groups.dense_mask(), options=ROWS)
