@@ -97,8 +97,8 @@ class _CeilingMaskMod:
         from compilemask.kernels import fa4
 
         self.saved = fa4.mask_mod, fa4.aux_tensors
-        fa4.mask_mod = lambda mask, variant=None: _true_mask_mod()
-        fa4.aux_tensors = lambda desc, variant=None: None
+        fa4.mask_mod = lambda *args, **kwargs: _true_mask_mod()
+        fa4.aux_tensors = lambda *args, **kwargs: None
 
     def __exit__(self, *exc):
         from compilemask.kernels import fa4

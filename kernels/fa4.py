@@ -25,7 +25,12 @@ import time
 
 import torch
 
-from compilemask.codegen.cute_mask_mod import aux_tensors, forward_variant, mask_mod
+from compilemask.codegen.cute_mask_mod import (
+    aux_tensors,
+    forward_variant,
+    mask_mod,
+    mask_mod_variant,
+)
 from compilemask.codegen.cute_score_mod import score_mod_fns
 from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
@@ -229,7 +234,9 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
     FA4's paged and varlen loads take no block-sparse lists here, so the fa4 engine's mask_mod
     runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""
     native = _native_kwargs(desc.native) if engine == "native" else {}
-    mods = _mods(desc, engine, None, None, backward=False)
+    # the per-score test: the row mask is measured and tested on the block-sparse forward only
+    per_score = "intervals" if desc.q_offset else mask_mod_variant(desc.mask)
+    mods = _mods(desc, engine, per_score, None, backward=False)
     return _timed("serving forward", desc, engine, q)(_fa4_fwd)(
         q, k, v, softmax_scale=softmax_scale, **lengths, **native, **mods)
 

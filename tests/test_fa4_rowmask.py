@@ -66,8 +66,11 @@ def test_rows_variant_key_marker_and_refusals():
     assert "ROWS = (2, 1)" in mask_mod_source(mask, "rows")
     assert forward_variant(mask, "rows", backward=False) == "rows"
     assert forward_variant(mask, "rows", backward=True) == mask_mod_variant(mask)
-    assert forward_variant(mask, None, backward=False) == mask_mod_variant(mask)
-    dilated = cm.compile_mask(masks.dilated_causal())
+    assert forward_variant(mask, None, backward=False) == "rows"  # the forward's default
+    assert forward_variant(mask, None, backward=True) == mask_mod_variant(mask)
+    assert forward_variant(mask, "rules", backward=True) == "rules"
+    dilated = cm.compile_mask(masks.dilated_causal())  # fallback regions: their predicate
+    assert forward_variant(dilated, None, backward=False) == "predicate"
     with pytest.raises(ValueError, match="'rows' mask_mod needs every region to be intervals"):
         mask_mod_source(dilated, "rows")
     assert cm.KernelOptions(mask_mod="rows").mask_mod == "rows"

@@ -405,7 +405,10 @@ def test_rows_elsewhere_read_the_table_on_fa4(seqused):
         with pytest.raises(ValueError, match="only 'intervals'"):
             fa4._mods(desc, "fa4", "rules", None, backward=False)
     square = mask.preprocess(meta, 300, batch_size=2)
-    assert fa4._mods(square, "fa4", None, None, backward=False)["mask_mod"] is mask_mod(mask)
+    # rows 0..: the forward reads the table a row at a time, the backward runs the rules
+    assert fa4._mods(square, "fa4", None, None, backward=False)["mask_mod"] is \
+        mask_mod(mask, "rows")
+    assert fa4._mods(square, "fa4", None, None, backward=True)["mask_mod"] is mask_mod(mask)
 
 
 
