@@ -343,7 +343,7 @@ def main(argv=None):
     results = []
     # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
     # the kernel variants, so that a table says which ones it measured
     from compilemask.options import device_arch

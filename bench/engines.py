@@ -430,7 +430,7 @@ def main(argv=None):
                          "(compilemask.KernelOptions; default: default_options)")
     args = ap.parse_args(argv)
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
     header = (f"# Engines: {datetime.date.today()} · {torch.cuda.get_device_name()} · commit "
               f"{commit} · torch {torch.__version__} · H={H}, D={D}, bf16, 128K tokens per batch"

@@ -197,7 +197,7 @@ def main():
     try:
         commit = commit or (
             subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+                ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
             ).stdout.strip()
             or "unknown"
         )

@@ -254,7 +254,7 @@ def write(args, rows, sweep, kernels=()):
     try:
         # CM_COMMIT: the device machine's copy of the tree may carry a stale .git
         commit = os.environ.get("CM_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+            ["git", "describe", "--always", "--dirty"], capture_output=True,
             text=True).stdout.strip() or "uncommitted"
     except Exception:  # noqa: BLE001
         commit = "unknown"

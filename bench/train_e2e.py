@@ -571,7 +571,7 @@ def _version(mod):
 
 def header(args, argv) -> list[str]:
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     fa = "n/a"
