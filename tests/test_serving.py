@@ -389,7 +389,7 @@ def test_rows_elsewhere_read_the_table_on_fa4(seqused):
     pytest.importorskip("cutlass")
     from compilemask import distributed as cp
     from compilemask.codegen.cute_mask_mod import mask_mod, mask_mod_variant
-    from kernels import fa4
+    from compilemask.kernels import fa4
 
     mask = cm.compile_mask(masks.prefix_lm())
     assert mask_mod_variant(mask) == "rules"
