@@ -151,3 +151,46 @@ def test_gpu_rows_folded_heads():
     q = torch.randn(B, S, H, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     check_attention_vs_reference(groups, q, k, v, "fa4", groups.dense_mask(), options=ROWS)
+
+
+def test_row_keep_mask_equals_the_interval_test():
+    """The row mask's arithmetic (kernels/fa4_rowmask.py) modelled on the CPU: a thread of FA4's
+    sm90 forward holds columns ``offset + 8 * k + {0, 1}`` of a 128-column tile (offset 0, 2, 4
+    or 6); the slot clipped to the tile relative to the offset, turned into R2P element indices
+    (FA4's ``sm90_col_to_r2p_idx``) and 32-bit masks (``r2p_bitmask_below / above``, shifts of
+    32 or more give 0), keeps exactly the columns with ``start <= kv_idx < start + len``, for
+    slots before, across, inside and past the tile and a seqlen limit inside it."""
+    tile_n, chunk = 128, 32
+
+    def idx(col):  # sm90_col_to_r2p_idx, for 0 <= col <= tile_n
+        return col // 8 * 2 + min(col % 8, 2)
+
+    def shift(val, n, left):
+        return 0 if n >= 32 else ((val << n) if left else (val >> n)) & 0xFFFFFFFF
+
+    def keep_bits(lo_r, hi_r, s):
+        below = shift(0xFFFFFFFF, max((s + 1) * chunk - hi_r, 0), left=False)
+        above = shift(0xFFFFFFFF, max(lo_r - s * chunk, 0), left=True)
+        return below & above
+
+    n_block, seqlen_k = 3, 3 * 128 + 77
+    edges = [-500, -1, 0, 1, 7, 8, 9, 63, 64, 100, 127, 128, 129, 300]
+    base_tile = n_block * tile_n
+    for offset in (0, 2, 4, 6):
+        cols = [offset + 8 * (e // 2) + e % 2 for e in range(tile_n // 4)]
+        col_base = base_tile + offset
+        for mask_seqlen in (False, True):
+            for a in edges:
+                for length in (0, 1, 2, 7, 9, 64, 200, 1000):
+                    start = max(base_tile + a, 0)  # the contract: 0 <= start, len < 2^31
+                    lo = start - col_base
+                    hi = lo + length
+                    if mask_seqlen:
+                        hi = min(hi, seqlen_k - col_base)
+                    lo_r = idx(min(max(lo, 0), tile_n))
+                    hi_r = idx(min(max(hi, 0), tile_n))
+                    for e, c in enumerate(cols):
+                        kv = base_tile + c
+                        want = start <= kv < start + length and (not mask_seqlen or kv < seqlen_k)
+                        got = bool(keep_bits(lo_r, hi_r, e // chunk) >> (e % chunk) & 1)
+                        assert got == want, (offset, mask_seqlen, start, length, kv)
