@@ -12,27 +12,15 @@ with ``fa4_rows`` says what it is worth).
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
+
 VARIANTS = ("intervals", "rules", "rows")
-
-
-def _compile(mask: str, variant: str, dump: Path) -> bool:
-    """One process per variant: the CuTe DSL reads its dump settings at import."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
-               FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx,cubin,sass",
-               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"))
-    r = subprocess.run([sys.executable, __file__, "--child", mask, variant], env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if r.returncode:
-        print(f"{mask} {variant}: {r.stderr.strip().splitlines()[-1]}", file=sys.stderr)
-    return r.returncode == 0
 
 
 def _child(name: str, variant: str) -> None:
@@ -60,10 +48,7 @@ def _child(name: str, variant: str) -> None:
 
 def _counts(dump: Path) -> dict:
     sass = next(dump.glob("*fwd_sm90*.sass")).read_text()
-    return {"instructions": sass.count(";"), "BRA": len(re.findall(r"\bBRA\b", sass)),
-            "ISETP": len(re.findall(r"\bISETP", sass)),
-            "FSEL": len(re.findall(r"\bFSEL\b", sass)), "SEL": len(re.findall(r"\bSEL\b", sass)),
-            "R2P": len(re.findall(r"\bR2P\b", sass)), "LDG": len(re.findall(r"\bLDG", sass))}
+    return opcodes(sass, ["BRA", "ISETP", "FSEL", "SEL", "R2P", "LDG"])
 
 
 def main() -> None:
@@ -79,13 +64,9 @@ def main() -> None:
             for variant in VARIANTS:
                 dump = Path(tmp) / f"{name}_{variant}"
                 dump.mkdir()
-                if _compile(name, variant, dump):
+                if compile_in_child(__file__, [name, variant], dump):
                     rows[(name, variant)] = _counts(dump)
-    cols = list(next(iter(rows.values())))
-    print("| mask | mask_mod | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
-    for (name, variant), c in rows.items():
-        print(f"| {name} | {variant} | " + " | ".join(str(c[k]) for k in cols) + " |")
+    print_table(["mask", "mask_mod"], rows)
 
 
 if __name__ == "__main__":

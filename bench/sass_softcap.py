@@ -12,24 +12,15 @@ H200 says what that is worth (``bench/h200.sh engines`` with ``native_tanh``).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
+
 KINDS = ("fa4", "score_mod")
-
-
-def _compile(kind: str, dump: Path) -> None:
-    """One process per variant: the CuTe DSL reads its dump settings at import."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
-               FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx,cubin,sass",
-               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"))
-    subprocess.run([sys.executable, __file__, "--child", kind], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _child(kind: str) -> None:
@@ -68,9 +59,7 @@ def _child(kind: str) -> None:
 def _counts(dump: Path, kernel: str) -> dict:
     sass = next(dump.glob(f"*{kernel}*.sass")).read_text()
     ptx = next(dump.glob(f"*{kernel}*.ptx")).read_text()
-    return {"instructions": sass.count(";"), "BRA": len(re.findall(r"\bBRA\b", sass)),
-            "MUFU.TANH": sass.count("MUFU.TANH"), "MUFU.EX2": sass.count("MUFU.EX2"),
-            "FFMA": len(re.findall(r"\bFFMA\b", sass)), "FMUL": len(re.findall(r"\bFMUL\b", sass)),
+    return {**opcodes(sass, ["BRA", "MUFU.TANH", "MUFU.EX2", "FFMA", "FMUL"]),
             "div.rn.f32 (PTX)": ptx.count("div.rn.f32")}
 
 
@@ -83,14 +72,11 @@ def main() -> None:
         for kind in KINDS:
             dump = Path(tmp) / kind
             dump.mkdir()
-            _compile(kind, dump)
+            if not compile_in_child(__file__, [kind], dump):
+                sys.exit(1)
             for kernel in ("fwd_sm90", "bwd_sm90"):
                 rows[(kind, kernel)] = _counts(dump, kernel)
-    cols = list(next(iter(rows.values())))
-    print("| softcap as | kernel | " + " | ".join(cols) + " |")
-    print("|---|---|" + "---|" * len(cols))
-    for (kind, kernel), c in rows.items():
-        print(f"| {kind} | {kernel} | " + " | ".join(str(c[k]) for k in cols) + " |")
+    print_table(["softcap as", "kernel"], rows)
 
 
 if __name__ == "__main__":

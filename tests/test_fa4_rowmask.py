@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 import torch
+from test_fa4_engine import _gpu_case
 
 import compilemask as cm
 from compilemask import masks
@@ -20,10 +21,7 @@ from compilemask.codegen.cute_mask_mod import (
     mask_mod_variant,
 )
 
-from helpers import check_attention_vs_reference, fake_on_cuda
-
-ROW_MASKS = sorted(n for n in masks.EXAMPLES
-                   if not cm.compile_mask(masks.EXAMPLES[n]()).has_fallback)
+from helpers import check_attention_vs_reference
 
 
 def _fa4():
@@ -80,50 +78,25 @@ def test_rows_variant_key_marker_and_refusals():
 def test_rows_forward_compiles_in_fa4():
     """FA4's sm90 forward with the row mask, and the backward it pairs with (the mask's default
     per-score test), compile for a K = 2 mask (fake tensors; no GPU)."""
-    from test_fa4_engine import _fa4_fake_env
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from test_fa4_engine import _compiles_in_fa4
 
-    from compilemask.kernels import fa4
-
-    _fa4_fake_env()
-    _fa4()
     mask = cm.compile_mask(masks.shared_prompt_rm())
-    B, S, H, D = 2, 300, 4, 128
-    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(0))
-    desc = mask.preprocess(meta, seqlen_q=S, batch_size=B)
-    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, flists, _ = fake_on_cuda(desc, lists)
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"], variant="rows")
-        assert out.shape == q.shape and lse.shape == (B, H, S)
-        dq = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=flists["bwd64"],
-                     variant="rows")[0]
-        assert dq.shape == q.shape
-
-
-def _case(name, B, S, H, Hkv, D, seed, Sk=None):
-    spec = masks.EXAMPLES[name]()
-    gen = torch.Generator().manual_seed(seed)
-    meta = {k: v.cuda() for k, v in masks.random_meta(spec, B, S, gen).items()}
-    desc = cm.compile_mask(spec).preprocess(meta or None, seqlen_q=S, seqlen_k=Sk, batch_size=B,
-                                            device="cuda")
-    Sk = S if Sk is None else Sk
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, Sk, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    return desc, q, k, v
+    _compiles_in_fa4(mask, masks.random_meta(mask.spec, 2, 300, torch.Generator().manual_seed(0)),
+                     128, variant="rows")
 
 
 ROWS = cm.KernelOptions(mask_mod="rows")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ROW_MASKS)
+@pytest.mark.parametrize("name", sorted(masks.EXAMPLES))
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_rows_vs_float32_reference(name, D):
     """Every example mask without fallback regions (random metadata with empty segments and
     rows that see nothing; 1000 rows, not a multiple of the tile), forward and backward."""
-    desc, q, k, v = _case(name, 2, 1000, 4, 2, D, seed=13)
+    if cm.compile_mask(masks.EXAMPLES[name]()).has_fallback:
+        pytest.skip("fallback regions keep a predicate: no row mask")
+    _, desc, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=13)
     check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(), options=ROWS)
 
 
@@ -131,7 +104,7 @@ def test_gpu_rows_vs_float32_reference(name, D):
 @pytest.mark.parametrize("name", ["hstu", "clear", "causal", "tree_verify"])
 def test_gpu_rows_rectangular_and_mha(name):
     # Sq != Sk: the last kv tile's seqlen limit clips the row's intervals
-    desc, q, k, v = _case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
+    _, desc, q, k, v = _gpu_case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
     check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(), options=ROWS)
 
 

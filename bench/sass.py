@@ -1,0 +1,43 @@
+"""Static SASS of FA4 kernels compiled on the CPU (no GPU), shared by ``bench/sass_*.py``: a
+variant's compile in a child process with the CuTe DSL's dumps on, opcode counts, the table.
+A static count, not a timing: it says what each score costs, the H200 what that is worth."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["compile_in_child", "opcodes", "print_table"]
+
+
+def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
+    """Run ``script --child *args`` with the sm_90a fake-compile settings, its PTX / SASS dumped
+    into ``dump``; one process per variant (the CuTe DSL reads its dump settings at import)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
+               FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx,cubin,sass",
+               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"))
+    r = subprocess.run([sys.executable, script, "--child", *args], env=env,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or ["failed"])[-1]
+        print(f"{' '.join(args)}: {tail}", file=sys.stderr)
+    return r.returncode == 0
+
+
+def opcodes(sass: str, names: list[str]) -> dict:
+    """Instructions, then how many of each opcode in ``names`` (a prefix: ``ISETP`` counts
+    ``ISETP.GE.AND`` too)."""
+    return {"instructions": sass.count(";"),
+            **{n: len(re.findall(rf"\b{re.escape(n)}\b", sass)) for n in names}}
+
+
+def print_table(labels: list[str], rows: dict) -> None:
+    """``rows``: (label values) -> counts, as a markdown table."""
+    cols = list(next(iter(rows.values())))
+    print("| " + " | ".join(labels + cols) + " |")
+    print("|" + "---|" * (len(labels) + len(cols)))
+    for key, c in rows.items():
+        print("| " + " | ".join([*map(str, key), *(str(c[k]) for k in cols)]) + " |")
