@@ -28,8 +28,31 @@ _CACHE = CompileCache("score_mod")
 _NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}
 
 
+# indices below this bound (the engines' choice from the call's lengths) let linear index
+# expressions convert to float by bits (``_i2f``) rather than I2F
+INDEX_BOUND = 1 << 20
+_BITS_LIMIT = 1 << 22  # |x| < 2**22: 0x4B400000 + x stays in the mantissa of 1.5 * 2**23
+
+
+def _bits_convertible(e) -> bool:
+    """Whether the integer ``e`` is linear in q_idx / kv_idx with a bound below 2**22 when both
+    are below INDEX_BOUND (so ``_i2f`` is exact)."""
+    if not e.free_symbols or not {s.name for s in e.free_symbols} <= {"i", "j"}:
+        return False
+    try:
+        poly = sp.Poly(e, *sorted(e.free_symbols, key=str))
+    except sp.PolynomialError:
+        return False
+    if poly.total_degree() > 1 or not all(c.is_Integer for c in poly.coeffs()):
+        return False
+    const = poly.coeff_monomial(1)
+    reach = sum(abs(int(c)) for m, c in poly.terms() if any(m)) * INDEX_BOUND
+    return reach + abs(int(const)) < _BITS_LIMIT
+
+
 class _Emit:
-    def __init__(self, sm: ScoreMod, offset: int):
+    def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False):
+        self.index_bits = index_bits
         self.tables = {t.name: (offset + n, t) for n, t in enumerate(sm.tables)}
         self.lines: list[str] = []
         self.memo: dict = {}
@@ -71,6 +94,8 @@ class _Emit:
         if e.is_Number:
             return self.tmp(f"Float32({float(e)!r})")
         if self._is_int(e) and not isinstance(e, sp.Piecewise):
+            if self.index_bits and _bits_convertible(e):
+                return self.tmp(f"_i2f({self.get(e, 'i')})")
             return self.tmp(f"Float32({self.get(e, 'i')})")
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
@@ -220,16 +245,19 @@ class _Emit:
         return self.tmp(f"{src}[{', '.join(idx)}]")
 
 
-def _body(sm: ScoreMod, expr, offset: int) -> list[str]:
-    em = _Emit(sm, offset)
+def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> list[str]:
+    em = _Emit(sm, offset, index_bits)
     out = em.get(expr, "f")
     return em.lines + [f"res[e] = {out}"]
 
 
-def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1) -> str:
+def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
+                     index_bits: bool = False) -> str:
     """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
     tables at ``aux_tensors[offset:]``; ``gqa > 1``: for FA4's backward, whose indices come
-    packed (see the module's docstring)."""
+    packed (see the module's docstring); ``index_bits``: q_idx and kv_idx are below
+    INDEX_BOUND, and linear index expressions convert to float by bits (no I2F, whose
+    quarter rate competes with the softmax's exp2)."""
     head = ["    n = cute.size(score.shape)",
             "    res = cute.make_rmem_tensor(n, Float32)",
             "    for e in cutlass.range_constexpr(n):",
@@ -241,8 +269,8 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1) -> str:
     else:
         head += ["        h = head_idx[e]", "        q = q_idx[e]"]
     head += ["        kv = kv_idx[e]"]
-    fwd = _body(sm, sm.expr, offset)
-    bwd = _body(sm, sm.grad, offset)
+    fwd = _body(sm, sm.expr, offset, index_bits)
+    bwd = _body(sm, sm.grad, offset, index_bits)
     bwd[-1] = bwd[-1].replace("res[e] = ", "res[e] = grad[e] * ")
     ind = "        "
     return "\n".join(
@@ -251,7 +279,7 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1) -> str:
          f"# score <- {sp.sstr(sm.expr)}",
          f"# d/dscore = {sp.sstr(sm.grad)}",
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
-         "", "",
+         "", "", *(_I2F if index_bits else []),
          "@cute.jit",
          "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
          *head, *[ind + line for line in fwd], "    return res.load()", "", "",
@@ -261,10 +289,21 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1) -> str:
          *head, *[ind + line for line in bwd], "    return res.load()", ""])
 
 
-def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1):
-    """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset, gqa)."""
+_I2F = [
+    "@cute.jit",
+    "def _i2f(x):",
+    "    # float(x) for |x| < 2**22: x added to the bits of 1.5 * 2**23, less 1.5 * 2**23",
+    "    bits = cute.make_rmem_tensor(cute.make_layout((1,), stride=(1,)), Int32)",
+    "    bits[0] = x + Int32(0x4B400000)",
+    "    return cute.recast_tensor(bits, Float32)[0] - Float32(12582912.0)",
+    "", ""]
+
+
+def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool = False):
+    """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset, gqa,
+    index_bits)."""
     def build():
-        src = score_mod_source(sm, offset, gqa)
+        src = score_mod_source(sm, offset, gqa, index_bits)
         return compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
 
-    return _CACHE.get((sm.key, offset, gqa), build)
+    return _CACHE.get((sm.key, offset, gqa, index_bits), build)

@@ -22,6 +22,8 @@ BITMAP_SMEM_WORDS = 256
 # FA4's own softcap divides every score (div.rn.f32); the generated score_mod multiplies by 1/c:
 # 1.27x / 1.22x faster train steps at 8K / 32K (docs/decisions/engine.md)
 DEFAULT_SOFTCAP = "score_mod"
+# a score_mod's float(kv_idx - q_idx) by bits rather than I2F (docs/decisions/engine.md)
+DEFAULT_SCORE_INDEX = "bits"
 
 _CHOICES = {
     "bwd_arch": (80, 90),
@@ -31,6 +33,7 @@ _CHOICES = {
     "bwd_bitmap": ("smem", "global"),
     "mask_mod": ("rules", "intervals", "predicate", "rows"),
     "softcap": ("fa4", "score_mod"),
+    "score_index": ("cvt", "bits"),
 }
 
 
@@ -55,6 +58,10 @@ class KernelOptions:
     * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs as the generated
       score_mod (``"score_mod"``: a multiply by ``1/c``, as Flex-FA4 runs it) or FA4's own
       ``softcap`` (``"fa4"``: an IEEE division per score); None: :data:`DEFAULT_SOFTCAP`.
+    * ``score_index``: how a generated score_mod turns a linear index expression
+      (``kv_idx - q_idx``) into a float, ``"cvt"`` (I2F, a quarter-rate conversion) or
+      ``"bits"`` (an add into the mantissa of 1.5 * 2**23 and a subtraction, exact below 2**22;
+      used where every length is below 2**20); None: :data:`DEFAULT_SCORE_INDEX`.
     """
 
     bwd_arch: Optional[int] = None
@@ -64,6 +71,7 @@ class KernelOptions:
     bwd_bitmap: Optional[str] = None
     mask_mod: Optional[str] = None
     softcap: Optional[str] = None
+    score_index: Optional[str] = None
 
     def __post_init__(self):
         for name, choices in _CHOICES.items():
@@ -142,6 +150,7 @@ def default_options(arch: int, num_intervals: int, num_q_tiles: int = 0) -> Kern
         bwd_meta="async" if num_intervals > 2 else "regs",
         bwd_bitmap="smem" if bitmap_fits_smem(num_q_tiles) else "global",
         softcap=DEFAULT_SOFTCAP,
+        score_index=DEFAULT_SCORE_INDEX,
     )
 
 

@@ -104,10 +104,14 @@ class ScoreMod:
     tables: tuple  # Table per captured tensor, in the order aux_tensors passes them
     softcap: float | None = None
     key: str = field(default="")
+    # the GPU code converts linear index expressions to float by bits where the lengths allow
+    # (``codegen.cute_score_mod``; ``KernelOptions.score_index``)
+    index_bits: bool = False
 
     def __post_init__(self):
         if not self.key:
-            text = repr((sp.srepr(self.expr), self.tables, self.softcap))
+            text = repr((sp.srepr(self.expr), self.tables, self.softcap)
+                        + ((True,) if self.index_bits else ()))
             self.key = hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def explain(self) -> str:

@@ -36,7 +36,7 @@ from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
 from compilemask.log import say_once
-from compilemask.options import DEFAULT_SOFTCAP, KernelOptions
+from compilemask.options import DEFAULT_SCORE_INDEX, DEFAULT_SOFTCAP, KernelOptions
 from compilemask.reference import attention_reference, descriptor_dense_mask
 from compilemask.score_mod import score_mod_for_key
 
@@ -196,6 +196,9 @@ def _score_of(call: _Call):
     mode = getattr(_kernel_options(call.options), "softcap", None) or DEFAULT_SOFTCAP
     if score is not None and score[0].softcap is not None and mode == "score_mod":
         score = (dataclasses.replace(score[0], softcap=None, key=""), score[1])
+    index = getattr(_kernel_options(call.options), "score_index", None) or DEFAULT_SCORE_INDEX
+    if score is not None and score[0].softcap is None and index == "bits":
+        score = (dataclasses.replace(score[0], index_bits=True, key=""), score[1])
     return score
 
 

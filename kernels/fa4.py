@@ -31,7 +31,7 @@ from compilemask.codegen.cute_mask_mod import (
     mask_mod,
     mask_mod_variant,
 )
-from compilemask.codegen.cute_score_mod import score_mod_fns
+from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
 from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
 
@@ -176,7 +176,9 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         if sm.softcap is not None:
             kw["softcap"] = sm.softcap
         else:
-            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1)
+            # rows past the last tile reach seqlen + tile: indices stay below INDEX_BOUND
+            bits = sm.index_bits and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND
+            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits)
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd

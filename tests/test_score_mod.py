@@ -5,6 +5,7 @@ raises unless the reference is asked for."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -298,6 +299,7 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
     pytest.importorskip("flash_attn.cute")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.kernels import fa4
     from compilemask.score_mod import compile_score_mod
 
@@ -310,6 +312,9 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
     desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=Bf)
     lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
     sm, tables = compile_score_mod(fn)
+    # the default score_index: index expressions converted by bits (S is below INDEX_BOUND)
+    sm = dataclasses.replace(sm, index_bits=True, key="")
+    assert name != "alibi_causal" or "_i2f(" in score_mod_source(sm, index_bits=True)
     tables = [t.float() for t in tables]
     with FakeTensorMode():
         q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device="cuda")
@@ -623,3 +628,45 @@ def test_learnable_sink_compiles_in_fa4_forward_and_backward():
         grads = fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=flists["bwd64"],
                         sink=sink)
         assert len(grads) == 4 and grads[3].shape == (H,)
+
+
+def test_index_to_float_by_bits_is_exact_where_chosen():
+    """``score_index="bits"``: float(x) as the bits of 0x4B400000 + x less 1.5 * 2**23 equals
+    the conversion for every |x| < 2**22 (edges and a sweep), and only expressions linear in
+    q_idx / kv_idx whose reach stays below 2**22 at INDEX_BOUND take it."""
+    import sympy as sp
+
+    from compilemask.codegen.cute_score_mod import INDEX_BOUND, _bits_convertible
+
+    lim = 1 << 22
+    x = torch.cat([torch.arange(-lim, lim, 997, dtype=torch.int32),
+                   torch.tensor([-lim, -lim + 1, -1, 0, 1, lim - 2, lim - 1], dtype=torch.int32)])
+    got = (x + 0x4B400000).view(torch.float32) - 12582912.0
+    assert torch.equal(got, x.float())
+    assert not torch.equal((torch.tensor([lim + 1], dtype=torch.int32) + 0x4B400000).view(
+        torch.float32) - 12582912.0, torch.tensor([float(lim + 1)]))  # the bound is real
+    i, j, b, h = (sp.Symbol(n, integer=True) for n in "ijbh")
+    assert _bits_convertible(j - i) and _bits_convertible(i - j + 5) and _bits_convertible(2 * j)
+    assert not _bits_convertible(4 * (j - i))  # reach 8 * INDEX_BOUND
+    assert not _bits_convertible(j - i + 3 * INDEX_BOUND)
+    assert not _bits_convertible(j * i) and not _bits_convertible(h - i)
+    assert not _bits_convertible(b) and not _bits_convertible(sp.Abs(j - i))
+    assert not _bits_convertible(sp.Integer(3))
+
+
+def test_score_index_option_reaches_the_generated_code():
+    """The default converts ALiBi's ``kv_idx - q_idx`` by bits (a new key, its own kernels);
+    ``score_index="cvt"`` keeps I2F; lengths past INDEX_BOUND fall back to I2F."""
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.kernels import autograd
+    from compilemask.score_mod import compile_score_mod
+
+    sm, _ = compile_score_mod(_cases()["alibi_causal"][0])
+    call = autograd._Call("k", 1.0, False, "native", [], 0, "", sm.key, [], None, 1)
+    bits, _ = autograd._score_of(call)
+    cvt, _ = autograd._score_of(call._replace(options="score_index=cvt"))
+    assert bits.index_bits and not cvt.index_bits and bits.key != cvt.key == sm.key
+    assert "_i2f(" in score_mod_source(bits, index_bits=True)
+    assert "_i2f(" not in score_mod_source(cvt) and "Float32(t" in score_mod_source(cvt)
+    with pytest.raises(ValueError, match="score_index"):
+        cm.KernelOptions(score_index="fast")
