@@ -1,13 +1,18 @@
-"""Static SASS of FA4's sm90 kernels for a softcap, compiled on the CPU (no GPU): FA4's own
-``softcap`` against the same softcap as the generated score_mod (``KernelOptions(softcap=
-"score_mod")``), sliding window 4096, D = 128, bf16, the native engine.
+"""Static SASS of FA4's sm90 kernels with a score_mod, compiled on the CPU (no GPU), D = 128,
+bf16, the native engine:
 
-Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, FFMA / FMUL, and the PTX's
+* ``softcap``: sliding window 4096 with a softcap of 50 as FA4's own ``softcap`` against the
+  generated score_mod (``KernelOptions(softcap=...)``);
+* ``alibi``: causal with ALiBi, ``kv_idx - q_idx`` converted by I2F against by bits
+  (``KernelOptions(score_index=...)``), and causal without a score_mod.
+
+Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2F, FFMA / FMUL, and the PTX's
 ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a reciprocal, Newton steps
 and a slow-path branch). A static count, not a timing: it says what each score costs, the
-H200 says what that is worth (``bench/h200.sh engines`` with ``native_tanh``).
+H200 says what that is worth (``bench/h200.sh engines``).
 
-    python bench/sass_softcap.py
+    python bench/sass_score_mod.py softcap
+    python bench/sass_score_mod.py alibi
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
 
-KINDS = ("fa4", "score_mod")
+KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits")}
 
 
 def _child(kind: str) -> None:
@@ -30,7 +35,7 @@ def _child(kind: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import compilemask as cm
-    from compilemask import masks
+    from compilemask import masks, score_mods
     from compilemask.kernels import fa4
     from compilemask.score_mod import compile_score_mod
 
@@ -40,17 +45,22 @@ def _child(kind: str) -> None:
     def softcap(score, b, h, q_idx, kv_idx):
         return 50.0 * torch.tanh(score / 50.0)
 
-    mask = cm.compile_mask(masks.sliding_window(4096))
     B, S, H, D = 2, 300, 4, 128
+    if kind in KINDS["softcap"]:
+        mask, fn = cm.compile_mask(masks.sliding_window(4096)), softcap
+    else:
+        mask, fn = cm.compile_mask(masks.causal()), score_mods.alibi(score_mods.alibi_slopes(H))
     desc = mask.preprocess(None, seqlen_q=S, batch_size=B)
     lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
-    sm, tables = compile_score_mod(softcap)
+    sm, tables = compile_score_mod(fn)
     if kind == "score_mod":  # what KernelOptions(softcap="score_mod") hands FA4
         sm = dataclasses.replace(sm, softcap=None, key="")
+    if kind == "bits":  # what KernelOptions(score_index="bits") hands FA4
+        sm = dataclasses.replace(sm, index_bits=True, key="")
     with FakeTensorMode():
         q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
         fdesc, flists, fake = fake_on_cuda(desc, lists)
-        score = (sm, [fake(t) for t in tables])
+        score = None if kind == "none" else (sm, [fake(t) for t in tables])
         out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "native", lists=flists["fwd"], score=score)
         fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "native", lists=flists["bwd64"],
                 score=score)
@@ -59,7 +69,7 @@ def _child(kind: str) -> None:
 def _counts(dump: Path, kernel: str) -> dict:
     sass = next(dump.glob(f"*{kernel}*.sass")).read_text()
     ptx = next(dump.glob(f"*{kernel}*.ptx")).read_text()
-    return {**opcodes(sass, ["BRA", "MUFU.TANH", "MUFU.EX2", "FFMA", "FMUL"]),
+    return {**opcodes(sass, ["BRA", "MUFU.TANH", "MUFU.EX2", "I2F", "FFMA", "FMUL"]),
             "div.rn.f32 (PTX)": ptx.count("div.rn.f32")}
 
 
@@ -67,16 +77,17 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         _child(sys.argv[2])
         return
+    which = sys.argv[1] if len(sys.argv) > 1 else "softcap"
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
-        for kind in KINDS:
+        for kind in KINDS[which]:
             dump = Path(tmp) / kind
             dump.mkdir()
             if not compile_in_child(__file__, [kind], dump):
                 sys.exit(1)
             for kernel in ("fwd_sm90", "bwd_sm90"):
                 rows[(kind, kernel)] = _counts(dump, kernel)
-    print_table(["softcap as", "kernel"], rows)
+    print_table(["softcap as" if which == "softcap" else "ALiBi", "kernel"], rows)
 
 
 if __name__ == "__main__":
