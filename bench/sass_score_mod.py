@@ -4,7 +4,9 @@ bf16, the native engine:
 * ``softcap``: sliding window 4096 with a softcap of 50 as FA4's own ``softcap`` against the
   generated score_mod (``KernelOptions(softcap=...)``);
 * ``alibi``: causal with ALiBi, ``kv_idx - q_idx`` converted by I2F against by bits
-  (``KernelOptions(score_index=...)``), and causal without a score_mod.
+  (``KernelOptions(score_index=...)``), and causal without a score_mod;
+* ``temperature``: causal with a per-head temperature ``score / temps[h]`` (a divisor the same
+  for the whole tile: one reciprocal, then a multiply per score).
 
 Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2F, FFMA / FMUL, and the PTX's
 ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a reciprocal, Newton steps
@@ -13,6 +15,7 @@ H200 says what that is worth (``bench/h200.sh engines``).
 
     python bench/sass_score_mod.py softcap
     python bench/sass_score_mod.py alibi
+    python bench/sass_score_mod.py temperature
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
 
-KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits")}
+KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
+         "temperature": ("temperature",)}
 
 
 def _child(kind: str) -> None:
@@ -48,6 +52,9 @@ def _child(kind: str) -> None:
     B, S, H, D = 2, 300, 4, 128
     if kind in KINDS["softcap"]:
         mask, fn = cm.compile_mask(masks.sliding_window(4096)), softcap
+    elif kind == "temperature":
+        mask = cm.compile_mask(masks.causal())
+        fn = score_mods.temperature(torch.linspace(0.5, 1.5, H))
     else:
         mask, fn = cm.compile_mask(masks.causal()), score_mods.alibi(score_mods.alibi_slopes(H))
     desc = mask.preprocess(None, seqlen_q=S, batch_size=B)
@@ -69,7 +76,7 @@ def _child(kind: str) -> None:
 def _counts(dump: Path, kernel: str) -> dict:
     sass = next(dump.glob(f"*{kernel}*.sass")).read_text()
     ptx = next(dump.glob(f"*{kernel}*.ptx")).read_text()
-    return {**opcodes(sass, ["BRA", "MUFU.TANH", "MUFU.EX2", "I2F", "FFMA", "FMUL"]),
+    return {**opcodes(sass, ["BRA", "MUFU.TANH", "MUFU.EX2", "I2FP", "FFMA", "FMUL"]),
             "div.rn.f32 (PTX)": ptx.count("div.rn.f32")}
 
 
@@ -87,7 +94,7 @@ def main() -> None:
                 sys.exit(1)
             for kernel in ("fwd_sm90", "bwd_sm90"):
                 rows[(kind, kernel)] = _counts(dump, kernel)
-    print_table(["softcap as" if which == "softcap" else "ALiBi", "kernel"], rows)
+    print_table(["softcap as" if which == "softcap" else "score_mod", "kernel"], rows)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,12 @@ def _bits_convertible(e) -> bool:
     return reach + abs(int(const)) < _BITS_LIMIT
 
 
+def _uniform(e) -> bool:
+    """Whether ``e`` reads no score, q_idx or kv_idx (batch, head, constants and tables read
+    there): one value for a whole tile, which the compiler computes once."""
+    return not any(s.name in ("score", "i", "j") for s in e.free_symbols)
+
+
 class _Emit:
     def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False):
         self.index_bits = index_bits
@@ -102,6 +108,11 @@ class _Emit:
         if isinstance(e, (sp.Add, sp.Mul)):
             if isinstance(e, sp.Mul):
                 num, den = e.as_numer_denom()
+                if den != 1 and num != 1 and self.exact == 0 and _uniform(den):
+                    # a divisor the same for the whole tile (``temps[h]``): one reciprocal,
+                    # then a multiply per score (within 1.5 ulp of the IEEE division)
+                    rcp = self.get(sp.Pow(den, -1, evaluate=False), "f")
+                    return self.tmp(f"{self.get(num, 'f')} * {rcp}")
                 if den != 1 and num != 1:  # a / b as one division (not a * (1 / b))
                     return self.tmp(f"{self.get(num, 'f')} / {self.get(den, 'f')}")
             return self.fold([self.get(a, "f") for a in e.args],

@@ -670,3 +670,25 @@ def test_score_index_option_reaches_the_generated_code():
     assert "_i2f(" not in score_mod_source(cvt) and "Float32(t" in score_mod_source(cvt)
     with pytest.raises(ValueError, match="score_index"):
         cm.KernelOptions(score_index="fast")
+
+
+def test_uniform_divisor_is_one_reciprocal():
+    """``score / temps[h]``: the divisor is the same for a whole tile, so the generated code
+    takes its reciprocal once and multiplies per score (forward and derivative); a divisor that
+    reads q_idx / kv_idx keeps the IEEE division, and so does exact (rounded) arithmetic."""
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.score_mod import compile_score_mod
+
+    temps = torch.linspace(0.5, 1.5, H)
+    sm, _ = compile_score_mod(score_mods.temperature(temps))
+    divs = [ln.split("=", 1)[1].strip() for ln in score_mod_source(sm).splitlines()
+            if " / " in ln and not ln.lstrip().startswith("#")]
+    assert divs and all(d.startswith("Float32(1.0) / ") for d in divs)
+
+    def by_distance(score, b, h, q_idx, kv_idx):
+        return score / (1 + (q_idx - kv_idx).abs())
+
+    sm, _ = compile_score_mod(by_distance)
+    src = score_mod_source(sm)
+    assert any(" / " in ln and "Float32(1.0) / " not in ln for ln in src.splitlines()
+               if not ln.lstrip().startswith("#"))
