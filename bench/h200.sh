@@ -19,6 +19,7 @@
 #   bash bench/h200.sh det       # deterministic=True: GPU tests and its cost
 #   bash bench/h200.sh loop      # a new length every step: compiles and step times per mask
 #   bash bench/h200.sh serving   # decode steps vs FA4's own; prefill + mask build vs Flex-FA4
+#   MASK=causal:alibi bash bench/h200.sh flexcode  # Flex-FA4's generated score_mod / mask_mod
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
 set -u
@@ -277,5 +278,16 @@ for r in rows:
       --methods preprocess,native,fa4,flex_flash
     cat "$OUT/serving_prefill.md"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|serving"; exit 2 ;;
+  flexcode)  # Flex-FA4's generated CuTe code (score_mod, mask_mod, the FA4 call) for one
+    # mask:score_mod point (MASK=causal:alibi S=32768), beside ours (bench/sass_score_mod.py
+    # prints our score_mod's SASS on the CPU): inductor's output code, compressed
+    export TORCH_LOGS=output_code
+    step flexcode "${SECS:-300}" python3 bench/engines.py --modes train \
+      --rep 30 --seqlens "${S:-32768}" --masks "${MASK:-causal:alibi}" --methods flex_flash \
+      --tag flexcode --out "$OUT"
+    grep -n "def score_mod\|def mask_mod\|_flash_attn_fwd\|_flash_attn_bwd\|vec_size" \
+      "$OUT/flexcode.log" | head -40
+    xz -T0 "$OUT/flexcode.log"
+    ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|serving|flexcode"; exit 2 ;;
 esac
