@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
         os.environ.setdefault(_k, _v)
 
 
+# transformers imports the PyPI package ``kernels``, which this checkout's folder kernels/ hides
+# from ``python -m pytest`` run at its root
+import compilemask.integrations  # noqa: E402,F401
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -228,3 +228,28 @@ def test_to_string_prints_the_legend_once():
     blocks = desc.to_string(max_size=2)
     assert blocks.count("'#' all full, '~' mixed, '.' all empty") == 1
     assert "'#' full," not in desc.to_string(legend=False)
+
+
+def test_transformers_finds_its_kernels_package_from_the_checkout_root():
+    """``python -m ...`` at the checkout's root puts the root on sys.path, where this project's
+    folder kernels/ would hide the PyPI package ``kernels`` that transformers imports:
+    ``compilemask.integrations`` loads the installed one under its name first."""
+    import importlib.metadata
+    import os
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the PyPI package kernels is not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, os; sys.path.insert(0, os.getcwd()); "
+            "import importlib.util as u; before = u.find_spec('kernels').origin; "
+            "import compilemask.integrations, kernels, compilemask.kernels as ck; "
+            "print(before.startswith(os.getcwd()), kernels.__file__.startswith(os.getcwd()), "
+            "ck.__file__.startswith(os.getcwd()))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True).stdout.split()
+    # shadowed before, the installed package after, and compilemask.kernels still this folder
+    assert out == ["True", "False", "True"], out

@@ -82,7 +82,7 @@ def register(name: str = "compilemask", *, deterministic: bool = False) -> str:
         from transformers import AttentionInterface, AttentionMaskInterface
     except ImportError as e:
         raise ImportError("compilemask.integrations.transformers needs transformers: "
-                          "pip install -e \".[hf]\"") from e
+                          f"pip install -e \".[hf]\" (importing it failed: {e})") from e
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     fn = attention_forward_deterministic if deterministic else attention_forward
