@@ -25,6 +25,7 @@ Implementations
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -191,15 +192,27 @@ def _mask_mod_variant(options: str):
 
 def _score_of(call: _Call):
     """The call's score_mod as the FA4 engines take it: a recognized softcap is FA4's own only
-    where ``KernelOptions.softcap`` says ``"fa4"`` (the default: ``DEFAULT_SOFTCAP``)."""
+    where ``KernelOptions.softcap`` says ``"fa4"`` (the default: ``DEFAULT_SOFTCAP``); index
+    expressions convert by bits unless ``KernelOptions.score_index`` says ``"cvt"``."""
     score = _score(call)
-    mode = getattr(_kernel_options(call.options), "softcap", None) or DEFAULT_SOFTCAP
-    if score is not None and score[0].softcap is not None and mode == "score_mod":
-        score = (dataclasses.replace(score[0], softcap=None, key=""), score[1])
-    index = getattr(_kernel_options(call.options), "score_index", None) or DEFAULT_SCORE_INDEX
-    if score is not None and score[0].softcap is None and index == "bits":
-        score = (dataclasses.replace(score[0], index_bits=True, key=""), score[1])
-    return score
+    if score is None:
+        return None
+    opts = _kernel_options(call.options)
+    softcap = getattr(opts, "softcap", None) or DEFAULT_SOFTCAP
+    index = getattr(opts, "score_index", None) or DEFAULT_SCORE_INDEX
+    return _score_variant(call.score_mod, softcap == "score_mod", index == "bits"), score[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _score_variant(key: str, softcap_as_score_mod: bool, index_bits: bool):
+    """The score_mod of ``key`` as the options run it, made once per (score_mod, options): its
+    new key hashes the whole expression, too slow for every call."""
+    sm = score_mod_for_key(key)
+    if sm.softcap is not None and softcap_as_score_mod:
+        sm = dataclasses.replace(sm, softcap=None, key="")
+    if sm.softcap is None and index_bits:
+        sm = dataclasses.replace(sm, index_bits=True, key="")
+    return sm
 
 
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
