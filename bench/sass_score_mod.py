@@ -8,10 +8,10 @@ bf16, the native engine:
 * ``temperature``: causal with a per-head temperature ``score / temps[h]`` (a divisor the same
   for the whole tile: one reciprocal, then a multiply per score).
 
-Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2F, FFMA / FMUL, and the PTX's
-``div.rn.f32`` (an IEEE division per score, which ptxas expands into a reciprocal, Newton steps
-and a slow-path branch). A static count, not a timing: it says what each score costs, the
-H200 says what that is worth (``bench/h200.sh engines``).
+Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2FP (sm90's int-to-float), FFMA /
+FMUL, and the PTX's ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a
+reciprocal, Newton steps and a slow-path branch). A static count, not a timing: it says what
+each score costs, the H200 says what that is worth (``bench/h200.sh engines``).
 
     python bench/sass_score_mod.py softcap
     python bench/sass_score_mod.py alibi
