@@ -15,10 +15,12 @@ for a train step). Median of triton's do_bench.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import traceback
@@ -151,10 +153,35 @@ def workload_mask_mod(name, meta, S):
     return flex_mask_mod(name, meta)
 
 
-def _bench(fn, rep):
+def _bench(fn, rep, ctx=None):
     import triton
 
-    return triton.testing.do_bench(fn, warmup=max(25, rep // 4), rep=rep, return_mode="median")
+    with ctx() if ctx else contextlib.nullcontext():
+        return triton.testing.do_bench(fn, warmup=max(25, rep // 4), rep=rep,
+                                       return_mode="median")
+
+
+ROUNDS = 1  # --rounds: every method of a point timed again, in turn, this many times
+
+
+def _rounds(row, timers, rep):
+    """Time the point's methods ROUNDS - 1 more times, one after another in each round (a GPU's
+    clocks drift over a point's minutes; interleaving spreads that over every method), and keep
+    each method's median over the rounds."""
+    for _ in range(1, ROUNDS):
+        for method, fn, ctx in timers:
+            try:
+                row[method]["rounds"].append(_bench(fn, rep, ctx))
+            except torch.cuda.OutOfMemoryError:  # the rounds it did count
+                torch.cuda.empty_cache()
+    for method, _, _ in timers:
+        r = row[method]
+        r["ms"] = statistics.median(r["rounds"])
+        r["tflops"] = r["flops"] / r["ms"] / 1e9
+        if ROUNDS > 1:
+            print(f"  {row['mask']:17s} {row['S']:6d} {row['mode']:5s} {method:22s} "
+                  f"{r['ms']:9.3f} ms median of " + " ".join(f"{x:.3f}" for x in r["rounds"]),
+                  flush=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,12 +227,21 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
     do = torch.randn_like(q)
     row = {"mask": name + (f"+{score_mod}" if score_mod else ""), "S": S, "B": B, "mode": mode,
            "pairs": pairs,
-           "native": mask.native_pattern.describe() if mask.native_pattern else None}
+           "native_pattern": (mask.native_pattern.describe() if mask.native_pattern
+                              else None)}
 
     def rec(method, ms, note=""):
         row[method] = {"ms": ms, "tflops": flops / ms / 1e9 if ms else None, "note": note}
         print(f"  {name:17s} {S:6d} {mode:5s} {method:22s} "
               + (f"{ms:9.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s" if ms else note), flush=True)
+
+    timers = []
+
+    def timed(method, fn, ctx=None):
+        # fn must bind its values now: later rounds call it after the loop has moved on
+        rec(method, _bench(fn, rep, ctx))
+        row[method].update(rounds=[row[method]["ms"]], flops=flops)
+        timers.append((method, fn, ctx))
 
     def train_or_fwd(f, qq, kk, vv, dout):
         if mode == "fwd":
@@ -226,15 +262,14 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                     return lambda a, b_, c: cm.attention(a, b_, c, d, backend=eng,
                                                          options=options, score_mod=smod)
 
-                rec(method, _bench(lambda: train_or_fwd(ours(desc), q, k, v, do), rep))
-                rec(f"{method}+pre",
-                    _bench(lambda: train_or_fwd(ours(pre(meta)), q, k, v, do), rep))
+                timed(method, functools.partial(train_or_fwd, ours(desc), q, k, v, do))
+                timed(f"{method}+pre", lambda o=ours: train_or_fwd(o(pre(meta)), q, k, v, do))
             elif method in ("native_tanh", "fa4_tanh"):  # the softcap as a generated score_mod
                 eng = method.split("_")[0]
                 opts = replace(options or cm.KernelOptions(), softcap="score_mod")
-                f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend=eng, options=opts,
-                                                   score_mod=smod))
-                rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+                f = (lambda a, b_, c, eng=eng, opts=opts: cm.attention(
+                    a, b_, c, desc, backend=eng, options=opts, score_mod=smod))
+                timed(method, functools.partial(train_or_fwd, f, q, k, v, do))
             elif method in FA4_VARIANTS:
                 variant = FA4_VARIANTS[method]
                 if variant is not None:
@@ -246,30 +281,30 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                     except ValueError as e:
                         rec(method, None, f"n/a ({str(e)[:60]})")
                         continue
-                    f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4",
-                                                       options=opts))
-                    rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+                    f = (lambda a, b_, c, opts=opts: cm.attention(a, b_, c, desc,
+                                                                  backend="fa4", options=opts))
+                    timed(method, functools.partial(train_or_fwd, f, q, k, v, do))
                 else:
-                    with _CeilingMaskMod():
-                        f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4"))
-                        rec(method, _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+                    f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4"))
+                    timed(method, functools.partial(train_or_fwd, f, q, k, v, do),
+                          _CeilingMaskMod)
             elif method == "preprocess":
-                rec("preprocess", _bench(lambda: pre(meta), rep))
+                timed("preprocess", lambda: pre(meta))
             elif method in ("flex_flash", "flex_triton"):
                 mm = workload_mask_mod(name, meta, S)
                 opts = {"BACKEND": "FLASH"} if method == "flex_flash" else None
                 qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
                 bm = _cbm()(mm, B, None, S, S, device=dev)
 
-                def flex(bmask):
+                def flex(bmask, opts=opts):
                     return lambda a, b_, c: _flex()(a, b_, c, block_mask=bmask,
                                                     score_mod=smod, kernel_options=opts)
 
-                rec(method, _bench(lambda: train_or_fwd(flex(bm), qt, kt, vt, dot), rep))
+                timed(method, functools.partial(train_or_fwd, flex(bm), qt, kt, vt, dot))
                 if method == "flex_flash":
-                    rec("block_mask", _bench(lambda: _cbm()(mm, B, None, S, S, device=dev), rep))
-                    rec("flex_flash+bm", _bench(lambda: train_or_fwd(
-                        flex(_cbm()(mm, B, None, S, S, device=dev)), qt, kt, vt, dot), rep))
+                    timed("block_mask", lambda mm=mm: _cbm()(mm, B, None, S, S, device=dev))
+                    timed("flex_flash+bm", lambda mm=mm, flex=flex: train_or_fwd(
+                        flex(_cbm()(mm, B, None, S, S, device=dev)), qt, kt, vt, dot))
             elif method == "fa4_native":
                 from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
@@ -292,13 +327,14 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                         return (o[0] if isinstance(o, tuple) else o).view(B, S, H, D)
                 else:
                     continue
-                rec("fa4_native", _bench(lambda: train_or_fwd(f, q, k, v, do), rep))
+                timed("fa4_native", functools.partial(train_or_fwd, f, q, k, v, do))
         except torch.cuda.OutOfMemoryError:
             rec(method, None, "OOM")
             torch.cuda.empty_cache()
         except Exception as e:  # a method that fails is reported, not fatal
             rec(method, None, f"failed: {type(e).__name__}: {str(e)[:100]}")
             traceback.print_exc()
+    _rounds(row, timers, rep)
     rows.append(row)
 
 
@@ -420,6 +456,9 @@ def main(argv=None):
     ap.add_argument("--methods",
                     default="preprocess,native,fa4,cute,fa4_native,flex_flash,flex_triton")
     ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every method of a point this many times, interleaved, and keep "
+                         "the median (clock drift over a point spreads over all its methods)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     ap.add_argument("--tag", default="engines")
     ap.add_argument("--score-mod", default="",
@@ -429,6 +468,8 @@ def main(argv=None):
                     help="the cute engine's kernel variants, e.g. bwd_meta=async "
                          "(compilemask.KernelOptions; default: default_options)")
     args = ap.parse_args(argv)
+    global ROUNDS
+    ROUNDS = max(1, args.rounds)
     commit = os.environ.get("CM_COMMIT") or subprocess.run(
         ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
@@ -437,6 +478,7 @@ def main(argv=None):
               f" · cute kernel options {args.options.describe(device_arch(torch.device('cuda')))}"
               f"\n\n`python bench/engines.py --masks {args.masks} --seqlens {args.seqlens} "
               f"--modes {args.modes} --methods {args.methods} --rep {args.rep}"
+              + (f" --rounds {ROUNDS}" if ROUNDS > 1 else "")
               + (f" --options {args.options.to_str()}" if args.options.to_str() else "") + "`")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,14 @@ class _Emit:
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
         if isinstance(e, sp.Add):
-            return self.fold([self.get(a, "i") for a in e.args], "+")
+            # negated terms as subtractions: ``kv - q``, not ``kv + q * -1`` (an IMAD per score)
+            pos = [a for a in e.args if not a.could_extract_minus_sign()]
+            neg = [-a for a in e.args if a.could_extract_minus_sign()]
+            acc = (self.fold([self.get(a, "i") for a in pos], "+") if pos
+                   else self.tmp("Int32(0)"))
+            for a in neg:
+                acc = self.tmp(f"{acc} - {self.get(a, 'i')}")
+            return acc
         if isinstance(e, sp.Mul):
             coeff, rest = e.as_coeff_Mul()
             if not coeff.is_Integer:
