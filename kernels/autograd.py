@@ -357,6 +357,9 @@ def _(dout, dlse, q, k, v, out, lse, *args):
 
 
 def _setup_context(ctx, inputs, output):
+    # an unused output's gradient stays None: a zero dlse would send FA4's backward down its
+    # dlse path (and cost an allocation) on every step that does not return the LSE
+    ctx.set_materialize_grads(False)
     q, k, v, *args = inputs
     out, lse = output
     d, call = _unpack(args)
