@@ -57,6 +57,12 @@ def _uniform(e) -> bool:
 
 
 class _Emit:
+    """Expression -> CuTe DSL code on whole vectors (TensorSSA): FA4's vector of scores and
+    indices in, one value per temporary. Vector arithmetic, not a loop of scalar operations:
+    the scalar form made ptxas spill in FA4's backward (64-252 bytes per thread with ALiBi, T5
+    and the softcap; none in this form, ``docs/decisions/engine.md``). A table read takes its
+    indices through a register fragment, one element at a time."""
+
     def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False):
         self.index_bits = index_bits
         self.tables = {t.name: (offset + n, t) for n, t in enumerate(sm.tables)}
@@ -73,7 +79,7 @@ class _Emit:
 
     def fold(self, args, op: str) -> str:
         """``args[0] op args[1] op ...``, one temporary per step; ``op`` is an infix operator
-        or, ending in ``(``, a function of two arguments (``cutlass.min(``)."""
+        or, ending in ``(``, a function of two arguments."""
         acc = args[0]
         for a in args[1:]:
             acc = self.tmp(f"{op}{acc}, {a})" if op.endswith("(") else f"{acc} {op} {a}")
@@ -93,16 +99,22 @@ class _Emit:
     def _is_int(e) -> bool:
         return bool(e.is_integer)
 
+    def _min(self, a, b) -> str:
+        return self.tmp(f"cute.where({a} < {b}, {a}, {b})")
+
+    def _max(self, a, b) -> str:
+        return self.tmp(f"cute.where({a} > {b}, {a}, {b})")
+
     # ---- float32 -------------------------------------------------------------------------
     def _f(self, e) -> str:
         if e == SCORE:
             return "s"
         if e.is_Number:
-            return self.tmp(f"Float32({float(e)!r})")
+            return self.tmp(f"cute.full_like(s, {float(e)!r})")
         if self._is_int(e) and not isinstance(e, sp.Piecewise):
             if self.index_bits and _bits_convertible(e):
                 return self.tmp(f"_i2f({self.get(e, 'i')})")
-            return self.tmp(f"Float32({self.get(e, 'i')})")
+            return self.tmp(f"{self.get(e, 'i')}.to(Float32)")
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
         if isinstance(e, (sp.Add, sp.Mul)):
@@ -130,7 +142,7 @@ class _Emit:
                 for _ in range(abs(k) - 1):
                     acc = self.tmp(f"{acc} * {b}")
                 if k == 0:
-                    return self.tmp("Float32(1.0)")
+                    return self.tmp("cute.full_like(s, 1.0)")
                 return self.tmp(f"Float32(1.0) / {acc}") if k < 0 else acc
             if base == 2:
                 return self.tmp(f"cute.math.exp2({self.get(ex, 'f')}, {self.fm})")
@@ -156,22 +168,22 @@ class _Emit:
                 raise NotImplementedError(f"score_mod: unknown symbol {e}")
             return _NAMES[e.name]
         if e.is_Integer:
-            return self.tmp(f"Int32({int(e)})")
+            return self.tmp(f"cute.full_like(kv, {int(e)})")
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
         if isinstance(e, sp.Add):
-            # negated terms as subtractions: ``kv - q``, not ``kv + q * -1`` (an IMAD per score)
+            # negated terms as subtractions: ``kv - q``, not ``kv + q * -1``
             pos = [a for a in e.args if not a.could_extract_minus_sign()]
             neg = [-a for a in e.args if a.could_extract_minus_sign()]
             acc = (self.fold([self.get(a, "i") for a in pos], "+") if pos
-                   else self.tmp("Int32(0)"))
+                   else self.tmp("cute.full_like(kv, 0)"))
             for a in neg:
                 acc = self.tmp(f"{acc} - {self.get(a, 'i')}")
             return acc
         if isinstance(e, sp.Mul):
             coeff, rest = e.as_coeff_Mul()
             if not coeff.is_Integer:
-                return self.tmp(f"Int32(cute.math.floor({self.get(e, 'f')}))")
+                return self.tmp(f"cute.math.floor({self.get(e, 'f')}).to(Int32)")
             acc = None
             for f in sp.Mul.make_args(rest):
                 x = self.get(f, "i")
@@ -181,7 +193,7 @@ class _Emit:
             return acc
         if isinstance(e, sp.Pow) and e.args[1].is_Integer and int(e.args[1]) >= 0:
             b = self.get(e.args[0], "i")
-            acc = self.tmp("Int32(1)")
+            acc = self.tmp("cute.full_like(kv, 1)")
             for _ in range(int(e.args[1])):
                 acc = self.tmp(f"{acc} * {b}")
             return acc
@@ -193,21 +205,24 @@ class _Emit:
                 q = self.tmp(f"{a} // {b}")
                 fix = self.tmp(f"(({a} % {b}) != Int32(0)) & (({a} < Int32(0)) != "
                                f"({b} < Int32(0)))")
-                return self.tmp(f"cutlass.select_({fix}, {q} - Int32(1), {q})")
-            return self.tmp(f"Int32(cute.math.floor({self._exact_f(e.args[0])}))")
+                return self.tmp(f"cute.where({fix}, {q} - Int32(1), {q})")
+            return self.tmp(f"cute.math.floor({self._exact_f(e.args[0])}).to(Int32)")
         if isinstance(e, sp.Mod):
             a, b = self.get(e.args[0], "i"), self.get(e.args[1], "i")
             r = self.tmp(f"{a} % {b}")
             fix = self.tmp(f"({r} != Int32(0)) & (({r} < Int32(0)) != ({b} < Int32(0)))")
-            return self.tmp(f"cutlass.select_({fix}, {r} + {b}, {r})")
+            return self.tmp(f"cute.where({fix}, {r} + {b}, {r})")
         if isinstance(e, trunc):
-            return self.tmp(f"Int32({self._exact_f(e.args[0])})")  # fptosi: toward zero
+            return self.tmp(f"{self._exact_f(e.args[0])}.to(Int32)")  # fptosi: toward zero
         if isinstance(e, (sp.Min, sp.Max)):
-            return self.fold([self.get(a, "i") for a in e.args],
-                             "cutlass.min(" if isinstance(e, sp.Min) else "cutlass.max(")
+            pick = self._min if isinstance(e, sp.Min) else self._max
+            acc = self.get(e.args[0], "i")
+            for a in e.args[1:]:
+                acc = pick(acc, self.get(a, "i"))
+            return acc
         if isinstance(e, sp.Abs):
             a = self.get(e.args[0], "i")
-            return self.tmp(f"cutlass.max({a}, Int32(0) - {a})")
+            return self.tmp(f"cute.where({a} < Int32(0), Int32(0) - {a}, {a})")
         if isinstance(e, sp.Piecewise):
             return self._piecewise(e, "i")
         raise NotImplementedError(f"score_mod: no Int32 code for {type(e).__name__}: {e}")
@@ -224,9 +239,9 @@ class _Emit:
     # ---- Boolean -------------------------------------------------------------------------
     def _b(self, e) -> str:
         if e is sp.true or e == sp.true:
-            return self.tmp("cutlass.Boolean(True)")
+            return self.tmp("kv == kv")
         if e is sp.false or e == sp.false:
-            return self.tmp("cutlass.Boolean(False)")
+            return self.tmp("kv != kv")
         rel = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">",
                sp.GreaterThan: ">=", sp.Equality: "==", sp.Unequality: "!="}
         if type(e) in rel:
@@ -234,39 +249,44 @@ class _Emit:
             return self.tmp(f"{self.get(e.lhs, ctx)} {rel[type(e)]} {self.get(e.rhs, ctx)}")
         if isinstance(e, (sp.And, sp.Or, sp.Xor)):
             return self.fold([self.get(a, "b") for a in e.args],
-                             {sp.And: "&", sp.Or: "|", sp.Xor: "!="}[type(e)])
+                             {sp.And: "&", sp.Or: "|", sp.Xor: "^"}[type(e)])
         if isinstance(e, sp.Not):
-            return self.tmp(f"{self.get(e.args[0], 'b')} == cutlass.Boolean(False)")
+            return self.tmp(f"{self.get(e.args[0], 'b')} ^ {self.get(sp.true, 'b')}")
         if isinstance(e, sp.ITE):
             c, a, b = (self.get(x, "b") for x in e.args)
-            return self.tmp(f"cutlass.select_({c}, {a}, {b})")
+            return self.tmp(f"cute.where({c}, {a}, {b})")
         raise NotImplementedError(f"score_mod: no boolean code for {type(e).__name__}: {e}")
 
     def _piecewise(self, e, ctx) -> str:
         # selects, not branches: evaluated per score
         acc = self.get(e.args[-1][0], ctx)
         for val, cond in reversed(e.args[:-1]):
-            acc = self.tmp(f"cutlass.select_({self.get(cond, 'b')}, {self.get(val, ctx)}, "
-                           f"{acc})")
+            acc = self.tmp(f"cute.where({self.get(cond, 'b')}, {self.get(val, ctx)}, {acc})")
         return acc
 
     def _load(self, e) -> str:
         pos, tab = self.tables[type(e).__name__]
         src = f"aux_tensors[{pos}]"
-        idx = []
+        frags = []
         for n, a in enumerate(e.args):
             x = self.get(a, "i")
+            # torch's negative indices, then clamped into the table: no read leaves it
             size = self.tmp(f"Int32(cute.size({src}.shape[{n}]))")
-            x = self.tmp(f"cutlass.select_({x} < Int32(0), {x} + {size}, {x})")
-            x = self.tmp(f"cutlass.min(cutlass.max({x}, Int32(0)), {size} - Int32(1))")
-            idx.append(x)
-        return self.tmp(f"{src}[{', '.join(idx)}]")
+            x = self.tmp(f"cute.where({x} < Int32(0), {x} + {size}, {x})")
+            x = self._min(self._max(x, "Int32(0)"), f"{size} - Int32(1)")
+            frag = self.tmp("cute.make_rmem_tensor(n, Int32)")
+            self.lines.append(f"{frag}.store({x})")
+            frags.append(frag)
+        out = self.tmp(f"cute.make_rmem_tensor(n, {'Float32' if tab.is_float else 'Int32'})")
+        idx = ", ".join(f"{f}[e]" for f in frags)
+        self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{idx}]"]
+        return self.tmp(f"{out}.load()")
 
 
-def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> list[str]:
+def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:
     em = _Emit(sm, offset, index_bits)
     out = em.get(expr, "f")
-    return em.lines + [f"res[e] = {out}"]
+    return em.lines, out
 
 
 def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
@@ -277,20 +297,17 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
     INDEX_BOUND, and linear index expressions convert to float by bits (no I2F, whose
     quarter rate competes with the softmax's exp2)."""
     head = ["    n = cute.size(score.shape)",
-            "    res = cute.make_rmem_tensor(n, Float32)",
-            "    for e in cutlass.range_constexpr(n):",
-            "        s = score[e]",
-            "        b = batch_idx[e]"]
+            "    s = score",
+            "    b = batch_idx"]
     if gqa > 1:
-        head += [f"        h = head_idx[e] // Int32({gqa})",
-                 f"        q = q_idx[e] * Int32({gqa}) + head_idx[e] % Int32({gqa})"]
+        head += [f"    h = head_idx // Int32({gqa})",
+                 f"    q = q_idx * Int32({gqa}) + head_idx % Int32({gqa})"]
     else:
-        head += ["        h = head_idx[e]", "        q = q_idx[e]"]
-    head += ["        kv = kv_idx[e]"]
-    fwd = _body(sm, sm.expr, offset, index_bits)
-    bwd = _body(sm, sm.grad, offset, index_bits)
-    bwd[-1] = bwd[-1].replace("res[e] = ", "res[e] = grad[e] * ")
-    ind = "        "
+        head += ["    h = head_idx", "    q = q_idx"]
+    head += ["    kv = kv_idx"]
+    fwd, out = _body(sm, sm.expr, offset, index_bits)
+    bwd, dout = _body(sm, sm.grad, offset, index_bits)
+    ind = "    "
     return "\n".join(
         [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]"
          + (f", indices packed by {gqa} query heads per kv head" if gqa > 1 else ""),
@@ -300,20 +317,20 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          "", "", *(_I2F if index_bits else []),
          "@cute.jit",
          "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
-         *head, *[ind + line for line in fwd], "    return res.load()", "", "",
+         *head, *[ind + line for line in fwd], f"    return {out}", "", "",
          "@cute.jit",
          "def score_mod_bwd(grad, score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info,",
          "                  aux_tensors):",
-         *head, *[ind + line for line in bwd], "    return res.load()", ""])
+         *head, *[ind + line for line in bwd], f"    return grad * {dout}", ""])
 
 
 _I2F = [
     "@cute.jit",
     "def _i2f(x):",
     "    # float(x) for |x| < 2**22: x added to the bits of 1.5 * 2**23, less 1.5 * 2**23",
-    "    bits = cute.make_rmem_tensor(cute.make_layout((1,), stride=(1,)), Int32)",
-    "    bits[0] = x + Int32(0x4B400000)",
-    "    return cute.recast_tensor(bits, Float32)[0] - Float32(12582912.0)",
+    "    bits = cute.make_rmem_tensor(x.shape, Int32)",
+    "    bits.store(x + Int32(0x4B400000))",
+    "    return cute.recast_tensor(bits, Float32).load() - Float32(12582912.0)",
     "", ""]
 
 
