@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["compile_in_child", "opcodes", "print_table"]
+__all__ = ["compile_in_child", "opcodes", "print_table", "registers"]
 
 
 def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
@@ -41,3 +41,13 @@ def print_table(labels: list[str], rows: dict) -> None:
     print("|" + "---|" * (len(labels) + len(cols)))
     for key, c in rows.items():
         print("| " + " | ".join([*map(str, key), *(str(c[k]) for k in cols)]) + " |")
+
+
+def registers(ptx: Path) -> dict:
+    """ptxas's register use and spill bytes for a dumped kernel's PTX (``ptxas -v``, sm_90a)."""
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                       capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    return {"registers": int(regs[-1]) if regs else None,
+            "spill stores (bytes)": int(spill[-1]) if spill else None}

@@ -6,7 +6,9 @@ bf16, the native engine:
 * ``alibi``: causal with ALiBi, ``kv_idx - q_idx`` converted by I2F against by bits
   (``KernelOptions(score_index=...)``), and causal without a score_mod;
 * ``temperature``: causal with a per-head temperature ``score / temps[h]`` (a divisor the same
-  for the whole tile: one reciprocal, then a multiply per score).
+  for the whole tile: one reciprocal, then a multiply per score);
+* ``spills``: registers and spill bytes (``ptxas -v``) of the benchmarked mask + score_mod
+  pairs on their engines, forward and backward.
 
 Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2FP (sm90's int-to-float), FFMA /
 FMUL, and the PTX's ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a
@@ -16,6 +18,7 @@ each score costs, the H200 says what that is worth (``bench/h200.sh engines``).
     python bench/sass_score_mod.py softcap
     python bench/sass_score_mod.py alibi
     python bench/sass_score_mod.py temperature
+    python bench/sass_score_mod.py spills
 """
 
 from __future__ import annotations
@@ -26,13 +29,50 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
+from bench.sass import compile_in_child, opcodes, print_table, registers  # noqa: E402
 
 KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
-         "temperature": ("temperature",)}
+         "temperature": ("temperature",),
+         "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
+                    "sliding_window/softcap/native", "hstu/temperature/fa4")}
+
+
+def _spills_child(item: str) -> None:
+    # one mask + score_mod on one engine, with the options' defaults (bench/engines.py's)
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compilemask as cm
+    from bench.engines import SPECS, make_score_mod
+    from compilemask import masks
+    from compilemask.kernels import fa4
+    from compilemask.kernels.autograd import _score_variant
+    from compilemask.score_mod import compile_score_mod
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    name, smod, engine = item.split("/")
+    spec = SPECS[name]()
+    B, S, H, D = 2, 1000, 8, 128
+    meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
+    desc = cm.compile_mask(spec).preprocess(meta or None, seqlen_q=S, batch_size=B)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    sm, tables = compile_score_mod(make_score_mod(smod, "cpu"))
+    sm = _score_variant(sm.key, True, True)
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, fake = fake_on_cuda(desc, lists)
+        score = (sm, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
+        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine, lists=flists["bwd64"],
+                score=score)
 
 
 def _child(kind: str) -> None:
+    if kind in KINDS["spills"]:
+        _spills_child(kind)
+        return
     import dataclasses
 
     import torch
@@ -88,13 +128,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
         for kind in KINDS[which]:
-            dump = Path(tmp) / kind
+            dump = Path(tmp) / kind.replace("/", "_")
             dump.mkdir()
             if not compile_in_child(__file__, [kind], dump):
                 sys.exit(1)
             for kernel in ("fwd_sm90", "bwd_sm90"):
-                rows[(kind, kernel)] = _counts(dump, kernel)
-    print_table(["softcap as" if which == "softcap" else "score_mod", "kernel"], rows)
+                if which == "spills":
+                    rows[(kind, kernel)] = registers(next(dump.glob(f"*{kernel}*.ptx")))
+                else:
+                    rows[(kind, kernel)] = _counts(dump, kernel)
+    label = {"softcap": "softcap as", "spills": "mask / score_mod / engine"}
+    print_table([label.get(which, "score_mod"), "kernel"], rows)
 
 
 if __name__ == "__main__":

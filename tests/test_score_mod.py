@@ -672,6 +672,38 @@ def test_score_index_option_reaches_the_generated_code():
         cm.KernelOptions(score_index="fast")
 
 
+def test_index_bits_reach_the_forward_only(monkeypatch):
+    """The bit conversion is a forward choice: FA4's backward gets the I2F form of the same
+    score_mod (the bit form's extra live values made ptxas spill there)."""
+    from compilemask.kernels import fa4
+    from compilemask.score_mod import compile_score_mod
+
+    sm, tables = compile_score_mod(_cases()["alibi_causal"][0])
+    sm = dataclasses.replace(sm, index_bits=True, key="")
+    desc = cm.compile_mask(masks.causal()).preprocess(None, 64, batch_size=1)
+    seen = []
+    monkeypatch.setattr(fa4, "score_mod_fns",
+                        lambda sm, offset, gqa, bits: seen.append(bits) or (None, None))
+    fa4._mods(desc, "native", None, (sm, tables), backward=False)
+    fa4._mods(desc, "native", None, (sm, tables), backward=True)
+    assert seen == [True, False]
+
+
+def test_generated_score_mod_works_on_whole_vectors():
+    """Arithmetic on FA4's vectors (TensorSSA), not a loop of scalar operations (which made
+    ptxas spill in FA4's backward); only a table read walks the vector's elements."""
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.score_mod import compile_score_mod
+
+    for name in ("alibi_causal", "t5_prefix_lm", "softcap_sliding_window"):
+        sm, _ = compile_score_mod(_cases()[name][0])
+        src = score_mod_source(sm)
+        loops = [ln for ln in src.splitlines() if "range_constexpr" in ln]
+        reads = [ln for ln in src.splitlines() if "] = aux_tensors[" in ln]
+        assert len(loops) == len(reads), name
+        assert "res[e]" not in src and "score[e]" not in src, name
+
+
 def test_uniform_divisor_is_one_reciprocal():
     """``score / temps[h]``: the divisor is the same for a whole tile, so the generated code
     takes its reciprocal once and multiplies per score (forward and derivative); a divisor that
