@@ -191,10 +191,11 @@ for r in rows:
       --merge "$OUT"/attention_train_study_"${MASK}"_*.json | grep -E "^\| $MASK"
     ;;
   engines)  # the engine decision: every engine and peer per mask (SEQLENS=, MODES=, MASKS=,
-    # METHODS=); FA4's compiled kernels cached on the machine's disk between calls
+    # METHODS=, ROUNDS= interleaved rounds per point, 4 by default: ratios within 2% need
+    # them); FA4's compiled kernels cached on the machine's disk between calls
     export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
     step "engines_${TAG:-run}" "${SECS:-560}" python3 bench/engines.py --seqlens "${SEQLENS:-32768}" \
-      --modes "${MODES:-fwd,train}" --rep "${REP:-300}" \
+      --modes "${MODES:-fwd,train}" --rep "${REP:-300}" --rounds "${ROUNDS:-4}" \
       ${MASKS:+--masks "$MASKS"} ${METHODS:+--methods "$METHODS"} --out "$OUT" --tag "engines_${TAG:-run}"
     grep -E "^\| " "$OUT/engines_${TAG:-run}.md" | cut -c1-400
     ;;
