@@ -200,14 +200,14 @@ class _Emit:
         if isinstance(e, sp.floor):
             num, den = sp.fraction(sp.together(e.args[0]))
             if num.is_integer and den.is_integer:
+                # floor(a / b) = (a - a mod b) / b, an exact division, so neither the DSL's
+                # division (floors) nor its remainder (the dividend's sign) rounding matters
                 a, b = self.get(sp.expand(num), "i"), self.get(sp.expand(den), "i")
-                # floor division whatever the signs: q = a // b rounded toward -inf
-                q = self.tmp(f"{a} // {b}")
-                fix = self.tmp(f"(({a} % {b}) != Int32(0)) & (({a} < Int32(0)) != "
-                               f"({b} < Int32(0)))")
-                return self.tmp(f"cute.where({fix}, {q} - Int32(1), {q})")
+                m = self.get(sp.Mod(sp.expand(num), sp.expand(den)), "i")
+                return self.tmp(f"({a} - {m}) // {b}")
             return self.tmp(f"cute.math.floor({self._exact_f(e.args[0])}).to(Int32)")
         if isinstance(e, sp.Mod):
+            # Python's mod (the divisor's sign) from a remainder of either sign convention
             a, b = self.get(e.args[0], "i"), self.get(e.args[1], "i")
             r = self.tmp(f"{a} % {b}")
             fix = self.tmp(f"({r} != Int32(0)) & (({r} < Int32(0)) != ({b} < Int32(0)))")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -724,3 +725,121 @@ def test_uniform_divisor_is_one_reciprocal():
     src = score_mod_source(sm)
     assert any(" / " in ln and "Float32(1.0) / " not in ln for ln in src.splitlines()
                if not ln.lstrip().startswith("#"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated CuTe code, run on the CPU by a model of the DSL's vector operations
+# ---------------------------------------------------------------------------------------------
+class _Vec(np.ndarray):
+    """A TensorSSA as the CuTe DSL computes it: signed ``//`` floors (``arith.floordivsi``),
+    ``%`` keeps the dividend's sign (``arith.remsi`` / ``remf``), ``.to(Int32)`` truncates."""
+
+    python_rounding = False  # the other convention (floor remainder): the code must not care
+
+    def __mod__(self, o):
+        mod = np.mod if _Vec.python_rounding else np.fmod
+        return mod(np.asarray(self), np.asarray(o)).view(_Vec)
+
+    def __rmod__(self, o):
+        mod = np.mod if _Vec.python_rounding else np.fmod
+        return mod(np.asarray(o), np.asarray(self)).view(_Vec)
+
+    def to(self, dtype):
+        a = np.asarray(self)
+        if dtype is np.int32 and a.dtype.kind == "f":
+            a = np.trunc(a)
+        return a.astype(dtype).view(_Vec)
+
+
+class _Frag:
+    def __init__(self, n, dtype):
+        self.a = np.zeros(n, dtype=dtype)
+
+    def __getitem__(self, i):
+        return self.a[i]
+
+    def __setitem__(self, i, v):
+        self.a[i] = v
+
+    def store(self, v):
+        self.a[:] = np.asarray(v)
+
+    def load(self):
+        return self.a.copy().view(_Vec)
+
+
+def _fake_cute():
+    import types
+
+    cute = types.SimpleNamespace()
+    cute.jit = lambda f: f
+    cute.size = lambda x: int(np.prod(x)) if isinstance(x, tuple) else int(x)
+    cute.full_like = lambda x, v: np.full_like(np.asarray(x), v).view(_Vec)
+    cute.where = lambda c, a, b: np.where(np.asarray(c), a, b).astype(
+        np.result_type(np.asarray(a), np.asarray(b))).view(_Vec)
+    cute.make_rmem_tensor = lambda n, dtype: _Frag(n if isinstance(n, int) else n[0], dtype)
+    cute.make_layout = lambda *a, **k: None
+
+    def recast(frag, dtype):
+        out = _Frag(len(frag.a), dtype)
+        out.a = frag.a.view(dtype)
+        return out
+    cute.recast_tensor = recast
+
+    def f32(fn):
+        return lambda x, fastmath=True: fn(np.asarray(x, dtype=np.float32)).astype(
+            np.float32).view(_Vec)
+    cute.math = types.SimpleNamespace(
+        exp=f32(np.exp), log=f32(np.log), tanh=f32(np.tanh), sin=f32(np.sin), cos=f32(np.cos),
+        exp2=f32(np.exp2), log2=f32(np.log2), sqrt=f32(np.sqrt), floor=f32(np.floor),
+        rsqrt=f32(lambda x: 1 / np.sqrt(x)))
+    cutlass = types.SimpleNamespace(cute=cute, range_constexpr=range)
+    return {"cute": cute, "cutlass": cutlass, "Float32": np.float32, "Int32": np.int32}
+
+
+def _run_generated(src, fn_name, score, b, h, q, kv, tables, grad=None):
+    ns = _fake_cute()
+    exec("\n".join(ln for ln in src.splitlines() if not ln.startswith(("import", "from"))),
+         ns)
+    vec = [np.asarray([x], dtype=d).view(_Vec) for x, d in
+           ((score, np.float32), (b, np.int32), (h, np.int32), (q, np.int32), (kv, np.int32))]
+    aux = [np.asarray(t) for t in tables]
+    if grad is None:
+        return float(ns[fn_name](*vec, None, aux)[0])
+    g = np.asarray([grad], dtype=np.float32).view(_Vec)
+    return float(ns[fn_name](g, *vec, None, aux)[0])
+
+
+@pytest.mark.parametrize("name", ["alibi_causal", "softcap_sliding_window", "temperature_hstu",
+                                  "t5_prefix_lm",
+                                  "negative_index_from_the_end", "per_sequence_scale",
+                                  "int_table_and_where", "bool_table", "zero_d_tensor",
+                                  "sigmoid_abs_min_max", "float_to_int", "floor_div_mod"])
+@pytest.mark.parametrize("index_bits", [False, True])
+@pytest.mark.parametrize("python_rounding", [False, True])
+def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, monkeypatch):
+    """The generated ``score_mod`` / ``score_mod_bwd`` source, run by a CPU model of the CuTe
+    DSL's vector semantics (signed ``//`` floors, ``%`` keeps the dividend's sign, float to int
+    truncates; and with a floor remainder), equals the score_mod as written, with negative index
+    differences."""
+    monkeypatch.setattr(_Vec, "python_rounding", python_rounding)
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.score_mod import compile_score_mod, kernel_table
+
+    fn = _all_score_mods()[name]
+    sm, tables = compile_score_mod(fn)
+    tables = [kernel_table(t, spec.is_float) for t, spec in zip(tables, sm.tables)]
+    src = score_mod_source(sm, index_bits=index_bits)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(40):
+        s = float(torch.randn((), generator=g)) * 6
+        b, h = int(torch.randint(0, B, (), generator=g)), int(torch.randint(0, H, (), generator=g))
+        i, j = (int(x) for x in torch.randint(0, 40, (2,), generator=g))
+        x = torch.tensor(s, dtype=torch.float32, requires_grad=True)
+        want = fn(x, torch.tensor(b), torch.tensor(h), torch.tensor(i), torch.tensor(j))
+        want.backward()
+        want = want.detach()
+        got = _run_generated(src, "score_mod", s, b, h, i, j, tables)
+        assert got == pytest.approx(float(want), rel=1e-5, abs=1e-5), (name, s, b, h, i, j)
+        dgot = _run_generated(src, "score_mod_bwd", s, b, h, i, j, tables, grad=1.0)
+        assert dgot == pytest.approx(float(x.grad), rel=1e-5, abs=1e-5), (name, i, j)
