@@ -2,9 +2,9 @@
 
 The ``@cute.jit`` source is executed with Python ints and bools standing in for CUTLASS's Int32
 and Boolean (``cute.jit`` an identity), on a grid of rows, columns and params that includes
-negative differences: the predicate must agree with sympy's evaluation everywhere. (What this
-cannot see is the hardware's rounding of ``//`` and ``%`` on negatives: the emitter never relies
-on it, and the GPU tests cover the compiled code.)
+negative differences: the predicate must agree with sympy's evaluation everywhere, with Python's
+rounding of ``//`` and ``%`` and with the DSL's (``%`` keeps the dividend's sign): the emitter
+relies on neither.
 """
 
 from __future__ import annotations
@@ -35,8 +35,33 @@ EXPRS = [
 ]
 
 
-def _load(src: str, name: str):
-    int32 = type("Int32", (), {"__new__": lambda cls, v: int(v)})
+class _DslInt(int):
+    """An Int32 with the CuTe DSL's signed rounding: ``//`` floors (``arith.floordivsi``), ``%``
+    keeps the dividend's sign (``arith.remsi``), unlike Python's floor remainder."""
+
+    def __mod__(self, o):
+        r = abs(int(self)) % abs(int(o))
+        return _DslInt(-r if self < 0 else r)
+
+    def __rmod__(self, o):
+        return _DslInt(o).__mod__(self)
+
+
+def _dsl_op(name):
+    op = getattr(int, name)
+    return lambda a, b: _DslInt(op(int(a), int(b)))
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__floordiv__", "__rfloordiv__", "__and__", "__rand__", "__or__", "__ror__",
+              "__xor__", "__rxor__", "__lshift__", "__rshift__"):
+    setattr(_DslInt, _name, _dsl_op(_name))
+_DslInt.__neg__ = lambda a: _DslInt(-int(a))
+
+
+def _load(src: str, name: str, dsl_rounding: bool = False):
+    num = _DslInt if dsl_rounding else int
+    int32 = type("Int32", (), {"__new__": lambda cls, v: num(v)})
     boolean = type("Boolean", (), {"__new__": lambda cls, v: bool(v)})
     cutlass = types.SimpleNamespace(Int32=int32, Boolean=boolean, min=min, max=max)
     cute = types.SimpleNamespace(jit=lambda f: f)
@@ -46,14 +71,17 @@ def _load(src: str, name: str):
     return env[name]
 
 
+@pytest.mark.parametrize("dsl_rounding", [False, True])
 @pytest.mark.parametrize("expr", EXPRS, ids=[str(e) for e in EXPRS])
-def test_predicate_equals_sympy(expr):
+def test_predicate_equals_sympy(expr, dsl_rounding):
+    """Python's rounding and the DSL's (a remainder with the dividend's sign) alike."""
     params = ["p"] if p in expr.free_symbols else []
     src = predicate_source(expr, params, name="pred")
-    fn = _load(src, "pred")
+    fn = _load(src, "pred", dsl_rounding)
+    num = _DslInt if dsl_rounding else int
     for ii, jj, pp in itertools.product(range(-3, 9), range(-3, 9), (1, 2, 3, 5)):
         want = bool(expr.subs({i: ii, j: jj, p: pp}))
-        args = [ii, jj] + ([pp] if params else []) + [None, 0, 0]
+        args = [num(ii), num(jj)] + ([num(pp)] if params else []) + [None, 0, 0]
         assert fn(*args) == want, (expr, ii, jj, pp, src)
     if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Mod) and expr.rhs == 0 \
             and expr.lhs.args[1] == 2:
