@@ -1,4 +1,5 @@
-"""The generated fallback predicates mean what their sympy expressions mean.
+"""The generated fallback predicates mean what their sympy expressions mean, and the generated
+interval mask_mods equal the reference mask.
 
 The ``@cute.jit`` source is executed with Python ints and bools standing in for CUTLASS's Int32
 and Boolean (``cute.jit`` an identity), on a grid of rows, columns and params that includes
