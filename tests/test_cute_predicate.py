@@ -239,13 +239,14 @@ def _load_mask_mod(src: str, dsl_rounding: bool):
     return env["mask_mod"], num
 
 
-@pytest.mark.parametrize("variant", ["intervals", "rows"])
+@pytest.mark.parametrize("variant", ["intervals", "rows", "rules"])
 @pytest.mark.parametrize("name", ["prefix_lm", "packed_documents", "packed_prefix_lm", "hstu",
                                   "shared_prompt_rm", "clear", "dilated_causal", "chunked_causal",
                                   "sink_window", "tree_verify"])
-def test_interval_mask_mod_equals_the_dense_mask(name, variant):
-    """The whole generated interval mask_mod (the Interval Table test, the fallback regions'
-    predicates on top, the row clamp), run with Python stand-ins for CuTe's types, equals the
+def test_generated_mask_mod_equals_the_dense_mask(name, variant):
+    """The whole generated mask_mod (the Interval Table test, the fallback regions' predicates
+    on top, the row clamp; or the rules as one predicate over the per-sequence params), run with
+    Python stand-ins for CuTe's types, equals the
     reference mask element by element on random metadata, at lengths that are not tile
     multiples, under both integer roundings; rows past seqlen_q read the last row."""
     import numpy as np
@@ -256,15 +257,17 @@ def test_interval_mask_mod_equals_the_dense_mask(name, variant):
     from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod_source
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
-    if variant == "rows" and mask.has_fallback:
-        pytest.skip("the rows variant takes interval masks only")
+    try:
+        mask_mod_source(mask, variant)
+    except ValueError as e:  # rows: interval masks only; rules: no per-row arrays
+        pytest.skip(str(e))
     gen = torch.Generator().manual_seed(len(name))
     for dsl_rounding, S in ((False, 37), (True, 70)):
         fn, num = _load_mask_mod(mask_mod_source(mask, variant), dsl_rounding)
         meta = masks.random_meta(mask.spec, 2, S, gen)
         desc = mask.preprocess(meta or None, S, batch_size=2, backend="torch")
         dense = desc.dense_mask()
-        aux = [np.asarray(t) for t in aux_tensors(desc, variant)]
+        aux = [np.asarray(t) for t in aux_tensors(desc, variant) or []]
         info = types.SimpleNamespace(seqlen_q=num(S), seqlen_k=num(S))
         for b in range(2):
             got = torch.tensor([[bool(fn([num(b)], [num(0)], [num(r)], [num(c)], info, aux)[0])
