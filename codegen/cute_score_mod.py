@@ -59,9 +59,9 @@ def _uniform(e) -> bool:
 class _Emit:
     """Expression -> CuTe DSL code on whole vectors (TensorSSA): FA4's vector of scores and
     indices in, one value per temporary. Vector arithmetic, not a loop of scalar operations:
-    the scalar form made ptxas spill in FA4's backward (64-252 bytes per thread with ALiBi, T5
-    and the softcap; none in this form, ``docs/decisions/engine.md``). A table read takes its
-    indices through a register fragment, one element at a time."""
+    the scalar form made ptxas spill in FA4's block-sparse backward where this form does not
+    (ALiBi: 68 bytes per thread, ``docs/decisions/engine.md``). A table read takes its indices
+    through a register fragment, one element at a time."""
 
     def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False):
         self.index_bits = index_bits
