@@ -275,3 +275,31 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
             assert torch.equal(got, dense[b]), (name, variant, S, b)
         pad = fn([num(0)], [num(0)], [num(S + 5)], [num(0)], info, aux)[0]
         assert bool(pad) == bool(dense[0, S - 1, 0])
+
+
+def test_generated_mask_mod_of_folded_heads_equals_the_dense_mask():
+    """Heads folded into the batch (``preprocess(..., num_heads=H)``): the generated mask_mod
+    reads row ``b * H + h`` of the Interval Table; run with Python stand-ins for CuTe's types,
+    it equals the per-head dense mask element by element."""
+    import numpy as np
+    import torch
+
+    import compilemask as cm
+    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod_source
+
+    B, H, S = 2, 3, 29
+    g = torch.Generator().manual_seed(11)
+    win = cm.compile_mask(cm.MaskSpec("w_per_head", params=("w",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: (j <= i) & (j > i - w))]))  # noqa: F821
+    groups = win.preprocess({"w": torch.randint(1, S, (B, H), generator=g)}, S, num_heads=H)
+    assert groups.folded
+    desc = groups.groups[0][0]
+    dense = groups.dense_mask()
+    for variant in ("intervals", "rows"):
+        fn, num = _load_mask_mod(mask_mod_source(desc.mask, variant, heads=H), True)
+        aux = [np.asarray(t) for t in aux_tensors(desc, variant)]
+        info = types.SimpleNamespace(seqlen_q=num(S), seqlen_k=num(S))
+        for b, h in itertools.product(range(B), range(H)):
+            got = torch.tensor([[bool(fn([num(b)], [num(h)], [num(r)], [num(c)], info, aux)[0])
+                                 for c in range(S)] for r in range(S)])
+            assert torch.equal(got, dense[b, h]), (variant, b, h)
