@@ -37,36 +37,45 @@ KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
                     "sliding_window/softcap/native", "hstu/temperature/fa4")}
 
 
+def _compile(mask, meta, sm, tables, engine: str, B: int, S: int, H: int, D: int) -> None:
+    """FA4's forward and backward for one mask + score_mod (None: no score_mod) on ``engine``,
+    compiled under fake tensors (the dumps are the point)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, fake = fake_on_cuda(desc, lists)
+        score = None if sm is None else (sm, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
+        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine, lists=flists["bwd64"],
+                score=score)
+
+
 def _spills_child(item: str) -> None:
     # one mask + score_mod on one engine, with the options' defaults (bench/engines.py's)
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import compilemask as cm
     from bench.engines import SPECS, make_score_mod
     from compilemask import masks
-    from compilemask.kernels import fa4
     from compilemask.kernels.autograd import _score_variant
     from compilemask.score_mod import compile_score_mod
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import fake_on_cuda
 
     name, smod, engine = item.split("/")
     spec = SPECS[name]()
     B, S, H, D = 2, 1000, 8, 128
     meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
-    desc = cm.compile_mask(spec).preprocess(meta or None, seqlen_q=S, batch_size=B)
-    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
     sm, tables = compile_score_mod(make_score_mod(smod, "cpu"))
-    sm = _score_variant(sm.key, True, True)
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, flists, fake = fake_on_cuda(desc, lists)
-        score = (sm, [fake(t) for t in tables])
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
-        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine, lists=flists["bwd64"],
-                score=score)
+    _compile(cm.compile_mask(spec), meta, _score_variant(sm.key, True, True), tables, engine,
+             B, S, H, D)
 
 
 def _child(kind: str) -> None:
@@ -76,15 +85,10 @@ def _child(kind: str) -> None:
     import dataclasses
 
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import compilemask as cm
     from compilemask import masks, score_mods
-    from compilemask.kernels import fa4
     from compilemask.score_mod import compile_score_mod
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import fake_on_cuda
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 50.0 * torch.tanh(score / 50.0)
@@ -97,20 +101,12 @@ def _child(kind: str) -> None:
         fn = score_mods.temperature(torch.linspace(0.5, 1.5, H))
     else:
         mask, fn = cm.compile_mask(masks.causal()), score_mods.alibi(score_mods.alibi_slopes(H))
-    desc = mask.preprocess(None, seqlen_q=S, batch_size=B)
-    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
     sm, tables = compile_score_mod(fn)
     if kind == "score_mod":  # what KernelOptions(softcap="score_mod") hands FA4
         sm = dataclasses.replace(sm, softcap=None, key="")
     if kind == "bits":  # what KernelOptions(score_index="bits") hands FA4
         sm = dataclasses.replace(sm, index_bits=True, key="")
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, flists, fake = fake_on_cuda(desc, lists)
-        score = None if kind == "none" else (sm, [fake(t) for t in tables])
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "native", lists=flists["fwd"], score=score)
-        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "native", lists=flists["bwd64"],
-                score=score)
+    _compile(mask, None, None if kind == "none" else sm, tables, "native", B, S, H, D)
 
 
 def _counts(dump: Path, kernel: str) -> dict:
