@@ -34,16 +34,20 @@ from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR"]
+           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
 # per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
 # "rows": the interval test, which FA4's sm90 forward applies a row at a time
-# (kernels/fa4_rowmask.py; masks without fallback regions; a backward takes the default)
-VARIANTS = ("predicate", "rules", "intervals", "rows")
+# (kernels/fa4_rowmask.py; masks without fallback regions; a backward takes the default);
+# "columns": the interval test, which FA4's transposed sm90 backward replaces by the column
+# view (kernels/fa4_colmask.py; descriptors that carry it; a forward takes the default)
+VARIANTS = ("predicate", "rules", "intervals", "rows", "columns")
 
 # on a "rows" mask_mod: (K, heads), read by kernels/fa4_rowmask.py
 ROWS_ATTR = "__compilemask_rows__"
+# on a "columns" mask_mod: (K, column slots), read by kernels/fa4_colmask.py
+COLUMNS_ATTR = "__compilemask_columns__"
 
 _CACHE = CompileCache("mask_mod")
 
@@ -160,8 +164,8 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
     """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles);
     ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice; ``heads > 1``:
     for a descriptor of a sequence per (batch, head), read at row ``b * heads + h``."""
-    variant = _check_variant(mask, variant)
-    if variant not in ("intervals", "rows"):
+    variant = _check_variant(mask, variant, heads)
+    if variant not in ("intervals", "rows", "columns"):
         whole = whole_mask_predicate(mask, any_region=variant == "rules")
         what = "every region is a predicate" if variant == "predicate" else "its rules"
         out = [f"# mask_mod for {mask.name!r} (key {mask.key}): {what}",
@@ -180,6 +184,9 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
     if variant == "rows":  # code, not a comment: FA4's kernel key must tell it from "intervals"
         out += ["# FA4's sm90 forward masks a row at a time (kernels/fa4_rowmask.py)",
                 f"ROWS = ({K}, {heads})", ""]
+    if variant == "columns":
+        out += ["# FA4's transposed sm90 backward masks by the column view "
+                "(kernels/fa4_colmask.py)", f"COLUMNS = ({K}, {mask.column_view.slots})", ""]
     for _, src in fbs:
         out += [src.rstrip(), ""]
     out += [
@@ -217,7 +224,7 @@ def _select() -> list[str]:
             "    return frag.load()", ""]
 
 
-def _check_variant(mask, variant):
+def _check_variant(mask, variant, heads: int = 1):
     if variant is None:
         return mask_mod_variant(mask)
     if variant not in VARIANTS:
@@ -230,6 +237,12 @@ def _check_variant(mask, variant):
                          "intervals (regions " + ", ".join(repr(r.name) for r in
                                                           mask.fallback_regions)
                          + " keep a predicate)")
+    if variant == "columns" and mask.column_view is None:
+        raise ValueError(f"mask {mask.name!r}: the 'columns' mask_mod needs a column view "
+                         f"({mask.column_view_reason})")
+    if variant == "columns" and heads != 1:
+        raise ValueError(f"mask {mask.name!r}: the 'columns' mask_mod reads one sequence per "
+                         f"batch row, not {heads} heads folded into it")
     if variant == "rules" and whole_mask_predicate(mask, any_region=True) is None:
         raise ValueError(f"mask {mask.name!r}: its rules do not form one predicate (a rule "
                          "reads seqlen_q / seqlen_k or a derived array)")
@@ -239,37 +252,51 @@ def _check_variant(mask, variant):
 def mask_mod(mask, variant: str | None = None, heads: int = 1):
     """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key, the
     variant and the heads folded into the batch."""
-    variant = _check_variant(mask, variant)
+    variant = _check_variant(mask, variant, heads)
 
     def build():
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
         fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
+        if variant == "columns":  # the source's COLUMNS
+            setattr(fn, COLUMNS_ATTR, (max(mask.num_intervals, 1), mask.column_view.slots))
         return fn
 
     return _CACHE.get((mask.key, variant, heads), build)
 
 
-def forward_variant(mask, variant: str | None, backward: bool) -> str:
+def forward_variant(mask, variant: str | None, backward: bool, columns: bool = False) -> str:
     """The mask_mod variant of one FA4 block-sparse call. A forward of a mask without fallback
     regions reads its intervals a row at a time (``"rows"``: 1-7% faster train steps than the
     per-score tests, docs/decisions/engine.md); ``"rows"`` is a forward strategy only (FA4's
-    sm90 backward holds the tile transposed), so a backward takes the per-score default."""
+    sm90 backward holds the tile transposed), so a backward takes the per-score default. A
+    backward of a descriptor that carries the column view (``columns``) reads it
+    (``"columns"``), a backward strategy only; asked for without it, it raises."""
     if backward:
+        if variant == "columns" and not columns:
+            raise ValueError(f"mask {mask.name!r}: the 'columns' mask_mod reads the descriptor's "
+                             "column view: preprocess with "
+                             "config=PipelineConfig(column_view=True)")
+        if variant is None and columns:
+            return "columns"
         return mask_mod_variant(mask) if variant in (None, "rows") else _check_variant(mask,
                                                                                      variant)
-    if variant is None and not mask.has_fallback:
+    if variant in (None, "columns") and not mask.has_fallback:
         return "rows"
-    return _check_variant(mask, variant)
+    return _check_variant(mask, None if variant == "columns" else variant)
 
 
 def aux_tensors(desc, variant: str | None = None) -> list:
     """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
     B, Sq, K, _ = desc.intervals.shape
-    if _check_variant(desc.mask, variant) not in ("intervals", "rows"):
+    variant = _check_variant(desc.mask, variant)
+    if variant not in ("intervals", "rows", "columns"):
         return [t for t in (desc.params, desc.row_params) if t.shape[-1]] or None
     tensors = [desc.intervals.view(B, Sq, 2 * K)]
+    if variant == "columns":  # the view's masks have no fallback region
+        _, Sk, slots, _ = desc.columns.shape
+        return tensors + [desc.columns.view(B, Sk, 2 * slots)]
     if desc.mask.has_fallback:
         tensors.append(desc.row_region)
         tensors += [t for t in (desc.params, desc.row_params) if t.shape[-1]]

@@ -17,6 +17,7 @@ from compilemask.bounds import INT64_MAX, META_MAX, check_fits
 from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.preprocess import tilelang_source
 from compilemask.codegen.torch_reference import exec_source, torch_source
+from compilemask.columns import COLUMN_SLOTS, ColumnView, transposed_rule, why_no_view
 from compilemask.compiler import (
     Interval,
     Term,
@@ -237,6 +238,38 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
                tables)
 
 
+def _column_view(mask) -> tuple[ColumnView | None, str | None]:
+    """(view, None) or (None, why not): the exchanged rule through passes 2-4 as one region."""
+    why = why_no_view(mask)
+    if why is not None:
+        return None, why
+    spec = mask.spec
+    syms = rule_symbols(spec.params)
+    rule = transposed_rule(mask, syms)
+    derived = {n for d in mask.derived_arrays for n in d[:2]}
+    ctx = RuleContext("columns", "visible", spec.params, syms,
+                      set(mask.array_params) - derived, set(mask.scalar_params),
+                      set(mask.divisor_params))
+    translated = [(types.SimpleNamespace(name="columns"),
+                   types.SimpleNamespace(expr=sp.true, source="True"),
+                   types.SimpleNamespace(expr=rule, source=str(rule)))]
+    canonical = f"columns of {mask.key}"
+    try:
+        ir = _compile_ir(spec, translated, syms, ctx, canonical, canonical_hash(canonical))
+    except (ValueError, NotImplementedError) as e:
+        return None, f"its exchanged rule does not compile ({e})"
+    region = ir.regions[0]
+    if region.fallback:
+        return None, "its exchanged rule keeps a predicate (" + "; ".join(
+            region.fallback_reasons) + ")"
+    missing = [a for a in ir.array_params if a not in mask.array_params]
+    if missing:
+        return None, f"its exchanged rule reads arrays {missing} the descriptor does not carry"
+    slots = min(ir.num_intervals, max(mask.num_intervals, 1), COLUMN_SLOTS)
+    return ColumnView(region, ir.num_intervals, ir.torch_fns["interval_table"],
+                      ir.scalar_params, ir.array_params, slots), None
+
+
 def _opaque_tables(rule, i, j):
     """The rule with each table read as an opaque atom of (i, j), named as written: the
     interval passes would otherwise solve inside its column (``t[i, min(6, j)]`` split at
@@ -323,6 +356,21 @@ class CompiledMask:
         if not hasattr(self._ir, "native"):
             self._ir.native = native_pattern(self)
         return self._ir.native
+
+    @property
+    def column_view(self) -> ColumnView | None:
+        """The query rows that see each key, compiled (``compilemask.columns``), or None where
+        the mask has none (``column_view_reason`` says why)."""
+        return self._column_view()[0]
+
+    @property
+    def column_view_reason(self) -> str | None:
+        return self._column_view()[1]
+
+    def _column_view(self):
+        if not hasattr(self._ir, "columns"):
+            self._ir.columns = _column_view(self)
+        return self._ir.columns
 
     @property
     def divisor_params(self) -> tuple[str, ...]:

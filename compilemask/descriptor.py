@@ -266,6 +266,10 @@ class ExecutionDescriptor:
     # int32 [B]: the queries each request has in a packed (varlen) batch, its last positions
     # (``query_descriptor(..., seqused_q=)``; rows past it are padding); None: all seqlen_q
     seqused_q: torch.Tensor | None = None
+    # int32 [B, Sk, slots, 2]: per key, the query rows that see it as merged (start, len) runs
+    # (``compilemask.columns``; slot 0 ``(0, -1)``: more runs than slots), written when the
+    # pipeline is asked for it (``PipelineConfig(column_view=True)``); FA4's backward reads it
+    columns: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -334,7 +338,7 @@ class ExecutionDescriptor:
             segments = (segments[0].to(device), segments[1])
         lists = None if self.lists is None else self.lists.to(device)
         used = {f: None if getattr(self, f) is None else getattr(self, f).to(device)
-                for f in ("seqused_k", "seqused_q")}
+                for f in ("seqused_k", "seqused_q", "columns")}
         return replace(self, **moved, segments=segments, lists=lists, **used)
 
 

@@ -31,7 +31,7 @@ _CHOICES = {
     "fwd_mask": ("compare", "bits"),
     "bwd_meta": ("regs", "async"),
     "bwd_bitmap": ("smem", "global"),
-    "mask_mod": ("rules", "intervals", "predicate", "rows"),
+    "mask_mod": ("rules", "intervals", "predicate", "rows", "columns"),
     "softcap": ("fa4", "score_mod"),
     "score_index": ("cvt", "bits"),
 }
@@ -53,8 +53,11 @@ class KernelOptions:
       shared-memory copy, when the row fits: up to 4096 q tiles) or ``"global"``.
     * ``mask_mod``: the ``fa4`` engine's partial-tile test, ``"rules"`` (the rules as index
       arithmetic), ``"intervals"`` (the Interval Table), ``"predicate"`` (every region a
-      fallback predicate) or ``"rows"`` (the forward's Interval Table read a row at a time,
-      the backward the default); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses.
+      fallback predicate), ``"rows"`` (the forward's Interval Table read a row at a time,
+      the backward the default) or ``"columns"`` (the head-dim-128 backward's tiles masked by
+      the descriptor's column view, ``PipelineConfig(column_view=True)``; the forward the
+      default); None: ``codegen.cute_mask_mod.mask_mod_variant`` chooses (and a backward
+      reads the column view where the descriptor carries it).
     * ``softcap``: a score_mod recognized as ``c * tanh(score / c)`` runs as the generated
       score_mod (``"score_mod"``: a multiply by ``1/c``, as Flex-FA4 runs it) or FA4's own
       ``softcap`` (``"fa4"``: an IEEE division per score); None: :data:`DEFAULT_SOFTCAP`.

@@ -42,6 +42,7 @@ from compilemask.codegen.preprocess import (
     tilelang_preprocess,
 )
 from compilemask.codegen.tilelang_build import prebuild
+from compilemask.columns import column_table
 from compilemask.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
@@ -57,8 +58,8 @@ from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps, visibility_only_slots
 
 __all__ = ["PipelineConfig", "DEFAULT_CONFIG", "LIST_KINDS_FA4", "first_use", "preprocess",
-           "torch_tables", "assemble", "finish", "with_lists", "on_device", "Preprocessor",
-           "has_tilelang"]
+           "torch_tables", "assemble", "finish", "with_lists", "with_columns", "on_device",
+           "Preprocessor", "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -68,12 +69,15 @@ LIST_KINDS_FA4 = ("fwd", "bwd64", "bwd128")
 @dataclass(frozen=True)
 class PipelineConfig:
     """The tilings and the generated programs' launch shapes: one object that tests and
-    benchmarks pass, and part of every compiled program's key."""
+    benchmarks pass, and part of every compiled program's key. ``column_view``: also write
+    each key's query rows (``ExecutionDescriptor.columns``, ``compilemask.columns``), which
+    FA4's head-dim-128 backward then masks its partial tiles with."""
 
     fwd_tiles: TileConfig = DEFAULT_FWD_TILES
     bwd_tiles: TileConfig = DEFAULT_BWD_TILES
     preprocess: PreprocessConfig = field(default=DEFAULT_PREPROCESS_CONFIG)
     lists: ListsConfig = field(default=DEFAULT_LISTS_CONFIG)
+    column_view: bool = False
 
     @property
     def fa4_tiles(self) -> bool:
@@ -190,8 +194,26 @@ def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
         desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
     native = (pat is not None and desc.native_applies()
               and (pat.kind != "segments" or desc.segments is not None))
+    if config.column_view:
+        desc = with_columns(desc)
     # where the native path cannot run this batch, the block-sparse engine reads the lists
     return desc if native else with_lists(desc, config)
+
+
+def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
+    """``desc`` with its column view's table (``compilemask.columns``), from the metadata
+    copies it carries; raises where the mask or the shape has none."""
+    mask = desc.mask
+    if mask.column_view is None:
+        raise ValueError(f"column_view: mask {mask.name!r} has no column view "
+                         f"({mask.column_view_reason})")
+    if desc.seqlen_q != desc.seqlen_k or desc.q_offset:
+        raise ValueError(f"column_view: needs square attention from row 0 (seqlen_q "
+                         f"{desc.seqlen_q}, seqlen_k {desc.seqlen_k}, q_offset {desc.q_offset})")
+    n = len(mask.array_params)
+    table = column_table(mask.column_view, mask, desc.params, desc.row_params[..., :n],
+                         desc.seqlen_k)
+    return dataclasses.replace(desc, columns=table.contiguous())
 
 
 def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG
@@ -208,7 +230,8 @@ def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFI
 def _config_of(desc, config: PipelineConfig) -> PipelineConfig:
     if (desc.fwd_tiles, desc.bwd_tiles) == (config.fwd_tiles, config.bwd_tiles):
         return config
-    return PipelineConfig(desc.fwd_tiles, desc.bwd_tiles, config.preprocess, config.lists)
+    return PipelineConfig(desc.fwd_tiles, desc.bwd_tiles, config.preprocess, config.lists,
+                          config.column_view)
 
 
 # ---- descriptors on the device that runs attention -------------------------------------------

@@ -80,24 +80,31 @@ def _unpack(args) -> tuple[DescriptorArgs, _Call]:
 def _descriptor(d: DescriptorArgs, call: _Call):
     # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
     segments = (call.extra[0], call.max_seqlen) if len(call.extra) == 1 else None
-    return d.descriptor(mask_for_key(call.mask_key), segments)
+    desc = d.descriptor(mask_for_key(call.mask_key), segments)
+    n = len(BlockSparseLists._fields)
+    if len(call.extra) == 2 * n + 1:  # the lists, then the column view
+        desc = dataclasses.replace(desc, columns=call.extra[2 * n])
+    return desc
 
 
 def _lists(extra, backward: bool):
     """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
     else None."""
     n = len(BlockSparseLists._fields)
-    if len(extra) != 2 * n:
+    if len(extra) not in (2 * n, 2 * n + 1):
         return None
-    return BlockSparseLists(*extra[n:] if backward else extra[:n])
+    return BlockSparseLists(*extra[n:2 * n] if backward else extra[:n])
 
 
 def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
     """The engine's per-batch tensors beyond the descriptor core, as op inputs: the forward
-    and backward block-sparse lists (fa4), or a segments pattern's cu_seqlens (native)."""
+    and backward block-sparse lists (fa4) and the column view where the descriptor has it and
+    the backward reads it (head dim 128: the transposed tile), or a segments pattern's
+    cu_seqlens (native)."""
     if engine == "fa4":
         bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
-        return [*desc.block_sparse("fwd"), *bwd], 0
+        cols = [desc.columns] if desc.columns is not None and head_dim == 128 else []
+        return [*desc.block_sparse("fwd"), *bwd, *cols], 0
     if engine == "native" and desc.segments is not None:
         return [desc.segments[0]], int(desc.segments[1])
     return [], 0

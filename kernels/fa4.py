@@ -166,9 +166,12 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
                                  "'rows' read them right")
             variant = "rows" if variant == "rows" and not backward else "intervals"
         else:
-            variant = forward_variant(desc.mask, variant, backward)
+            columns = desc.columns is not None and heads == 1
+            variant = forward_variant(desc.mask, variant, backward, columns)
         if variant == "rows":
             _install_rowmask()
+        if variant == "columns":
+            _install_colmask()
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -198,6 +201,13 @@ def _install_rowmask() -> None:
     from . import fa4_rowmask  # imports FA4's forward kernel module
 
     fa4_rowmask.install()
+
+
+@functools.lru_cache(maxsize=None)
+def _install_colmask() -> None:
+    from . import fa4_colmask  # imports FA4's backward kernel module
+
+    fa4_colmask.install()
 
 
 def _leading_dim(t):

@@ -264,7 +264,7 @@ def test_folded_heads_compile_in_fa4():
         assert dq.shape == q.shape and dk.shape == kv.shape
 
 
-def _compiles_in_fa4(mask, meta, head_dim, variant=None):
+def _compiles_in_fa4(mask, meta, head_dim, variant=None, config=None):
     _fa4_fake_env()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -272,7 +272,7 @@ def _compiles_in_fa4(mask, meta, head_dim, variant=None):
     from compilemask.kernels import fa4
 
     B, S, H, D = 2, 300, 4, head_dim
-    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B, config=config)
     lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64" if D == 128 else "bwd128")}
     mm = mask_mod(mask, variant)
     assert mm is mask_mod(mask, variant)  # cached by the mask's key

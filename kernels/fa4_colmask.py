@@ -1,0 +1,125 @@
+"""Partial tiles of FA4's sm90 backward masked by the column view: the ``"columns"`` variant.
+
+FA4's head-dim-128 sm90 backward computes the score tile transposed (``SdP_swapAB``): a thread
+holds 2 keys x 16 query rows. Its per-score mask_mod reads, for each of the 16 rows, the row's
+K Interval Table slots (64 loads per thread and tile for K = 2). With the column view
+(``compilemask.columns``, ``ExecutionDescriptor.columns``) each of the thread's 2 keys reads
+its few merged row runs once, and a score is one subtraction, an unsigned compare and a select
+against them. A key flagged as overflowing (more runs than the table's slots) takes the
+Interval Table test for its 16 rows instead, so the mask stays exact for every input.
+
+The class is installed as ``flash_bwd_sm90.AttentionMask`` (:func:`install`). It takes a call
+only for a mask_mod carrying ``COLUMNS_ATTR``, on the transposed tile, without causal / local
+or PackGQA; everything else (FA4's own masks, the non-transposed head-dim-64 backward) runs
+FA4's code with the same mask_mod, which is the exact per-score interval test.
+``tests/test_fa4_colmask.py`` pins the FA4 internals relied on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32, const_expr
+from flash_attn.cute import flash_bwd_sm90
+from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.utils import AuxData
+from quack import layout_utils
+
+from compilemask.codegen.cute_mask_mod import COLUMNS_ATTR
+
+__all__ = ["ColumnIntervalMask", "install"]
+
+# COLUMNS_ATTR on a generated mask_mod: (K, slots); aux_tensors[0] is the Interval Table, int32
+# [B, Sq, 2K], aux_tensors[1] the column table, int32 [B, Sk, 2 * slots]
+
+
+@dataclass(frozen=True)
+class ColumnIntervalMask(AttentionMask):
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        batch_idx: cutlass.Int32,
+        head_idx: cutlass.Int32,
+        m_block: cutlass.Int32,
+        n_block: cutlass.Int32,
+        thr_mma: cute.TiledMma,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool] = False,
+        mask_mod: cutlass.Constexpr = None,
+        aux_data: AuxData = AuxData(),  # noqa: B008 (FA4's signature)
+        fastdiv_mods=(None, None),
+    ) -> None:
+        cols = getattr(mask_mod, COLUMNS_ATTR, None) if const_expr(mask_mod is not None) else None
+        if const_expr(cols is None or mask_causal or mask_local or not self.swap_AB
+                      or self.qhead_per_kvhead_packgqa != 1):
+            AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
+                                     mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
+                                     fastdiv_mods)
+        else:
+            self._apply_columns(acc_S, batch_idx, m_block, n_block, thr_mma, mask_seqlen,
+                                cols[0], cols[1], aux_data.tensors[0], aux_data.tensors[1])
+
+    @cute.jit
+    def _apply_columns(
+        self,
+        acc_S: cute.Tensor,
+        batch_idx: cutlass.Int32,
+        m_block: cutlass.Int32,
+        n_block: cutlass.Int32,
+        thr_mma: cute.TiledMma,
+        mask_seqlen: cutlass.Constexpr[bool],
+        K: cutlass.Constexpr[int],
+        slots: cutlass.Constexpr[int],
+        intervals: cute.Tensor,
+        columns: cute.Tensor,
+    ) -> None:
+        # the tile is (tile_n, tile_m): coordinate 0 is the key, 1 the query row
+        acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S, transpose=True)
+        cS = cute.make_identity_tensor((self.tile_n, self.tile_m))
+        tScS_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cS), transpose=True)
+        t0ScS_mn = layout_utils.reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS),
+                                                  transpose=True)
+        # a thread's rows are its first row plus thread 0's row offsets (compile-time), as
+        # FA4's masks take its columns
+        row_base = m_block * self.tile_m + tScS_mn[0, 0][1]
+        nrow = cute.size(tScS_mn.shape[0])
+        for c in cutlass.range_constexpr(cute.size(tScS_mn.shape[1])):
+            col_g = tScS_mn[0, c][0] + n_block * self.tile_n
+            col = cutlass.min(col_g, self.seqlen_k - 1)  # padded keys read the last key
+            los, lens = [], []
+            for s in cutlass.range_constexpr(slots):
+                # runs lie in [0, seqlen_q): rows past it fail the test by themselves
+                los.append(columns[batch_idx, col, 2 * s] - row_base)
+                ln = columns[batch_idx, col, 2 * s + 1]
+                if const_expr(mask_seqlen):
+                    ln = ln if col_g < self.seqlen_k else Int32(0)
+                lens.append(ln)
+            if lens[0] >= 0:
+                for r in cutlass.range_constexpr(nrow):
+                    row = t0ScS_mn[r, 0][1]
+                    vis = Uint32(row - los[0]) < Uint32(lens[0])
+                    for s in cutlass.range_constexpr(1, slots):
+                        vis = vis | (Uint32(row - los[s]) < Uint32(lens[s]))
+                    acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
+            else:  # more runs than slots (metadata in an unusual order): the rows' slots
+                for r in cutlass.range_constexpr(nrow):
+                    row_g = row_base + t0ScS_mn[r, 0][1]
+                    row = cutlass.min(row_g, self.seqlen_q - 1)
+                    vis = Uint32(col_g - intervals[batch_idx, row, 0]) < Uint32(
+                        intervals[batch_idx, row, 1])
+                    for m in cutlass.range_constexpr(1, K):
+                        vis = vis | (Uint32(col_g - intervals[batch_idx, row, 2 * m])
+                                     < Uint32(intervals[batch_idx, row, 2 * m + 1]))
+                    if const_expr(mask_seqlen):
+                        vis = vis & (row_g < self.seqlen_q)
+                    acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
+
+
+def install() -> None:
+    """Make the backward kernel build its masks with :class:`ColumnIntervalMask` (idempotent)."""
+    if flash_bwd_sm90.AttentionMask is AttentionMask:
+        flash_bwd_sm90.AttentionMask = ColumnIntervalMask

@@ -1,0 +1,302 @@
+"""The column view (``compilemask.columns``) and the ``"columns"`` mask_mod variant that masks
+FA4's transposed sm90 backward with it (``kernels/fa4_colmask.py``).
+
+CPU: the compiled column view of every example mask against the brute-force mask, key by key,
+on random metadata (ordered and not); the run merge; the kernel's test modelled on the CPU
+(overflowing keys through the Interval Table); the pipeline option, the descriptor and op
+plumbing, the variant's key and refusals, the FA4 internals relied on, a fake compile. GPU:
+every example mask with a column view, head dims 128 and 64, and metadata that overflow,
+against the float32 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from test_fa4_engine import _gpu_case
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.codegen.cute_mask_mod import (
+    COLUMNS_ATTR,
+    forward_variant,
+    mask_mod,
+    mask_mod_source,
+    mask_mod_variant,
+)
+from compilemask.columns import OVERFLOW, column_table, merge_runs
+from compilemask.pipeline import PipelineConfig
+
+from helpers import check_attention_vs_reference
+
+COLUMNS = PipelineConfig(column_view=True)
+WITH_VIEW = sorted(n for n, f in masks.EXAMPLES.items()
+                   if cm.compile_mask(f()).column_view is not None)
+
+
+def _decode(table: torch.Tensor, seqlen_q: int) -> torch.Tensor:
+    """bool [B, Sq, Sk] of a column table (overflowing keys: no rows)."""
+    rows = torch.arange(seqlen_q).view(1, seqlen_q, 1)
+    out = torch.zeros(table.shape[0], seqlen_q, table.shape[1], dtype=torch.bool)
+    for s in range(table.shape[2]):
+        lo, ln = (table[..., s, n].long().unsqueeze(1) for n in (0, 1))
+        out |= (rows >= lo) & (rows < lo + ln)
+    return out
+
+
+def _split_columns():
+    """K = 1 per row, but a key in [p2, p) is seen by rows [0, a) and [b, S): two runs, more
+    than the one slot the view keeps, so such keys overflow."""
+    # noqa: F821 below: the metadata names are runtime params
+    return cm.MaskSpec("split_columns", params=["a", "b", "p", "p2"], regions=[
+        cm.Region("top", when=lambda i: i < a, visible=lambda i, j: j < p),  # noqa: F821
+        cm.Region("middle", when=lambda i: i < b, visible=lambda i, j: j < p2),  # noqa: F821
+        cm.Region("rest", when=lambda i: i >= 0, visible=lambda i, j: j < p),  # noqa: F821
+    ])
+
+
+def _split_meta(B: int, S: int, gen: torch.Generator) -> dict:
+    def draw():
+        return torch.randint(0, S + S // 4, (B,), generator=gen)
+    a = draw()
+    return {"a": a, "b": a + torch.randint(0, S // 2, (B,), generator=gen), "p": draw(),
+            "p2": draw()}
+
+
+def test_every_view_names_its_masks():
+    # which example masks have one, and why the others do not: guards against a silent loss
+    assert WITH_VIEW == ["block_causal", "causal", "chunked_causal", "clear", "prefix_lm",
+                         "shared_prompt_rm", "sink_window", "sliding_window"]
+    reasons = {n: cm.compile_mask(f()).column_view_reason for n, f in masks.EXAMPLES.items()}
+    assert "keep a predicate" in reasons["dilated_causal"]
+    assert "exchanged rule keeps a predicate" in reasons["packed_prefix_lm"]
+    rm = cm.compile_mask(masks.shared_prompt_rm()).column_view
+    assert (rm.num_intervals, rm.slots) == (13, 2)  # 13 intervals, merged into K = 2 slots
+
+
+@pytest.mark.parametrize("name", WITH_VIEW)
+@pytest.mark.parametrize("S", [1, 37, 129, 300])
+def test_column_table_equals_the_brute_force_mask(name, S):
+    """Each key's runs are exactly the rows that see it (the user's rules evaluated at every
+    (i, j)), for random metadata with empty segments and ends past the sequence; no key of these
+    overflows."""
+    spec = masks.EXAMPLES[name]()
+    mask = cm.compile_mask(spec)
+    for seed in range(3):
+        meta = masks.random_meta(spec, 3, S, torch.Generator().manual_seed(seed)) or None
+        desc = mask.preprocess(meta, S, batch_size=3, config=COLUMNS)
+        assert desc.columns.shape == (3, S, mask.column_view.slots, 2)
+        assert desc.columns.dtype == torch.int32
+        assert (desc.columns[..., 1] >= 0).all()
+        ref = mask.reference_mask(meta, S, batch_size=3)
+        assert torch.equal(_decode(desc.columns, S), ref), (name, S, seed)
+
+
+def test_overflowing_keys_are_flagged_and_the_rest_exact():
+    """Keys with more runs than slots are flagged (slot 0 ``(0, OVERFLOW)``), every other key
+    is exact, and the kernel's test (modelled below) is exact on all of them."""
+    mask = cm.compile_mask(_split_columns())
+    assert (mask.num_intervals, mask.column_view.slots) == (1, 1)
+    S, B, flagged = 200, 8, 0
+    for seed in range(4):
+        meta = _split_meta(B, S, torch.Generator().manual_seed(seed))
+        desc = mask.preprocess(meta, S, batch_size=B, config=COLUMNS)
+        over = desc.columns[..., 0, 1] == OVERFLOW  # [B, Sk]
+        flagged += int(over.sum())
+        ref = mask.reference_mask(meta, S, batch_size=B)
+        got = _decode(desc.columns, S)
+        keep = ~over.unsqueeze(1).expand_as(ref)
+        assert torch.equal(got[keep], ref[keep])
+        assert torch.equal(_kernel_model(desc), ref)
+    assert flagged > 0  # the fallback path was exercised
+
+
+def test_shared_prompt_keys_stay_within_two_runs_in_any_order():
+    """RM's ends in any order: a region's rows are one range past every earlier region's, so a
+    key's rows are at most its own region's and the prompt's, and never overflow its 2 slots."""
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        meta = masks.random_meta(mask.spec, 6, 200, gen)
+        ends = torch.stack(list(meta.values()), dim=1)
+        perm = torch.stack([torch.randperm(ends.shape[1], generator=gen) for _ in ends])
+        meta = dict(zip(meta, ends.gather(1, perm).unbind(1)))
+        desc = mask.preprocess(meta, 200, batch_size=6, config=COLUMNS)
+        assert (desc.columns[..., 0, 1] != OVERFLOW).all()
+        assert torch.equal(_decode(desc.columns, 200),
+                           mask.reference_mask(meta, 200, batch_size=6))
+
+
+def _kernel_model(desc) -> torch.Tensor:
+    """``ColumnIntervalMask._apply_columns``'s arithmetic on the CPU, every (row, key) of the
+    sequence: per key, the unsigned test ``uint32(row - lo) < uint32(len)`` over its slots, or,
+    flagged, the Interval Table's ``uint32(key - start) < uint32(len)`` over the row's K slots."""
+    B, S = desc.batch_size, desc.seqlen_q
+    rows = torch.arange(S).view(1, S, 1)
+    keys = torch.arange(desc.seqlen_k).view(1, 1, -1)
+    u32 = 0xFFFFFFFF
+    vis = torch.zeros(B, S, desc.seqlen_k, dtype=torch.bool)
+    for s in range(desc.columns.shape[2]):
+        lo, ln = (desc.columns[..., s, n].long().unsqueeze(1) for n in (0, 1))
+        vis |= ((rows - lo) & u32) < (ln & u32)
+    table = torch.zeros_like(vis)
+    for m in range(desc.intervals.shape[2]):
+        st, ln = (desc.intervals[:, :, m, n].long().unsqueeze(2) for n in (0, 1))
+        table |= ((keys - st) & u32) < (ln & u32)
+    over = (desc.columns[..., 0, 1] == OVERFLOW).unsqueeze(1)
+    return torch.where(over, table, vis)
+
+
+def test_kernel_test_equals_the_mask_for_every_view():
+    for name in WITH_VIEW:
+        spec = masks.EXAMPLES[name]()
+        mask = cm.compile_mask(spec)
+        meta = masks.random_meta(spec, 2, 150, torch.Generator().manual_seed(5)) or None
+        desc = mask.preprocess(meta, 150, batch_size=2, config=COLUMNS)
+        assert torch.equal(_kernel_model(desc), mask.reference_mask(meta, 150, batch_size=2))
+
+
+def test_merge_runs():
+    """Runs of the union in order: overlapping and touching intervals merge, empty ones vanish,
+    more runs than slots flag slot 0."""
+    s = torch.tensor([[5, 0, 3, 20, 9, 40]])
+    n = torch.tensor([[4, 0, 2, 5, 0, 1]])  # [5, 9), empty, [3, 5), [20, 25), empty, [40, 41)
+    assert merge_runs(s, n, 3).tolist() == [[[3, 6], [20, 5], [40, 1]]]
+    assert merge_runs(s, n, 2).tolist() == [[[0, OVERFLOW], [0, 0]]]
+    assert merge_runs(s, torch.zeros_like(n), 2).tolist() == [[[0, 0], [0, 0]]]
+    s, n = torch.tensor([[0, 2, 10]]), torch.tensor([[10, 3, 0]])  # nested, then an empty one
+    assert merge_runs(s, n, 1).tolist() == [[[0, 10]]]
+
+
+def test_column_view_pipeline_option():
+    """Both producers write the same table; the descriptor moves it; masks and shapes without a
+    view are refused by name."""
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    meta = masks.random_meta(mask.spec, 2, 100, torch.Generator().manual_seed(1))
+    desc = mask.preprocess(meta, 100, config=COLUMNS)
+    assert mask.preprocess(meta, 100).columns is None  # only when asked
+    assert torch.equal(desc.to("cpu").columns, desc.columns)
+    view = mask.column_view
+    again = column_table(view, mask, desc.params, desc.row_params, 100)
+    assert torch.equal(again, desc.columns)
+    pytest.importorskip("tilelang")
+    pre = mask.preprocessor(100, batch_size=2, device="cpu", config=COLUMNS)
+    assert torch.equal(pre(meta).columns, desc.columns)
+    with pytest.raises(ValueError, match="'dilated_causal.*' has no column view .*predicate"):
+        cm.compile_mask(masks.dilated_causal()).preprocess(None, 64, batch_size=1,
+                                                          config=COLUMNS)
+    with pytest.raises(ValueError, match="square attention"):
+        mask.preprocess(meta, 100, 120, config=COLUMNS)
+
+
+def test_columns_travel_with_the_op_for_head_dim_128():
+    from compilemask.blocksparse import BlockSparseLists
+    from compilemask.descriptor import DescriptorArgs
+    from compilemask.kernels import autograd
+
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    meta = masks.random_meta(mask.spec, 2, 100, torch.Generator().manual_seed(1))
+    desc = mask.preprocess(meta, 100, config=COLUMNS)
+    n = len(BlockSparseLists._fields)
+    extra, _ = autograd.op_extra(desc, "fa4", 128)
+    assert len(extra) == 2 * n + 1 and extra[-1] is desc.columns
+    assert len(autograd.op_extra(desc, "fa4", 64)[0]) == 2 * n  # not transposed: not read
+    call = autograd._Call(mask.key, 1.0, False, "fa4", extra, 0, "", "", [], None, 1)
+    back = autograd._descriptor(DescriptorArgs.of(desc), call)
+    assert back.columns is desc.columns
+    bwd = autograd._lists(extra, backward=True)
+    assert all(a is b for a, b in zip(bwd, extra[n:2 * n]))
+    plain = dataclasses.replace(desc, columns=None)
+    assert len(autograd.op_extra(plain, "fa4", 128)[0]) == 2 * n
+
+
+def test_columns_variant_key_marker_and_refusals():
+    """A kernel key of its own, the (K, slots) marker the backward reads, the forward's default
+    in its place, the backward's default where the descriptor carries the view, and refusals
+    that say what is missing."""
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    cols, intervals = mask_mod(mask, "columns"), mask_mod(mask, "intervals")
+    assert cols.__cute_hash__ != intervals.__cute_hash__
+    assert getattr(cols, COLUMNS_ATTR) == (2, 2) and not hasattr(intervals, COLUMNS_ATTR)
+    assert "COLUMNS = (2, 2)" in mask_mod_source(mask, "columns")
+    assert forward_variant(mask, "columns", backward=False) == "rows"
+    assert forward_variant(mask, None, backward=True, columns=True) == "columns"
+    assert forward_variant(mask, "columns", backward=True, columns=True) == "columns"
+    assert forward_variant(mask, "intervals", backward=True, columns=True) == "intervals"
+    assert forward_variant(mask, None, backward=True) == mask_mod_variant(mask)
+    with pytest.raises(ValueError, match="column_view=True"):
+        forward_variant(mask, "columns", backward=True)
+    with pytest.raises(ValueError, match="'columns' mask_mod needs a column view"):
+        mask_mod_source(cm.compile_mask(masks.hstu()), "columns")
+    with pytest.raises(ValueError, match="not 4 heads folded"):
+        mask_mod_source(mask, "columns", heads=4)
+    assert cm.KernelOptions(mask_mod="columns").mask_mod == "columns"
+
+
+def test_fa4_internals_the_column_mask_relies_on():
+    """Fails when the pinned flash-attn-4 changes what ``ColumnIntervalMask`` overrides or
+    reads: the backward module's ``AttentionMask`` global and the transposed tile it is built
+    for, ``apply_mask``'s parameters, the transposing reshape."""
+    bwd_mod = pytest.importorskip("flash_attn.cute.flash_bwd_sm90")
+    from flash_attn.cute import mask as fa4_mask
+    from quack import layout_utils
+
+    from compilemask.kernels.fa4_colmask import ColumnIntervalMask, install
+
+    assert bwd_mod.AttentionMask in (fa4_mask.AttentionMask, ColumnIntervalMask)
+    src = inspect.getsource(bwd_mod.FlashAttentionBackwardSm90)
+    assert "AttentionMaskCls = partial(\n            AttentionMask," in src
+    assert "swap_AB=self.SdP_swapAB," in src
+    # the transposed tile is indexed (n, m): the key first
+    assert "(self.tile_n, self.tile_m) if self.SdP_swapAB else (self.tile_m, self.tile_n)" in src
+    params = list(inspect.signature(fa4_mask.AttentionMask.apply_mask).parameters)
+    assert params == list(inspect.signature(ColumnIntervalMask.apply_mask).parameters)
+    assert "transpose" in inspect.signature(layout_utils.reshape_acc_to_mn).parameters
+    install()
+    assert bwd_mod.AttentionMask is ColumnIntervalMask
+    install()  # idempotent
+    assert bwd_mod.AttentionMask is ColumnIntervalMask
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_columns_backward_compiles_in_fa4(head_dim):
+    """FA4's sm90 backward with the column mask (head dim 128: the transposed tile it masks;
+    64: FA4's own per-score path with the same mask_mod), fake tensors, no GPU."""
+    from test_fa4_engine import _compiles_in_fa4
+
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    _compiles_in_fa4(mask, masks.random_meta(mask.spec, 2, 300, torch.Generator().manual_seed(0)),
+                     head_dim, variant="columns", config=COLUMNS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WITH_VIEW)
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_columns_vs_float32_reference(name, D):
+    """Every example mask with a column view (random metadata with empty segments and rows
+    that see nothing; 1000 rows, not a multiple of the tile), forward and backward through
+    the op, the backward reading the view by default."""
+    mask, _, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=13)
+    gen = torch.Generator().manual_seed(13)
+    meta = {key: t.cuda() for key, t in masks.random_meta(mask.spec, 2, 1000, gen).items()}
+    desc = mask.preprocess(meta or None, 1000, batch_size=2, device="cuda", config=COLUMNS)
+    assert desc.columns is not None
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_columns_overflowing_keys(D):
+    """Flagged keys take the Interval Table test in the kernel."""
+    mask = cm.compile_mask(_split_columns())
+    meta = _split_meta(2, 1000, torch.Generator().manual_seed(3))
+    desc = mask.preprocess({k: t.cuda() for k, t in meta.items()}, 1000, batch_size=2,
+                           device="cuda", config=COLUMNS)
+    assert (desc.columns[..., 0, 1] == OVERFLOW).any()
+    q = torch.randn(2, 1000, 4, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 1000, 2, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask(),
+                                 options=cm.KernelOptions(mask_mod="columns"))
