@@ -36,6 +36,7 @@ import compilemask as cm  # noqa: E402
 from bench.workloads import flex_mask_mod, make_meta  # noqa: E402
 from compilemask import masks, score_mods  # noqa: E402
 from compilemask.options import device_arch  # noqa: E402
+from compilemask.pipeline import PipelineConfig  # noqa: E402
 
 H, D, DTYPE = 8, 128, torch.bfloat16
 TOKENS = 128 * 1024
@@ -288,6 +289,22 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                     f = (lambda a, b_, c: cm.attention(a, b_, c, desc, backend="fa4"))
                     timed(method, functools.partial(train_or_fwd, f, q, k, v, do),
                           _CeilingMaskMod)
+            elif method in ("fa4_cols", "fa4_cols+pre"):
+                # the backward masked by the column view (the descriptor carries it)
+                cfg = PipelineConfig(column_view=True)
+                if mask.column_view is None:
+                    rec(method, None, f"n/a (no column view: {mask.column_view_reason})"[:60])
+                    continue
+                if method == "fa4_cols":
+                    dcols = mask.preprocess(meta, S, batch_size=B, config=cfg)
+                    f = (lambda a, b_, c, d=dcols: cm.attention(a, b_, c, d, backend="fa4",
+                                                                options=options))
+                    timed(method, functools.partial(train_or_fwd, f, q, k, v, do))
+                else:
+                    pre_cols = mask.preprocessor(S, batch_size=B, config=cfg)
+                    timed(method, lambda p=pre_cols: train_or_fwd(
+                        lambda a, b_, c: cm.attention(a, b_, c, p(meta), backend="fa4",
+                                                      options=options), q, k, v, do))
             elif method == "preprocess":
                 timed("preprocess", lambda: pre(meta))
             elif method in ("flex_flash", "flex_triton"):
@@ -422,9 +439,9 @@ def _ratio(row, a, b):
 
 
 def to_markdown(rows, header):
-    cols = ["native", "fa4", *FA4_VARIANTS, "cute", "fa4_native", "native_tanh", "fa4_tanh",
+    cols = ["native", "fa4", *FA4_VARIANTS, "fa4_cols", "cute", "fa4_native", "native_tanh", "fa4_tanh",
             "folded", "flex_flash", "flex_triton",
-            "native+pre", "fa4+pre", "folded+pre", "flex_flash+bm", "preprocess", "block_mask"]
+            "native+pre", "fa4+pre", "fa4_cols+pre", "folded+pre", "flex_flash+bm", "preprocess", "block_mask"]
     out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
            "", "| mask | S | mode | " + " | ".join(cols)
            + " | default | default vs flex_flash kernel | vs FA4 native | pre+kernel vs "

@@ -268,6 +268,15 @@ for r in rows:
       --methods "${METHODS:-native,fa4,fa4_intervals,fa4_true,fa4_native,flex_flash}"
     cat "$OUT/partial_${TAG:-a}.md"
     ;;
+  columns)  # the backward masked by the column view against the Interval Table default and
+    # Flex-FA4, train, interleaved rounds (MASKS=, SEQLENS=, ROUNDS=), then its GPU tests
+    step columns "${SECS:-480}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+      --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-32768,8192}" --tag "columns_${TAG:-a}" \
+      --out "$OUT" --masks "${MASKS:-shared_prompt_rm,clear,prefix_lm,sink_window}" \
+      --methods "${METHODS:-fa4,fa4_cols,fa4_true,flex_flash,fa4_cols+pre,fa4+pre}"
+    cat "$OUT/columns_${TAG:-a}.md"
+    step columns_tests 300 python3 -m pytest -q -m gpu tests/test_fa4_colmask.py
+    ;;
   serving)  # decode steps against FA4's own kernel, then prefill with the per-request mask
     # build against Flex-FA4 with create_block_mask (forward only, 8K and 32K)
     step serving_decode 260 python3 bench/serving.py --queries "${QUERIES:-1,4}" \
@@ -290,5 +299,5 @@ for r in rows:
       "$OUT/flexcode.log" | head -40
     xz -T0 "$OUT/flexcode.log"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|serving|flexcode"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|columns|serving|flexcode"; exit 2 ;;
 esac

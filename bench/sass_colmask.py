@@ -1,0 +1,92 @@
+"""Static SASS of FA4's sm90 backward (head dim 128, the transposed tile) on a partial-tile mask,
+compiled on the CPU (no GPU): the per-score Interval Table test (the default without a column
+view), the column view (``"columns"``, ``kernels/fa4_colmask.py``) and the always-True
+mask_mod (a wrong mask: the ceiling of any partial-tile test).
+
+Per variant: instructions, global loads, integer compares, selects, spill loads / stores of the
+backward kernel, and ptxas's registers and spill bytes. A static count, not a timing
+(``bash bench/h200.sh columns`` times it).
+
+    python bench/sass_colmask.py [--masks shared_prompt_rm,clear]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.sass import compile_in_child, opcodes, print_table, registers  # noqa: E402
+
+# "columns (common path)": the column mask without its overflow path (wrong for overflowing
+# keys; counts the code every other key runs)
+VARIANTS = ("intervals", "columns", "columns (common path)", "true")
+
+
+def _child(name: str, variant: str) -> None:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compilemask as cm
+    from bench.engines import _CeilingMaskMod
+    from compilemask import masks
+    from compilemask.kernels import fa4
+    from compilemask.pipeline import PipelineConfig
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    spec = masks.EXAMPLES[name]()
+    mask = cm.compile_mask(spec)
+    B, S, H, D = 2, 1000, 4, 128
+    meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
+    cfg = PipelineConfig(column_view=variant.startswith("columns"))
+    if variant == "columns (common path)":
+        from compilemask.kernels import fa4_colmask
+
+        class CommonPath(fa4_colmask.ColumnIntervalMask):
+            OVERFLOW_PATH = False
+
+        fa4_colmask.install()
+        fa4_colmask.flash_bwd_sm90.AttentionMask = CommonPath
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B, config=cfg)
+    lists = {"fwd": desc.block_sparse("fwd"), "bwd64": desc.block_sparse("bwd64")}
+    ceiling = _CeilingMaskMod() if variant == "true" else None
+    if ceiling is not None:
+        ceiling.__enter__()
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, fl, _ = fake_on_cuda(desc, lists)
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=fl["fwd"])
+        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=fl["bwd64"])
+
+
+def _counts(dump: Path) -> dict:
+    sass = next(dump.glob("*bwd_sm90*.sass")).read_text()
+    return {**opcodes(sass, ["LDG", "ISETP", "FSEL", "STL", "LDL"]),
+            **registers(next(dump.glob("*bwd_sm90*.ptx")))}
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--masks", default="shared_prompt_rm,clear,prefix_lm,sink_window")
+    args = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.masks.split(","):
+            for variant in VARIANTS:
+                dump = Path(tmp) / f"{name}_{variant.split()[0]}{len(variant)}"
+                dump.mkdir()
+                if compile_in_child(__file__, [name, variant], dump):
+                    rows[(name, variant)] = _counts(dump)
+    print_table(["mask", "backward mask_mod"], rows)
+
+
+if __name__ == "__main__":
+    main()
