@@ -37,6 +37,7 @@ LAYERS = {
     "compilemask.fingerprint": 2,
     "compilemask.native": 2,
     "compilemask.tiles": 2,
+    "compilemask.columns": 2,
     "compilemask.blocksparse": 2,
     "compilemask.reference": 2,
     "compilemask.packing": 2,
