@@ -439,9 +439,9 @@ def _ratio(row, a, b):
 
 
 def to_markdown(rows, header):
-    cols = ["native", "fa4", *FA4_VARIANTS, "fa4_cols", "cute", "fa4_native", "native_tanh", "fa4_tanh",
-            "folded", "flex_flash", "flex_triton",
-            "native+pre", "fa4+pre", "fa4_cols+pre", "folded+pre", "flex_flash+bm", "preprocess", "block_mask"]
+    cols = ["native", "fa4", *FA4_VARIANTS, "fa4_cols", "cute", "fa4_native", "native_tanh",
+            "fa4_tanh", "folded", "flex_flash", "flex_triton", "native+pre", "fa4+pre",
+            "fa4_cols+pre", "folded+pre", "flex_flash+bm", "preprocess", "block_mask"]
     out = [header, "", "ms (effective TFLOP/s); ratios > 1 mean the default engine is faster.",
            "", "| mask | S | mode | " + " | ".join(cols)
            + " | default | default vs flex_flash kernel | vs FA4 native | pre+kernel vs "

@@ -8,7 +8,9 @@ One place owns every step a batch takes before attention:
    C target on CPU) or the generated torch reference;
 3. what the engines read besides: a native segments mask's ``cu_seqlens``
    (``compilemask.native.segments``), and for every other mask on CUDA flash-attn-4's tile lists
-   of every kind, written by one generated program into one buffer (``desc.lists``).
+   of every kind, written by one generated program into one buffer (``desc.lists``); asked
+   for (``PipelineConfig(column_view=True)``), each key's query rows (``desc.columns``, one
+   generated program on CUDA: ``codegen.column_table``).
 
 Every generated program takes the batch size, the lengths and the tile counts at run time, so a
 program compiles once per (mask, tilings, target, :class:`PipelineConfig`) and never again for a
@@ -33,6 +35,7 @@ from compilemask.codegen.blocksparse import (
     list_programs,
     packed_lists,
 )
+from compilemask.codegen.column_table import column_table_program, tilelang_column_table
 from compilemask.codegen.preprocess import (
     DEFAULT_PREPROCESS_CONFIG,
     PreprocessConfig,
@@ -117,6 +120,8 @@ def first_use(mask, device_type: str, meta_dtype: str = "int64",
     if device_type == "cuda" and config.fa4_tiles and mask.native_pattern is None:
         programs += list_programs(LIST_KINDS_FA4, config.fwd_tiles, config.bwd_tiles, target,
                                   config.lists)
+    if device_type == "cuda" and config.column_view and mask.column_view is not None:
+        programs.append(column_table_program(mask, target))
     prebuild(programs)
 
 
@@ -211,8 +216,11 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
         raise ValueError(f"column_view: needs square attention from row 0 (seqlen_q "
                          f"{desc.seqlen_q}, seqlen_k {desc.seqlen_k}, q_offset {desc.q_offset})")
     n = len(mask.array_params)
-    table = column_table(mask.column_view, mask, desc.params, desc.row_params[..., :n],
-                         desc.seqlen_k)
+    if desc.device.type == "cuda" and has_tilelang():
+        table = tilelang_column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
+    else:  # the torch reference (CI checks the program against it on TileLang's C target)
+        table = column_table(mask.column_view, mask, desc.params, desc.row_params[..., :n],
+                             desc.seqlen_k)
     return dataclasses.replace(desc, columns=table.contiguous())
 
 

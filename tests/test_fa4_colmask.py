@@ -61,7 +61,7 @@ def _split_meta(B: int, S: int, gen: torch.Generator) -> dict:
     def draw():
         return torch.randint(0, S + S // 4, (B,), generator=gen)
     a = draw()
-    return {"a": a, "b": a + torch.randint(0, S // 2, (B,), generator=gen), "p": draw(),
+    return {"a": a, "b": a + torch.randint(0, S // 2 + 1, (B,), generator=gen), "p": draw(),
             "p2": draw()}
 
 
@@ -189,6 +189,34 @@ def test_column_view_pipeline_option():
                                                           config=COLUMNS)
     with pytest.raises(ValueError, match="square attention"):
         mask.preprocess(meta, 100, 120, config=COLUMNS)
+
+
+@pytest.mark.parametrize("name", [*WITH_VIEW, "split_columns"])
+def test_column_table_program_equals_the_reference(name):
+    """The generated TileLang program (C target) writes the torch reference's table bit for
+    bit, overflow flags included."""
+    pytest.importorskip("tilelang")
+    from compilemask.codegen.column_table import tilelang_column_table
+
+    spec = _split_columns() if name == "split_columns" else masks.EXAMPLES[name]()
+    mask = cm.compile_mask(spec)
+    for S in (1, 37, 300):
+        gen = torch.Generator().manual_seed(S)
+        meta = (_split_meta(3, S, gen) if name == "split_columns"
+                else masks.random_meta(spec, 3, S, gen) or None)
+        desc = mask.preprocess(meta, S, batch_size=3, config=COLUMNS)
+        got = tilelang_column_table(mask, desc.params, desc.row_params, S)
+        assert torch.equal(got, desc.columns), (name, S)
+
+
+def test_column_table_program_compiles_for_cuda():
+    pytest.importorskip("tilelang")
+    from compilemask.codegen.column_table import column_table_program
+    from compilemask.codegen.tilelang_build import compile_program
+
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    kern = compile_program(*column_table_program(mask, "cuda"))
+    assert "column_table" in kern.get_kernel_source()
 
 
 def test_columns_travel_with_the_op_for_head_dim_128():
