@@ -38,11 +38,12 @@ def zero_meta(mask: CompiledMask, batch_size: int, seqlen: int, device) -> dict:
 
 def warmup(mask: CompiledMask | MaskSpec, seqlens: Iterable[int], head_dims=(128,),
            num_heads: int = 8, num_kv_heads: int | None = None, *, dtype=torch.bfloat16,
-           device=None, backward: bool = True, backend: str = "auto", verbose: bool = False
-           ) -> dict:
+           device=None, backward: bool = True, backend: str = "auto", verbose: bool = False,
+           config=None) -> dict:
     """Compile what ``mask`` needs at ``seqlens`` and ``head_dims`` (one sequence per length,
     ``num_heads`` query heads over ``num_kv_heads``): its preprocess, lists and attention
-    forward (and backward). Returns seconds per step, by (seqlen, head dim)."""
+    forward (and backward); ``config``: the ``PipelineConfig`` the job preprocesses with (its
+    column view, say). Returns seconds per step, by (seqlen, head dim)."""
     configure_compile_caches()
     mask = compile_mask(mask) if isinstance(mask, MaskSpec) else mask
     if not isinstance(mask, CompiledMask):
@@ -55,10 +56,11 @@ def warmup(mask: CompiledMask | MaskSpec, seqlens: Iterable[int], head_dims=(128
         meta = zero_meta(mask, 1, S, device)
         if device.type != "cuda":  # the CPU runs the dense reference: only TileLang compiles
             t0 = time.perf_counter()
-            mask.preprocess(meta, S, batch_size=1, device=device, backend="tilelang")
+            mask.preprocess(meta, S, batch_size=1, device=device, backend="tilelang",
+                            config=config)
             took[(S, None)] = time.perf_counter() - t0
             continue
-        desc = mask.preprocess(meta, S, batch_size=1, device=device)
+        desc = mask.preprocess(meta, S, batch_size=1, device=device, config=config)
         for D in head_dims:
             t0 = time.perf_counter()
             q = torch.zeros(1, S, num_heads, D, dtype=dtype, device=device,

@@ -184,6 +184,7 @@ def test_column_view_pipeline_option():
     pytest.importorskip("tilelang")
     pre = mask.preprocessor(100, batch_size=2, device="cpu", config=COLUMNS)
     assert torch.equal(pre(meta).columns, desc.columns)
+    assert set(cm.warmup(mask, [100], device="cpu", config=COLUMNS)) == {(100, None)}
     with pytest.raises(ValueError, match="'dilated_causal.*' has no column view .*predicate"):
         cm.compile_mask(masks.dilated_causal()).preprocess(None, 64, batch_size=1,
                                                           config=COLUMNS)
