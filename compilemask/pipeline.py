@@ -82,6 +82,11 @@ class PipelineConfig:
     lists: ListsConfig = field(default=DEFAULT_LISTS_CONFIG)
     column_view: bool = False
 
+    def __post_init__(self):
+        if not isinstance(self.column_view, bool):
+            raise TypeError(f"PipelineConfig: column_view must be a bool, got "
+                            f"{self.column_view!r}")
+
     @property
     def fa4_tiles(self) -> bool:
         """Whether FA4's lists exist for these tilings (forward 128x128, backward 64x128)."""

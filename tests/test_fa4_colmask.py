@@ -190,6 +190,8 @@ def test_column_view_pipeline_option():
                                                           config=COLUMNS)
     with pytest.raises(ValueError, match="square attention"):
         mask.preprocess(meta, 100, 120, config=COLUMNS)
+    with pytest.raises(TypeError, match="column_view must be a bool"):
+        PipelineConfig(column_view="yes")
 
 
 @pytest.mark.parametrize("name", [*WITH_VIEW, "split_columns"])
