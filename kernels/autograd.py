@@ -98,12 +98,11 @@ def _lists(extra, backward: bool):
 
 def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
     """The engine's per-batch tensors beyond the descriptor core, as op inputs: the forward
-    and backward block-sparse lists (fa4) and the column view where the descriptor has it and
-    the backward reads it (head dim 128: the transposed tile), or a segments pattern's
-    cu_seqlens (native)."""
+    and backward block-sparse lists (fa4) and the column view where the descriptor has it, or
+    a segments pattern's cu_seqlens (native)."""
     if engine == "fa4":
         bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
-        cols = [desc.columns] if desc.columns is not None and head_dim == 128 else []
+        cols = [] if desc.columns is None else [desc.columns]
         return [*desc.block_sparse("fwd"), *bwd, *cols], 0
     if engine == "native" and desc.segments is not None:
         return [desc.segments[0]], int(desc.segments[1])
