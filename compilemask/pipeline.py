@@ -60,9 +60,9 @@ from compilemask.native import segments
 from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps, visibility_only_slots
 
-__all__ = ["PipelineConfig", "DEFAULT_CONFIG", "LIST_KINDS_FA4", "first_use", "preprocess",
-           "torch_tables", "assemble", "finish", "with_lists", "with_columns", "on_device",
-           "Preprocessor", "has_tilelang"]
+__all__ = ["PipelineConfig", "DEFAULT_CONFIG", "DEFAULT_COLUMN_VIEW", "LIST_KINDS_FA4",
+           "first_use", "preprocess", "torch_tables", "assemble", "finish", "with_lists",
+           "with_columns", "on_device", "Preprocessor", "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -74,17 +74,20 @@ class PipelineConfig:
     """The tilings and the generated programs' launch shapes: one object that tests and
     benchmarks pass, and part of every compiled program's key. ``column_view``: also write
     each key's query rows (``ExecutionDescriptor.columns``, ``compilemask.columns``), which
-    FA4's head-dim-128 backward then masks its partial tiles with."""
+    FA4's head-dim-128 backward then masks its partial tiles with: True writes it (and raises
+    where the mask or the shape has none), False never, None (the default) where
+    :data:`DEFAULT_COLUMN_VIEW` says so and the batch can use it (a CUDA descriptor of square
+    attention for the block-sparse engine, of a mask with a view)."""
 
     fwd_tiles: TileConfig = DEFAULT_FWD_TILES
     bwd_tiles: TileConfig = DEFAULT_BWD_TILES
     preprocess: PreprocessConfig = field(default=DEFAULT_PREPROCESS_CONFIG)
     lists: ListsConfig = field(default=DEFAULT_LISTS_CONFIG)
-    column_view: bool = False
+    column_view: bool | None = None
 
     def __post_init__(self):
-        if not isinstance(self.column_view, bool):
-            raise TypeError(f"PipelineConfig: column_view must be a bool, got "
+        if self.column_view not in (None, True, False):
+            raise TypeError(f"PipelineConfig: column_view must be None, True or False, got "
                             f"{self.column_view!r}")
 
     @property
@@ -94,6 +97,18 @@ class PipelineConfig:
 
 
 DEFAULT_CONFIG = PipelineConfig()
+
+# whether PipelineConfig(column_view=None) writes the column view: not until the H200 has timed
+# the backward it serves against the per-score test (docs/decisions/engine.md)
+DEFAULT_COLUMN_VIEW = False
+
+
+def _wants_columns(mask, config: PipelineConfig, device_type: str, native: bool,
+                   square: bool) -> bool:
+    if config.column_view is not None:
+        return config.column_view
+    return (DEFAULT_COLUMN_VIEW and device_type == "cuda" and not native and square
+            and mask.column_view is not None)
 
 
 @functools.cache
@@ -125,7 +140,9 @@ def first_use(mask, device_type: str, meta_dtype: str = "int64",
     if device_type == "cuda" and config.fa4_tiles and mask.native_pattern is None:
         programs += list_programs(LIST_KINDS_FA4, config.fwd_tiles, config.bwd_tiles, target,
                                   config.lists)
-    if device_type == "cuda" and config.column_view and mask.column_view is not None:
+    if (device_type == "cuda"
+            and _wants_columns(mask, config, device_type, mask.native_pattern is not None, True)
+            and mask.column_view is not None):
         programs.append(column_table_program(mask, target))
     prebuild(programs)
 
@@ -197,14 +214,16 @@ def with_tables(mask, arrs, row_params: torch.Tensor) -> torch.Tensor:
 def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
            max_segments: int | None = None) -> ExecutionDescriptor:
     """What every producer adds after the tables and bitmaps: a segments-pattern mask's
-    ``cu_seqlens``, and on CUDA, with FA4's tilings, the tile lists of a non-native mask (one
-    launch; a compiled model then runs no kernel for them)."""
+    ``cu_seqlens``, the column view where ``config`` asks for it, and on CUDA, with FA4's
+    tilings, the tile lists of a non-native mask (one launch; a compiled model then runs no
+    kernel for them)."""
     pat = desc.mask.native_pattern
     if pat is not None and pat.kind == "segments":
         desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
     native = (pat is not None and desc.native_applies()
               and (pat.kind != "segments" or desc.segments is not None))
-    if config.column_view:
+    square = desc.seqlen_q == desc.seqlen_k and not desc.q_offset
+    if _wants_columns(desc.mask, config, desc.device.type, native, square):
         desc = with_columns(desc)
     # where the native path cannot run this batch, the block-sparse engine reads the lists
     return desc if native else with_lists(desc, config)
@@ -267,6 +286,11 @@ def on_device(desc: ExecutionDescriptor, device) -> ExecutionDescriptor:
         moved = desc.to(device)
         if desc.lists is None:  # as a preprocess there would write them
             moved = with_lists(moved)
+        square = moved.seqlen_q == moved.seqlen_k and not moved.q_offset
+        native = moved.native is not None and moved.native_applies()
+        if moved.columns is None and _wants_columns(moved.mask, DEFAULT_CONFIG, device.type,
+                                                    native, square):
+            moved = with_columns(moved)
         per_desc[device] = moved
     return moved
 

@@ -190,8 +190,32 @@ def test_column_view_pipeline_option():
                                                           config=COLUMNS)
     with pytest.raises(ValueError, match="square attention"):
         mask.preprocess(meta, 100, 120, config=COLUMNS)
-    with pytest.raises(TypeError, match="column_view must be a bool"):
+    with pytest.raises(TypeError, match="column_view must be None, True or False"):
         PipelineConfig(column_view="yes")
+
+
+def test_column_view_by_default_only_where_a_batch_can_use_it(monkeypatch):
+    """``column_view=None`` follows ``DEFAULT_COLUMN_VIEW`` for CUDA descriptors of square
+    attention on the block-sparse engine; the CPU, native masks, rectangles and masks without a
+    view get none, and nothing raises."""
+    from compilemask import pipeline
+
+    wants = pipeline._wants_columns
+    rm = cm.compile_mask(masks.shared_prompt_rm())
+    causal = cm.compile_mask(masks.causal())
+    hstu = cm.compile_mask(masks.hstu())
+    auto, on, off = PipelineConfig(), COLUMNS, PipelineConfig(column_view=False)
+    assert not pipeline.DEFAULT_COLUMN_VIEW  # until timed on the H200
+    assert not wants(rm, auto, "cuda", False, True)
+    monkeypatch.setattr(pipeline, "DEFAULT_COLUMN_VIEW", True)
+    assert wants(rm, auto, "cuda", False, True)
+    assert not wants(rm, auto, "cpu", False, True)
+    assert not wants(causal, auto, "cuda", True, True)  # the native engine reads none
+    assert not wants(rm, auto, "cuda", False, False)
+    assert not wants(hstu, auto, "cuda", False, True)
+    assert wants(hstu, on, "cpu", False, False) and not wants(rm, off, "cuda", False, True)
+    meta = masks.random_meta(rm.spec, 2, 100, torch.Generator().manual_seed(1))
+    assert rm.preprocess(meta, 100).columns is None  # the CPU: never by default
 
 
 @pytest.mark.parametrize("name", [*WITH_VIEW, "split_columns"])
