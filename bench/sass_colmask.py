@@ -1,7 +1,9 @@
 """Static SASS of FA4's sm90 backward (head dim 128, the transposed tile) on a partial-tile mask,
-compiled on the CPU (no GPU): the per-score Interval Table test (the default without a column
-view), the column view (``"columns"``, ``kernels/fa4_colmask.py``) and the always-True
-mask_mod (a wrong mask: the ceiling of any partial-tile test).
+compiled on the CPU (no GPU): the default per-score test without a column view (the Interval
+Table, or the rules where they cost less: ``mask_mod_variant``), the column view
+(``"columns"``, ``kernels/fa4_colmask.py``), the same without its overflow path (the code every
+unflagged key runs) and the always-True mask_mod (a wrong mask: the ceiling of any partial-tile
+test).
 
 Per variant: instructions, global loads, integer compares, selects, spill loads / stores of the
 backward kernel, and ptxas's registers and spill bytes. A static count, not a timing
@@ -23,7 +25,7 @@ from bench.sass import compile_in_child, opcodes, print_table, registers  # noqa
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing
 # keys; counts the code every other key runs)
-VARIANTS = ("intervals", "columns", "columns (common path)", "true")
+VARIANTS = ("default", "columns", "columns (common path)", "true")
 
 
 def _child(name: str, variant: str) -> None:

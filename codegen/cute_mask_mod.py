@@ -46,7 +46,8 @@ VARIANTS = ("predicate", "rules", "intervals", "rows", "columns")
 
 # on a "rows" mask_mod: (K, heads), read by kernels/fa4_rowmask.py
 ROWS_ATTR = "__compilemask_rows__"
-# on a "columns" mask_mod: (K, column slots), read by kernels/fa4_colmask.py
+# on a "columns" mask_mod: (K, column slots, whether a key can overflow them), read by
+# kernels/fa4_colmask.py
 COLUMNS_ATTR = "__compilemask_columns__"
 
 _CACHE = CompileCache("mask_mod")
@@ -186,7 +187,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
                 f"ROWS = ({K}, {heads})", ""]
     if variant == "columns":
         out += ["# FA4's transposed sm90 backward masks by the column view "
-                "(kernels/fa4_colmask.py)", f"COLUMNS = ({K}, {mask.column_view.slots})", ""]
+                "(kernels/fa4_colmask.py)", f"COLUMNS = {_columns_attr(mask)}", ""]
     for _, src in fbs:
         out += [src.rstrip(), ""]
     out += [
@@ -216,6 +217,11 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
             call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
             out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
     return "\n".join(out + _select())
+
+
+def _columns_attr(mask) -> tuple[int, int, bool]:
+    view = mask.column_view
+    return max(mask.num_intervals, 1), view.slots, view.can_overflow
 
 
 def _select() -> list[str]:
@@ -260,7 +266,7 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
         if variant == "columns":  # the source's COLUMNS
-            setattr(fn, COLUMNS_ATTR, (max(mask.num_intervals, 1), mask.column_view.slots))
+            setattr(fn, COLUMNS_ATTR, _columns_attr(mask))
         return fn
 
     return _CACHE.get((mask.key, variant, heads), build)

@@ -15,7 +15,8 @@ the prompt and every response: 13 intervals that merge into one when the ends ar
 nothing proves the order. So the preprocess merges each key's intervals where they overlap or
 touch (``merge_runs``) and keeps at most ``COLUMN_SLOTS``; a key with more runs, possible only
 for metadata in an unusual order, is flagged (``OVERFLOW``) and the kernel tests its scores
-against the Interval Table instead. The result is exact for every input.
+against the Interval Table instead. The result is exact for every input. A view with no more
+intervals than slots cannot overflow, and its kernel has no such path.
 
 A column view exists for masks whose rows are intervals (no fallback region), read no tables,
 do not read the head index, and whose exchanged rule compiles without a fallback (``reason``
@@ -33,7 +34,8 @@ __all__ = ["COLUMN_SLOTS", "OVERFLOW", "ColumnView", "transposed_rule", "why_no_
            "merge_runs", "column_table"]
 
 # merged row intervals kept per key, at most (the kernel loads 2 words per slot and key of a
-# tile); a mask keeps min(its rows' K, the view's intervals): a key then costs what a row does
+# tile): a view of at most this many intervals keeps them all, a larger one min(the rows' K,
+# this), so that a key costs what a row does
 COLUMN_SLOTS = 4
 # a key whose rows are more than COLUMN_SLOTS runs: slot 0 holds (0, OVERFLOW)
 OVERFLOW = -1
@@ -49,6 +51,11 @@ class ColumnView(NamedTuple):
     scalar_params: tuple[str, ...]
     array_params: tuple[str, ...]
     slots: int  # merged runs kept per key
+
+    @property
+    def can_overflow(self) -> bool:
+        """Whether a key can have more runs than slots (only with more intervals than slots)."""
+        return self.num_intervals > self.slots
 
 
 def transposed_rule(mask, syms: dict):

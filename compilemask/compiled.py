@@ -265,7 +265,10 @@ def _column_view(mask) -> tuple[ColumnView | None, str | None]:
     missing = [a for a in ir.array_params if a not in mask.array_params]
     if missing:
         return None, f"its exchanged rule reads arrays {missing} the descriptor does not carry"
-    slots = min(ir.num_intervals, max(mask.num_intervals, 1), COLUMN_SLOTS)
+    # every interval its own slot where they fit: no key can then overflow, and the kernel
+    # has no Interval Table path (whose registers made ptxas spill next to a score_mod)
+    n = max(ir.num_intervals, 1)
+    slots = n if n <= COLUMN_SLOTS else min(max(mask.num_intervals, 1), COLUMN_SLOTS)
     return ColumnView(region, ir.num_intervals, ir.torch_fns["interval_table"],
                       ir.scalar_params, ir.array_params, slots), None
 

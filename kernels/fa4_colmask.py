@@ -32,8 +32,9 @@ from compilemask.codegen.cute_mask_mod import COLUMNS_ATTR
 
 __all__ = ["ColumnIntervalMask", "install"]
 
-# COLUMNS_ATTR on a generated mask_mod: (K, slots); aux_tensors[0] is the Interval Table, int32
-# [B, Sq, 2K], aux_tensors[1] the column table, int32 [B, Sk, 2 * slots]
+# COLUMNS_ATTR on a generated mask_mod: (K, slots, whether a key can overflow them);
+# aux_tensors[0] is the Interval Table, int32 [B, Sq, 2K], aux_tensors[1] the column table,
+# int32 [B, Sk, 2 * slots]
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class ColumnIntervalMask(AttentionMask):
                                      fastdiv_mods)
         else:
             self._apply_columns(acc_S, batch_idx, m_block, n_block, thr_mma, mask_seqlen,
-                                cols[0], cols[1], aux_data.tensors[0], aux_data.tensors[1])
+                                cols[0], cols[1], cols[2], aux_data.tensors[0],
+                                aux_data.tensors[1])
 
     @cute.jit
     def _apply_columns(
@@ -79,6 +81,7 @@ class ColumnIntervalMask(AttentionMask):
         mask_seqlen: cutlass.Constexpr[bool],
         K: cutlass.Constexpr[int],
         slots: cutlass.Constexpr[int],
+        can_overflow: cutlass.Constexpr[bool],
         intervals: cute.Tensor,
         columns: cute.Tensor,
     ) -> None:
@@ -103,7 +106,7 @@ class ColumnIntervalMask(AttentionMask):
                 if const_expr(mask_seqlen):
                     ln = ln if col_g < self.seqlen_k else Int32(0)
                 lens.append(ln)
-            if const_expr(not self.OVERFLOW_PATH):
+            if const_expr(not (can_overflow and self.OVERFLOW_PATH)):
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)
             elif lens[0] >= 0:
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)

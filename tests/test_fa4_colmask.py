@@ -47,22 +47,23 @@ def _decode(table: torch.Tensor, seqlen_q: int) -> torch.Tensor:
 
 
 def _split_columns():
-    """K = 1 per row, but a key in [p2, p) is seen by rows [0, a) and [b, S): two runs, more
-    than the one slot the view keeps, so such keys overflow."""
+    """K = 1 per row, 5 intervals per key (more than the view keeps, so it keeps K = 1 slot):
+    a key in [p2, p) is seen by rows [0, a), [b, c) and [d, S), three runs, and overflows."""
     # noqa: F821 below: the metadata names are runtime params
-    return cm.MaskSpec("split_columns", params=["a", "b", "p", "p2"], regions=[
-        cm.Region("top", when=lambda i: i < a, visible=lambda i, j: j < p),  # noqa: F821
-        cm.Region("middle", when=lambda i: i < b, visible=lambda i, j: j < p2),  # noqa: F821
+    return cm.MaskSpec("split_columns", params=["a", "b", "c", "d", "p", "p2"], regions=[
+        cm.Region("r0", when=lambda i: i < a, visible=lambda i, j: j < p),  # noqa: F821
+        cm.Region("r1", when=lambda i: i < b, visible=lambda i, j: j < p2),  # noqa: F821
+        cm.Region("r2", when=lambda i: i < c, visible=lambda i, j: j < p),  # noqa: F821
+        cm.Region("r3", when=lambda i: i < d, visible=lambda i, j: j < p2),  # noqa: F821
         cm.Region("rest", when=lambda i: i >= 0, visible=lambda i, j: j < p),  # noqa: F821
     ])
 
 
 def _split_meta(B: int, S: int, gen: torch.Generator) -> dict:
-    def draw():
-        return torch.randint(0, S + S // 4, (B,), generator=gen)
-    a = draw()
-    return {"a": a, "b": a + torch.randint(0, S // 2 + 1, (B,), generator=gen), "p": draw(),
-            "p2": draw()}
+    ends = torch.randint(0, S + S // 4, (B, 4), generator=gen).sort(dim=1).values
+    p = torch.randint(0, S + 1, (B, 2), generator=gen)
+    return {"a": ends[:, 0], "b": ends[:, 1], "c": ends[:, 2], "d": ends[:, 3],
+            "p": p.amax(dim=1), "p2": p.amin(dim=1)}
 
 
 def test_every_view_names_its_masks():
@@ -98,7 +99,9 @@ def test_overflowing_keys_are_flagged_and_the_rest_exact():
     """Keys with more runs than slots are flagged (slot 0 ``(0, OVERFLOW)``), every other key
     is exact, and the kernel's test (modelled below) is exact on all of them."""
     mask = cm.compile_mask(_split_columns())
-    assert (mask.num_intervals, mask.column_view.slots) == (1, 1)
+    view = mask.column_view
+    assert (mask.num_intervals, view.num_intervals, view.slots, view.can_overflow) == (
+        1, 5, 1, True)
     S, B, flagged = 200, 8, 0
     for seed in range(4):
         meta = _split_meta(B, S, torch.Generator().manual_seed(seed))
@@ -275,8 +278,11 @@ def test_columns_variant_key_marker_and_refusals():
     mask = cm.compile_mask(masks.shared_prompt_rm())
     cols, intervals = mask_mod(mask, "columns"), mask_mod(mask, "intervals")
     assert cols.__cute_hash__ != intervals.__cute_hash__
-    assert getattr(cols, COLUMNS_ATTR) == (2, 2) and not hasattr(intervals, COLUMNS_ATTR)
-    assert "COLUMNS = (2, 2)" in mask_mod_source(mask, "columns")
+    assert getattr(cols, COLUMNS_ATTR) == (2, 2, True) and not hasattr(intervals, COLUMNS_ATTR)
+    assert "COLUMNS = (2, 2, True)" in mask_mod_source(mask, "columns")
+    # a view no larger than the table: every interval has its slot, no key can overflow
+    causal = cm.compile_mask(masks.causal())
+    assert getattr(mask_mod(causal, "columns"), COLUMNS_ATTR) == (1, 1, False)
     assert forward_variant(mask, "columns", backward=False) == "rows"
     assert forward_variant(mask, None, backward=True, columns=True) == "columns"
     assert forward_variant(mask, "columns", backward=True, columns=True) == "columns"
