@@ -61,8 +61,8 @@ from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps, visibility_only_slots
 
 __all__ = ["PipelineConfig", "DEFAULT_CONFIG", "DEFAULT_COLUMN_VIEW", "LIST_KINDS_FA4",
-           "first_use", "preprocess", "torch_tables", "assemble", "finish", "with_lists",
-           "with_columns", "on_device", "Preprocessor", "has_tilelang"]
+           "first_use", "first_use_programs", "preprocess", "torch_tables", "assemble",
+           "finish", "with_lists", "with_columns", "on_device", "Preprocessor", "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -124,16 +124,9 @@ def has_tilelang() -> bool:
 _FIRST_USES: set = set()
 
 
-def first_use(mask, device_type: str, meta_dtype: str = "int64",
-              config: PipelineConfig = DEFAULT_CONFIG) -> None:
-    """Before a mask's first batch on ``device_type``: every TileLang program its batches run
-    (its preprocess program and, on CUDA for a mask that is not native, the tile-list programs)
-    compiles at once in worker processes where this machine has not built it yet, so the first
-    step waits for the slowest compile, not their sum."""
-    key = (mask.key, device_type, meta_dtype, config)
-    if key in _FIRST_USES or torch.compiler.is_compiling():
-        return
-    _FIRST_USES.add(key)
+def first_use_programs(mask, device_type: str, meta_dtype: str = "int64",
+                       config: PipelineConfig = DEFAULT_CONFIG) -> list:
+    """The TileLang programs a mask's batches run on ``device_type`` (``first_use``)."""
     target = "cuda" if device_type == "cuda" else "c"
     programs = [preprocess_program(mask, config.fwd_tiles, config.bwd_tiles, target,
                                    meta_dtype, config.preprocess)]
@@ -144,6 +137,20 @@ def first_use(mask, device_type: str, meta_dtype: str = "int64",
             and _wants_columns(mask, config, device_type, mask.native_pattern is not None, True)
             and mask.column_view is not None):
         programs.append(column_table_program(mask, target))
+    return programs
+
+
+def first_use(mask, device_type: str, meta_dtype: str = "int64",
+              config: PipelineConfig = DEFAULT_CONFIG) -> None:
+    """Before a mask's first batch on ``device_type``: every TileLang program its batches run
+    (its preprocess program and, on CUDA for a mask that is not native, the tile-list programs)
+    compiles at once in worker processes where this machine has not built it yet, so the first
+    step waits for the slowest compile, not their sum."""
+    key = (mask.key, device_type, meta_dtype, config)
+    if key in _FIRST_USES or torch.compiler.is_compiling():
+        return
+    _FIRST_USES.add(key)
+    programs = first_use_programs(mask, device_type, meta_dtype, config)
     prebuild(programs)
 
 

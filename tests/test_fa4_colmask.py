@@ -249,6 +249,16 @@ def test_column_table_program_compiles_for_cuda():
     assert "column_table" in kern.get_kernel_source()
 
 
+def test_a_first_batch_builds_the_column_program_with_the_others():
+    from compilemask.pipeline import first_use_programs
+
+    mask = cm.compile_mask(masks.shared_prompt_rm())
+    with_view = [p.attr for p in first_use_programs(mask, "cuda", config=COLUMNS)]
+    assert with_view.count("column_table") == 1 and "preprocess" in with_view
+    assert "column_table" not in [p.attr for p in first_use_programs(mask, "cuda")]
+    assert "column_table" not in [p.attr for p in first_use_programs(mask, "cpu", config=COLUMNS)]
+
+
 def test_columns_travel_with_the_op_for_head_dim_128():
     from compilemask.blocksparse import BlockSparseLists
     from compilemask.descriptor import DescriptorArgs
