@@ -8,9 +8,10 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-__all__ = ["compile_in_child", "opcodes", "print_table", "registers"]
+__all__ = ["compile_in_child", "opcodes", "print_table", "registers", "variant_table"]
 
 
 def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
@@ -25,6 +26,20 @@ def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
         tail = (r.stderr.strip().splitlines() or ["failed"])[-1]
         print(f"{' '.join(args)}: {tail}", file=sys.stderr)
     return r.returncode == 0
+
+
+def variant_table(script: str, masks: list[str], variants, counts, label: str) -> None:
+    """Compile every (mask, variant) in a child of ``script`` (``--child MASK VARIANT``) and
+    print ``counts(dump folder)`` per pair as one table; ``label`` names the variant column."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in masks:
+            for n, variant in enumerate(variants):
+                dump = Path(tmp) / f"{name}_{n}"
+                dump.mkdir()
+                if compile_in_child(script, [name, variant], dump):
+                    rows[(name, variant)] = counts(dump)
+    print_table(["mask", label], rows)
 
 
 def opcodes(sass: str, names: list[str]) -> dict:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import compile_in_child, opcodes, print_table, registers  # noqa: E402
+from bench.sass import opcodes, registers, variant_table  # noqa: E402
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing
 # keys; counts the code every other key runs)
@@ -79,16 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--masks", default="shared_prompt_rm,clear,prefix_lm,sink_window")
     args = ap.parse_args()
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.masks.split(","):
-            for variant in VARIANTS:
-                dump = Path(tmp) / f"{name}_{variant.split()[0]}{len(variant)}"
-                dump.mkdir()
-                if compile_in_child(__file__, [name, variant], dump):
-                    rows[(name, variant)] = _counts(dump)
-    print_table(["mask", "backward mask_mod"], rows)
-
+    variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "backward mask_mod")
 
 if __name__ == "__main__":
     main()

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import compile_in_child, opcodes, print_table  # noqa: E402
+from bench.sass import opcodes, variant_table  # noqa: E402
 
 VARIANTS = ("intervals", "rules", "rows")
 
@@ -58,16 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--masks", default="shared_prompt_rm,clear,hstu")
     args = ap.parse_args()
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.masks.split(","):
-            for variant in VARIANTS:
-                dump = Path(tmp) / f"{name}_{variant}"
-                dump.mkdir()
-                if compile_in_child(__file__, [name, variant], dump):
-                    rows[(name, variant)] = _counts(dump)
-    print_table(["mask", "mask_mod"], rows)
-
+    variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "mask_mod")
 
 if __name__ == "__main__":
     main()

@@ -115,13 +115,7 @@ class _Emitter(ProgramEmitter):
         w(ind + 1, "ee[k] = T.if_then_else(ss[k] < EMPTY, "
                    "T.Cast(\"int32\", T.min(T.max(hi[k], 0), sk)), EMPTY)")
         if N > 1:
-            w(ind, "for a in T.unroll(N - 1):")
-            w(ind + 1, "for j in T.unroll(N - 1):")
-            w(ind + 2, "if T.And(j < N - 1 - a, ss[j] > ss[j + 1]):")
-            for x in ("ss", "ee"):
-                w(ind + 3, f"tmp = {x}[j]")
-                w(ind + 3, f"{x}[j] = {x}[j + 1]")
-                w(ind + 3, f"{x}[j + 1] = tmp")
+            self.sort_by_first(ind, "N", "ss", "ee")
         w(ind, "for k in T.unroll(2 * SLOTS):")
         w(ind + 1, "out[k] = 0")
         w(ind, "runs = 0")

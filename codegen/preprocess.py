@@ -519,15 +519,7 @@ class _Emitter(ProgramEmitter):
         w(d + 1, f"ss[k] = T.if_then_else({keep}, start[k], EMPTY)")
         w(d + 1, f"ee[k] = T.if_then_else({keep}, end[k], EMPTY)")
         if self.pl.K > 1:
-            w(d, "for a in T.unroll(K - 1):")
-            w(d + 1, "for j in T.unroll(K - 1):")
-            w(d + 2, "if T.And(j < K - 1 - a, ss[j] > ss[j + 1]):")
-            w(d + 3, "tmp = ss[j]")
-            w(d + 3, "ss[j] = ss[j + 1]")
-            w(d + 3, "ss[j + 1] = tmp")
-            w(d + 3, "tmp = ee[j]")
-            w(d + 3, "ee[j] = ee[j + 1]")
-            w(d + 3, "ee[j + 1] = tmp")
+            self.sort_by_first(d, "K", "ss", "ee")
         w(d, "cs = ss[0]")
         w(d, "ce = ee[0]")
         if self.pl.K > 1:

@@ -45,6 +45,18 @@ class ProgramEmitter:
     def w(self, indent: int, text: str = ""):
         self.lines.append(("    " * indent + self.rename(text)) if text else "")
 
+    def sort_by_first(self, ind: int, n: str, keys: str, values: str):
+        """Sort the ``n`` local pairs (``keys[k]``, ``values[k]``) by key: a bubble sort over
+        registers (``n`` names a constant of the program; ``tmp`` a local int32 var)."""
+        w = self.w
+        w(ind, f"for a in T.unroll({n} - 1):")
+        w(ind + 1, f"for j in T.unroll({n} - 1):")
+        w(ind + 2, f"if T.And(j < {n} - 1 - a, {keys}[j] > {keys}[j + 1]):")
+        for x in (keys, values):
+            w(ind + 3, f"tmp = {x}[j]")
+            w(ind + 3, f"{x}[j] = {x}[j + 1]")
+            w(ind + 3, f"{x}[j + 1] = tmp")
+
     def stage(self, ind: int, comment: str, body, sync: bool = True, guard: str | None = None):
         self.w(ind, f"# {comment}")
         if self.cuda:
