@@ -11,7 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["compile_in_child", "opcodes", "print_table", "registers", "variant_table"]
+__all__ = ["compile_in_child", "fake_fa4", "opcodes", "print_table", "registers",
+           "variant_table"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
@@ -26,6 +29,33 @@ def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
         tail = (r.stderr.strip().splitlines() or ["failed"])[-1]
         print(f"{' '.join(args)}: {tail}", file=sys.stderr)
     return r.returncode == 0
+
+
+def fake_fa4(mask, meta, *, B: int = 2, S: int = 1000, H: int = 4, D: int = 128,
+             engine: str = "fa4", variant=None, score=None, tables=(), backward: bool = True,
+             config=None) -> None:
+    """FA4's forward (and backward) for ``mask`` on a descriptor of ``meta`` (``config``: its
+    PipelineConfig), compiled under fake CUDA tensors in a child of ``compile_in_child`` (the
+    dumps are the point); ``score``: a ``ScoreMod`` reading ``tables``."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B, config=config)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, fl, fake = fake_on_cuda(desc, lists)
+        sc = None if score is None else (score, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=fl["fwd"], variant=variant,
+                           score=sc)
+        if backward:
+            fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine, lists=fl["bwd64"],
+                    variant=variant, score=sc)
 
 
 def variant_table(script: str, masks: list[str], variants, counts, label: str) -> None:

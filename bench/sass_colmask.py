@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import opcodes, registers, variant_table  # noqa: E402
+from bench.sass import fake_fa4, opcodes, registers, variant_table  # noqa: E402
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing
 # keys; counts the code every other key runs)
@@ -29,22 +29,14 @@ VARIANTS = ("default", "columns", "columns (common path)", "true")
 
 def _child(name: str, variant: str) -> None:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import compilemask as cm
     from bench.engines import _CeilingMaskMod
     from compilemask import masks
-    from compilemask.kernels import fa4
     from compilemask.pipeline import PipelineConfig
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import fake_on_cuda
-
     spec = masks.EXAMPLES[name]()
-    mask = cm.compile_mask(spec)
-    B, S, H, D = 2, 1000, 4, 128
-    meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
-    cfg = PipelineConfig(column_view=variant.startswith("columns"))
+    meta = masks.random_meta(spec, 2, 1000, torch.Generator().manual_seed(0))
     if variant == "columns (common path)":
         from compilemask.kernels import fa4_colmask
 
@@ -53,16 +45,10 @@ def _child(name: str, variant: str) -> None:
 
         fa4_colmask.install()
         fa4_colmask.flash_bwd_sm90.AttentionMask = CommonPath
-    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B, config=cfg)
-    lists = {"fwd": desc.block_sparse("fwd"), "bwd64": desc.block_sparse("bwd64")}
-    ceiling = _CeilingMaskMod() if variant == "true" else None
-    if ceiling is not None:
-        ceiling.__enter__()
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, fl, _ = fake_on_cuda(desc, lists)
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=fl["fwd"])
-        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=fl["bwd64"])
+    if variant == "true":
+        _CeilingMaskMod().__enter__()
+    fake_fa4(cm.compile_mask(spec), meta,
+             config=PipelineConfig(column_view=variant.startswith("columns")))
 
 
 def _counts(dump: Path) -> dict:

@@ -17,32 +17,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import opcodes, variant_table  # noqa: E402
+from bench.sass import fake_fa4, opcodes, variant_table  # noqa: E402
 
 VARIANTS = ("intervals", "rules", "rows")
 
 
 def _child(name: str, variant: str) -> None:
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     import compilemask as cm
     from compilemask import masks
-    from compilemask.kernels import fa4
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import fake_on_cuda
 
     spec = masks.EXAMPLES[name]()
-    mask = cm.compile_mask(spec)
-    B, S, H, D = 2, 1000, 4, 128
-    meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
-    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
-    lists = {"fwd": desc.block_sparse("fwd")}
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, flists, _ = fake_on_cuda(desc, lists)
-        fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=flists["fwd"], variant=variant)
+    meta = masks.random_meta(spec, 2, 1000, torch.Generator().manual_seed(0))
+    fake_fa4(cm.compile_mask(spec), meta, variant=variant, backward=False)
 
 
 def _counts(dump: Path) -> dict:

@@ -29,34 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import compile_in_child, opcodes, print_table, registers  # noqa: E402
+from bench.sass import compile_in_child, fake_fa4, opcodes, print_table, registers  # noqa: E402
 
 KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
          "temperature": ("temperature",),
          "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
                     "sliding_window/softcap/native", "hstu/temperature/fa4")}
-
-
-def _compile(mask, meta, sm, tables, engine: str, B: int, S: int, H: int, D: int) -> None:
-    """FA4's forward and backward for one mask + score_mod (None: no score_mod) on ``engine``,
-    compiled under fake tensors (the dumps are the point)."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from compilemask.kernels import fa4
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import fake_on_cuda
-
-    desc = mask.preprocess(meta or None, seqlen_q=S, batch_size=B)
-    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
-    with FakeTensorMode():
-        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
-        fdesc, flists, fake = fake_on_cuda(desc, lists)
-        score = None if sm is None else (sm, [fake(t) for t in tables])
-        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, engine, lists=flists["fwd"], score=score)
-        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, engine, lists=flists["bwd64"],
-                score=score)
 
 
 def _spills_child(item: str) -> None:
@@ -74,8 +52,8 @@ def _spills_child(item: str) -> None:
     B, S, H, D = 2, 1000, 8, 128
     meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
     sm, tables = compile_score_mod(make_score_mod(smod, "cpu"))
-    _compile(cm.compile_mask(spec), meta, _score_variant(sm.key, True, True), tables, engine,
-             B, S, H, D)
+    fake_fa4(cm.compile_mask(spec), meta, B=B, S=S, H=H, D=D, engine=engine,
+             score=_score_variant(sm.key, True, True), tables=tables)
 
 
 def _child(kind: str) -> None:
@@ -106,7 +84,8 @@ def _child(kind: str) -> None:
         sm = dataclasses.replace(sm, softcap=None, key="")
     if kind == "bits":  # what KernelOptions(score_index="bits") hands FA4
         sm = dataclasses.replace(sm, index_bits=True, key="")
-    _compile(mask, None, None if kind == "none" else sm, tables, "native", B, S, H, D)
+    fake_fa4(mask, None, B=B, S=S, H=H, D=D, engine="native",
+             score=None if kind == "none" else sm, tables=tables)
 
 
 def _counts(dump: Path, kernel: str) -> dict:

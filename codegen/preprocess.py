@@ -520,19 +520,7 @@ class _Emitter(ProgramEmitter):
         w(d + 1, f"ee[k] = T.if_then_else({keep}, end[k], EMPTY)")
         if self.pl.K > 1:
             self.sort_by_first(d, "K", "ss", "ee")
-        w(d, "cs = ss[0]")
-        w(d, "ce = ee[0]")
-        if self.pl.K > 1:
-            w(d, "for k in T.unroll(K - 1):")
-            w(d + 1, "if ss[k + 1] <= ce:")
-            w(d + 2, "ce = T.max(ce, ee[k + 1])")
-            w(d + 1, "else:")
-            w(d + 2, "if ce > cs:")
-            self._cover(d + 3)
-            w(d + 2, "cs = ss[k + 1]")
-            w(d + 2, "ce = ee[k + 1]")
-        w(d, "if ce > cs:")
-        self._cover(d + 1)
+        self.sweep_runs(d, "K", self.pl.K, "ss", "ee", self._cover)
 
     def _cover(self, ind):
         """Coverage counts for the component [cs, ce): its inner n-tiles (to the last tile when

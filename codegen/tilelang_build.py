@@ -57,6 +57,25 @@ class ProgramEmitter:
             w(ind + 3, f"{x}[j] = {x}[j + 1]")
             w(ind + 3, f"{x}[j + 1] = tmp")
 
+    def sweep_runs(self, ind: int, n: str, count: int, starts: str, ends: str, close):
+        """Sweep ``count`` (= the constant ``n``) pairs sorted by start into the runs of their
+        union (a pair that starts at or before the current run's end extends it), calling
+        ``close(indent)`` to emit the code for each nonempty run ``[cs, ce)``."""
+        w = self.w
+        w(ind, f"cs = {starts}[0]")
+        w(ind, f"ce = {ends}[0]")
+        if count > 1:
+            w(ind, f"for k in T.unroll({n} - 1):")
+            w(ind + 1, f"if {starts}[k + 1] <= ce:")
+            w(ind + 2, f"ce = T.max(ce, {ends}[k + 1])")
+            w(ind + 1, "else:")
+            w(ind + 2, "if ce > cs:")
+            close(ind + 3)
+            w(ind + 2, f"cs = {starts}[k + 1]")
+            w(ind + 2, f"ce = {ends}[k + 1]")
+        w(ind, "if ce > cs:")
+        close(ind + 1)
+
     def stage(self, ind: int, comment: str, body, sync: bool = True, guard: str | None = None):
         self.w(ind, f"# {comment}")
         if self.cuda:
