@@ -66,5 +66,6 @@ def main() -> None:
     args = ap.parse_args()
     variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "backward mask_mod")
 
+
 if __name__ == "__main__":
     main()

@@ -47,5 +47,6 @@ def main() -> None:
     args = ap.parse_args()
     variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "mask_mod")
 
+
 if __name__ == "__main__":
     main()
