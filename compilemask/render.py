@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sympy as sp
 import torch
 
 from compilemask.codegen.cute_mask_mod import mask_mod_variant
 from compilemask.codegen.cute_predicate import predicate_source
-from compilemask.compiler import _quotients, extract_intervals
+from compilemask.compiler import _quotients, extract_intervals, python_str
 from compilemask.descriptor import TILE_EMPTY, TILE_FULL, TILE_MASKED, TILE_PARTIAL, TILE_VISIBLE
+from compilemask.dsl.frontend import rule_symbols
 from compilemask.segments import derived_kind
 
 __all__ = ["explain", "descriptor_to_string", "row_intervals"]
@@ -22,10 +24,12 @@ def _table_str(e) -> str:
 
 
 def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=None,
-            show_code: bool = False) -> str:
+            show_code: bool = False, columns: bool = False) -> str:
     """Per region: guard and rule as written, DNF, extracted intervals, proven merges, fallback
     terms, K and the GPU path. With ``meta`` and ``row``: that row's concrete intervals. With
-    ``show_code``: the generated TileLang, CuTe and torch code too (some hundred lines)."""
+    ``show_code``: the generated TileLang, CuTe and torch code too (some hundred lines). With
+    ``columns``: the column view (each key's query rows, ``compilemask.columns``), or why the
+    mask has none."""
     out = [f"MaskSpec {mask.name!r}  (canonical key {mask.key})",
            f"  params: scalar {list(mask.scalar_params)}, per-row arrays {list(mask.array_params)}"
            + (f", tables {list(mask.table_params)}" if mask.table_params else "")]
@@ -90,6 +94,8 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
                 "predicate": "the whole mask as one predicate"}[mask_mod_variant(mask)]
         out.append(f"  GPU path: FA4 block-sparse lists + {what} (not a native "
                    "pattern: no equality with full, causal, a window or segments was proven)")
+    if columns:
+        out += [""] + _column_lines(mask)
     if meta is not None and row is not None:
         out.append("")
         out.append(row_intervals(mask, meta, row, seqlen_q=seqlen_q, seqlen_k=seqlen_k))
@@ -115,6 +121,24 @@ def explain(mask, meta=None, row: int | None = None, seqlen_q=None, seqlen_k=Non
         out.append("  generated torch reference preprocess:")
         out.append(_indent(mask.reference_source(), "    "))
     return "\n".join(out)
+
+
+def _column_lines(mask) -> list[str]:
+    view = mask.column_view
+    if view is None:
+        return [f"  column view: none ({mask.column_view_reason})"]
+    out = [f"  column view: the query rows q_idx that see key kv_idx, merged per batch into "
+           f"{view.slots} slot(s)" + (" (a key with more runs takes the Interval Table test)"
+                                     if view.can_overflow else "")]
+    # the view is compiled with the key as its row i: shown in the mask's own names
+    syms = rule_symbols(mask.spec.params)
+    names = {syms["i"]: sp.Symbol("kv_idx", integer=True), syms["seqlen_q"]: syms["seqlen_k"],
+             syms["seqlen_k"]: syms["seqlen_q"]}
+    for k, iv in enumerate(view.region.intervals):
+        lo, hi, cond = (sp.sympify(e).xreplace(names) for e in (iv.lower, iv.upper, iv.cond))
+        out.append(f"    interval {k}: q_idx in [{python_str(lo)}, {python_str(hi)})"
+                   + ("" if cond is sp.true else f"  if {python_str(cond)}"))
+    return out
 
 
 def _split_notes(region) -> list[str]:

@@ -161,6 +161,19 @@ def test_kernel_test_equals_the_mask_for_every_view():
         assert torch.equal(_kernel_model(desc), mask.reference_mask(meta, 150, batch_size=2))
 
 
+def test_explain_shows_the_column_view():
+    rm = cm.compile_mask(masks.shared_prompt_rm()).explain(columns=True)
+    assert "query rows q_idx that see key kv_idx" in rm and "into 2 slot(s)" in rm
+    assert "interval 12:" in rm and "Interval Table test" in rm
+    # in the mask's own names: the key's rows run to seqlen_q
+    prefix = cm.compile_mask(masks.prefix_lm()).explain(columns=True)
+    assert "interval 0: q_idx in [kv_idx, seqlen_q)" in prefix
+    assert "interval 1: q_idx in [0, seqlen_q)  if kv_idx < prefix_len" in prefix
+    hstu = cm.compile_mask(masks.hstu()).explain(columns=True)
+    assert "column view: none (its exchanged rule keeps a predicate" in hstu
+    assert "column view" not in cm.compile_mask(masks.hstu()).explain()
+
+
 def test_merge_runs():
     """Runs of the union in order: overlapping and touching intervals merge, empty ones vanish,
     more runs than slots flag slot 0."""
