@@ -301,7 +301,8 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                     rec(method, None, f"n/a (no column view: {mask.column_view_reason})"[:60])
                     continue
                 if method == "fa4_cols":
-                    dcols = with_lists(mask.preprocess(meta, S, batch_size=B, config=cfg))
+                    dcols = with_lists(mask.preprocess(meta, S, batch_size=B, device=dev,
+                                                       config=cfg))
                     f = (lambda a, b_, c, d=dcols: cm.attention(a, b_, c, d, backend="fa4",
                                                                 options=options))
                     timed(method, functools.partial(train_or_fwd, f, q, k, v, do))
