@@ -27,11 +27,11 @@ clamped before any load (their results are discarded).
 
 from __future__ import annotations
 
-import sympy
 from sympy.core.function import AppliedUndef
 
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
+from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
            "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
@@ -115,12 +115,7 @@ def _whole_mask_predicate(mask, any_region: bool = False):
     regions = mask.regions
     if not regions or not (any_region or all(r.fallback for r in regions)):
         return None
-    terms, earlier = [], []
-    for r in regions:
-        guard = sympy.sympify(r.guard)
-        terms.append(sympy.And(guard, *[sympy.Not(g) for g in earlier], r.rule))
-        earlier.append(guard)
-    expr = sympy.Or(*terms)
+    expr = first_match_rule(regions)
     allowed = {"i", "j", *mask.scalar_params}
     if any(s.name not in allowed for s in expr.free_symbols):
         return None

@@ -78,11 +78,10 @@ class _Emit:
         return name
 
     def fold(self, args, op: str) -> str:
-        """``args[0] op args[1] op ...``, one temporary per step; ``op`` is an infix operator
-        or, ending in ``(``, a function of two arguments."""
+        """``args[0] op args[1] op ...`` for an infix ``op``, one temporary per step."""
         acc = args[0]
         for a in args[1:]:
-            acc = self.tmp(f"{op}{acc}, {a})" if op.endswith("(") else f"{acc} {op} {a}")
+            acc = self.tmp(f"{acc} {op} {a}")
         return acc
 
     def get(self, e, ctx: str) -> str:

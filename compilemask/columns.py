@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import sympy as sp
 import torch
+
+from compilemask.compiler import first_match_rule
 
 __all__ = ["COLUMN_SLOTS", "OVERFLOW", "ColumnView", "transposed_rule", "why_no_view",
            "merge_runs", "column_table"]
@@ -59,16 +60,11 @@ class ColumnView(NamedTuple):
 
 
 def transposed_rule(mask, syms: dict):
-    """The mask as one rule of (i, j) with the query and key exchanged: ``Or`` over regions of
-    (guard, no earlier guard, rule), then ``i <-> j`` and ``seqlen_q <-> seqlen_k``."""
+    """The mask as one rule of (i, j) (``compiler.first_match_rule``) with the query and key
+    exchanged: ``i <-> j`` and ``seqlen_q <-> seqlen_k``."""
     i, j = syms["i"], syms["j"]
     sq, sk = syms["seqlen_q"], syms["seqlen_k"]
-    terms, earlier = [], []
-    for r in mask.regions:
-        guard = sp.sympify(r.guard)
-        terms.append(sp.And(guard, *[sp.Not(g) for g in earlier], r.rule))
-        earlier.append(guard)
-    return sp.Or(*terms).xreplace({i: j, j: i, sq: sk, sk: sq})
+    return first_match_rule(mask.regions).xreplace({i: j, j: i, sq: sk, sk: sq})
 
 
 def why_no_view(mask) -> str | None:

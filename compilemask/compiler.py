@@ -38,6 +38,7 @@ __all__ = [
     "CANONICALIZE_BUDGET",
     "python_str",
     "run_arrays",
+    "first_match_rule",
 ]
 
 # A `j % c` atom is split into one interval per quotient value only up to this many values.
@@ -504,6 +505,17 @@ def _why_fallback(atom, j) -> str:
 # --------------------------------------------------------------------------------------------
 # pass 4: canonicalization under the guard's assumptions
 # --------------------------------------------------------------------------------------------
+
+
+def first_match_rule(regions):
+    """The mask as one Boolean in i, j and params: a row belongs to the first region whose guard
+    holds, so ``Or`` over regions of (its guard, no earlier guard, its rule)."""
+    terms, earlier = [], []
+    for r in regions:
+        guard = sp.sympify(r.guard)
+        terms.append(sp.And(guard, *[sp.Not(g) for g in earlier], r.rule))
+        earlier.append(guard)
+    return sp.Or(*terms)
 
 
 def python_str(e) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
+from compilemask.compiler import first_match_rule
 from compilemask.dsl.frontend import array_function, rule_symbols
 from compilemask.prover import Prover
 from compilemask.segments import derived_kind, run_names, span_names
@@ -74,15 +75,6 @@ class NativePattern:
         name = "causal" if self.causal else "sliding window"
         align = "bottom-right" if self.bottom_right else "top-left (native when Sq == Sk)"
         return f"{name}, {w}, {align}"
-
-
-def _visible_expr(mask) -> sp.Basic:
-    """The user's mask as one Boolean in i, j, params: first region whose guard holds."""
-    terms, earlier = [], []
-    for r in mask.regions:
-        terms.append(sp.And(r.guard, *[sp.Not(g) for g in earlier], r.rule))
-        earlier.append(r.guard)
-    return sp.Or(*terms)
 
 
 def _offset(e, bases, clip_to) -> int | None:
@@ -219,7 +211,7 @@ def native_pattern(mask) -> NativePattern | None:
 def _native_pattern(mask, contiguous: bool) -> NativePattern | None:
     syms = rule_symbols(mask.spec.params)
     try:
-        vis = _visible_expr(mask)
+        vis = first_match_rule(mask.regions)
     except (TypeError, ValueError):
         return None
     divisors = mask.divisor_params

@@ -246,11 +246,10 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
     if desc.seqlen_q != desc.seqlen_k or desc.q_offset:
         raise ValueError(f"column_view: needs square attention from row 0 (seqlen_q "
                          f"{desc.seqlen_q}, seqlen_k {desc.seqlen_k}, q_offset {desc.q_offset})")
-    n = len(mask.array_params)
     if desc.device.type == "cuda" and has_tilelang():
         table = tilelang_column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
     else:  # the torch reference (CI checks the program against it on TileLang's C target)
-        table = column_table(mask.column_view, mask, desc.params, desc.row_params[..., :n],
+        table = column_table(mask.column_view, mask, desc.params, desc.row_params,
                              desc.seqlen_k)
     return dataclasses.replace(desc, columns=table.contiguous())
 

@@ -50,12 +50,13 @@ import torch
 from compilemask import score_mods
 from compilemask.api import _validate, attention, select_engine
 from compilemask.compiled import CompiledMask, compile_mask
+from compilemask.compiler import first_match_rule
 from compilemask.descriptor import ExecutionDescriptor, unpack_table
 from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
 from compilemask.heads import HeadGroups
-from compilemask.native import _run_axioms, _visible_expr
+from compilemask.native import _run_axioms
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
 from compilemask.serving import DecodeState
@@ -299,7 +300,7 @@ def _within_window(mask, window, square) -> bool:
     syms = rule_symbols(mask.spec.params)
     row = syms["i"] if square else syms["i"] + syms["seqlen_k"] - syms["seqlen_q"]
     try:
-        vis = _visible_expr(mask)
+        vis = first_match_rule(mask.regions)
         prover = Prover(_run_axioms(mask, syms), syms, mask.divisor_params)
         return prover.proves(sp.Or(sp.Not(vis), sp.Gt(syms["j"], row - window)))
     except (TypeError, ValueError):  # a rule z3 cannot take: not proven
