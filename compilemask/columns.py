@@ -104,18 +104,18 @@ def merge_runs(starts: torch.Tensor, lens: torch.Tensor, slots: int) -> torch.Te
         has = mine.any(dim=-1)
         out[..., c, 0] = torch.where(has, lo, 0)
         out[..., c, 1] = torch.where(has, hi - lo, 0)
-    over = count > slots
-    out[..., 0, 1] = torch.where(over, OVERFLOW, out[..., 0, 1])
-    out[..., 0, 0] = torch.where(over, 0, out[..., 0, 0])
-    out[..., 1:, :] = torch.where(over[..., None, None], 0, out[..., 1:, :])
-    return out.to(torch.int32)
+    flag = torch.zeros(slots, 2, dtype=torch.int64, device=starts.device)
+    flag[0, 1] = OVERFLOW
+    return torch.where((count > slots)[..., None, None], flag, out).to(torch.int32)
 
 
-def column_table(view: ColumnView, mask, params: torch.Tensor, row_params: torch.Tensor,
+def column_table(mask, params: torch.Tensor, row_params: torch.Tensor,
                  seqlen: int) -> torch.Tensor:
-    """int32 ``[B, S, view.slots, 2]``: each key's rows (``merge_runs``) for a batch of square
-    self-attention, from a descriptor's metadata copies (``params [B, P]``, ``row_params [B, S,
-    R]``, in ``mask.scalar_params`` / ``mask.array_params`` order)."""
+    """int32 ``[B, S, slots, 2]``: each key's rows (``merge_runs``) under ``mask``'s column
+    view, for a batch of square self-attention, from a descriptor's metadata copies (``params
+    [B, P]``, ``row_params [B, S, R]``, in ``mask.scalar_params`` / ``mask.array_params``
+    order)."""
+    view = mask.column_view
     B, dev = params.shape[0], params.device
     keys = torch.arange(seqlen, device=dev, dtype=torch.int64).unsqueeze(0)
     scal = {p: params[:, n:n + 1].to(torch.int64) for n, p in enumerate(mask.scalar_params)}

@@ -249,8 +249,7 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
     if desc.device.type == "cuda" and has_tilelang():
         table = tilelang_column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
     else:  # the torch reference (CI checks the program against it on TileLang's C target)
-        table = column_table(mask.column_view, mask, desc.params, desc.row_params,
-                             desc.seqlen_k)
+        table = column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
     return dataclasses.replace(desc, columns=table.contiguous())
 
 

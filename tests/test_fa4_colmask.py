@@ -194,8 +194,7 @@ def test_column_view_pipeline_option():
     desc = mask.preprocess(meta, 100, config=COLUMNS)
     assert mask.preprocess(meta, 100).columns is None  # only when asked
     assert torch.equal(desc.to("cpu").columns, desc.columns)
-    view = mask.column_view
-    again = column_table(view, mask, desc.params, desc.row_params, 100)
+    again = column_table(mask, desc.params, desc.row_params, 100)
     assert torch.equal(again, desc.columns)
     pytest.importorskip("tilelang")
     pre = mask.preprocessor(100, batch_size=2, device="cpu", config=COLUMNS)
