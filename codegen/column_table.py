@@ -109,11 +109,11 @@ class _Emitter(ProgramEmitter):
             w(d, f"hi[{k}] = {pr(iv.upper)}")
         w(ind, "# clip to the rows that exist; empty intervals sort last")
         w(ind, "for k in T.unroll(N):")
-        w(ind + 1, "tmp = T.Cast(\"int32\", T.min(T.max(lo[k], 0), sk))")
-        w(ind + 1, "ss[k] = T.if_then_else(T.Cast(\"int32\", T.min(T.max(hi[k], 0), sk)) > tmp, "
-                   "tmp, EMPTY)")
-        w(ind + 1, "ee[k] = T.if_then_else(ss[k] < EMPTY, "
-                   "T.Cast(\"int32\", T.min(T.max(hi[k], 0), sk)), EMPTY)")
+        w(ind + 1, "ss[k] = T.Cast(\"int32\", T.min(T.max(lo[k], 0), sk))")
+        w(ind + 1, "ee[k] = T.Cast(\"int32\", T.min(T.max(hi[k], 0), sk))")
+        w(ind + 1, "if ee[k] <= ss[k]:")
+        w(ind + 2, "ss[k] = EMPTY")
+        w(ind + 2, "ee[k] = EMPTY")
         if N > 1:
             self.sort_by_first(ind, "N", "ss", "ee")
         w(ind, "for k in T.unroll(2 * SLOTS):")
