@@ -123,7 +123,6 @@ class ColumnIntervalMask(AttentionMask):
                         vis = vis & (row_g < self.seqlen_q)
                     acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
 
-
     @cute.jit
     def _test_runs(self, acc_S_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
                    c: cutlass.Constexpr[int], los, lens, slots: cutlass.Constexpr[int]) -> None:
