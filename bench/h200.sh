@@ -21,6 +21,7 @@
 #   bash bench/h200.sh serving   # decode steps vs FA4's own; prefill + mask build vs Flex-FA4
 #   MASK=causal:alibi bash bench/h200.sh flexcode  # Flex-FA4's generated score_mod / mask_mod
 #   bash bench/h200.sh columns   # the backward masked by the column view vs the default, Flex
+#   bash bench/h200.sh scoremod  # the score_mod pairs vs Flex-FA4 (rounds), ALiBi's variants
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
 set -u
@@ -277,6 +278,18 @@ for r in rows:
       --methods "${METHODS:-fa4,fa4_cols,fa4_true,flex_flash,fa4_cols+pre}"
     cat "$OUT/columns_${TAG:-a}.md"
     step columns_tests 300 python3 -m pytest -q -m gpu tests/test_fa4_colmask.py
+    ;;
+  scoremod)  # the score_mod pairs against Flex-FA4 with the same score_mod, train, interleaved
+    # rounds (MASKS=, SEQLENS=, ROUNDS=); ALiBi + causal's engines and backward variants at
+    # 32K; then the score_mod GPU tests
+    step scoremod "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+      --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-32768,8192}" --tag "scoremod_${TAG:-a}" \
+      --out "$OUT" --methods "${METHODS:-native,fa4,flex_flash}" \
+      --masks "${MASKS:-causal:alibi,sliding_window:softcap,prefix_lm:t5,hstu:temperature}"
+    cat "$OUT/scoremod_${TAG:-a}.md"
+    step alibi_train 300 python3 bench/alibi_train.py 32768
+    tail -12 "$OUT/alibi_train.log"
+    step scoremod_tests 300 python3 -m pytest -q $PAR -m gpu tests/test_score_mod.py
     ;;
   serving)  # decode steps against FA4's own kernel, then prefill with the per-request mask
     # build against Flex-FA4 with create_block_mask (forward only, 8K and 32K)

@@ -7,6 +7,8 @@ bf16, the native engine:
   (``KernelOptions(score_index=...)``), and causal without a score_mod;
 * ``temperature``: causal with a per-head temperature ``score / temps[h]`` (a divisor the same
   for the whole tile: one reciprocal, then a multiply per score);
+* ``unwrap``: causal with ALiBi on the native and the fa4 engine, FA4's index wrap
+  (``kernels/fa4_scoremod.py`` not installed) against none, and causal without a score_mod;
 * ``spills``: registers and spill bytes (``ptxas -v``) of the benchmarked mask + score_mod
   pairs on their engines, forward and backward.
 
@@ -18,6 +20,7 @@ each score costs, the H200 says what that is worth (``bench/h200.sh engines``).
     python bench/sass_score_mod.py softcap
     python bench/sass_score_mod.py alibi
     python bench/sass_score_mod.py temperature
+    python bench/sass_score_mod.py unwrap
     python bench/sass_score_mod.py spills
 """
 
@@ -33,6 +36,8 @@ from bench.sass import compile_in_child, fake_fa4, opcodes, print_table, registe
 
 KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
          "temperature": ("temperature",),
+         "unwrap": ("none", "bits-wrapped", "bits", "causal/alibi/fa4-wrapped",
+                    "causal/alibi/fa4"),
          "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
                     "sliding_window/softcap/native", "hstu/temperature/fa4")}
 
@@ -57,6 +62,11 @@ def _spills_child(item: str) -> None:
 
 
 def _child(kind: str) -> None:
+    if kind.endswith("-wrapped"):  # FA4's calls as they are: every index wrapped
+        from compilemask.kernels import fa4
+
+        kind = kind.removesuffix("-wrapped")
+        fa4._install_scoremod = lambda: None
     if kind in KINDS["spills"]:
         _spills_child(kind)
         return

@@ -11,7 +11,14 @@ packed-GQA form (``q_idx // G`` and ``h * G + q_idx % G``, G query heads per kv 
 backward's functions (``gqa=G``) undo that, and a GPU test with GQA fails if FA4 changes it.
 Tables are ``aux_tensors[offset + t]`` (the mask_mod's aux tensors come first); a
 negative index counts from the end as in torch, and every index is clamped into the table so
-that no read leaves it (FA4 wraps q_idx / kv_idx into the sequence before calling).
+that no read leaves it.
+
+FA4 wraps q_idx and kv_idx into the sequence (a fast division per index and score) whenever a
+call has aux tensors, so that a score_mod's reads stay inside them. Ours are clamped already,
+and a score_mod that is finite for any integer index (``index_total``: ALiBi's
+``slopes[h] * (kv_idx - q_idx)``, a per-head temperature) needs no valid index on the padded
+rows and columns of edge tiles either (their scores are masked, their rows' LSE is +inf): its
+source says ``UNWRAPPED = True`` and ``kernels/fa4_scoremod.py`` skips the wrap for it.
 """
 
 from __future__ import annotations
@@ -22,10 +29,20 @@ from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import compile_predicate
 from compilemask.score_mod import SCORE, ScoreMod, fdiv, trunc
 
-__all__ = ["score_mod_source", "score_mod_fns"]
+__all__ = ["score_mod_source", "score_mod_fns", "index_total", "UNWRAPPED_ATTR"]
 
 _CACHE = CompileCache("score_mod")
 _NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}
+
+# on a generated score_mod / score_mod_bwd whose indices FA4 need not wrap (read by
+# kernels/fa4_scoremod.py)
+UNWRAPPED_ATTR = "__compilemask_unwrapped__"
+
+# operations finite for finite arguments: an expression built of these alone (and tables read
+# at batch / head only) is finite at any q_idx / kv_idx, padded ones included
+_TOTAL = (sp.Add, sp.Mul, sp.Min, sp.Max, sp.Abs, sp.Piecewise, sp.ITE, sp.And, sp.Or,
+          sp.Not, sp.Xor, sp.core.relational.Relational, sp.logic.boolalg.BooleanAtom,
+          sp.functions.elementary.piecewise.ExprCondPair)
 
 
 # indices below this bound (the engines' choice from the call's lengths) let linear index
@@ -54,6 +71,23 @@ def _uniform(e) -> bool:
     """Whether ``e`` reads no score, q_idx or kv_idx (batch, head, constants and tables read
     there): one value for a whole tile, which the compiler computes once."""
     return not any(s.name in ("score", "i", "j") for s in e.free_symbols)
+
+
+def index_total(sm: ScoreMod) -> bool:
+    """Whether ``sm``'s value and gradient are finite at every integer q_idx / kv_idx given
+    finite scores and tables: where they read an index, only through sums, products,
+    non-negative integer powers, min / max / abs and selects (no division, function or table
+    read of an index)."""
+    def total(e) -> bool:
+        if not any(s.name in ("i", "j") for s in e.free_symbols):
+            return True
+        if isinstance(e, sp.Symbol):
+            return True
+        if isinstance(e, sp.Pow):
+            return bool(e.args[1].is_Integer and int(e.args[1]) >= 0 and total(e.args[0]))
+        return isinstance(e, _TOTAL) and all(total(a) for a in e.args)
+
+    return total(sm.expr) and total(sm.grad)
 
 
 class _Emit:
@@ -313,7 +347,8 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          f"# score <- {sp.sstr(sm.expr)}",
          f"# d/dscore = {sp.sstr(sm.grad)}",
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
-         "", "", *(_I2F if index_bits else []),
+         "", "", f"UNWRAPPED = {index_total(sm)}", "", "",
+         *(_I2F if index_bits else []),
          "@cute.jit",
          "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
          *head, *[ind + line for line in fwd], f"    return {out}", "", "",
@@ -338,6 +373,9 @@ def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool 
     index_bits)."""
     def build():
         src = score_mod_source(sm, offset, gqa, index_bits)
-        return compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
+        fns = compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
+        for fn in fns:  # the source's UNWRAPPED (so FA4's kernel key sees it)
+            setattr(fn, UNWRAPPED_ATTR, index_total(sm))
+        return fns
 
     return _CACHE.get((sm.key, offset, gqa, index_bits), build)

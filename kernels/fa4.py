@@ -185,6 +185,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             bits = (sm.index_bits and not backward
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits)
+            _install_scoremod()
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
@@ -201,6 +202,13 @@ def _install_rowmask() -> None:
     from . import fa4_rowmask  # imports FA4's forward kernel module
 
     fa4_rowmask.install()
+
+
+@functools.lru_cache(maxsize=None)
+def _install_scoremod() -> None:
+    from . import fa4_scoremod  # imports FA4's kernel modules
+
+    fa4_scoremod.install()
 
 
 @functools.lru_cache(maxsize=None)

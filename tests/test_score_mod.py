@@ -843,3 +843,111 @@ def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, 
         assert got == pytest.approx(float(want), rel=1e-5, abs=1e-5), (name, s, b, h, i, j)
         dgot = _run_generated(src, "score_mod_bwd", s, b, h, i, j, tables, grad=1.0)
         assert dgot == pytest.approx(float(x.grad), rel=1e-5, abs=1e-5), (name, i, j)
+
+
+_INDEX_TOTAL = {"alibi_causal", "bool_table", "per_sequence_scale", "sigmoid_abs_min_max",
+                "softcap_sliding_window", "temperature_hstu", "zero_d_tensor"}
+
+
+@pytest.mark.parametrize("name", sorted(_all_score_mods()))
+def test_index_total_score_mods_are_finite_past_the_sequence(name):
+    """A score_mod whose indices FA4 need not wrap (``index_total``) is finite on the padded
+    rows and columns of edge tiles: the generated code at indices past the sequence, up to the
+    bound the kernels allow, with finite scores and tables; the source says which it is."""
+    from compilemask.codegen.cute_score_mod import INDEX_BOUND, index_total, score_mod_source
+    from compilemask.score_mod import compile_score_mod, kernel_table
+
+    fn = _all_score_mods()[name]
+    sm, tables = compile_score_mod(fn)
+    assert index_total(sm) == (name in _INDEX_TOTAL)
+    src = score_mod_source(sm)
+    assert f"UNWRAPPED = {name in _INDEX_TOTAL}" in src
+    if name not in _INDEX_TOTAL:
+        return
+    tables = [kernel_table(t, spec.is_float) for t, spec in zip(tables, sm.tables)]
+    far = [0, 39, 40, 40 + 127, INDEX_BOUND - 1]  # 40 rows; then the padding; then the bound
+    with np.errstate(over="ignore"):  # a select's discarded side may overflow (sigmoid's exp)
+        for i in far:
+            for j in far:
+                for s in (-30.0, 0.0, 30.0):
+                    assert math.isfinite(_run_generated(src, "score_mod", s, 1, 2, i, j, tables))
+                    assert math.isfinite(_run_generated(src, "score_mod_bwd", s, 1, 2, i, j,
+                                                        tables, grad=1.0))
+
+
+def test_index_total_refuses_what_can_overflow():
+    from compilemask.codegen.cute_score_mod import index_total
+    from compilemask.score_mod import compile_score_mod
+
+    slopes = torch.rand(H)
+
+    def square(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) ** 2
+
+    def reciprocal(score, b, h, q_idx, kv_idx):
+        return score + 1.0 / (kv_idx - q_idx + 1)
+
+    def decay(score, b, h, q_idx, kv_idx):
+        return score * torch.exp(slopes[h] * (kv_idx - q_idx))
+
+    assert index_total(compile_score_mod(square)[0])
+    assert not index_total(compile_score_mod(reciprocal)[0])
+    assert not index_total(compile_score_mod(decay)[0])
+
+
+def test_fa4_score_mod_wrap_as_relied_on():
+    """``kernels/fa4_scoremod.py`` replaces FA4's sm90 module globals ``apply_score_mod_inner``
+    / ``apply_score_mod_bwd_inner`` and passes their parameters through by position, with no
+    divisors for an unwrapped score_mod: fail loudly if the pinned FA4 changes any of it."""
+    pytest.importorskip("flash_attn.cute")
+    import inspect
+
+    from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
+
+    from compilemask.kernels import fa4_scoremod
+
+    for theirs, ours in ((softmax.apply_score_mod_inner, fa4_scoremod.apply_score_mod_inner),
+                         (softmax.apply_score_mod_bwd_inner,
+                          fa4_scoremod.apply_score_mod_bwd_inner)):
+        src = inspect.getsource(theirs)
+        params = list(inspect.signature(ours).parameters)
+        assert f"def {theirs.__name__}(\n    " + ",\n    ".join(params[:1]) in src
+        head = src[src.index("(") + 1:src.index(")")]
+        assert [p.split(":")[0].split("=")[0].strip() for p in head.split(",") if p.strip()] \
+            == params
+        # no divisors: FA4 indexes directly
+        assert "aux_data.tensors is not None and fastdiv_mods is not None" in src
+    for mod, names in ((flash_fwd_sm90, ["apply_score_mod_inner"]),
+                       (flash_bwd_sm90, ["apply_score_mod_inner", "apply_score_mod_bwd_inner"])):
+        src = inspect.getsource(mod)
+        for n in names:
+            assert f"import {n}" in src or f", {n}" in src
+            assert f"        {n}(" in src  # called through the module global
+    fa4_scoremod.install()
+    assert flash_fwd_sm90.apply_score_mod_inner is fa4_scoremod.apply_score_mod_inner
+    assert flash_bwd_sm90.apply_score_mod_bwd_inner is fa4_scoremod.apply_score_mod_bwd_inner
+
+
+@pytest.mark.slow  # two kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_alibi_kernels_have_no_index_wrap(tmp_path):
+    """ALiBi on FA4's causal kernels (fake compile, sm90 PTX): no fast division beyond those of
+    the kernel without a score_mod (FA4's wrap is one per index and score)."""
+    pytest.importorskip("flash_attn.cute")
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from bench.sass import compile_in_child
+
+    counts = {}
+    for kind in ("none", "bits"):
+        (tmp_path / kind).mkdir()
+        assert compile_in_child(str(root / "bench" / "sass_score_mod.py"), [kind],
+                                tmp_path / kind)
+        for kernel in ("fwd_sm90", "bwd_sm90"):
+            ptx = next((tmp_path / kind).glob(f"*{kernel}*.ptx")).read_text()
+            counts[kind, kernel] = ptx.count("mul.hi")
+    assert counts["bits", "fwd_sm90"] == counts["none", "fwd_sm90"]
+    assert counts["bits", "bwd_sm90"] == counts["none", "bwd_sm90"]
