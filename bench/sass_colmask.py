@@ -1,6 +1,7 @@
 """Static SASS of FA4's sm90 backward (head dim 128, the transposed tile) on a partial-tile mask,
 compiled on the CPU (no GPU): the default per-score test without a column view (the Interval
-Table, or the rules where they cost less: ``mask_mod_variant``), the column view
+Table, or the rules where they cost less: ``mask_mod_variant``), the same with FA4's index wrap
+kept (``kernels/fa4_unwrap.py`` off), the column view
 (``"columns"``, ``kernels/fa4_colmask.py``), the same without its overflow path (the code every
 unflagged key runs) and the always-True mask_mod (a wrong mask: the ceiling of any partial-tile
 test).
@@ -24,7 +25,7 @@ from bench.sass import fake_fa4, opcodes, registers, variant_table  # noqa: E402
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing
 # keys; counts the code every other key runs)
-VARIANTS = ("default", "columns", "columns (common path)", "true")
+VARIANTS = ("default (wrapped)", "default", "columns", "columns (common path)", "true")
 
 
 def _child(name: str, variant: str) -> None:
@@ -35,6 +36,10 @@ def _child(name: str, variant: str) -> None:
     from compilemask import masks
     from compilemask.pipeline import PipelineConfig
 
+    if variant == "default (wrapped)":  # FA4's wrap of the mask_mod's indices kept
+        from compilemask.kernels import fa4_unwrap
+
+        fa4_unwrap._unwrapped = lambda fn: False
     spec = masks.EXAMPLES[name]()
     meta = masks.random_meta(spec, 2, 1000, torch.Generator().manual_seed(0))
     if variant == "columns (common path)":

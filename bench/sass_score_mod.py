@@ -8,7 +8,7 @@ bf16, the native engine:
 * ``temperature``: causal with a per-head temperature ``score / temps[h]`` (a divisor the same
   for the whole tile: one reciprocal, then a multiply per score);
 * ``unwrap``: causal with ALiBi on the native and the fa4 engine, FA4's index wrap
-  (``kernels/fa4_scoremod.py`` not installed) against none, and causal without a score_mod;
+  (``kernels/fa4_unwrap.py`` off) against none, and causal without a score_mod;
 * ``spills``: registers and spill bytes (``ptxas -v``) of the benchmarked mask + score_mod
   pairs on their engines, forward and backward.
 
@@ -63,10 +63,10 @@ def _spills_child(item: str) -> None:
 
 def _child(kind: str) -> None:
     if kind.endswith("-wrapped"):  # FA4's calls as they are: every index wrapped
-        from compilemask.kernels import fa4
+        from compilemask.kernels import fa4_unwrap
 
         kind = kind.removesuffix("-wrapped")
-        fa4._install_scoremod = lambda: None
+        fa4_unwrap._unwrapped = lambda fn: False
     if kind in KINDS["spills"]:
         _spills_child(kind)
         return

@@ -22,7 +22,8 @@ where a cost model says it is cheaper than the interval test's ``2K`` Interval T
 score (``mask_mod_variant`` chooses; ``docs/decisions/engine.md`` has the measurements).
 
 FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
-clamped before any load (their results are discarded).
+clamped before any load (their results are discarded); every read is clamped, so FA4 need not
+wrap the indices (``UNWRAPPED_ATTR``, ``kernels/fa4_unwrap.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from __future__ import annotations
 from sympy.core.function import AppliedUndef
 
 from compilemask.cache import CompileCache
-from compilemask.codegen.cute_predicate import compile_predicate, predicate_source
+from compilemask.codegen.cute_predicate import (
+    UNWRAPPED_ATTR,
+    compile_predicate,
+    predicate_source,
+)
 from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
@@ -166,7 +171,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         what = "every region is a predicate" if variant == "predicate" else "its rules"
         out = [f"# mask_mod for {mask.name!r} (key {mask.key}): {what}",
                "import cutlass", "import cutlass.cute as cute", "from cutlass import Int32, Uint32",
-               "", *_whole_source(mask, whole, heads)]
+               "", *_UNWRAPPED, *_whole_source(mask, whole, heads)]
         return "\n".join(out + _select())
     K = max(mask.num_intervals, 1)
     fbs = _fallback_sources(mask)
@@ -176,6 +181,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         "import cutlass.cute as cute",
         "from cutlass import Int32, Uint32",
         "",
+        *_UNWRAPPED,
     ]
     if variant == "rows":  # code, not a comment: FA4's kernel key must tell it from "intervals"
         out += ["# FA4's sm90 forward masks a row at a time (kernels/fa4_rowmask.py)",
@@ -212,6 +218,11 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
             call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
             out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
     return "\n".join(out + _select())
+
+
+# code, not a comment: FA4's kernel key sees that its indices are not wrapped
+_UNWRAPPED = ["# every read clamped: FA4 need not wrap the indices (kernels/fa4_unwrap.py)",
+              "UNWRAPPED = True", ""]
 
 
 def _columns_attr(mask) -> tuple[int, int, bool]:
@@ -258,6 +269,7 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
     def build():
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
         fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
+        setattr(fn, UNWRAPPED_ATTR, True)  # the source's UNWRAPPED
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
         if variant == "columns":  # the source's COLUMNS

@@ -38,6 +38,10 @@ import sympy
 from compilemask.dsl.frontend import IntBitOp
 from compilemask.env import cache_dir
 
+# on a generated mask_mod / score_mod(_bwd) whose reads are clamped (and, for a score_mod, whose
+# value is finite at any index): FA4 need not wrap its indices (kernels/fa4_unwrap.py)
+UNWRAPPED_ATTR = "__compilemask_unwrapped__"
+
 __all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]
 
 

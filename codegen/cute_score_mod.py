@@ -18,7 +18,7 @@ call has aux tensors, so that a score_mod's reads stay inside them. Ours are cla
 and a score_mod that is finite for any integer index (``index_total``: ALiBi's
 ``slopes[h] * (kv_idx - q_idx)``, a per-head temperature) needs no valid index on the padded
 rows and columns of edge tiles either (their scores are masked, their rows' LSE is +inf): its
-source says ``UNWRAPPED = True`` and ``kernels/fa4_scoremod.py`` skips the wrap for it.
+source says ``UNWRAPPED = True`` and ``kernels/fa4_unwrap.py`` skips the wrap for it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import sympy as sp
 
 from compilemask.cache import CompileCache
-from compilemask.codegen.cute_predicate import compile_predicate
+from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, compile_predicate
 from compilemask.score_mod import SCORE, ScoreMod, fdiv, trunc
 
 __all__ = ["score_mod_source", "score_mod_fns", "index_total", "UNWRAPPED_ATTR"]
@@ -34,9 +34,6 @@ __all__ = ["score_mod_source", "score_mod_fns", "index_total", "UNWRAPPED_ATTR"]
 _CACHE = CompileCache("score_mod")
 _NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}
 
-# on a generated score_mod / score_mod_bwd whose indices FA4 need not wrap (read by
-# kernels/fa4_scoremod.py)
-UNWRAPPED_ATTR = "__compilemask_unwrapped__"
 
 # operations finite for finite arguments: an expression built of these alone (and tables read
 # at batch / head only) is finite at any q_idx / kv_idx, padded ones included

@@ -168,10 +168,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         else:
             columns = desc.columns is not None and heads == 1
             variant = forward_variant(desc.mask, variant, backward, columns)
-        if variant == "rows":
-            _install_rowmask()
-        if variant == "columns":
-            _install_colmask()
+        _install()
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -185,7 +182,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             bits = (sm.index_bits and not backward
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits)
-            _install_scoremod()
+            _install()
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
@@ -198,24 +195,15 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
 
 
 @functools.lru_cache(maxsize=None)
-def _install_rowmask() -> None:
-    from . import fa4_rowmask  # imports FA4's forward kernel module
+def _install() -> None:
+    """FA4's sm90 kernels with this package's masks and score_mod calls: the forward's row mask,
+    the backward's column view, neither index wrap for the generated functions; every other
+    mask_mod and score_mod runs FA4's code unchanged."""
+    from . import fa4_colmask, fa4_rowmask, fa4_unwrap  # import FA4's kernel modules
 
     fa4_rowmask.install()
-
-
-@functools.lru_cache(maxsize=None)
-def _install_scoremod() -> None:
-    from . import fa4_scoremod  # imports FA4's kernel modules
-
-    fa4_scoremod.install()
-
-
-@functools.lru_cache(maxsize=None)
-def _install_colmask() -> None:
-    from . import fa4_colmask  # imports FA4's backward kernel module
-
     fa4_colmask.install()
+    fa4_unwrap.install()
 
 
 def _leading_dim(t):

@@ -29,6 +29,7 @@ from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
 from compilemask.codegen.cute_mask_mod import COLUMNS_ATTR
+from compilemask.kernels.fa4_unwrap import UnwrappedMask
 
 __all__ = ["ColumnIntervalMask", "install"]
 
@@ -38,7 +39,7 @@ __all__ = ["ColumnIntervalMask", "install"]
 
 
 @dataclass(frozen=True)
-class ColumnIntervalMask(AttentionMask):
+class ColumnIntervalMask(UnwrappedMask):
     # False only in bench/sass_colmask.py, to count the common path's code alone (overflowing
     # keys are then wrong)
     OVERFLOW_PATH: ClassVar[bool] = True
@@ -62,7 +63,7 @@ class ColumnIntervalMask(AttentionMask):
         cols = getattr(mask_mod, COLUMNS_ATTR, None) if const_expr(mask_mod is not None) else None
         if const_expr(cols is None or mask_causal or mask_local or not self.swap_AB
                       or self.qhead_per_kvhead_packgqa != 1):
-            AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
+            UnwrappedMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
                                      mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
                                      fastdiv_mods)
         else:

@@ -33,6 +33,7 @@ from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
 from compilemask.codegen.cute_mask_mod import ROWS_ATTR
+from compilemask.kernels.fa4_unwrap import UnwrappedMask
 
 __all__ = ["RowIntervalMask", "install"]
 
@@ -42,7 +43,7 @@ __all__ = ["RowIntervalMask", "install"]
 
 
 @dataclass(frozen=True)
-class RowIntervalMask(AttentionMask):
+class RowIntervalMask(UnwrappedMask):
     @cute.jit
     def apply_mask(
         self,
@@ -62,7 +63,7 @@ class RowIntervalMask(AttentionMask):
         rows = getattr(mask_mod, ROWS_ATTR, None) if const_expr(mask_mod is not None) else None
         if const_expr(rows is None or mask_causal or mask_local or self.swap_AB
                       or self.qhead_per_kvhead_packgqa != 1):
-            AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
+            UnwrappedMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
                                      mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
                                      fastdiv_mods)
         else:

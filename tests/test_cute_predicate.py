@@ -248,7 +248,8 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
     on top, the row clamp; or the rules as one predicate over the per-sequence params), run with
     Python stand-ins for CuTe's types, equals the
     reference mask element by element on random metadata, at lengths that are not tile
-    multiples, under both integer roundings; rows past seqlen_q read the last row."""
+    multiples, under both integer roundings; rows past seqlen_q read the last row, and no
+    index of an edge tile's padding reads past a table."""
     import numpy as np
     import torch
 
@@ -275,6 +276,12 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
             assert torch.equal(got, dense[b]), (name, variant, S, b)
         pad = fn([num(0)], [num(0)], [num(S + 5)], [num(0)], info, aux)[0]
         assert bool(pad) == bool(dense[0, S - 1, 0])
+        # FA4 passes the padded rows and columns of edge tiles unwrapped (UNWRAPPED): no read
+        # leaves the tables (numpy raises on one past the end)
+        for r in (S - 1, S, S + 63, S + 127):
+            for c in (S - 1, S, S + 63, S + 127):
+                fn([num(1)], [num(0)], [num(r)], [num(c)], info, aux)
+    assert "\nUNWRAPPED = True\n" in mask_mod_source(mask, variant)
 
 
 def test_generated_mask_mod_of_folded_heads_equals_the_dense_mask():

@@ -1,0 +1,100 @@
+"""FA4's sm90 mask_mod and score_mod calls without the index wrap, for the generated functions.
+
+Whenever a call has aux tensors, FA4 4.0.0b36 reduces q_idx and kv_idx modulo the sequence
+lengths before a mask_mod call on an edge tile (every partial tile of the sm90 backward) and
+before every score_mod call: a fast division per index and score, so that a mask_mod's or a
+score_mod's table reads stay in bounds on the padded rows and columns past the sequence.
+
+The generated functions clamp their reads themselves, so they carry ``UNWRAPPED_ATTR``:
+- a mask_mod, always: the padded positions' mask values are replaced by FA4's own seqlen test;
+- a score_mod where it is finite at any index (``codegen.cute_score_mod.index_total``): the
+  padded positions' scores are then masked (forward columns), discarded (forward rows) or
+  multiplied by a zero probability (backward rows, whose LSE is +inf).
+For those, :class:`UnwrappedMask` and the two functions installed here call FA4's own code
+with no divisors, its unwrapped path. Static SASS of the sm90 kernels, D = 128
+(``bench/sass_colmask.py``, ``bench/sass_score_mod.py unwrap``): causal + ALiBi's forward
+3976 -> 3176 instructions (2376 with no score_mod), shared-prompt RM's backward 2808 -> 2680,
+prefix-LM's 2544 -> 2360 with its 32 bytes of spill gone.
+
+Every other mask_mod or score_mod, and every architecture other than sm90, runs FA4's code
+unchanged. ``tests/test_score_mod.py`` and ``tests/test_fa4_colmask.py`` pin the FA4 internals
+relied on (the module globals, the parameter lists, the wrap's conditions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
+from flash_attn.cute.mask import AttentionMask
+from flash_attn.cute.utils import AuxData
+
+from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR
+
+__all__ = ["UnwrappedMask", "install"]
+
+_FWD = softmax.apply_score_mod_inner
+_BWD = softmax.apply_score_mod_bwd_inner
+
+
+def _unwrapped(fn) -> bool:
+    return fn is not None and getattr(fn, UNWRAPPED_ATTR, False)
+
+
+@dataclass(frozen=True)
+class UnwrappedMask(AttentionMask):
+    """FA4's mask, with no divisors for a mask_mod carrying ``UNWRAPPED_ATTR``; the base of the
+    forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``)."""
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        batch_idx: cutlass.Int32,
+        head_idx: cutlass.Int32,
+        m_block: cutlass.Int32,
+        n_block: cutlass.Int32,
+        thr_mma: cute.TiledMma,
+        mask_seqlen: cutlass.Constexpr[bool],
+        mask_causal: cutlass.Constexpr[bool],
+        mask_local: cutlass.Constexpr[bool] = False,
+        mask_mod: cutlass.Constexpr = None,
+        aux_data: AuxData = AuxData(),  # noqa: B008 (FA4's signature)
+        fastdiv_mods=(None, None),
+    ) -> None:
+        divisors = (None, None) if cutlass.const_expr(_unwrapped(mask_mod)) else fastdiv_mods
+        AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
+                                 mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
+                                 divisors)
+
+
+# Plain functions, called while FA4's kernels are traced: they pick FA4's arguments and call
+# its @cute.jit functions, which inline into the kernel as before.
+def apply_score_mod_inner(score_tensor, index_tensor, score_mod, batch_idx, head_idx,
+                          softmax_scale, vec_size, qk_acc_dtype, aux_data, fastdiv_mods,
+                          seqlen_info, constant_q_idx, qhead_per_kvhead=1,
+                          transpose_indices=False):
+    return _FWD(score_tensor, index_tensor, score_mod, batch_idx, head_idx, softmax_scale,
+                vec_size, qk_acc_dtype, aux_data,
+                None if _unwrapped(score_mod) else fastdiv_mods, seqlen_info, constant_q_idx,
+                qhead_per_kvhead, transpose_indices)
+
+
+def apply_score_mod_bwd_inner(grad_tensor, score_tensor, index_tensor, score_mod_bwd, batch_idx,
+                              head_idx, softmax_scale, vec_size, qk_acc_dtype, aux_data,
+                              fastdiv_mods, seqlen_info, constant_q_idx, qhead_per_kvhead=1,
+                              transpose_indices=False):
+    return _BWD(grad_tensor, score_tensor, index_tensor, score_mod_bwd, batch_idx, head_idx,
+                softmax_scale, vec_size, qk_acc_dtype, aux_data,
+                None if _unwrapped(score_mod_bwd) else fastdiv_mods, seqlen_info,
+                constant_q_idx, qhead_per_kvhead, transpose_indices)
+
+
+def install() -> None:
+    """Make FA4's sm90 kernels call the score_mod functions above (idempotent); the masks
+    install with ``fa4_rowmask`` / ``fa4_colmask``."""
+    flash_fwd_sm90.apply_score_mod_inner = apply_score_mod_inner
+    flash_bwd_sm90.apply_score_mod_inner = apply_score_mod_inner
+    flash_bwd_sm90.apply_score_mod_bwd_inner = apply_score_mod_bwd_inner
