@@ -29,7 +29,7 @@ from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, compile_predicate
 from compilemask.score_mod import SCORE, ScoreMod, fdiv, trunc
 
-__all__ = ["score_mod_source", "score_mod_fns", "index_total", "UNWRAPPED_ATTR"]
+__all__ = ["score_mod_source", "score_mod_fns", "index_total"]
 
 _CACHE = CompileCache("score_mod")
 _NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}

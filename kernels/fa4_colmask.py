@@ -11,7 +11,8 @@ Interval Table test for its 16 rows instead, so the mask stays exact for every i
 The class is installed as ``flash_bwd_sm90.AttentionMask`` (:func:`install`). It takes a call
 only for a mask_mod carrying ``COLUMNS_ATTR``, on the transposed tile, without causal / local
 or PackGQA; everything else (FA4's own masks, the non-transposed head-dim-64 backward) runs
-FA4's code with the same mask_mod, which is the exact per-score interval test.
+FA4's code with the same mask_mod, which is the exact per-score interval test (without FA4's
+index wrap: ``fa4_unwrap.UnwrappedMask``, the base class).
 ``tests/test_fa4_colmask.py`` pins the FA4 internals relied on.
 """
 

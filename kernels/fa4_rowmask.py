@@ -10,7 +10,8 @@ test (the same function, so any call this class does not take keeps the exact pe
 the transposed backward, PackGQA, causal / local).
 
 The class is installed as ``flash_fwd_sm90.AttentionMask`` (:func:`install`); every mask_mod
-without the attribute runs FA4's own code unchanged. ``tests/test_fa4_rowmask.py`` pins the
+without the attribute runs FA4's own code (a generated one without FA4's index wrap:
+``fa4_unwrap.UnwrappedMask``, the base class). ``tests/test_fa4_rowmask.py`` pins the
 FA4 internals relied on (the module global, ``apply_mask``'s parameters, the R2P helpers).
 """
 
