@@ -20,9 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def compile_in_child(script: str, args: list[str], dump: Path) -> bool:
     """Run ``script --child *args`` with the sm_90a fake-compile settings, its PTX / SASS dumped
     into ``dump``; one process per variant (the CuTe DSL reads its dump settings at import)."""
+    # every cache in the dump folder: a kernel loaded from an earlier process's cache (the
+    # parent's FA4 cache folder, when it set one) is not compiled, so not dumped
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_ARCH="sm_90a",
                FLASH_ATTENTION_NUM_SMS="132", CUTE_DSL_KEEP="ptx,cubin,sass",
-               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"))
+               CUTE_DSL_DUMP_DIR=str(dump), COMPILEMASK_CACHE_DIR=str(dump / "cache"),
+               FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(dump / "cache" / "fa4"),
+               TILELANG_CACHE_DIR=str(dump / "cache" / "tilelang-builds"))
     r = subprocess.run([sys.executable, script, "--child", *args], env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode:
