@@ -64,7 +64,7 @@ class KernelOptions:
     * ``score_index``: how a generated score_mod turns a linear index expression
       (``kv_idx - q_idx``) into a float, ``"cvt"`` (I2F, a quarter-rate conversion) or
       ``"bits"`` (an add into the mantissa of 1.5 * 2**23 and a subtraction, exact below 2**22;
-      used in the forward where every length is below 2**20; the backward takes I2F);
+      used where every length is below 2**20);
       None: :data:`DEFAULT_SCORE_INDEX`.
     """
 

@@ -176,10 +176,9 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         if sm.softcap is not None:
             kw["softcap"] = sm.softcap
         else:
-            # rows past the last tile reach seqlen + tile: indices stay below INDEX_BOUND. The
-            # forward only: in the backward the bit trick's extra live values made ptxas spill
-            # (64 bytes per thread with ALiBi), where its I2F costs little
-            bits = (sm.index_bits and not backward
+            # rows past the last tile reach seqlen + tile: indices stay below INDEX_BOUND (the
+            # backward too, since its indices are not wrapped: no spill, docs/decisions/engine.md)
+            bits = (sm.index_bits
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits)
             _install()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import numpy as np
 import pytest
@@ -673,21 +674,24 @@ def test_score_index_option_reaches_the_generated_code():
         cm.KernelOptions(score_index="fast")
 
 
-def test_index_bits_reach_the_forward_only(monkeypatch):
-    """The bit conversion is a forward choice: FA4's backward gets the I2F form of the same
-    score_mod (the bit form's extra live values made ptxas spill there)."""
+def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
+    """The bit conversion goes to FA4's forward and backward (with the index wrap gone, the
+    backward no longer spills with it), and to neither past INDEX_BOUND."""
+    from compilemask.codegen.cute_score_mod import INDEX_BOUND
     from compilemask.kernels import fa4
     from compilemask.score_mod import compile_score_mod
 
     sm, tables = compile_score_mod(_cases()["alibi_causal"][0])
     sm = dataclasses.replace(sm, index_bits=True, key="")
-    desc = cm.compile_mask(masks.causal()).preprocess(None, 64, batch_size=1)
     seen = []
     monkeypatch.setattr(fa4, "score_mod_fns",
                         lambda sm, offset, gqa, bits: seen.append(bits) or (None, None))
-    fa4._mods(desc, "native", None, (sm, tables), backward=False)
-    fa4._mods(desc, "native", None, (sm, tables), backward=True)
-    assert seen == [True, False]
+    monkeypatch.setattr(fa4, "_install", lambda: None)
+    for S in (64, INDEX_BOUND - 256, INDEX_BOUND - 255):
+        desc = types.SimpleNamespace(seqlen_q=S, seqlen_k=S)  # what the native engine reads
+        fa4._mods(desc, "native", None, (sm, tables), backward=False)
+        fa4._mods(desc, "native", None, (sm, tables), backward=True)
+    assert seen == [True, True, True, True, False, False]
 
 
 def test_generated_score_mod_works_on_whole_vectors():
