@@ -39,7 +39,8 @@ from compilemask.codegen.cute_predicate import (
 from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
+           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR",
+           "KEYS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
 # per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
@@ -54,6 +55,9 @@ ROWS_ATTR = "__compilemask_rows__"
 # on a "columns" mask_mod: (K, column slots, whether a key can overflow them), read by
 # kernels/fa4_colmask.py
 COLUMNS_ATTR = "__compilemask_columns__"
+# on a mask_mod of the Interval Table test ("intervals", "rows", "columns"): False for every key
+# past seqlen_k, the table's intervals being clipped to the keys (kernels/fa4_unwrap.py)
+KEYS_ATTR = "__compilemask_keys__"
 
 _CACHE = CompileCache("mask_mod")
 
@@ -270,6 +274,8 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
         fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
         setattr(fn, UNWRAPPED_ATTR, True)  # the source's UNWRAPPED
+        if variant in ("intervals", "rows", "columns"):  # the source's interval test
+            setattr(fn, KEYS_ATTR, True)
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
         if variant == "columns":  # the source's COLUMNS

@@ -44,6 +44,7 @@ class ColumnIntervalMask(UnwrappedMask):
     # False only in bench/sass_colmask.py, to count the common path's code alone (overflowing
     # keys are then wrong)
     OVERFLOW_PATH: ClassVar[bool] = True
+    KEYS_ONLY_SEQLEN: ClassVar[bool] = True  # the backward: see UnwrappedMask
 
     @cute.jit
     def apply_mask(

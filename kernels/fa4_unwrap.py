@@ -11,19 +11,22 @@ The generated functions clamp their reads themselves, so they carry ``UNWRAPPED_
   padded positions' scores are then masked (forward columns), discarded (forward rows) or
   multiplied by a zero probability (backward rows, whose LSE is +inf).
 For those, :class:`UnwrappedMask` and the two functions installed here call FA4's own code
-with no divisors, its unwrapped path. Static SASS of the sm90 kernels, D = 128
+with no divisors, its unwrapped path. The backward's mask also drops FA4's seqlen test for an
+Interval Table mask_mod (``KEYS_ATTR``: its keys past seqlen_k are masked by the clipped
+table), testing keys only as FA4's own masks do. Static SASS of the sm90 kernels, D = 128
 (``bench/sass_colmask.py``, ``bench/sass_score_mod.py unwrap``): causal + ALiBi's forward
-3976 -> 3176 instructions (2376 with no score_mod), shared-prompt RM's backward 2808 -> 2680,
-prefix-LM's 2544 -> 2360 with its 32 bytes of spill gone.
+3976 -> 3176 instructions (2376 with no score_mod); shared-prompt RM's backward 2808 -> 2568
+with its 24 bytes of spill gone; prefix-LM's 2544 -> 2360, its 32 bytes of spill gone.
 
 Every other mask_mod or score_mod, and every architecture other than sm90, runs FA4's code
-unchanged. ``tests/test_score_mod.py`` and ``tests/test_fa4_colmask.py`` pin the FA4 internals
-relied on (the module globals, the parameter lists, the wrap's conditions).
+unchanged. ``tests/test_fa4_unwrap.py`` pins the FA4 internals relied on (the module globals,
+the parameter lists, the wrap's conditions, the keys-only seqlen test of FA4's own masks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import cutlass
 import cutlass.cute as cute
@@ -31,6 +34,7 @@ from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 
+from compilemask.codegen.cute_mask_mod import KEYS_ATTR
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR
 
 __all__ = ["UnwrappedMask", "install"]
@@ -45,8 +49,16 @@ def _unwrapped(fn) -> bool:
 
 @dataclass(frozen=True)
 class UnwrappedMask(AttentionMask):
-    """FA4's mask, with no divisors for a mask_mod carrying ``UNWRAPPED_ATTR``; the base of the
-    forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``)."""
+    """FA4's mask, without the divisors for a mask_mod carrying ``UNWRAPPED_ATTR``; the base of
+    the forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``).
+
+    With ``KEYS_ONLY_SEQLEN`` (the backward's), a mask_mod carrying ``KEYS_ATTR`` also runs
+    without FA4's seqlen test, a compare per row and per key and a second select per score in
+    every partial tile: its keys past seqlen_k are already masked, and the backward's padded
+    query rows need none, as for FA4's own masks, which test keys only (their Q and dO rows are
+    zero, so their P, dS and dV terms are)."""
+
+    KEYS_ONLY_SEQLEN: ClassVar[bool] = False
 
     @cute.jit
     def apply_mask(
@@ -64,10 +76,13 @@ class UnwrappedMask(AttentionMask):
         aux_data: AuxData = AuxData(),  # noqa: B008 (FA4's signature)
         fastdiv_mods=(None, None),
     ) -> None:
-        divisors = (None, None) if cutlass.const_expr(_unwrapped(mask_mod)) else fastdiv_mods
+        ours = cutlass.const_expr(_unwrapped(mask_mod) and not mask_causal and not mask_local)
+        keys = cutlass.const_expr(ours and self.KEYS_ONLY_SEQLEN
+                                  and getattr(mask_mod, KEYS_ATTR, False))
         AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
-                                 mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
-                                 divisors)
+                                 cutlass.const_expr(mask_seqlen and not keys), mask_causal,
+                                 mask_local, mask_mod, aux_data,
+                                 (None, None) if cutlass.const_expr(ours) else fastdiv_mods)
 
 
 # Plain functions, called while FA4's kernels are traced: they pick FA4's arguments and call

@@ -48,8 +48,11 @@ def test_fa4_score_mod_wrap_as_relied_on():
 
 def test_fa4_mask_wrap_as_relied_on():
     """``UnwrappedMask`` hands FA4's ``apply_mask`` ``(None, None)`` as divisors, which its
-    mask_mod path reads as "no wrap"; both installed masks derive from it."""
+    mask_mod path reads as "no wrap"; both installed masks derive from it. The backward's
+    drops the seqlen test for interval mask_mods as FA4's own masks do: keys only, its padded
+    query rows' LSE +inf (and their Q / dO rows zero-filled)."""
     pytest.importorskip("flash_attn.cute")
+    from flash_attn.cute import flash_bwd_preprocess
     from flash_attn.cute import mask as fa4_mask
 
     from compilemask.kernels.fa4_colmask import ColumnIntervalMask
@@ -63,11 +66,17 @@ def test_fa4_mask_wrap_as_relied_on():
         == list(inspect.signature(UnwrappedMask.apply_mask).parameters)
     assert issubclass(RowIntervalMask, UnwrappedMask)
     assert issubclass(ColumnIntervalMask, UnwrappedMask)
+    assert ColumnIntervalMask.KEYS_ONLY_SEQLEN and not RowIntervalMask.KEYS_ONLY_SEQLEN
+    # FA4's own seqlen test without a mask_mod: the keys' limit alone
+    branch = src[src.index("mask_mod is None):"):src.index("# FlexAttention mask mod")]
+    assert "seqlenk_col_limit" in branch and "seqlen_q" not in branch
+    pre = inspect.getsource(flash_bwd_preprocess)
+    assert "lse = Float32.inf" in pre and "use_padded_offsets: bool = True" in pre
 
 
-def _mul_hi(script: str, args_by_name: dict, tmp_path) -> dict:
-    """``mul.hi`` per kernel in the PTX of each variant (``script --child *args``): the fast
-    division's multiply."""
+def _ptx_counts(script: str, args_by_name: dict, tmp_path, ops=("mul.hi",)) -> dict:
+    """How many of each PTX op in ``ops`` per kernel, for each variant (``script --child
+    *args``); ``mul.hi`` is the fast division's multiply."""
     sys.path.insert(0, str(ROOT))
     from bench.sass import compile_in_child
 
@@ -77,7 +86,9 @@ def _mul_hi(script: str, args_by_name: dict, tmp_path) -> dict:
         dump.mkdir()
         assert compile_in_child(str(ROOT / "bench" / script), args, dump)
         for kernel in ("fwd_sm90", "bwd_sm90"):
-            counts[name, kernel] = next(dump.glob(f"*{kernel}*.ptx")).read_text().count("mul.hi")
+            ptx = next(dump.glob(f"*{kernel}*.ptx")).read_text()
+            for op in ops:
+                counts[name, kernel, op] = ptx.count(op)
     return counts
 
 
@@ -87,18 +98,21 @@ def test_alibi_kernels_have_no_index_wrap(tmp_path):
     """ALiBi on FA4's causal kernels: no fast division beyond those of the kernel without a
     score_mod (FA4's wrap is two per score)."""
     pytest.importorskip("flash_attn.cute")
-    c = _mul_hi("sass_score_mod.py", {"none": ["none"], "alibi": ["bits"]}, tmp_path)
-    assert c["alibi", "fwd_sm90"] == c["none", "fwd_sm90"]
-    assert c["alibi", "bwd_sm90"] == c["none", "bwd_sm90"]
+    c = _ptx_counts("sass_score_mod.py", {"none": ["none"], "alibi": ["bits"]}, tmp_path)
+    assert c["alibi", "fwd_sm90", "mul.hi"] == c["none", "fwd_sm90", "mul.hi"]
+    assert c["alibi", "bwd_sm90", "mul.hi"] == c["none", "bwd_sm90", "mul.hi"]
 
 
 @pytest.mark.slow  # two kernels of their own
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
-def test_mask_mod_backward_has_no_index_wrap(tmp_path):
-    """Prefix-LM's backward on the block-sparse engine (its rules as the mask_mod): no fast
-    division, where FA4's wrap of the same mask_mod has them."""
+def test_interval_backward_has_no_wrap_nor_seqlen_test(tmp_path):
+    """Shared-prompt RM's backward on the block-sparse engine (the Interval Table test): no
+    fast division and one select per score fewer than FA4's wrap and seqlen test of the same
+    mask_mod."""
     pytest.importorskip("flash_attn.cute")
-    c = _mul_hi("sass_colmask.py", {"wrapped": ["prefix_lm", "default (wrapped)"],
-                                    "default": ["prefix_lm", "default"]}, tmp_path)
-    assert c["wrapped", "bwd_sm90"] > 0
-    assert c["default", "bwd_sm90"] == 0
+    c = _ptx_counts("sass_colmask.py", {"fa4": ["shared_prompt_rm", "default (wrapped)"],
+                                        "ours": ["shared_prompt_rm", "default"]},
+                    tmp_path, ("mul.hi", "selp.f32"))
+    assert c["fa4", "bwd_sm90", "mul.hi"] > 0
+    assert c["ours", "bwd_sm90", "mul.hi"] == 0
+    assert c["ours", "bwd_sm90", "selp.f32"] < c["fa4", "bwd_sm90", "selp.f32"]
