@@ -186,6 +186,9 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         "from cutlass import Int32, Uint32",
         "",
         *_UNWRAPPED,
+        "# False past seqlen_k: the table is clipped to the keys (kernels/fa4_unwrap.py)",
+        "KEYS = True",
+        "",
     ]
     if variant == "rows":  # code, not a comment: FA4's kernel key must tell it from "intervals"
         out += ["# FA4's sm90 forward masks a row at a time (kernels/fa4_rowmask.py)",
@@ -274,7 +277,7 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
         fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
         setattr(fn, UNWRAPPED_ATTR, True)  # the source's UNWRAPPED
-        if variant in ("intervals", "rows", "columns"):  # the source's interval test
+        if variant in ("intervals", "rows", "columns"):  # the source's KEYS
             setattr(fn, KEYS_ATTR, True)
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS

@@ -248,8 +248,9 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
     on top, the row clamp; or the rules as one predicate over the per-sequence params), run with
     Python stand-ins for CuTe's types, equals the
     reference mask element by element on random metadata, at lengths that are not tile
-    multiples, under both integer roundings; rows past seqlen_q read the last row, and no
-    index of an edge tile's padding reads past a table."""
+    multiples, under both integer roundings; rows past seqlen_q read the last row, no index of
+    an edge tile's padding reads past a table, and the interval test sees no key past the
+    sequence."""
     import numpy as np
     import torch
 
@@ -277,10 +278,15 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
         pad = fn([num(0)], [num(0)], [num(S + 5)], [num(0)], info, aux)[0]
         assert bool(pad) == bool(dense[0, S - 1, 0])
         # FA4 passes the padded rows and columns of edge tiles unwrapped (UNWRAPPED): no read
-        # leaves the tables (numpy raises on one past the end)
+        # leaves the tables (numpy raises on one past the end); an interval test (KEYS) is
+        # False past the keys, where the backward then skips FA4's seqlen test
+        keys = variant != "rules"
         for r in (S - 1, S, S + 63, S + 127):
             for c in (S - 1, S, S + 63, S + 127):
-                fn([num(1)], [num(0)], [num(r)], [num(c)], info, aux)
+                vis = fn([num(1)], [num(0)], [num(r)], [num(c)], info, aux)[0]
+                assert not (keys and c >= S and vis), (name, variant, r, c)
+    src = mask_mod_source(mask, variant)
+    assert "\nUNWRAPPED = True\n" in src and ("\nKEYS = True\n" in src) == keys
     assert "\nUNWRAPPED = True\n" in mask_mod_source(mask, variant)
 
 
