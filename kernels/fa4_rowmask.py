@@ -45,31 +45,18 @@ __all__ = ["RowIntervalMask", "install"]
 
 @dataclass(frozen=True)
 class RowIntervalMask(UnwrappedMask):
+    def takes(self, mask_mod, mask_causal: bool, mask_local: bool) -> bool:
+        return (getattr(mask_mod, ROWS_ATTR, None) is not None and not mask_causal
+                and not mask_local and not self.swap_AB and self.qhead_per_kvhead_packgqa == 1)
+
     @cute.jit
-    def apply_mask(
-        self,
-        acc_S: cute.Tensor,
-        batch_idx: cutlass.Int32,
-        head_idx: cutlass.Int32,
-        m_block: cutlass.Int32,
-        n_block: cutlass.Int32,
-        thr_mma: cute.TiledMma,
-        mask_seqlen: cutlass.Constexpr[bool],
-        mask_causal: cutlass.Constexpr[bool],
-        mask_local: cutlass.Constexpr[bool] = False,
-        mask_mod: cutlass.Constexpr = None,
-        aux_data: AuxData = AuxData(),  # noqa: B008 (FA4's signature)
-        fastdiv_mods=(None, None),
-    ) -> None:
-        rows = getattr(mask_mod, ROWS_ATTR, None) if const_expr(mask_mod is not None) else None
-        if const_expr(rows is None or mask_causal or mask_local or self.swap_AB
-                      or self.qhead_per_kvhead_packgqa != 1):
-            UnwrappedMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
-                                     mask_seqlen, mask_causal, mask_local, mask_mod, aux_data,
-                                     fastdiv_mods)
-        else:
-            self._apply_rows(acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
-                             rows[0], rows[1], aux_data.tensors[0])
+    def apply_own(self, acc_S: cute.Tensor, batch_idx: cutlass.Int32, head_idx: cutlass.Int32,
+                  m_block: cutlass.Int32, n_block: cutlass.Int32, thr_mma: cute.TiledMma,
+                  mask_seqlen: cutlass.Constexpr[bool], mask_mod: cutlass.Constexpr,
+                  aux_data: AuxData) -> None:
+        K, heads = getattr(mask_mod, ROWS_ATTR)
+        self._apply_rows(acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
+                         K, heads, aux_data.tensors[0])
 
     @cute.jit
     def _apply_rows(

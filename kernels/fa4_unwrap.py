@@ -50,7 +50,8 @@ def _unwrapped(fn) -> bool:
 @dataclass(frozen=True)
 class UnwrappedMask(AttentionMask):
     """FA4's mask, without the divisors for a mask_mod carrying ``UNWRAPPED_ATTR``; the base of
-    the forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``).
+    the forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``), which
+    mask the calls they take (:meth:`takes`) their own way (:meth:`apply_own`).
 
     With ``KEYS_ONLY_SEQLEN`` (the backward's), a mask_mod carrying ``KEYS_ATTR`` also runs
     without FA4's seqlen test, a compare per row and per key and a second select per score in
@@ -76,13 +77,30 @@ class UnwrappedMask(AttentionMask):
         aux_data: AuxData = AuxData(),  # noqa: B008 (FA4's signature)
         fastdiv_mods=(None, None),
     ) -> None:
-        ours = cutlass.const_expr(_unwrapped(mask_mod) and not mask_causal and not mask_local)
-        keys = cutlass.const_expr(ours and self.KEYS_ONLY_SEQLEN
-                                  and getattr(mask_mod, KEYS_ATTR, False))
-        AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block, thr_mma,
-                                 cutlass.const_expr(mask_seqlen and not keys), mask_causal,
-                                 mask_local, mask_mod, aux_data,
-                                 (None, None) if cutlass.const_expr(ours) else fastdiv_mods)
+        if cutlass.const_expr(self.takes(mask_mod, mask_causal, mask_local)):
+            self.apply_own(acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
+                           mask_mod, aux_data)
+        else:
+            ours = cutlass.const_expr(_unwrapped(mask_mod) and not mask_causal
+                                      and not mask_local)
+            keys = cutlass.const_expr(ours and self.KEYS_ONLY_SEQLEN
+                                      and getattr(mask_mod, KEYS_ATTR, False))
+            AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block,
+                                     thr_mma, cutlass.const_expr(mask_seqlen and not keys),
+                                     mask_causal, mask_local, mask_mod, aux_data,
+                                     (None, None) if cutlass.const_expr(ours) else fastdiv_mods)
+
+    def takes(self, mask_mod, mask_causal: bool, mask_local: bool) -> bool:
+        """Whether a subclass masks this call its own way (:meth:`apply_own`); decided while
+        the kernel is traced."""
+        return False
+
+    @cute.jit
+    def apply_own(self, acc_S: cute.Tensor, batch_idx: cutlass.Int32, head_idx: cutlass.Int32,
+                  m_block: cutlass.Int32, n_block: cutlass.Int32, thr_mma: cute.TiledMma,
+                  mask_seqlen: cutlass.Constexpr[bool], mask_mod: cutlass.Constexpr,
+                  aux_data: AuxData) -> None:
+        raise NotImplementedError("a subclass that takes a call masks it")
 
 
 # Plain functions, called while FA4's kernels are traced: they pick FA4's arguments and call
