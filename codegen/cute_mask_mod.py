@@ -22,8 +22,10 @@ where a cost model says it is cheaper than the interval test's ``2K`` Interval T
 score (``mask_mod_variant`` chooses; ``docs/decisions/engine.md`` has the measurements).
 
 FA4 calls the mask_mod on padded rows past ``seqlen_q`` in the last q tile, so the row index is
-clamped before any load (their results are discarded); every read is clamped, so FA4 need not
-wrap the indices (``UNWRAPPED_ATTR``, ``kernels/fa4_unwrap.py``).
+clamped before any load (their results are discarded). Every read is clamped, and every key
+past ``seqlen_k`` is masked (by the table's clipped intervals, or a compare in the whole-mask
+forms), so FA4 need neither wrap the indices nor, in the backward, test the keys' bound
+(``UNWRAPPED_ATTR``, ``kernels/fa4_unwrap.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ from compilemask.codegen.cute_predicate import (
 from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR",
-           "KEYS_ATTR"]
+           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
 # per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
@@ -55,9 +56,6 @@ ROWS_ATTR = "__compilemask_rows__"
 # on a "columns" mask_mod: (K, column slots, whether a key can overflow them), read by
 # kernels/fa4_colmask.py
 COLUMNS_ATTR = "__compilemask_columns__"
-# on a mask_mod of the Interval Table test ("intervals", "rows", "columns"): False for every key
-# past seqlen_k, the table's intervals being clipped to the keys (kernels/fa4_unwrap.py)
-KEYS_ATTR = "__compilemask_keys__"
 
 _CACHE = CompileCache("mask_mod")
 
@@ -161,7 +159,8 @@ def _whole_source(mask, expr, heads: int = 1) -> list[str]:
     args = ([f"params[b, {p}]" for p in range(P)]
             + [f"row_params[b, row, {r}]" for r in range(R)])
     call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
-    out.append(f"    vis = predicate_mask({call})")
+    # the keys' bound (the Interval Table test has it from the table's clipped intervals)
+    out.append(f"    vis = predicate_mask({call}) & (col < seqlen_info.seqlen_k)")
     return out
 
 
@@ -186,9 +185,6 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         "from cutlass import Int32, Uint32",
         "",
         *_UNWRAPPED,
-        "# False past seqlen_k: the table is clipped to the keys (kernels/fa4_unwrap.py)",
-        "KEYS = True",
-        "",
     ]
     if variant == "rows":  # code, not a comment: FA4's kernel key must tell it from "intervals"
         out += ["# FA4's sm90 forward masks a row at a time (kernels/fa4_rowmask.py)",
@@ -228,7 +224,8 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
 
 
 # code, not a comment: FA4's kernel key sees that its indices are not wrapped
-_UNWRAPPED = ["# every read clamped: FA4 need not wrap the indices (kernels/fa4_unwrap.py)",
+_UNWRAPPED = ["# every read clamped, and False for every key past seqlen_k: FA4 need not wrap",
+              "# the indices, nor test the keys' bound (kernels/fa4_unwrap.py)",
               "UNWRAPPED = True", ""]
 
 
@@ -277,8 +274,6 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
         fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
         setattr(fn, UNWRAPPED_ATTR, True)  # the source's UNWRAPPED
-        if variant in ("intervals", "rows", "columns"):  # the source's KEYS
-            setattr(fn, KEYS_ATTR, True)
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
         if variant == "columns":  # the source's COLUMNS

@@ -38,8 +38,9 @@ import sympy
 from compilemask.dsl.frontend import IntBitOp
 from compilemask.env import cache_dir
 
-# on a generated mask_mod / score_mod(_bwd) whose reads are clamped (and, for a score_mod, whose
-# value is finite at any index): FA4 need not wrap its indices (kernels/fa4_unwrap.py)
+# on a generated mask_mod / score_mod(_bwd) whose reads are clamped (a mask_mod: which is also
+# False for every key past seqlen_k; a score_mod: whose value is finite at any index): FA4 need
+# not wrap its indices, nor test a mask_mod's keys (kernels/fa4_unwrap.py)
 UNWRAPPED_ATTR = "__compilemask_unwrapped__"
 
 __all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]

@@ -11,12 +11,12 @@ The generated functions clamp their reads themselves, so they carry ``UNWRAPPED_
   padded positions' scores are then masked (forward columns), discarded (forward rows) or
   multiplied by a zero probability (backward rows, whose LSE is +inf).
 For those, :class:`UnwrappedMask` and the two functions installed here call FA4's own code
-with no divisors, its unwrapped path. The backward's mask also drops FA4's seqlen test for an
-Interval Table mask_mod (``KEYS_ATTR``: its keys past seqlen_k are masked by the clipped
-table), testing keys only as FA4's own masks do. Static SASS of the sm90 kernels, D = 128
+with no divisors, its unwrapped path. The backward's mask also drops FA4's seqlen test for a
+generated mask_mod, which masks the keys past seqlen_k itself (the clipped table, or a
+compare): keys only, as FA4's own masks test. Static SASS of the sm90 kernels, D = 128
 (``bench/sass_colmask.py``, ``bench/sass_score_mod.py unwrap``): causal + ALiBi's forward
 3976 -> 3176 instructions (2376 with no score_mod); shared-prompt RM's backward 2808 -> 2568
-with its 24 bytes of spill gone; prefix-LM's 2544 -> 2360, its 32 bytes of spill gone.
+with its 24 bytes of spill gone; prefix-LM's 2544 -> 2296, its 32 bytes of spill gone.
 
 Every other mask_mod or score_mod, and every architecture other than sm90, runs FA4's code
 unchanged. ``tests/test_fa4_unwrap.py`` pins the FA4 internals relied on (the module globals,
@@ -34,7 +34,6 @@ from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 
-from compilemask.codegen.cute_mask_mod import KEYS_ATTR
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR
 
 __all__ = ["UnwrappedMask", "install"]
@@ -53,8 +52,8 @@ class UnwrappedMask(AttentionMask):
     the forward's and the backward's installed masks (``fa4_rowmask``, ``fa4_colmask``), which
     mask the calls they take (:meth:`takes`) their own way (:meth:`apply_own`).
 
-    With ``KEYS_ONLY_SEQLEN`` (the backward's), a mask_mod carrying ``KEYS_ATTR`` also runs
-    without FA4's seqlen test, a compare per row and per key and a second select per score in
+    With ``KEYS_ONLY_SEQLEN`` (the backward's), such a mask_mod also runs without FA4's
+    seqlen test, a compare per row and per key and a second select per score in
     every partial tile: its keys past seqlen_k are already masked, and the backward's padded
     query rows need none, as for FA4's own masks, which test keys only (their Q and dO rows are
     zero, so their P, dS and dV terms are)."""
@@ -83,8 +82,7 @@ class UnwrappedMask(AttentionMask):
         else:
             ours = cutlass.const_expr(_unwrapped(mask_mod) and not mask_causal
                                       and not mask_local)
-            keys = cutlass.const_expr(ours and self.KEYS_ONLY_SEQLEN
-                                      and getattr(mask_mod, KEYS_ATTR, False))
+            keys = cutlass.const_expr(ours and self.KEYS_ONLY_SEQLEN)
             AttentionMask.apply_mask(self, acc_S, batch_idx, head_idx, m_block, n_block,
                                      thr_mma, cutlass.const_expr(mask_seqlen and not keys),
                                      mask_causal, mask_local, mask_mod, aux_data,

@@ -278,16 +278,35 @@ def test_generated_mask_mod_equals_the_dense_mask(name, variant):
         pad = fn([num(0)], [num(0)], [num(S + 5)], [num(0)], info, aux)[0]
         assert bool(pad) == bool(dense[0, S - 1, 0])
         # FA4 passes the padded rows and columns of edge tiles unwrapped (UNWRAPPED): no read
-        # leaves the tables (numpy raises on one past the end); an interval test (KEYS) is
-        # False past the keys, where the backward then skips FA4's seqlen test
-        keys = variant != "rules"
+        # leaves the tables (numpy raises on one past the end); the mask_mod is False past
+        # the keys, where the backward then skips FA4's seqlen test
         for r in (S - 1, S, S + 63, S + 127):
             for c in (S - 1, S, S + 63, S + 127):
                 vis = fn([num(1)], [num(0)], [num(r)], [num(c)], info, aux)[0]
-                assert not (keys and c >= S and vis), (name, variant, r, c)
-    src = mask_mod_source(mask, variant)
-    assert "\nUNWRAPPED = True\n" in src and ("\nKEYS = True\n" in src) == keys
+                assert not (c >= S and vis), (name, variant, r, c)
     assert "\nUNWRAPPED = True\n" in mask_mod_source(mask, variant)
+    assert "\nUNWRAPPED = True\n" in mask_mod_source(mask, variant)
+
+
+def test_whole_mask_mod_masks_keys_past_the_sequence():
+    """A rule that sees keys past seqlen_k (a two-sided window) is False there in the
+    whole-mask forms, as the interval test is, so FA4's backward can skip its keys' test."""
+    import torch
+
+    import compilemask as cm
+    from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod_source
+
+    band = cm.compile_mask(cm.MaskSpec("band", params=("w",), regions=[cm.Region(
+        "all", lambda i: True, lambda i, j: (j > i - w) & (j < i + w))]))  # noqa: F821
+    S, w = 40, 9
+    desc = band.preprocess({"w": torch.tensor([w])}, S)
+    for variant in ("rules", "intervals"):
+        fn, num = _load_mask_mod(mask_mod_source(band, variant), False)
+        aux = [t.numpy() for t in aux_tensors(desc, variant) or []]
+        info = types.SimpleNamespace(seqlen_q=num(S), seqlen_k=num(S))
+        row = [bool(fn([num(0)], [num(0)], [num(S - 1)], [num(c)], info, aux)[0])
+               for c in range(S - w, S + w)]
+        assert row == [True] * w + [False] * w, variant
 
 
 def test_generated_mask_mod_of_folded_heads_equals_the_dense_mask():
