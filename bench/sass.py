@@ -4,6 +4,7 @@ A static count, not a timing: it says what each score costs, the H200 what that 
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["compile_in_child", "fake_fa4", "opcodes", "print_table", "registers",
-           "variant_table"]
+           "variant_table", "variant_main"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +75,17 @@ def variant_table(script: str, masks: list[str], variants, counts, label: str) -
                 if compile_in_child(script, [name, variant], dump):
                     rows[(name, variant)] = counts(dump)
     print_table(["mask", label], rows)
+
+
+def variant_main(script: str, child, variants, counts, label: str, masks: str) -> None:
+    """A variant tool's entry point: ``--child MASK VARIANT`` compiles one pair
+    (``child(mask, variant)``), else ``[--masks a,b]`` (default ``masks``) prints the table."""
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--masks", default=masks)
+    variant_table(script, ap.parse_args().masks.split(","), variants, counts, label)
 
 
 def opcodes(sass: str, names: list[str]) -> dict:

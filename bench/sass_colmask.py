@@ -15,13 +15,12 @@ backward kernel, and ptxas's registers and spill bytes. A static count, not a ti
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import fake_fa4, opcodes, registers, variant_table  # noqa: E402
+from bench.sass import fake_fa4, opcodes, registers, variant_main  # noqa: E402
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing
 # keys; counts the code every other key runs)
@@ -63,13 +62,8 @@ def _counts(dump: Path) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        _child(sys.argv[2], sys.argv[3])
-        return
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--masks", default="shared_prompt_rm,clear,prefix_lm,sink_window")
-    args = ap.parse_args()
-    variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "backward mask_mod")
+    variant_main(__file__, _child, VARIANTS, _counts, "backward mask_mod",
+                 "shared_prompt_rm,clear,prefix_lm,sink_window")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ with ``fa4_rows`` says what it is worth).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.sass import fake_fa4, opcodes, variant_table  # noqa: E402
+from bench.sass import fake_fa4, opcodes, variant_main  # noqa: E402
 
 VARIANTS = ("intervals", "rules", "rows")
 
@@ -39,13 +38,7 @@ def _counts(dump: Path) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        _child(sys.argv[2], sys.argv[3])
-        return
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--masks", default="shared_prompt_rm,clear,hstu")
-    args = ap.parse_args()
-    variant_table(__file__, args.masks.split(","), VARIANTS, _counts, "mask_mod")
+    variant_main(__file__, _child, VARIANTS, _counts, "mask_mod", "shared_prompt_rm,clear,hstu")
 
 
 if __name__ == "__main__":

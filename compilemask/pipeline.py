@@ -229,11 +229,15 @@ def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
         desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
     native = (pat is not None and desc.native_applies()
               and (pat.kind != "segments" or desc.segments is not None))
-    square = desc.seqlen_q == desc.seqlen_k and not desc.q_offset
-    if _wants_columns(desc.mask, config, desc.device.type, native, square):
+    if _wants_columns(desc.mask, config, desc.device.type, native, _square(desc)):
         desc = with_columns(desc)
     # where the native path cannot run this batch, the block-sparse engine reads the lists
     return desc if native else with_lists(desc, config)
+
+
+def _square(desc: ExecutionDescriptor) -> bool:
+    # the column view's shape: square self-attention, rows 0.. of the sequence
+    return desc.seqlen_q == desc.seqlen_k and not desc.q_offset
 
 
 def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
@@ -243,7 +247,7 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
     if mask.column_view is None:
         raise ValueError(f"column_view: mask {mask.name!r} has no column view "
                          f"({mask.column_view_reason})")
-    if desc.seqlen_q != desc.seqlen_k or desc.q_offset:
+    if not _square(desc):
         raise ValueError(f"column_view: needs square attention from row 0 (seqlen_q "
                          f"{desc.seqlen_q}, seqlen_k {desc.seqlen_k}, q_offset {desc.q_offset})")
     if desc.device.type == "cuda" and has_tilelang():
@@ -291,10 +295,9 @@ def on_device(desc: ExecutionDescriptor, device) -> ExecutionDescriptor:
         moved = desc.to(device)
         if desc.lists is None:  # as a preprocess there would write them
             moved = with_lists(moved)
-        square = moved.seqlen_q == moved.seqlen_k and not moved.q_offset
         native = moved.native is not None and moved.native_applies()
         if moved.columns is None and _wants_columns(moved.mask, DEFAULT_CONFIG, device.type,
-                                                    native, square):
+                                                    native, _square(moved)):
             moved = with_columns(moved)
         per_desc[device] = moved
     return moved

@@ -157,6 +157,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
     tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
     query heads per kv head (the backward's score_mod indices come packed by it)."""
+    _install()  # before FA4 traces a kernel with these functions
     kw, aux = {}, []
     if engine == "fa4":
         if desc.q_offset:  # rows elsewhere in the sequence: only the table knows their positions
@@ -168,7 +169,6 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         else:
             columns = desc.columns is not None and heads == 1
             variant = forward_variant(desc.mask, variant, backward, columns)
-        _install()
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -181,7 +181,6 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             bits = (sm.index_bits
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits)
-            _install()
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
