@@ -10,7 +10,8 @@ bf16, the native engine:
 * ``unwrap``: causal with ALiBi on the native and the fa4 engine, FA4's index wrap
   (``kernels/fa4_unwrap.py`` off) against none, and causal without a score_mod;
 * ``spills``: registers and spill bytes (``ptxas -v``) of the benchmarked mask + score_mod
-  pairs on their engines, forward and backward.
+  pairs on their engines, forward and backward;
+* ``t5``: the same for prefix-LM + T5, its index by bits or I2F, with and without FA4's wrap.
 
 Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2FP (sm90's int-to-float), FFMA /
 FMUL, and the PTX's ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a
@@ -22,6 +23,7 @@ each score costs, the H200 says what that is worth (``bench/h200.sh engines``).
     python bench/sass_score_mod.py temperature
     python bench/sass_score_mod.py unwrap
     python bench/sass_score_mod.py spills
+    python bench/sass_score_mod.py t5
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
          "unwrap": ("none", "bits-wrapped", "bits", "causal/alibi/fa4-wrapped",
                     "causal/alibi/fa4"),
          "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
-                    "sliding_window/softcap/native", "hstu/temperature/fa4")}
+                    "sliding_window/softcap/native", "hstu/temperature/fa4"),
+         "t5": ("prefix_lm/t5/fa4", "prefix_lm/t5/fa4/cvt", "prefix_lm/t5/fa4-wrapped",
+                "prefix_lm/t5/fa4/cvt-wrapped")}
 
 
 def _spills_child(item: str) -> None:
@@ -52,13 +56,13 @@ def _spills_child(item: str) -> None:
     from compilemask.kernels.autograd import _score_variant
     from compilemask.score_mod import compile_score_mod
 
-    name, smod, engine = item.split("/")
+    name, smod, engine, *index = item.split("/")  # a fourth part "cvt": I2F, not bits
     spec = SPECS[name]()
     B, S, H, D = 2, 1000, 8, 128
     meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
     sm, tables = compile_score_mod(make_score_mod(smod, "cpu"))
     fake_fa4(cm.compile_mask(spec), meta, B=B, S=S, H=H, D=D, engine=engine,
-             score=_score_variant(sm.key, True, True), tables=tables)
+             score=_score_variant(sm.key, True, index != ["cvt"]), tables=tables)
 
 
 def _child(kind: str) -> None:
@@ -67,7 +71,7 @@ def _child(kind: str) -> None:
 
         kind = kind.removesuffix("-wrapped")
         fa4_unwrap._unwrapped = lambda fn: False
-    if kind in KINDS["spills"]:
+    if kind in KINDS["spills"] + KINDS["t5"]:
         _spills_child(kind)
         return
     import dataclasses
@@ -118,11 +122,12 @@ def main() -> None:
             if not compile_in_child(__file__, [kind], dump):
                 sys.exit(1)
             for kernel in ("fwd_sm90", "bwd_sm90"):
-                if which == "spills":
+                if which in ("spills", "t5"):
                     rows[(kind, kernel)] = registers(next(dump.glob(f"*{kernel}*.ptx")))
                 else:
                     rows[(kind, kernel)] = _counts(dump, kernel)
-    label = {"softcap": "softcap as", "spills": "mask / score_mod / engine"}
+    label = {"softcap": "softcap as", "spills": "mask / score_mod / engine",
+             "t5": "mask / score_mod / engine"}
     print_table([label.get(which, "score_mod"), "kernel"], rows)
 
 
