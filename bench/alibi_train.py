@@ -1,7 +1,7 @@
 """Train steps of ALiBi + causal in interleaved rounds (one length, 128K tokens per batch, H=8,
 D=128, bf16): ``cm.attention`` on the native engine (FA4's causal kernel); the same with a zero
 LSE gradient passed (FA4's dlse path); the fa4 engine (FA4's block-sparse kernels, as Flex-FA4
-runs them; its default mask_mod, the causal rules, the backward by the column view); Flex-FA4
+runs them; its default mask_mod, the causal rules); Flex-FA4
 with the same score_mod. Each method's median over 6 rounds, every round timing the methods one
 after another (clock drift then spreads over all of them).
 
@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention 
 
 import compilemask as cm  # noqa: E402
 from compilemask import masks, score_mods  # noqa: E402
-from compilemask.pipeline import with_columns, with_lists  # noqa: E402
+from compilemask.pipeline import with_lists  # noqa: E402
 
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 B, H, D, dev = max(1, 131072 // S), 8, 128, "cuda"
@@ -30,7 +30,6 @@ smod = score_mods.alibi(score_mods.alibi_slopes(H).to(dev))
 mask = cm.compile_mask(masks.causal())
 desc = mask.preprocessor(S, batch_size=B)({})
 desc_lists = with_lists(desc)  # a native mask's descriptor has no tile lists of its own
-desc_cols = with_lists(with_columns(desc))  # and its backward by the column view
 bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, B, None, S, S, device=dev)
 fx = torch.compile(flex_attention, dynamic=False)
 qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
@@ -63,7 +62,7 @@ def flex():
 
 fns = {"ours": ours, "ours_zero_dlse": ours_zero_dlse, "ours_fa4": ours_fa4,
        "ours_fa4_rules": lambda: ours_fa4(cm.KernelOptions(mask_mod="rules")),
-       "ours_fa4_cols": lambda: ours_fa4(d=desc_cols), "flex": flex}
+       "flex": flex}
 res = {n: [] for n in fns}
 for n, f in list(fns.items()):
     try:

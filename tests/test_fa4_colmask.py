@@ -4,14 +4,16 @@ FA4's transposed sm90 backward with it (``kernels/fa4_colmask.py``).
 CPU: the compiled column view of every example mask against the brute-force mask, key by key,
 on random metadata (ordered and not); the run merge; the kernel's test modelled on the CPU
 (overflowing keys through the Interval Table); the pipeline option, the descriptor and op
-plumbing, the variant's key and refusals, the FA4 internals relied on, a fake compile. GPU:
-every example mask with a column view, head dims 128 and 64, and metadata that overflow,
-against the float32 reference."""
+plumbing, the variant's key and refusals, the FA4 internals relied on, a fake compile, CUDA's
+refusal of the view. GPU: the refusal; every example mask with a column view, head dims 128 and
+64 (expected to fail: the reason for the refusal), and metadata that overflow, against the
+float32 reference."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import pytest
 import torch
@@ -212,9 +214,10 @@ def test_column_view_pipeline_option():
 def test_column_view_by_default_only_where_a_batch_can_use_it(monkeypatch):
     """``column_view=None`` follows ``DEFAULT_COLUMN_VIEW`` for CUDA descriptors of square
     attention on the block-sparse engine; the CPU, native masks, rectangles and masks without a
-    view get none, and nothing raises."""
+    view get none, and nothing raises (with CUDA's gate open: the gate has its own test)."""
     from compilemask import pipeline
 
+    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     wants = pipeline._wants_columns
     rm = cm.compile_mask(masks.shared_prompt_rm())
     causal = cm.compile_mask(masks.causal())
@@ -261,9 +264,11 @@ def test_column_table_program_compiles_for_cuda():
     assert "column_table" in kern.get_kernel_source()
 
 
-def test_a_first_batch_builds_the_column_program_with_the_others():
+def test_a_first_batch_builds_the_column_program_with_the_others(monkeypatch):
+    from compilemask import pipeline
     from compilemask.pipeline import first_use_programs
 
+    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)  # the gate has its own test
     mask = cm.compile_mask(masks.shared_prompt_rm())
     with_view = [p.attr for p in first_use_programs(mask, "cuda", config=COLUMNS)]
     assert with_view.count("column_table") == 1 and "preprocess" in with_view
@@ -356,13 +361,52 @@ def test_columns_backward_compiles_in_fa4(head_dim):
                      head_dim, variant="columns", config=COLUMNS)
 
 
+def test_column_view_refused_on_cuda(monkeypatch):
+    """While ``COLUMN_VIEW_ON_CUDA`` is off (the view's backward gave wrong gradients on the
+    H200), asking for the view on CUDA raises before anything is built, naming the way out; the
+    default config never writes it there; the CPU keeps it (its table and reference)."""
+    from compilemask import pipeline
+
+    mask = cm.compile_mask(masks.causal())
+    with pytest.raises(NotImplementedError, match="column_view=True.*per-score interval test"):
+        pipeline._wants_columns(mask, COLUMNS, "cuda", False, True)
+    monkeypatch.setattr(pipeline, "DEFAULT_COLUMN_VIEW", True)
+    assert not pipeline._wants_columns(mask, PipelineConfig(), "cuda", False, True)
+    assert pipeline._wants_columns(mask, COLUMNS, "cpu", False, True)
+    desc = mask.preprocess(None, 300, batch_size=2, config=COLUMNS)
+    assert desc.columns is not None
+    on_cuda = types.SimpleNamespace(mask=mask, seqlen_q=300, seqlen_k=300, q_offset=0,
+                                    device=torch.device("cuda"))  # what with_columns reads
+    with pytest.raises(NotImplementedError, match="with_columns: the column view"):
+        pipeline.with_columns(on_cuda)
+    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
+    assert pipeline._wants_columns(mask, COLUMNS, "cuda", False, True)
+
+
 @pytest.mark.gpu
+def test_gpu_column_view_refused_before_any_kernel():
+    mask = cm.compile_mask(masks.causal())
+    with pytest.raises(NotImplementedError, match="not available on CUDA"):
+        mask.preprocess(None, 1000, batch_size=2, device="cuda", config=COLUMNS)
+    desc = mask.preprocess(None, 1000, batch_size=2, config=COLUMNS)  # made on the CPU
+    q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="cm.attention: the column view"):
+        cm.attention(q, q, q, desc, backend="fa4")
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="FA4's sm90 backward masked by the column view gives "
+                   "wrong gradients on the H200 (dq 0.6-170x off, relative, for every mask "
+                   "here): the reason CUDA refuses the view (pipeline.COLUMN_VIEW_ON_CUDA)")
 @pytest.mark.parametrize("name", WITH_VIEW)
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_columns_vs_float32_reference(name, D):
+def test_gpu_columns_vs_float32_reference(name, D, monkeypatch):
     """Every example mask with a column view (random metadata with empty segments and rows
     that see nothing; 1000 rows, not a multiple of the tile), forward and backward through
     the op, the backward reading the view by default."""
+    from compilemask import pipeline
+
+    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     mask, _, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=13)
     gen = torch.Generator().manual_seed(13)
     meta = {key: t.cuda() for key, t in masks.random_meta(mask.spec, 2, 1000, gen).items()}
@@ -373,8 +417,12 @@ def test_gpu_columns_vs_float32_reference(name, D):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_columns_overflowing_keys(D):
-    """Flagged keys take the Interval Table test in the kernel."""
+def test_gpu_columns_overflowing_keys(D, monkeypatch):
+    """Flagged keys take the Interval Table test in the kernel (the other keys here are seen
+    by every row or by none, so this passes where the view's row test is wrong)."""
+    from compilemask import pipeline
+
+    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     mask = cm.compile_mask(_split_columns())
     meta = _split_meta(2, 1000, torch.Generator().manual_seed(3))
     desc = mask.preprocess({k: t.cuda() for k, t in meta.items()}, 1000, batch_size=2,
