@@ -44,6 +44,8 @@ class ColumnIntervalMask(UnwrappedMask):
     # False only in bench/sass_colmask.py, to count the common path's code alone (overflowing
     # keys are then wrong)
     OVERFLOW_PATH: ClassVar[bool] = True
+    # True only in bench/columns_bisect.py: every key through the Interval Table branch
+    ROWS_ONLY: ClassVar[bool] = False
     KEYS_ONLY_SEQLEN: ClassVar[bool] = True  # the backward: see UnwrappedMask
 
     def takes(self, mask_mod, mask_causal: bool, mask_local: bool) -> bool:
@@ -83,7 +85,6 @@ class ColumnIntervalMask(UnwrappedMask):
         # a thread's rows are its first row plus thread 0's row offsets (compile-time), as
         # FA4's masks take its columns
         row_base = m_block * self.tile_m + tScS_mn[0, 0][1]
-        nrow = cute.size(tScS_mn.shape[0])
         for c in cutlass.range_constexpr(cute.size(tScS_mn.shape[1])):
             col_g = tScS_mn[0, c][0] + n_block * self.tile_n
             col = cutlass.min(col_g, self.seqlen_k - 1)  # padded keys read the last key
@@ -95,22 +96,34 @@ class ColumnIntervalMask(UnwrappedMask):
                 if const_expr(mask_seqlen):
                     ln = ln if col_g < self.seqlen_k else Int32(0)
                 lens.append(ln)
-            if const_expr(not (can_overflow and self.OVERFLOW_PATH)):
+            if const_expr(self.ROWS_ONLY):
+                self._test_rows(acc_S_mn, t0ScS_mn, c, row_base, col_g, batch_idx, mask_seqlen,
+                                K, intervals)
+            elif const_expr(not (can_overflow and self.OVERFLOW_PATH)):
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)
             elif lens[0] >= 0:
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)
             else:  # more runs than slots (metadata in an unusual order): the rows' slots
-                for r in cutlass.range_constexpr(nrow):
-                    row_g = row_base + t0ScS_mn[r, 0][1]
-                    row = cutlass.min(row_g, self.seqlen_q - 1)
-                    vis = Uint32(col_g - intervals[batch_idx, row, 0]) < Uint32(
-                        intervals[batch_idx, row, 1])
-                    for m in cutlass.range_constexpr(1, K):
-                        vis = vis | (Uint32(col_g - intervals[batch_idx, row, 2 * m])
-                                     < Uint32(intervals[batch_idx, row, 2 * m + 1]))
-                    if const_expr(mask_seqlen):
-                        vis = vis & (row_g < self.seqlen_q)
-                    acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
+                self._test_rows(acc_S_mn, t0ScS_mn, c, row_base, col_g, batch_idx, mask_seqlen,
+                                K, intervals)
+
+    @cute.jit
+    def _test_rows(self, acc_S_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
+                   c: cutlass.Constexpr[int], row_base: cutlass.Int32, col_g: cutlass.Int32,
+                   batch_idx: cutlass.Int32, mask_seqlen: cutlass.Constexpr[bool],
+                   K: cutlass.Constexpr[int], intervals: cute.Tensor) -> None:
+        # per score: the key against each of its rows' Interval Table slots
+        for r in cutlass.range_constexpr(cute.size(t0ScS_mn.shape[0])):
+            row_g = row_base + t0ScS_mn[r, 0][1]
+            row = cutlass.min(row_g, self.seqlen_q - 1)
+            vis = Uint32(col_g - intervals[batch_idx, row, 0]) < Uint32(
+                intervals[batch_idx, row, 1])
+            for m in cutlass.range_constexpr(1, K):
+                vis = vis | (Uint32(col_g - intervals[batch_idx, row, 2 * m])
+                             < Uint32(intervals[batch_idx, row, 2 * m + 1]))
+            if const_expr(mask_seqlen):
+                vis = vis & (row_g < self.seqlen_q)
+            acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
 
     @cute.jit
     def _test_runs(self, acc_S_mn: cute.Tensor, t0ScS_mn: cute.Tensor,
