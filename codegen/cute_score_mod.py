@@ -23,8 +23,6 @@ source says ``UNWRAPPED = True`` and ``kernels/fa4_unwrap.py`` skips the wrap fo
 
 from __future__ import annotations
 
-import math
-
 import sympy as sp
 
 from compilemask.cache import CompileCache
@@ -70,15 +68,6 @@ def _uniform(e) -> bool:
     """Whether ``e`` reads no score, q_idx or kv_idx (batch, head, constants and tables read
     there): one value for a whole tile, which the compiler computes once."""
     return not any(s.name in ("score", "i", "j") for s in e.free_symbols)
-
-
-def _pow2(d) -> bool:
-    """Whether ``d`` is a constant +-2**k: a float32 division by it equals the multiply by its
-    reciprocal (both round the same real number), so a score needs no IEEE division."""
-    if not (isinstance(d, sp.Basic) and d.is_Number and abs(d) != 1 and d != 0):
-        return False
-    m, e = math.frexp(abs(float(d)))
-    return m == 0.5 and sp.Rational(d) == sp.Rational(float(d)) and -126 <= e - 1 <= 127
 
 
 def index_total(sm: ScoreMod) -> bool:
@@ -161,8 +150,6 @@ class _Emit:
         if isinstance(e, (sp.Add, sp.Mul)):
             if isinstance(e, sp.Mul):
                 num, den = e.as_numer_denom()
-                if _pow2(den):  # by a power of two: the multiply is the division, exactly
-                    return self.tmp(f"{self.get(num, 'f')} * Float32({float(1 / den)!r})")
                 if den != 1 and num != 1 and self.exact == 0 and _uniform(den):
                     # a divisor the same for the whole tile (``temps[h]``): one reciprocal,
                     # then a multiply per score (within 1.5 ulp of the IEEE division)
@@ -199,8 +186,6 @@ class _Emit:
         if isinstance(e, sp.Piecewise):
             return self._piecewise(e, "f")
         if isinstance(e, fdiv):
-            if _pow2(e.args[1]):
-                return self.tmp(f"{self.get(e.args[0], 'f')} * Float32({float(1 / e.args[1])!r})")
             return self.tmp(f"{self.get(e.args[0], 'f')} / {self.get(e.args[1], 'f')}")
         if isinstance(e, sp.floor):
             return self.tmp(f"cute.math.floor({self.get(e.args[0], 'f')})")
