@@ -78,7 +78,8 @@ class PipelineConfig:
     FA4's head-dim-128 backward then masks its partial tiles with: True writes it (and raises
     where the mask or the shape has none), False never, None (the default) where
     :data:`DEFAULT_COLUMN_VIEW` says so and the batch can use it (a CUDA descriptor of square
-    attention for the block-sparse engine, of a mask with a view)."""
+    attention for the block-sparse engine, of a mask with a view). CUDA refuses the view while
+    :data:`COLUMN_VIEW_ON_CUDA` is off."""
 
     fwd_tiles: TileConfig = DEFAULT_FWD_TILES
     bwd_tiles: TileConfig = DEFAULT_BWD_TILES
