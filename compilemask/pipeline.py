@@ -104,8 +104,8 @@ DEFAULT_CONFIG = PipelineConfig()
 # the backward it serves against the per-score test (docs/decisions/engine.md)
 DEFAULT_COLUMN_VIEW = False
 # whether CUDA descriptors may carry it: FA4's sm90 backward masked by the view gave wrong
-# gradients on the H200 (dq off by 0.6-170x relative on every example mask with a view,
-# docs/decisions/engine.md), so CUDA refuses it until tests/test_fa4_colmask.py's GPU tests pass
+# gradients on the H200 (its unsigned tests compiled signed; fixed since, docs/decisions/
+# engine.md), so CUDA refuses it until tests/test_fa4_colmask.py's GPU tests pass
 COLUMN_VIEW_ON_CUDA = False
 
 
@@ -115,8 +115,9 @@ def refuse_columns_on_cuda(what: str) -> None:
     if not COLUMN_VIEW_ON_CUDA:
         raise NotImplementedError(
             f"{what}: the column view is not available on CUDA (FA4's sm90 backward masked by it "
-            "gives wrong gradients); preprocess without PipelineConfig(column_view=True): the "
-            "default backward runs the per-score interval test")
+            "gave wrong gradients on the H200, and its fix is not yet verified there); "
+            "preprocess without PipelineConfig(column_view=True): the default backward runs the "
+            "per-score interval test")
 
 
 def _wants_columns(mask, config: PipelineConfig, device_type: str, native: bool,

@@ -1,18 +1,19 @@
 """Partial tiles of FA4's sm90 backward masked by the column view: the ``"columns"`` variant.
 
-FA4's head-dim-128 sm90 backward computes the score tile transposed (``SdP_swapAB``): a thread
-holds 2 keys x 16 query rows. Its per-score mask_mod reads, for each of the 16 rows, the row's
-K Interval Table slots (64 loads per thread and tile for K = 2). With the column view
-(``compilemask.columns``, ``ExecutionDescriptor.columns``) each of the thread's 2 keys reads
-its few merged row runs once, and a score is one subtraction, an unsigned compare and a select
-against them. A key flagged as overflowing (more runs than the table's slots) takes the
-Interval Table test for its 16 rows instead, so the mask stays exact for every input.
+FA4's sm90 backward computes the score tile transposed (``SdP_swapAB``, head dims 64 and 128):
+a thread holds 2 keys x 16 query rows (32 at head dim 64). Its per-score mask_mod reads, for
+each of those rows, the row's K Interval Table slots (64 loads per thread and tile for K = 2
+at head dim 128). With the column view (``compilemask.columns``,
+``ExecutionDescriptor.columns``) each of the thread's 2 keys reads its few merged row runs
+once, and a score is one subtraction, an unsigned compare and a select against them. A key
+flagged as overflowing (more runs than the table's slots) takes the Interval Table test for its
+rows instead, so the mask stays exact for every input.
 
 The class is installed as ``flash_bwd_sm90.AttentionMask`` (:func:`install`). It takes a call
 only for a mask_mod carrying ``COLUMNS_ATTR``, on the transposed tile, without causal / local
-or PackGQA; everything else (FA4's own masks, the non-transposed head-dim-64 backward) runs
-FA4's code with the same mask_mod, which is the exact per-score interval test (without FA4's
-index wrap: ``fa4_unwrap.UnwrappedMask``, the base class).
+or PackGQA; everything else (FA4's own masks, a non-transposed tile) runs FA4's code with the
+same mask_mod, which is the exact per-score interval test (without FA4's index wrap:
+``fa4_unwrap.UnwrappedMask``, the base class).
 ``tests/test_fa4_colmask.py`` pins the FA4 internals relied on.
 """
 
@@ -24,7 +25,7 @@ from typing import ClassVar
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, const_expr
-from flash_attn.cute import flash_bwd_sm90
+from flash_attn.cute import flash_bwd_sm90, utils
 from flash_attn.cute.mask import AttentionMask
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
@@ -84,9 +85,9 @@ class ColumnIntervalMask(UnwrappedMask):
                                                   transpose=True)
         # a thread's rows are its first row plus thread 0's row offsets (compile-time), as
         # FA4's masks take its columns
-        row_base = m_block * self.tile_m + tScS_mn[0, 0][1]
+        row_base = _plain(m_block * self.tile_m + tScS_mn[0, 0][1])
         for c in cutlass.range_constexpr(cute.size(tScS_mn.shape[1])):
-            col_g = tScS_mn[0, c][0] + n_block * self.tile_n
+            col_g = _plain(tScS_mn[0, c][0] + n_block * self.tile_n)
             col = cutlass.min(col_g, self.seqlen_k - 1)  # padded keys read the last key
             los, lens = [], []
             for s in cutlass.range_constexpr(slots):
@@ -135,6 +136,14 @@ class ColumnIntervalMask(UnwrappedMask):
             for s in cutlass.range_constexpr(1, slots):
                 vis = vis | (Uint32(row - los[s]) < Uint32(lens[s]))
             acc_S_mn[r, c] = acc_S_mn[r, c] if vis else -cutlass.Float32.inf
+
+
+def _plain(v):
+    """``v`` as a plain Int32. A value derived from a layout coordinate is CuTe's IntValue,
+    which stays signed under ``Uint32(...)``: the unsigned interval test would compile to a
+    signed compare and see every row before a run's start (wrong gradients on the H200).
+    FA4 converts its mask_mod's indices the same way."""
+    return utils.ssa_to_scalar(utils.scalar_to_ssa(v, Int32))
 
 
 def install() -> None:

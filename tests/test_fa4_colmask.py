@@ -361,6 +361,37 @@ def test_columns_backward_compiles_in_fa4(head_dim):
                      head_dim, variant="columns", config=COLUMNS)
 
 
+@pytest.mark.slow  # kernels of their own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_column_tests_compare_unsigned(tmp_path):
+    """The column mask's tests ``uint(row - lo) < uint(len)`` compile to unsigned compares: 2
+    keys x 16 rows per thread for causal (runs), every row and key for RM's flagged keys (the
+    Interval Table branch, all keys there under ROWS_ONLY). CuTe's layout integers stay signed
+    under ``Uint32`` (also pinned here), so the kernel converts them first
+    (``fa4_colmask._plain``); compiled signed, every row before a run's start was visible."""
+    pytest.importorskip("flash_attn.cute")
+    from test_fa4_unwrap import _ptx_counts
+
+    ops = ("setp.lt.u32", "setp.gt.u32", "setp.lt.s32")
+    c = _ptx_counts("sass_colmask.py", {"cols": ["causal", "columns"],
+                                        "default": ["causal", "default"]}, tmp_path, ops)
+    unsigned = c["cols", "bwd_sm90", "setp.lt.u32"] + c["cols", "bwd_sm90", "setp.gt.u32"]
+    assert unsigned >= 32 + c["default", "bwd_sm90", "setp.lt.u32"]
+    assert c["cols", "bwd_sm90", "setp.lt.s32"] <= c["default", "bwd_sm90", "setp.lt.s32"]
+
+
+def test_layout_integers_stay_signed_under_uint32():
+    """The CUTLASS DSL quirk ``fa4_colmask._plain`` works around: an IntValue (a layout
+    coordinate's integer) ignores the signedness ``Uint32`` asks for."""
+    pytest.importorskip("cutlass")
+    import inspect as _inspect
+
+    from cutlass.cute.core import IntValue
+
+    src = _inspect.getsource(IntValue.__init__)
+    assert "always signed" in src and "super().__init__(v, True" in src
+
+
 def test_column_view_refused_on_cuda(monkeypatch):
     """While ``COLUMN_VIEW_ON_CUDA`` is off (the view's backward gave wrong gradients on the
     H200), asking for the view on CUDA raises before anything is built, naming the way out; the
@@ -395,9 +426,11 @@ def test_gpu_column_view_refused_before_any_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="FA4's sm90 backward masked by the column view gives "
+@pytest.mark.xfail(strict=True, reason="FA4's sm90 backward masked by the column view gave "
                    "wrong gradients on the H200 (dq 0.6-170x off, relative, for every mask "
-                   "here): the reason CUDA refuses the view (pipeline.COLUMN_VIEW_ON_CUDA)")
+                   "here: its unsigned tests compiled signed, fixed since by fa4_colmask._plain "
+                   "and not yet run there): the reason CUDA refuses the view "
+                   "(pipeline.COLUMN_VIEW_ON_CUDA); an unexpected pass here opens it")
 @pytest.mark.parametrize("name", WITH_VIEW)
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_columns_vs_float32_reference(name, D, monkeypatch):
