@@ -570,9 +570,12 @@ def _prune(bounds, prover: Prover, keep_larger: bool):
 
 
 def _simplify_endpoint(e):
-    """x % c = x - c * (x // c): lets sympy cancel quotient/remainder pairs (CLEAR's rows)."""
-    e = e.replace(sp.Mod, lambda a, b: a - b * sp.floor(a / b))
-    return sp.expand(e)
+    """x % c = x - c * (x // c): lets sympy cancel quotient/remainder pairs (CLEAR's rows).
+    Rebuilding an ``Abs`` whose argument sympy cannot prove real (a division by a param that
+    may be 0) turns it into ``sqrt(y * conjugate(y))``, which no later stage reads: such an
+    endpoint stays as written."""
+    out = sp.expand(e.replace(sp.Mod, lambda a, b: a - b * sp.floor(a / b)))
+    return e if out.has(sp.conjugate) else out
 
 
 def _term_interval(t: Term, prover: Prover, seqlen_k) -> Interval | None:

@@ -5,7 +5,7 @@ import itertools
 import linecache
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import compilemask as cm
@@ -125,6 +125,9 @@ def _make_body(body):
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(e1=_ints(leaf_i), c1=cond_i, c2=cond_i, r1=rule_x, r2=rule_x, r3=rule_x,
        sq=st.integers(1, 40), sk=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+# an abs() over a quotient by a param: rebuilt, sympy made it sqrt(y * conjugate(y))
+@example(e1="((i // 2) + (i % d))", c1="i < i", c2="i < i", r1="j < i", r2="j < i",
+         r3="j < abs((x // d))", sq=13, sk=17, seed=0)
 def test_random_statement_rules_match_brute_force(e1, c1, c2, r1, r2, r3, sq, sk, seed):
     # x is assigned before use in c1/c2/r*; arr is a per-row array param
     body = (f"    x = {e1}\n    if {c1}:\n        return {r1}\n"
