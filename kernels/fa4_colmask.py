@@ -59,24 +59,7 @@ class ColumnIntervalMask(UnwrappedMask):
                   mask_seqlen: cutlass.Constexpr[bool], mask_mod: cutlass.Constexpr,
                   aux_data: AuxData) -> None:
         K, slots, can_overflow = getattr(mask_mod, COLUMNS_ATTR)
-        self._apply_columns(acc_S, batch_idx, m_block, n_block, thr_mma, mask_seqlen, K, slots,
-                            can_overflow, aux_data.tensors[0], aux_data.tensors[1])
-
-    @cute.jit
-    def _apply_columns(
-        self,
-        acc_S: cute.Tensor,
-        batch_idx: cutlass.Int32,
-        m_block: cutlass.Int32,
-        n_block: cutlass.Int32,
-        thr_mma: cute.TiledMma,
-        mask_seqlen: cutlass.Constexpr[bool],
-        K: cutlass.Constexpr[int],
-        slots: cutlass.Constexpr[int],
-        can_overflow: cutlass.Constexpr[bool],
-        intervals: cute.Tensor,
-        columns: cute.Tensor,
-    ) -> None:
+        intervals, columns = aux_data.tensors[0], aux_data.tensors[1]
         # the tile is (tile_n, tile_m): coordinate 0 is the key, 1 the query row
         acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S, transpose=True)
         cS = cute.make_identity_tensor((self.tile_n, self.tile_m))

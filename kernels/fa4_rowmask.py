@@ -55,23 +55,7 @@ class RowIntervalMask(UnwrappedMask):
                   mask_seqlen: cutlass.Constexpr[bool], mask_mod: cutlass.Constexpr,
                   aux_data: AuxData) -> None:
         K, heads = getattr(mask_mod, ROWS_ATTR)
-        self._apply_rows(acc_S, batch_idx, head_idx, m_block, n_block, thr_mma, mask_seqlen,
-                         K, heads, aux_data.tensors[0])
-
-    @cute.jit
-    def _apply_rows(
-        self,
-        acc_S: cute.Tensor,
-        batch_idx: cutlass.Int32,
-        head_idx: cutlass.Int32,
-        m_block: cutlass.Int32,
-        n_block: cutlass.Int32,
-        thr_mma: cute.TiledMma,
-        mask_seqlen: cutlass.Constexpr[bool],
-        K: cutlass.Constexpr[int],
-        heads: cutlass.Constexpr[int],
-        intervals: cute.Tensor,
-    ) -> None:
+        intervals = aux_data.tensors[0]
         acc_S_mn = layout_utils.reshape_acc_to_mn(acc_S)
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS_mn = layout_utils.reshape_acc_to_mn(thr_mma.partition_C(cS))

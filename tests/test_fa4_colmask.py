@@ -135,7 +135,7 @@ def test_shared_prompt_keys_stay_within_two_runs_in_any_order():
 
 
 def _kernel_model(desc) -> torch.Tensor:
-    """``ColumnIntervalMask._apply_columns``'s arithmetic on the CPU, every (row, key) of the
+    """``ColumnIntervalMask.apply_own``'s arithmetic on the CPU, every (row, key) of the
     sequence: per key, the unsigned test ``uint32(row - lo) < uint32(len)`` over its slots, or,
     flagged, the Interval Table's ``uint32(key - start) < uint32(len)`` over the row's K slots."""
     B, S = desc.batch_size, desc.seqlen_q
