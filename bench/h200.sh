@@ -21,7 +21,6 @@
 #   bash bench/h200.sh serving   # decode steps vs FA4's own; prefill + mask build vs Flex-FA4
 #   MASK=causal:alibi bash bench/h200.sh flexcode  # Flex-FA4's generated score_mod / mask_mod
 #   bash bench/h200.sh columns   # the backward masked by the column view vs the default, Flex
-#   bash bench/h200.sh colbisect # where the column view's backward goes wrong (3 processes)
 #   bash bench/h200.sh scoremod  # the score_mod pairs vs Flex-FA4 (rounds), ALiBi's variants
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
@@ -280,15 +279,6 @@ for r in rows:
     cat "$OUT/columns_${TAG:-a}.md"
     step columns_tests 300 python3 -m pytest -q -m gpu tests/test_fa4_colmask.py
     ;;
-  colbisect)  # where the column view's backward goes wrong (CUDA refuses the view meanwhile):
-    # bench/columns_bisect.py's three modes, one process each, in parallel (compiles dominate)
-    python3 bench/columns_bisect.py table --masks causal,shared_prompt_rm,prefix_lm \
-      --grads causal,shared_prompt_rm >"$OUT/colbisect_table.log" 2>&1 &
-    python3 bench/columns_bisect.py fa4_path >"$OUT/colbisect_fa4_path.log" 2>&1 &
-    python3 bench/columns_bisect.py rows >"$OUT/colbisect_rows.log" 2>&1 &
-    wait
-    tail -n 20 "$OUT"/colbisect_*.log
-    ;;
   scoremod)  # the score_mod pairs against Flex-FA4 with the same score_mod, train, interleaved
     # rounds (MASKS=, SEQLENS=, ROUNDS=); ALiBi + causal's engines and backward variants at
     # 32K; then the score_mod GPU tests
@@ -323,5 +313,5 @@ for r in rows:
       "$OUT/flexcode.log" | head -40
     xz -T0 "$OUT/flexcode.log"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|columns|colbisect|scoremod|serving|flexcode"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|columns|scoremod|serving|flexcode"; exit 2 ;;
 esac

@@ -11,7 +11,7 @@ from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.fa4 import why_unavailable
 from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
-from compilemask.pipeline import on_device, refuse_columns_on_cuda
+from compilemask.pipeline import on_device
 from compilemask.reference import attention_reference, descriptor_dense_mask
 from compilemask.score_mod import compile_score_mod, follow, kernel_table, static_score_args
 
@@ -183,8 +183,6 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     _validate(q, k, v, desc, heads)
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic, heads)
-    if desc.columns is not None and engine == "fa4" and q.is_cuda:  # a view made on the CPU
-        refuse_columns_on_cuda("cm.attention")
     score = None
     if score_mod is not None and engine == "reference" and desc.q_offset:
         _check_rows(desc, compile_score_mod(score_mod)[0].row_shift_invariant, return_lse)

@@ -62,8 +62,7 @@ from compilemask.tiles import bitmaps, visibility_only_slots
 
 __all__ = ["PipelineConfig", "DEFAULT_CONFIG", "DEFAULT_COLUMN_VIEW", "LIST_KINDS_FA4",
            "first_use", "first_use_programs", "preprocess", "torch_tables", "assemble",
-           "finish", "with_lists", "with_columns", "on_device", "Preprocessor", "has_tilelang",
-           "refuse_columns_on_cuda"]
+           "finish", "with_lists", "with_columns", "on_device", "Preprocessor", "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -78,8 +77,7 @@ class PipelineConfig:
     FA4's head-dim-128 backward then masks its partial tiles with: True writes it (and raises
     where the mask or the shape has none), False never, None (the default) where
     :data:`DEFAULT_COLUMN_VIEW` says so and the batch can use it (a CUDA descriptor of square
-    attention for the block-sparse engine, of a mask with a view). CUDA refuses the view while
-    :data:`COLUMN_VIEW_ON_CUDA` is off."""
+    attention for the block-sparse engine, of a mask with a view)."""
 
     fwd_tiles: TileConfig = DEFAULT_FWD_TILES
     bwd_tiles: TileConfig = DEFAULT_BWD_TILES
@@ -100,33 +98,16 @@ class PipelineConfig:
 
 DEFAULT_CONFIG = PipelineConfig()
 
-# whether PipelineConfig(column_view=None) writes the column view: not until the H200 has timed
-# the backward it serves against the per-score test (docs/decisions/engine.md)
+# whether PipelineConfig(column_view=None) writes the column view: no, the H200 timed the
+# backward it serves slower than the default's per-row test on 5 of 6 points (engine.md)
 DEFAULT_COLUMN_VIEW = False
-# whether CUDA descriptors may carry it: FA4's sm90 backward masked by the view gave wrong
-# gradients on the H200 (its unsigned tests compiled signed; fixed since, docs/decisions/
-# engine.md), so CUDA refuses it until tests/test_fa4_colmask.py's GPU tests pass
-COLUMN_VIEW_ON_CUDA = False
-
-
-def refuse_columns_on_cuda(what: str) -> None:
-    """Raise for a column view headed for a CUDA backward while :data:`COLUMN_VIEW_ON_CUDA` is
-    off; ``what`` names the call that asked for it."""
-    if not COLUMN_VIEW_ON_CUDA:
-        raise NotImplementedError(
-            f"{what}: the column view is not available on CUDA (FA4's sm90 backward masked by it "
-            "gave wrong gradients on the H200, and its fix is not yet verified there); "
-            "preprocess without PipelineConfig(column_view=True): the default backward runs the "
-            "per-score interval test")
 
 
 def _wants_columns(mask, config: PipelineConfig, device_type: str, native: bool,
                    square: bool) -> bool:
     if config.column_view is not None:
-        if config.column_view and device_type == "cuda":
-            refuse_columns_on_cuda("PipelineConfig(column_view=True)")
         return config.column_view
-    return (DEFAULT_COLUMN_VIEW and COLUMN_VIEW_ON_CUDA and device_type == "cuda" and not native
+    return (DEFAULT_COLUMN_VIEW and device_type == "cuda" and not native
             and square and mask.column_view is not None)
 
 
@@ -269,8 +250,6 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
     if not _square(desc):
         raise ValueError(f"column_view: needs square attention from row 0 (seqlen_q "
                          f"{desc.seqlen_q}, seqlen_k {desc.seqlen_k}, q_offset {desc.q_offset})")
-    if desc.device.type == "cuda":
-        refuse_columns_on_cuda("with_columns")
     if desc.device.type == "cuda" and has_tilelang():
         table = tilelang_column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
     else:  # the torch reference (CI checks the program against it on TileLang's C target)

@@ -45,8 +45,6 @@ class ColumnIntervalMask(UnwrappedMask):
     # False only in bench/sass_colmask.py, to count the common path's code alone (overflowing
     # keys are then wrong)
     OVERFLOW_PATH: ClassVar[bool] = True
-    # True only in bench/columns_bisect.py: every key through the Interval Table branch
-    ROWS_ONLY: ClassVar[bool] = False
     KEYS_ONLY_SEQLEN: ClassVar[bool] = True  # the backward: see UnwrappedMask
 
     def takes(self, mask_mod, mask_causal: bool, mask_local: bool) -> bool:
@@ -80,10 +78,7 @@ class ColumnIntervalMask(UnwrappedMask):
                 if const_expr(mask_seqlen):
                     ln = ln if col_g < self.seqlen_k else Int32(0)
                 lens.append(ln)
-            if const_expr(self.ROWS_ONLY):
-                self._test_rows(acc_S_mn, t0ScS_mn, c, row_base, col_g, batch_idx, mask_seqlen,
-                                K, intervals)
-            elif const_expr(not (can_overflow and self.OVERFLOW_PATH)):
+            if const_expr(not (can_overflow and self.OVERFLOW_PATH)):
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)
             elif lens[0] >= 0:
                 self._test_runs(acc_S_mn, t0ScS_mn, c, los, lens, slots)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import types
 
 import pytest
 import torch
@@ -214,10 +213,9 @@ def test_column_view_pipeline_option():
 def test_column_view_by_default_only_where_a_batch_can_use_it(monkeypatch):
     """``column_view=None`` follows ``DEFAULT_COLUMN_VIEW`` for CUDA descriptors of square
     attention on the block-sparse engine; the CPU, native masks, rectangles and masks without a
-    view get none, and nothing raises (with CUDA's gate open: the gate has its own test)."""
+    view get none, and nothing raises."""
     from compilemask import pipeline
 
-    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     wants = pipeline._wants_columns
     rm = cm.compile_mask(masks.shared_prompt_rm())
     causal = cm.compile_mask(masks.causal())
@@ -264,11 +262,9 @@ def test_column_table_program_compiles_for_cuda():
     assert "column_table" in kern.get_kernel_source()
 
 
-def test_a_first_batch_builds_the_column_program_with_the_others(monkeypatch):
-    from compilemask import pipeline
+def test_a_first_batch_builds_the_column_program_with_the_others():
     from compilemask.pipeline import first_use_programs
 
-    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)  # the gate has its own test
     mask = cm.compile_mask(masks.shared_prompt_rm())
     with_view = [p.attr for p in first_use_programs(mask, "cuda", config=COLUMNS)]
     assert with_view.count("column_table") == 1 and "preprocess" in with_view
@@ -366,7 +362,7 @@ def test_columns_backward_compiles_in_fa4(head_dim):
 def test_column_tests_compare_unsigned(tmp_path):
     """The column mask's tests ``uint(row - lo) < uint(len)`` compile to unsigned compares: 2
     keys x 16 rows per thread for causal (runs), every row and key for RM's flagged keys (the
-    Interval Table branch, all keys there under ROWS_ONLY). CuTe's layout integers stay signed
+    Interval Table branch). CuTe's layout integers stay signed
     under ``Uint32`` (also pinned here), so the kernel converts them first
     (``fa4_colmask._plain``); compiled signed, every row before a run's start was visible."""
     pytest.importorskip("flash_attn.cute")
@@ -392,54 +388,13 @@ def test_layout_integers_stay_signed_under_uint32():
     assert "always signed" in src and "super().__init__(v, True" in src
 
 
-def test_column_view_refused_on_cuda(monkeypatch):
-    """While ``COLUMN_VIEW_ON_CUDA`` is off (the view's backward gave wrong gradients on the
-    H200), asking for the view on CUDA raises before anything is built, naming the way out; the
-    default config never writes it there; the CPU keeps it (its table and reference)."""
-    from compilemask import pipeline
-
-    mask = cm.compile_mask(masks.causal())
-    with pytest.raises(NotImplementedError, match="column_view=True.*per-score interval test"):
-        pipeline._wants_columns(mask, COLUMNS, "cuda", False, True)
-    monkeypatch.setattr(pipeline, "DEFAULT_COLUMN_VIEW", True)
-    assert not pipeline._wants_columns(mask, PipelineConfig(), "cuda", False, True)
-    assert pipeline._wants_columns(mask, COLUMNS, "cpu", False, True)
-    desc = mask.preprocess(None, 300, batch_size=2, config=COLUMNS)
-    assert desc.columns is not None
-    on_cuda = types.SimpleNamespace(mask=mask, seqlen_q=300, seqlen_k=300, q_offset=0,
-                                    device=torch.device("cuda"))  # what with_columns reads
-    with pytest.raises(NotImplementedError, match="with_columns: the column view"):
-        pipeline.with_columns(on_cuda)
-    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
-    assert pipeline._wants_columns(mask, COLUMNS, "cuda", False, True)
-
-
 @pytest.mark.gpu
-def test_gpu_column_view_refused_before_any_kernel():
-    mask = cm.compile_mask(masks.causal())
-    with pytest.raises(NotImplementedError, match="not available on CUDA"):
-        mask.preprocess(None, 1000, batch_size=2, device="cuda", config=COLUMNS)
-    desc = mask.preprocess(None, 1000, batch_size=2, config=COLUMNS)  # made on the CPU
-    q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="cm.attention: the column view"):
-        cm.attention(q, q, q, desc, backend="fa4")
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="FA4's sm90 backward masked by the column view gave "
-                   "wrong gradients on the H200 (dq 0.6-170x off, relative, for every mask "
-                   "here: its unsigned tests compiled signed, fixed since by fa4_colmask._plain "
-                   "and not yet run there): the reason CUDA refuses the view "
-                   "(pipeline.COLUMN_VIEW_ON_CUDA); an unexpected pass here opens it")
 @pytest.mark.parametrize("name", WITH_VIEW)
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_columns_vs_float32_reference(name, D, monkeypatch):
+def test_gpu_columns_vs_float32_reference(name, D):
     """Every example mask with a column view (random metadata with empty segments and rows
     that see nothing; 1000 rows, not a multiple of the tile), forward and backward through
     the op, the backward reading the view by default."""
-    from compilemask import pipeline
-
-    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     mask, _, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=13)
     gen = torch.Generator().manual_seed(13)
     meta = {key: t.cuda() for key, t in masks.random_meta(mask.spec, 2, 1000, gen).items()}
@@ -450,12 +405,9 @@ def test_gpu_columns_vs_float32_reference(name, D, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
-def test_gpu_columns_overflowing_keys(D, monkeypatch):
+def test_gpu_columns_overflowing_keys(D):
     """Flagged keys take the Interval Table test in the kernel (the other keys here are seen
     by every row or by none, so this passes where the view's row test is wrong)."""
-    from compilemask import pipeline
-
-    monkeypatch.setattr(pipeline, "COLUMN_VIEW_ON_CUDA", True)
     mask = cm.compile_mask(_split_columns())
     meta = _split_meta(2, 1000, torch.Generator().manual_seed(3))
     desc = mask.preprocess({k: t.cuda() for k, t in meta.items()}, 1000, batch_size=2,
