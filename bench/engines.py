@@ -166,11 +166,13 @@ ROUNDS = 1  # --rounds: every method of a point timed again, in turn, this many 
 
 
 def _rounds(row, timers, rep):
-    """Time the point's methods ROUNDS - 1 more times, one after another in each round (a GPU's
-    clocks drift over a point's minutes; interleaving spreads that over every method), and keep
-    each method's median over the rounds."""
-    for _ in range(1, ROUNDS):
-        for method, fn, ctx in timers:
+    """Time the point's methods ROUNDS - 1 more times, one after another in each round, each
+    round in a rotated order (a GPU's clocks drift over a point's minutes; interleaving spreads
+    that over every method), and keep each method's median over the rounds."""
+    for r in range(1, ROUNDS):
+        # each round starts one method later, so no method always follows the same one (a
+        # heavy predecessor leaves the GPU hotter, and its clocks lower)
+        for method, fn, ctx in timers[r % len(timers):] + timers[:r % len(timers)]:
             try:
                 row[method]["rounds"].append(_bench(fn, rep, ctx))
             except torch.cuda.OutOfMemoryError:  # the rounds it did count
