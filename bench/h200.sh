@@ -21,6 +21,7 @@
 #   bash bench/h200.sh serving   # decode steps vs FA4's own; prefill + mask build vs Flex-FA4
 #   MASK=causal:alibi bash bench/h200.sh flexcode  # Flex-FA4's generated score_mod / mask_mod
 #   bash bench/h200.sh columns   # the backward masked by the column view vs the default, Flex
+#   MASK=hstu bash bench/h200.sh samples  # every sample of a train step, with clocks and power
 #   bash bench/h200.sh scoremod  # the score_mod pairs vs Flex-FA4 (rounds), ALiBi's variants
 #   MASKS=hstu bash bench/h200.sh e2e  # Qwen3 training steps, one attention per backend (32K;
 #                                      # SEQLENS=, BACKENDS=, LAYERS=, STEPS=; one mask a call)
@@ -42,8 +43,10 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "[$name] rc=$rc $((SECONDS - t0))s :: $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"
 }
-# --rep is triton's do_bench budget in ms: a 57 ms train step at --rep 100 is one or two
-# samples (medians moved 3-8% between calls); the compiles, not the timing, take the time
+# --rep is triton's do_bench budget in ms: a 50 ms train step at --rep 100 is two samples, and
+# the H200 runs these kernels at its power cap (clocks 1.4-1.75 GHz from one moment to the
+# next), so such a median moves 10%; the round-based steps default to --rep 400 (8 samples;
+# bench/samples.py prints each with the clocks); the compiles, not the timing, take the time
 case "${1:-}" in
   tests)  # every gpu-marked test (the non-default variants' too; knobs runs those alone)
     step gpu_tests 540 python3 -m pytest -q $PAR -m gpu -p no:cacheprovider tests
@@ -264,7 +267,7 @@ for r in rows:
     ;;
   partial)  # the fa4 engine's partial-tile test per mask: default, each mask_mod variant, the
     # always-True ceiling and the peers, train at 8K and 32K (MASKS=, METHODS=)
-    step partial "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+    step partial "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-400}" \
       --seqlens "${SEQLENS:-8192,32768}" --tag "partial_${TAG:-a}" --out "$OUT" \
       --masks "${MASKS:-sink_window,chunked_causal,block_causal}" \
       --methods "${METHODS:-native,fa4,fa4_intervals,fa4_true,fa4_native,flex_flash}"
@@ -272,17 +275,22 @@ for r in rows:
     ;;
   columns)  # the backward masked by the column view against the Interval Table default and
     # Flex-FA4, train, interleaved rounds (MASKS=, SEQLENS=, ROUNDS=), then its GPU tests
-    step columns "${SECS:-480}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+    step columns "${SECS:-480}" python3 bench/engines.py --modes train --rep "${REP:-400}" \
       --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-32768,8192}" --tag "columns_${TAG:-a}" \
       --out "$OUT" --masks "${MASKS:-shared_prompt_rm,clear,prefix_lm,sink_window}" \
       --methods "${METHODS:-fa4,fa4_cols,fa4_true,flex_flash,fa4_cols+pre}"
     cat "$OUT/columns_${TAG:-a}.md"
     step columns_tests 300 python3 -m pytest -q -m gpu tests/test_fa4_colmask.py
     ;;
+  samples)  # every sample of one mask's train step with the GPU's clocks (MASK=, S=)
+    step samples "${SECS:-200}" python3 bench/samples.py --mask "${MASK:-hstu}" \
+      --seqlen "${S:-32768}"
+    cat "$OUT/samples.log"
+    ;;
   scoremod)  # the score_mod pairs against Flex-FA4 with the same score_mod, train, interleaved
     # rounds (MASKS=, SEQLENS=, ROUNDS=); ALiBi + causal's engines and backward variants at
     # 32K; then the score_mod GPU tests
-    step scoremod "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-100}" \
+    step scoremod "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-400}" \
       --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-32768,8192}" --tag "scoremod_${TAG:-a}" \
       --out "$OUT" --methods "${METHODS:-native,fa4,flex_flash}" \
       --masks "${MASKS:-causal:alibi,sliding_window:softcap,prefix_lm:t5,hstu:temperature}"
@@ -313,5 +321,5 @@ for r in rows:
       "$OUT/flexcode.log" | head -40
     xz -T0 "$OUT/flexcode.log"
     ;;
-  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|columns|scoremod|serving|flexcode"; exit 2 ;;
+  *) echo "usage: bash bench/h200.sh tests|variants|knobs|knobs_time|ncu|ncu_src|ab|envab|check|pre|fwd|train|det|study|engines|fa4tests|e2e|loop|loop_segments|timeline|partial|columns|samples|scoremod|serving|flexcode"; exit 2 ;;
 esac

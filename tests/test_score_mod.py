@@ -569,7 +569,9 @@ def test_gpu_learnable_sink_vs_float32_reference(name, engine):
     k, v = (torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
     sink = torch.randn(4, device="cuda", generator=g)
-    do = torch.randn_like(q)
+    # from the test's generator: dsink is a sum dominated by the first rows, so its error moves
+    # with dO, and a draw from the global RNG changed with the tests run before this one
+    do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
     dense = desc.dense_mask()
 
     def run(kind):
