@@ -289,9 +289,11 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
                     except ValueError as e:
                         rec(method, None, f"n/a ({str(e)[:60]})")
                         continue
-                    f = (lambda a, b_, c, opts=opts: cm.attention(a, b_, c, desc_fa4,
-                                                                  backend="fa4", options=opts))
+                    f = (lambda a, b_, c, opts=opts: cm.attention(
+                        a, b_, c, desc_fa4, backend="fa4", options=opts, score_mod=smod))
                     timed(method, functools.partial(train_or_fwd, f, q, k, v, do))
+                elif smod is not None:  # the ceiling drops the aux tensors a score_mod reads
+                    rec(method, None, "n/a (the ceiling runs without a score_mod's tables)")
                 else:
                     f = (lambda a, b_, c: cm.attention(a, b_, c, desc_fa4, backend="fa4"))
                     timed(method, functools.partial(train_or_fwd, f, q, k, v, do),
