@@ -41,12 +41,13 @@ def test_stall_lines(tmp_path, capsys):
 
 
 def test_engines_rounds_interleave_methods_and_keep_each_median(monkeypatch):
-    """``--rounds``: later rounds time every method again, one after another, and a method's
-    time is its median over the rounds (the first round's value is the first of them)."""
+    """``--rounds``: later rounds time every method again, one after another, each round
+    starting one method later (no method always follows the same one), and a method's time
+    is its median over the rounds (the first round's value is the first of them)."""
     from bench import engines
 
     calls = []
-    times = iter([3.0, 30.0, 1.0, 10.0])  # rounds 2 and 3: a, b, a, b
+    times = iter([3.0, 30.0, 1.0, 10.0])  # rounds 2 and 3: b, a, then a, b
 
     def fake_bench(fn, rep, ctx=None):
         calls.append(fn())
@@ -58,7 +59,7 @@ def test_engines_rounds_interleave_methods_and_keep_each_median(monkeypatch):
            "a": {"ms": 2.0, "rounds": [2.0], "flops": 4e9},
            "b": {"ms": 20.0, "rounds": [20.0], "flops": 4e9}}
     engines._rounds(row, [("a", lambda: "a", None), ("b", lambda: "b", None)], rep=10)
-    assert calls == ["a", "b", "a", "b"]
-    assert row["a"]["rounds"] == [2.0, 3.0, 1.0] and row["a"]["ms"] == 2.0
-    assert row["b"]["rounds"] == [20.0, 30.0, 10.0] and row["b"]["ms"] == 20.0
-    assert row["b"]["tflops"] == 4e9 / 20.0 / 1e9
+    assert calls == ["b", "a", "a", "b"]
+    assert row["a"]["rounds"] == [2.0, 30.0, 1.0] and row["a"]["ms"] == 2.0
+    assert row["b"]["rounds"] == [20.0, 3.0, 10.0] and row["b"]["ms"] == 10.0
+    assert row["b"]["tflops"] == 4e9 / 10.0 / 1e9
