@@ -11,7 +11,9 @@ bf16, the native engine:
   (``kernels/fa4_unwrap.py`` off) against none, and causal without a score_mod;
 * ``spills``: registers and spill bytes (``ptxas -v``) of the benchmarked mask + score_mod
   pairs on their engines, forward and backward;
-* ``t5``: the same for prefix-LM + T5, its index by bits or I2F, with and without FA4's wrap.
+* ``t5``: the same for prefix-LM + T5, its index by bits or I2F, with and without FA4's wrap,
+  and with the per-score rules in the forward (``KernelOptions(mask_mod="rules")``) for the
+  row mask the default picks.
 
 Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2FP (sm90's int-to-float), FFMA /
 FMUL, and the PTX's ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a
@@ -43,7 +45,7 @@ KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
          "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
                     "sliding_window/softcap/native", "hstu/temperature/fa4"),
          "t5": ("prefix_lm/t5/fa4", "prefix_lm/t5/fa4/cvt", "prefix_lm/t5/fa4-wrapped",
-                "prefix_lm/t5/fa4/cvt-wrapped")}
+                "prefix_lm/t5/fa4/cvt-wrapped", "prefix_lm/t5/fa4/rules")}
 
 
 def _spills_child(item: str) -> None:
@@ -56,13 +58,16 @@ def _spills_child(item: str) -> None:
     from compilemask.kernels.autograd import _score_variant
     from compilemask.score_mod import compile_score_mod
 
-    name, smod, engine, *index = item.split("/")  # a fourth part "cvt": I2F, not bits
+    # further parts: "cvt" (the index by I2F, not bits), a mask_mod variant ("rules", "rows")
+    name, smod, engine, *rest = item.split("/")
+    variant = next((p for p in rest if p in ("rules", "rows", "intervals")), None)
     spec = SPECS[name]()
     B, S, H, D = 2, 1000, 8, 128
     meta = masks.random_meta(spec, B, S, torch.Generator().manual_seed(0))
     sm, tables = compile_score_mod(make_score_mod(smod, "cpu"))
     fake_fa4(cm.compile_mask(spec), meta, B=B, S=S, H=H, D=D, engine=engine,
-             score=_score_variant(sm.key, True, index != ["cvt"]), tables=tables)
+             variant=variant, score=_score_variant(sm.key, True, "cvt" not in rest),
+             tables=tables)
 
 
 def _child(kind: str) -> None:
