@@ -165,6 +165,18 @@ def _bench(fn, rep, ctx=None):
 ROUNDS = 1  # --rounds: every method of a point timed again, in turn, this many times
 
 
+def _sm_clock():
+    """The SM clock in MHz right after a timing, or None: at the H200's power cap it moves
+    between 1.4 and 1.75 GHz, and a round's median moves with it (bench/samples.py)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,"
+                              "nounits", f"--id={torch.cuda.current_device()}"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return int(out.split()[0])
+    except Exception:
+        return None
+
+
 def _rounds(row, timers, rep):
     """Time the point's methods ROUNDS - 1 more times, one after another in each round, each
     round in a rotated order (a GPU's clocks drift over a point's minutes; interleaving spreads
@@ -175,6 +187,7 @@ def _rounds(row, timers, rep):
         for method, fn, ctx in timers[r % len(timers):] + timers[:r % len(timers)]:
             try:
                 row[method]["rounds"].append(_bench(fn, rep, ctx))
+                row[method].setdefault("sm_mhz", []).append(_sm_clock())
             except torch.cuda.OutOfMemoryError:  # the rounds it did count
                 torch.cuda.empty_cache()
     for method, _, _ in timers:
@@ -182,9 +195,10 @@ def _rounds(row, timers, rep):
         r["ms"] = statistics.median(r["rounds"])
         r["tflops"] = r["flops"] / r["ms"] / 1e9
         if ROUNDS > 1:
+            mhz = [m for m in r.get("sm_mhz", []) if m]
             print(f"  {row['mask']:17s} {row['S']:6d} {row['mode']:5s} {method:22s} "
-                  f"{r['ms']:9.3f} ms median of " + " ".join(f"{x:.3f}" for x in r["rounds"]),
-                  flush=True)
+                  f"{r['ms']:9.3f} ms median of " + " ".join(f"{x:.3f}" for x in r["rounds"])
+                  + (f" (SM {min(mhz)}-{max(mhz)} MHz)" if mhz else ""), flush=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,7 +260,7 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
     def timed(method, fn, ctx=None):
         # fn must bind its values now: later rounds call it after the loop has moved on
         rec(method, _bench(fn, rep, ctx))
-        row[method].update(rounds=[row[method]["ms"]], flops=flops)
+        row[method].update(rounds=[row[method]["ms"]], flops=flops, sm_mhz=[_sm_clock()])
         timers.append((method, fn, ctx))
 
     def train_or_fwd(f, qq, kk, vv, dout):

@@ -63,3 +63,4 @@ def test_engines_rounds_interleave_methods_and_keep_each_median(monkeypatch):
     assert row["a"]["rounds"] == [2.0, 30.0, 1.0] and row["a"]["ms"] == 2.0
     assert row["b"]["rounds"] == [20.0, 3.0, 10.0] and row["b"]["ms"] == 10.0
     assert row["b"]["tflops"] == 4e9 / 10.0 / 1e9
+    assert len(row["a"]["sm_mhz"]) == 2  # the clock after each later round (None without a GPU)
