@@ -165,16 +165,22 @@ def _bench(fn, rep, ctx=None):
 ROUNDS = 1  # --rounds: every method of a point timed again, in turn, this many times
 
 
+def gpu_state(fields: str = "clocks.sm") -> list[str] | None:
+    """``nvidia-smi``'s values of ``fields`` (its --query-gpu names) for this GPU, or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,"
+                              "nounits", f"--id={torch.cuda.current_device()}"],
+                             capture_output=True, text=True, timeout=10).stdout
+        return [v.strip() for v in out.split(",")]
+    except Exception:
+        return None
+
+
 def _sm_clock():
     """The SM clock in MHz right after a timing, or None: at the H200's power cap it moves
     between 1.4 and 1.75 GHz, and a round's median moves with it (bench/samples.py)."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,"
-                              "nounits", f"--id={torch.cuda.current_device()}"],
-                             capture_output=True, text=True, timeout=10).stdout
-        return int(out.split()[0])
-    except Exception:
-        return None
+    state = gpu_state()
+    return int(state[0]) if state and state[0].isdigit() else None
 
 
 def _rounds(row, timers, rep):

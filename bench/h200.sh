@@ -269,7 +269,8 @@ for r in rows:
     # always-True ceiling and the peers, train at 8K and 32K, interleaved rounds (MASKS=,
     # METHODS=; a mask:score_mod such as prefix_lm:t5 times each variant with the score_mod)
     step partial "${SECS:-420}" python3 bench/engines.py --modes train --rep "${REP:-400}" \
-      --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-8192,32768}" --tag "partial_${TAG:-a}" --out "$OUT" \
+      --rounds "${ROUNDS:-4}" --seqlens "${SEQLENS:-8192,32768}" --tag "partial_${TAG:-a}" \
+      --out "$OUT" \
       --masks "${MASKS:-sink_window,chunked_causal,block_causal}" \
       --methods "${METHODS:-native,fa4,fa4_intervals,fa4_true,fa4_native,flex_flash}"
     cat "$OUT/partial_${TAG:-a}.md"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,8 +25,7 @@ import compilemask as cm  # noqa: E402
 from bench import engines as E  # noqa: E402
 from compilemask.pipeline import with_lists  # noqa: E402
 
-SMI = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,"
-       "clocks_throttle_reasons.active", "--format=csv,noheader"]
+STATE = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def main() -> None:
@@ -58,8 +56,8 @@ def main() -> None:
                "fa4 (preprocess's)": (lambda: train(desc), None),
                "fa4+pre": (lambda: train(pre(meta)), None),
                "ceiling": (lambda: train(prebuilt), E._CeilingMaskMod)}
-    print(f"{args.mask} S={S} B={B} H={E.H} D={E.D}: ms per sample; [SM clock, power, "
-          "temperature, throttle reasons (0x4: software power cap)]")
+    print(f"{args.mask} S={S} B={B} H={E.H} D={E.D}: ms per sample; [SM clock MHz, power W, "
+          "temperature C, throttle reasons (0x4: software power cap)]")
     for r in range(args.rounds):
         for name, (fn, ctx) in timings.items():
             if ctx is None:
@@ -67,7 +65,7 @@ def main() -> None:
             else:
                 with ctx():
                     t = triton.testing.do_bench(fn, warmup=100, rep=args.rep, return_mode="all")
-            smi = subprocess.run(SMI, capture_output=True, text=True).stdout.strip()
+            smi = ", ".join(E.gpu_state(STATE) or ["n/a"])
             print(f"round {r} {name:19s} median {statistics.median(t):7.2f} [{smi}] "
                   + " ".join(f"{x:.1f}" for x in t), flush=True)
 

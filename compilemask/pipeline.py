@@ -107,8 +107,8 @@ def _wants_columns(mask, config: PipelineConfig, device_type: str, native: bool,
                    square: bool) -> bool:
     if config.column_view is not None:
         return config.column_view
-    return (DEFAULT_COLUMN_VIEW and device_type == "cuda" and not native
-            and square and mask.column_view is not None)
+    return (DEFAULT_COLUMN_VIEW and device_type == "cuda" and not native and square
+            and mask.column_view is not None)
 
 
 @functools.cache
