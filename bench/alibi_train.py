@@ -1,9 +1,9 @@
 """Train steps of ALiBi + causal in interleaved rounds (one length, 128K tokens per batch, H=8,
 D=128, bf16): ``cm.attention`` on the native engine (FA4's causal kernel); the same with a zero
 LSE gradient passed (FA4's dlse path); the fa4 engine (FA4's block-sparse kernels, as Flex-FA4
-runs them; its default mask_mod, the causal rules); Flex-FA4
-with the same score_mod. Each method's median over 6 rounds, every round timing the methods one
-after another (clock drift then spreads over all of them).
+runs them; its default mask_mod, the causal rules); Flex-FA4 with the same score_mod. Each
+method's median over 6 rounds, every round timing the methods one after another (clock drift
+then spreads over all of them).
 
     python bench/alibi_train.py [S]
 """

@@ -4,10 +4,9 @@ FA4's transposed sm90 backward with it (``kernels/fa4_colmask.py``).
 CPU: the compiled column view of every example mask against the brute-force mask, key by key,
 on random metadata (ordered and not); the run merge; the kernel's test modelled on the CPU
 (overflowing keys through the Interval Table); the pipeline option, the descriptor and op
-plumbing, the variant's key and refusals, the FA4 internals relied on, a fake compile, CUDA's
-refusal of the view. GPU: the refusal; every example mask with a column view, head dims 128 and
-64 (expected to fail: the reason for the refusal), and metadata that overflow, against the
-float32 reference."""
+plumbing, the variant's key and refusals, the FA4 internals relied on, a fake compile and its
+unsigned compares. GPU: every example mask with a column view, head dims 128 and 64, and
+metadata that overflow, against the float32 reference."""
 
 from __future__ import annotations
 
@@ -362,9 +361,9 @@ def test_columns_backward_compiles_in_fa4(head_dim):
 def test_column_tests_compare_unsigned(tmp_path):
     """The column mask's tests ``uint(row - lo) < uint(len)`` compile to unsigned compares: 2
     keys x 16 rows per thread for causal (runs), every row and key for RM's flagged keys (the
-    Interval Table branch). CuTe's layout integers stay signed
-    under ``Uint32`` (also pinned here), so the kernel converts them first
-    (``fa4_colmask._plain``); compiled signed, every row before a run's start was visible."""
+    Interval Table branch). CuTe's layout integers stay signed under ``Uint32`` (also pinned
+    here), so the kernel converts them first (``fa4_colmask._plain``); compiled signed, every
+    row before a run's start was visible."""
     pytest.importorskip("flash_attn.cute")
     from test_fa4_unwrap import _ptx_counts
 
