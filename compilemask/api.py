@@ -125,17 +125,24 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
                               + "); pass backend='reference' for the dense O(S^2) path")
 
 
-def _check_rows(desc, row_shift_invariant: bool, return_lse: bool):
+def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
     """A score_mod sees q_idx from 0 in every engine; a descriptor of queries elsewhere in the
-    sequence (serving) runs only a score_mod that a moved q_idx changes by a per-row constant
-    (the output, not the LSE, is then the same)."""
-    if desc.q_offset and (not row_shift_invariant or return_lse):
-        raise NotImplementedError(
-            "cm.attention: this descriptor's queries are not rows 0.. of the sequence (serving: "
-            "the last rows of the keys), and the score_mod reads q_idx in a way a moved q_idx "
-            "does not shift by a per-row constant"
-            + (" (or return_lse=True, which such a shift changes)" if row_shift_invariant
-               else "") + "; score_mods of kv_idx - q_idx through tables are not served yet")
+    sequence (serving, context-parallel shards) runs only a score_mod that does not read q_idx,
+    or one that a moved q_idx changes by a per-row constant where nothing else in the row's
+    softmax stays put (no LSE returned, no learnable sink): the output is then the same."""
+    if not desc.q_offset or row_shift == "none":
+        return
+    if row_shift == "row" and not return_lse and not sink:
+        return
+    fixed = "the LSE (return_lse=True)" if return_lse else "the learnable_sink's logit"
+    why = {"any": "the score_mod reads q_idx in a way a moved q_idx does not shift by a per-row "
+                  "constant",
+           "row": "the score_mod reads q_idx, and a moved q_idx shifts each row's scores by a "
+                  f"constant that {fixed} does not share"}[row_shift]
+    raise NotImplementedError(
+        "cm.attention: this descriptor's queries are not rows 0.. of the sequence (serving: the "
+        f"last rows of the keys; context-parallel shards), and {why}; score_mods of "
+        "kv_idx - q_idx through tables are not served yet")
 
 
 def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
@@ -185,7 +192,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     engine = select_engine(q, desc, backend, deterministic, heads)
     score = None
     if score_mod is not None and engine == "reference" and desc.q_offset:
-        _check_rows(desc, compile_score_mod(score_mod)[0].row_shift_invariant, return_lse)
+        _check_rows(desc, compile_score_mod(score_mod)[0].row_shift, return_lse,
+                    learnable_sink is not None)
     if score_mod is not None or learnable_sink is not None:
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
@@ -225,13 +233,13 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
         if score_mod is None:
             pass
         elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it
-            key, paths, floats, shift_ok = static_score_args(score_mod)
+            key, paths, floats, row_shift = static_score_args(score_mod)
             score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])
-            _check_rows(desc, shift_ok, return_lse)
+            _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
         else:
             sm, tables = compile_score_mod(score_mod)
             score = (sm.key, sm.aux_tensors(tables, q.device))
-            _check_rows(desc, sm.row_shift_invariant, return_lse)
+            _check_rows(desc, sm.row_shift, return_lse, learnable_sink is not None)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options, score=score,
                         sink=learnable_sink, heads=heads)

@@ -293,7 +293,8 @@ def _gather_global(x, plan, group):
 
 def cp_attention(q_local, k_local, v_local, desc_local: ExecutionDescriptor, plan: CPPlan,
                  group=None, *, softmax_scale: float | None = None, return_lse: bool = False,
-                 deterministic: bool = False, backend: str = "auto"):
+                 deterministic: bool = False, backend: str = "auto", score_mod=None,
+                 learnable_sink=None):
     """Context-parallel ``cm.attention`` on one rank of ``group`` (default: the world).
 
     ``q_local, k_local, v_local``: this rank's rows ``[B, plan.local_len, H(kv), D]`` (from
@@ -301,7 +302,11 @@ def cp_attention(q_local, k_local, v_local, desc_local: ExecutionDescriptor, pla
     reordered to global order; returns this rank's output rows (and LSE ``[B, H, local_len]``),
     zeros in padding rows. ``backend="auto"`` on CUDA takes the descriptor-driven engines
     (``fa4``, or ``cute`` with ``deterministic=True``): the native FA4 kernels would read the
-    local row index as the global one."""
+    local row index as the global one. ``score_mod`` and ``learnable_sink`` as in
+    ``cm.attention``; the score_mod sees this rank's row index, so one that reads ``q_idx``
+    runs only where a moved ``q_idx`` shifts a row by a constant (ALiBi without a sink or the
+    LSE); the sink's gradient is this rank's rows' share (summed over the group like any
+    weight's)."""
     import torch.distributed as dist
 
 
@@ -323,4 +328,5 @@ def cp_attention(q_local, k_local, v_local, desc_local: ExecutionDescriptor, pla
     k = _gather_global(k_local, plan, group)
     v = _gather_global(v_local, plan, group)
     return attention(q_local, k, v, desc_local, softmax_scale=softmax_scale,
-                     return_lse=return_lse, deterministic=deterministic, backend=backend)
+                     return_lse=return_lse, deterministic=deterministic, backend=backend,
+                     score_mod=score_mod, learnable_sink=learnable_sink)

@@ -575,7 +575,7 @@ def _convert(score_mod, name):
                                   f"{sp.sstr(expr)} with respect to the score")
     sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr))
     sm.used_leaves = tuple(used)
-    sm.row_shift_invariant = _row_shift_invariant(expr)
+    sm.row_shift = _row_shift(expr)
     with _LOCK:
         _REGISTRY.setdefault(sm.key, sm)
     return _REGISTRY[sm.key] if _same(_REGISTRY[sm.key], sm) else sm, walk.leaves
@@ -583,7 +583,7 @@ def _convert(score_mod, name):
 
 @torch.compiler.assume_constant_result
 def static_score_args(score_mod) -> tuple:
-    """``(key, paths, is_float, row_shift_invariant)`` of a score_mod, for a traced call
+    """``(key, paths, is_float, row_shift)`` of a score_mod, for a traced call
     (``torch.compile``): the
     conversion runs once, outside the graph, and each table is reached from the score_mod by
     its path (``follow``), which the tracer can read."""
@@ -597,7 +597,7 @@ def static_score_args(score_mod) -> tuple:
                 "attribute, which a compiled graph cannot follow; capture it as a closure "
                 "variable, a global or a default")
         paths.append(path)
-    return sm.key, tuple(paths), tuple(t.is_float for t in sm.tables), sm.row_shift_invariant
+    return sm.key, tuple(paths), tuple(t.is_float for t in sm.tables), sm.row_shift
 
 
 def _path_to(obj, target, depth, seen):
@@ -658,16 +658,18 @@ def _same(a, b) -> bool:
     return a.expr == b.expr and a.tables == b.tables and a.used_leaves == b.used_leaves
 
 
-def _row_shift_invariant(expr) -> bool:
-    """Whether moving ``q_idx`` changes the score by a per-row constant only (softmax keeps
-    the output then): ALiBi's ``slopes[h] * (kv_idx - q_idx)`` is, a T5 bucket of
-    ``kv_idx - q_idx`` is not. Queries that are not rows ``0..`` (serving) need it."""
+def _row_shift(expr) -> str:
+    """What moving ``q_idx`` does to the score: ``"none"`` (the score_mod does not read it),
+    ``"row"`` (a per-row constant, which softmax drops from the output but not from the LSE or
+    next to a learnable sink: ALiBi's ``slopes[h] * (kv_idx - q_idx)``) or ``"any"`` (a T5
+    bucket of ``kv_idx - q_idx``). Queries that are not rows ``0..`` (serving) need it."""
     if _I not in expr.free_symbols:
-        return True
+        return "none"
     c = sp.Symbol("_shift", integer=True)
     d = sp.expand(expr.subs(_I, _I + c) - expr)
-    return not (d.free_symbols & {SCORE, _J, _I}) and not any(
+    row = not (d.free_symbols & {SCORE, _J, _I}) and not any(
         a.free_symbols & {SCORE, _J, _I} for a in d.atoms(sp.core.function.AppliedUndef))
+    return "row" if row else "any"
 
 
 def _softcap(expr):

@@ -170,14 +170,55 @@ def _check_group(group):
                 for what, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
                     torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11,
                                                msg=f"{name} S={S} {kind} W={W} {what}")
+    _check_scores(group)
 
 
-def _single_process(mask, meta, S, B, q, k, v, do):
+def _check_scores(group):
+    """A softcap with a learnable sink (dsink: the ranks' shares summed) and ALiBi, whose
+    moved q_idx shifts each row by a constant, equal one process's; ALiBi next to a sink does
+    not (the sink's logit does not move with the row) and is refused."""
+    import torch.distributed as dist
+
+    from compilemask import score_mods
+
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    B, S, H, Hkv, D = 2, 100, 2, 1, 8
+    mask = cm.compile_mask(_spec("hstu"))
+    meta = masks.random_meta(mask.spec, B, S, torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    q, do = (torch.randn(B, S, H, D, generator=gen, dtype=torch.float64) * 3 for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, generator=gen, dtype=torch.float64) * 3 for _ in range(2))
+    sink = torch.randn(H, generator=gen, dtype=torch.float64) + 2
+    alibi = score_mods.alibi(score_mods.alibi_slopes(H).double())
+    plan = cp.make_plan(mask, meta, S, W, tile=16, batch_size=B)
+    desc = cp.shard_descriptor(mask, meta, plan, rank, batch_size=B)
+    for kw in (dict(score_mod=score_mods.softcap(2.0), learnable_sink=sink),
+               dict(score_mod=alibi)):
+        ref = _single_process(mask, meta, S, B, q, k, v, do, **kw)
+        ql, kl, vl = (cp.shard(t, plan, rank).requires_grad_() for t in (q, k, v))
+        sl = kw.get("learnable_sink")
+        sl = None if sl is None else sl.clone().requires_grad_()
+        out = cp.cp_attention(ql, kl, vl, desc, plan, group, **{**kw, "learnable_sink": sl})
+        out.backward(cp.shard(do, plan, rank))
+        got = [_unshard(t, plan, group) for t in (out.detach(), ql.grad, kl.grad, vl.grad)]
+        if sl is not None:
+            dist.all_reduce(sl.grad, group=group)
+            got.append(sl.grad)
+        for what, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11,
+                                       msg=f"{list(kw)} W={W} {what}")
+    ql, kl, vl = (cp.shard(t, plan, rank) for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="learnable_sink"):
+        cp.cp_attention(ql, kl, vl, desc, plan, group, score_mod=alibi, learnable_sink=sink)
+
+
+def _single_process(mask, meta, S, B, q, k, v, do, score_mod=None, learnable_sink=None):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    sink = None if learnable_sink is None else learnable_sink.clone().requires_grad_()
     desc = mask.preprocess(meta, seqlen_q=S, batch_size=B)
-    out = cm.attention(q, k, v, desc)
+    out = cm.attention(q, k, v, desc, score_mod=score_mod, learnable_sink=sink)
     out.backward(do)
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), q.grad, k.grad, v.grad) + (() if sink is None else (sink.grad,))
 
 
 def _unshard(local, plan, group):
@@ -190,7 +231,8 @@ def _unshard(local, plan, group):
 
 def test_cp_attention_equals_single_process(tmp_path):
     """Outputs and dQ/dK/dV of cp_attention, unsharded, equal one process's cm.attention
-    (float64) for every mask, both plan kinds, W = 2 and 4, sequences not divisible by W x tile."""
+    (float64) for every mask, both plan kinds, W = 2 and 4, sequences not divisible by W x tile;
+    with a score_mod and a learnable sink too."""
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(4, str(tmp_path / "init")), nprocs=4, join=True)
@@ -261,12 +303,37 @@ def _check_model(group):
     for n, g in grads.items():  # every rank's loss terms: the sum of the ranks' gradients
         dist.all_reduce(g, group=group)
         torch.testing.assert_close(g, ref_grads[n], **tol, msg=lambda m, n=n: f"{n}: {m}")
+    _check_layer_scores(mask, meta, plan, desc, group, tol)
+
+
+def _check_layer_scores(mask, meta, plan, desc_l, group, tol):
+    """The layer function under compilemask_cp keeps what changes the scores: a softcap
+    (Gemma 2) and per-head sinks (gpt-oss's s_aux) give one process's rows."""
+    import types
+
+    import torch.distributed as dist
+
+    from compilemask.integrations.transformers import attention_forward
+
+    rank, B, S, H, Hkv = dist.get_rank(group), 2, 100, 4, 2  # _check_model's batch
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(B, H, S, 8, generator=gen, dtype=torch.float64) * 3
+    k, v = (torch.randn(B, Hkv, S, 8, generator=gen, dtype=torch.float64) * 3 for _ in "kv")
+    layer = types.SimpleNamespace(layer_idx=0, training=False, config=None)
+    local = [cp.shard(t.transpose(1, 2), plan, rank).transpose(1, 2) for t in (q, k, v)]
+    desc = mask.preprocess(meta, seqlen_q=S)
+    for kw in (dict(softcap=2.0), dict(s_aux=torch.randn(H, generator=gen, dtype=torch.float64))):
+        want, _ = attention_forward(layer, q, k, v, None, scaling=0.3, compilemask_desc=desc, **kw)
+        got, _ = attention_forward(layer, *local, None, scaling=0.3, compilemask_desc=desc_l,
+                                   compilemask_cp=(plan, group), **kw)
+        torch.testing.assert_close(_unshard(got, plan, group), want, **tol, msg=str(list(kw)))
 
 
 def test_transformers_model_under_cp_equals_single_process(tmp_path):
     """A tiny Qwen3 (float64) called on each rank's shard with compilemask_cp: the unsharded
     logits and the all-reduced gradients of the summed token loss equal one process's run with
-    the full descriptor (HSTU, S = 100 over W = 2 x tile 16)."""
+    the full descriptor (HSTU, S = 100 over W = 2 x tile 16); its layer function with a softcap
+    and sinks gives one process's rows."""
     pytest.importorskip("transformers")
     import torch.multiprocessing as mp
 

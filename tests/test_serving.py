@@ -354,7 +354,9 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
 def test_score_mods_on_served_rows():
     """A score_mod sees q_idx from 0 on every engine: on the last rows of a sequence one that a
     moved q_idx shifts by a per-row constant (ALiBi, a softcap) gives the square mask's rows,
-    one that it does not (a T5 bucket) is refused, as is the LSE of a shifted one."""
+    one that it does not (a T5 bucket) is refused, as are the LSE of a shifted one and a shifted
+    one next to a learnable sink (whose logit does not move with the row); one that does not
+    read q_idx (a softcap) runs with both."""
     from compilemask import score_mods
 
     mask = cm.compile_mask(masks.causal())
@@ -372,6 +374,17 @@ def test_score_mods_on_served_rows():
     with pytest.raises(NotImplementedError, match="return_lse"):
         cm.attention(q[:, -Sq:], k, v, last, return_lse=True,
                      score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
+    sink = torch.randn(4, generator=g, dtype=torch.float64) + 2
+    with pytest.raises(NotImplementedError, match="learnable_sink"):
+        cm.attention(q[:, -Sq:], k, v, last, learnable_sink=sink,
+                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
+    cap = score_mods.softcap(5)
+    want, want_lse = cm.attention(q, k, v, full, score_mod=cap, learnable_sink=sink,
+                                  return_lse=True)
+    got, lse = cm.attention(q[:, -Sq:], k, v, last, score_mod=cap, learnable_sink=sink,
+                            return_lse=True)
+    torch.testing.assert_close(got, want[:, -Sq:])
+    torch.testing.assert_close(lse, want_lse[..., -Sq:])
 
 
 def test_request_batches_never_run_native():

@@ -448,7 +448,8 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
                              f"{desc.seqlen_k}; under {CP_KWARG} it must be the rank's "
                              f"shard_descriptor ({n} rows, {plan.seqlen} keys)")
         out = cp_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                           desc, plan, group, softmax_scale=scaling, deterministic=deterministic)
+                           desc, plan, group, softmax_scale=scaling, deterministic=deterministic,
+                           score_mod=score_mod, learnable_sink=sink)
         return out, None
     if isinstance(desc, HeadGroups):  # per-head masks: each group's descriptor as a layer's
         checked = tuple((_check_window(module, d, window, d.seqlen_q, d.seqlen_k), h)
