@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from sympy.core.function import AppliedUndef
 
+from compilemask.bounds import INT32_MAX, magnitude
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import (
     UNWRAPPED_ATTR,
@@ -41,7 +42,8 @@ from compilemask.codegen.cute_predicate import (
 from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "forward_variant", "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
+           "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "VARIANTS",
+           "ROWS_ATTR", "COLUMNS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
 # per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
@@ -102,6 +104,40 @@ def mask_mod_variant(mask) -> str:
                     pass
         _VARIANT[mask.key] = v
     return _VARIANT[mask.key]
+
+
+_FITS: dict = {}  # (mask key, length) -> whether the rules fit int32 there
+
+# FA4 calls the mask_mod on the padded rows and keys of the last tiles, past the length
+PAD = 256
+
+
+def rules_fit(mask, length: int) -> bool:
+    """Whether the ``"rules"`` mask_mod, which evaluates the whole first-match rule (guards
+    included) in int32, computes it exactly at this length: indices up to the padded length
+    and, as for the kernels' predicates (``compilemask.bounds.check_kernel_predicates``),
+    metadata up to the length. The Interval Table's endpoints are int64 in the preprocess, so
+    where the rules may wrap the table test runs instead."""
+    key = (mask.key, length)
+    if key not in _FITS:
+        expr = whole_mask_predicate(mask, any_region=True)
+        _FITS[key] = expr is not None and magnitude(expr, length + PAD, length) <= INT32_MAX
+    return _FITS[key]
+
+
+def call_variant(mask, variant: str | None, length: int) -> str:
+    """The per-score mask_mod of a call at ``length``: ``variant``, or ``mask_mod_variant``'s
+    choice; its rules give way to the table where they may wrap there, and asked for by name
+    there they raise."""
+    if variant is not None:
+        variant = _check_variant(mask, variant)
+        if variant == "rules" and not rules_fit(mask, length):
+            raise ValueError(f"mask {mask.name!r}: the 'rules' mask_mod computes the rules in "
+                             f"int32, and at length {length} they may pass its range (metadata "
+                             "up to the length); 'intervals' reads the int64-computed table")
+        return variant
+    variant = mask_mod_variant(mask)
+    return "intervals" if variant == "rules" and not rules_fit(mask, length) else variant
 
 
 # per score, in ALU operations: a global load counts LOAD_COST, so the interval test costs
@@ -283,13 +319,15 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
     return _CACHE.get((mask.key, variant, heads), build)
 
 
-def forward_variant(mask, variant: str | None, backward: bool, columns: bool = False) -> str:
+def forward_variant(mask, variant: str | None, backward: bool, columns: bool = False,
+                    length: int | None = None) -> str:
     """The mask_mod variant of one FA4 block-sparse call. A forward of a mask without fallback
     regions reads its intervals a row at a time (``"rows"``: 1-7% faster train steps than the
     per-score tests, docs/decisions/engine.md); ``"rows"`` is a forward strategy only (FA4's
     sm90 backward holds the tile transposed), so a backward takes the per-score default. A
     backward of a descriptor that carries the column view (``columns``) reads it
-    (``"columns"``), a backward strategy only; asked for without it, it raises."""
+    (``"columns"``), a backward strategy only; asked for without it, it raises. ``length``:
+    the call's longest sequence, where the rules must fit int32 (``call_variant``)."""
     if backward:
         if variant == "columns" and not columns:
             raise ValueError(f"mask {mask.name!r}: the 'columns' mask_mod reads the descriptor's "
@@ -297,11 +335,14 @@ def forward_variant(mask, variant: str | None, backward: bool, columns: bool = F
                              "config=PipelineConfig(column_view=True)")
         if variant is None and columns:
             return "columns"
-        return mask_mod_variant(mask) if variant in (None, "rows") else _check_variant(mask,
-                                                                                     variant)
-    if variant in (None, "columns") and not mask.has_fallback:
+        variant = None if variant == "rows" else variant
+    elif variant in (None, "columns") and not mask.has_fallback:
         return "rows"
-    return _check_variant(mask, None if variant == "columns" else variant)
+    else:
+        variant = None if variant == "columns" else variant
+    if length is None:
+        return _check_variant(mask, variant)
+    return call_variant(mask, variant, length)
 
 
 def aux_tensors(desc, variant: str | None = None) -> list:

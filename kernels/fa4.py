@@ -27,9 +27,9 @@ import torch
 
 from compilemask.codegen.cute_mask_mod import (
     aux_tensors,
+    call_variant,
     forward_variant,
     mask_mod,
-    mask_mod_variant,
 )
 from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
 from compilemask.env import configure_compile_caches
@@ -168,7 +168,8 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             variant = "rows" if variant == "rows" and not backward else "intervals"
         else:
             columns = desc.columns is not None and heads == 1
-            variant = forward_variant(desc.mask, variant, backward, columns)
+            variant = forward_variant(desc.mask, variant, backward, columns,
+                                      max(desc.seqlen_q, desc.seqlen_k))
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -244,7 +245,8 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
     runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""
     native = _native_kwargs(desc.native) if engine == "native" else {}
     # the per-score test: the row mask is measured and tested on the block-sparse forward only
-    per_score = "intervals" if desc.q_offset else mask_mod_variant(desc.mask)
+    per_score = ("intervals" if desc.q_offset
+                 else call_variant(desc.mask, None, max(desc.seqlen_q, desc.seqlen_k)))
     mods = _mods(desc, engine, per_score, None, backward=False)
     return _timed("serving forward", desc, engine, q)(_fa4_fwd)(
         q, k, v, softmax_scale=softmax_scale, **lengths, **native, **mods)

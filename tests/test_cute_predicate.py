@@ -197,6 +197,40 @@ def test_rules_mask_mod_equals_the_dense_mask(name):
             assert torch.equal(got, dense[b]), (name, S, b)
 
 
+def _squared_param(i, j):
+    return (j < 4) | ((j <= i) & (j >= p * p // 100000))  # noqa: F821
+
+
+def test_rules_give_way_to_the_table_where_they_may_wrap():
+    """The rules mask_mod computes in int32: at a length where a term may pass that range
+    (metadata up to the length, as for the kernels' predicates) a call runs the Interval
+    Table test (int64 endpoints) instead, and asking for the rules by name there raises; the
+    example masks keep their measured variants to 128K."""
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.codegen.cute_mask_mod import (
+        call_variant,
+        forward_variant,
+        mask_mod_variant,
+        rules_fit,
+    )
+
+    mask = cm.compile_mask(cm.MaskSpec("squared_param", params=["p"], regions=[
+        cm.Region("all", when=lambda i: True, visible=_squared_param)]))
+    # p * p at p = 60000 is 3.6e9, past int32; at p = 1000 it is 1e6
+    assert call_variant(mask, None, 1000) == "rules" and rules_fit(mask, 1000)
+    assert call_variant(mask, None, 60000) == "intervals" and not rules_fit(mask, 60000)
+    assert forward_variant(mask, None, backward=True, length=60000) == "intervals"
+    assert forward_variant(mask, "rows", backward=True, length=60000) == "intervals"
+    assert forward_variant(mask, None, backward=False, length=60000) == "rows"
+    with pytest.raises(ValueError, match="squared_param.*int32.*60000"):
+        call_variant(mask, "rules", 60000)
+    for spec in [masks.EXAMPLES[n]() for n in RULES_VARIANT] + [masks.clear(2, 64)]:
+        m = cm.compile_mask(spec)
+        for length in (8192, 32768, 131072):
+            assert call_variant(m, None, length) == mask_mod_variant(m), (spec.name, length)
+
+
 def test_mask_mod_variant_errors_name_the_mask():
     import compilemask as cm
     from compilemask import masks
