@@ -9,6 +9,8 @@ packed MaskSpec, whose rules subscript them by ``i``.
 
 Everything here is torch ops on the inputs' device, without host synchronization (no ``.item()``,
 no Python loop over sequences), so it runs inside a compiled or graph-captured training step.
+``cu_seqlens`` on the CPU is checked in eager mode (free there); on CUDA it is not (reading it
+would synchronize every step).
 
     meta = packed_hstu_meta(hist_end=h, group_size=g, cu_seqlens=cu, seqlen=S)   # h, g: [N]
     desc = cm.compile_mask(packed_hstu_spec()).preprocess(meta, seqlen_q=S)
@@ -33,7 +35,9 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None = None,
     [B, S]``: it indexes the ``[N]`` metadata); ``[seq_start, seq_end)`` are the rows of the
     row's sequence. With ``cu_seqlens`` (B = 1) ``seqlen`` is the packed length S and is required
     (``cu_seqlens[-1]`` is on the device); rows at or past ``cu_seqlens[-1]`` are padding, with
-    ``seq_start = seq_end = cu_seqlens[-1]`` and ``seq_id = N`` (one past the last sequence)."""
+    ``seq_start = seq_end = cu_seqlens[-1]`` and ``seq_id = N`` (one past the last sequence).
+    ``cu_seqlens`` must start at 0, never decrease and end at most at ``seqlen`` (checked where it
+    is on the CPU, see the module docstring)."""
     if (cu_seqlens is None) == (position_ids is None):
         raise ValueError("give exactly one of cu_seqlens or position_ids")
     if cu_seqlens is not None:
@@ -44,6 +48,8 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None = None,
             raise ValueError(f"cu_seqlens needs seqlen, the packed length (a positive int), "
                              f"got {seqlen!r}")
         cu = cu_seqlens.to(torch.int64).contiguous()
+        if cu.device.type == "cpu" and not torch.compiler.is_compiling():
+            _check_cu_seqlens(cu, seqlen)
         n = cu.shape[0] - 1
         rows = torch.arange(seqlen, device=cu.device, dtype=torch.int64)
         seq_id = (torch.searchsorted(cu, rows, right=True) - 1).clamp(0, n)
@@ -69,6 +75,21 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None = None,
     nxt = torch.cat([nxt[:, 1:], torch.full_like(nxt[:, :1], S)], dim=1)
     seq_end = torch.flip(torch.cummin(torch.flip(nxt, [1]), dim=1).values, [1])
     return seq_id, seq_start, seq_end
+
+
+def _check_cu_seqlens(cu: torch.Tensor, seqlen: int) -> None:
+    """Host ``cu_seqlens``: 0 first, non-decreasing, at most ``seqlen``. Read on the CPU only,
+    and not while compiling: on CUDA the check would synchronize every training step."""
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    drop = (cu[1:] < cu[:-1]).nonzero().view(-1)
+    if drop.numel():
+        k = int(drop[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing: cu_seqlens[{k + 1}] = "
+                         f"{int(cu[k + 1])} < cu_seqlens[{k}] = {int(cu[k])}")
+    if int(cu[-1]) > seqlen:
+        raise ValueError(f"cu_seqlens[-1] = {int(cu[-1])} exceeds seqlen ({seqlen}), the packed "
+                         "length")
 
 
 def _per_row(value, seq_id, n_seq, name):
@@ -99,7 +120,13 @@ def packed_meta(meta: Mapping | None = None, *, positions: Iterable[str] = (),
     next one (no row of the sequence compares differently); the names in ``values`` (sizes,
     counts) are copied to each row. Every key of ``meta`` must be in exactly one of the two.
     Padding rows (past ``cu_seqlens[-1]``) get positions equal to ``seq_start`` and the last
-    sequence's values. For ``masks.packed_documents`` pass ``seq_start`` as ``doc_start``."""
+    sequence's values. For ``masks.packed_documents`` pass ``seq_start`` as ``doc_start``.
+
+    What padding rows see is the mask's: a mask bounded by ``seq_end`` (``packed_hstu_spec``)
+    shows them nothing; ``masks.packed_documents`` and ``masks.packed_prefix_lm`` (no end bound)
+    make the padding one more document, causal over the padding keys only. Real rows never see
+    padding keys either way, and the padding stays a segment, so FA4's varlen path still runs
+    ``packed_documents`` (a row seeing nothing is no segment: ``compilemask.native``)."""
     meta = dict(meta or {})
     positions, values = set(positions), set(values)
     both = positions & values

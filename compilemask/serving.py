@@ -59,6 +59,26 @@ def _sliced(meta, seqlen_k: int):
     return out
 
 
+def _counts(name: str, value, dev, limit: int):
+    """A per-request count argument (``seqused_k`` / ``seqused_q``) as int64 ``[B]`` on ``dev``,
+    and its host copy (None when it is only on CUDA). Host values are checked to lie in
+    ``[0, limit]``: free there, whereas reading CUDA counts would synchronize every step."""
+    t = torch.as_tensor(value)
+    if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool:
+        raise TypeError(f"query_descriptor: {name} must be an int tensor [B], got {t.dtype}")
+    t = t.reshape(-1)
+    moved = t.to(dev, torch.int64)
+    host = t if t.device.type == "cpu" else moved if moved.device.type == "cpu" else None
+    if host is not None:
+        bad = ((host < 0) | (host > limit)).nonzero().view(-1)
+        if bad.numel():
+            b = int(bad[0])
+            other = "seqlen_k" if name == "seqused_k" else "seqlen_q"
+            raise ValueError(f"query_descriptor: {name}[{b}] = {int(host[b])} is outside "
+                             f"[0, {other}] = [0, {limit}]")
+    return moved, host
+
+
 def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: int | None = None,
                      seqused_k: torch.Tensor | None = None,
                      seqused_q: torch.Tensor | None = None, device=None,
@@ -76,9 +96,11 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     ``[B]``, each at most ``seqlen_q`` and its ``seqused_k``, with ``seqused_k``): a packed
     (varlen) batch, request ``b`` having ``seqused_q[b]`` queries, its last positions: its local
     row ``r`` is position ``seqused_k[b] - seqused_q[b] + r`` and rows past ``seqused_q[b]`` are
-    padding (``varlen_attention``, ``paged_attention`` with packed queries). ``device``: where the
-    descriptor is made (default: the metadata's, else ``seqused_k``'s, else the CPU); a mask
-    without metadata is made there directly, never copied per step."""
+    padding (``varlen_attention``, ``paged_attention`` with packed queries). The counts are
+    checked (ints within those bounds) where they are on the host; counts already on CUDA are
+    not (that would synchronize every step; a graph-captured step rewrites them in place).
+    ``device``: where the descriptor is made (default: the metadata's, else ``seqused_k``'s,
+    else the CPU); a mask without metadata is made there directly, never copied per step."""
     for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"query_descriptor: {name} must be a positive int, got {val!r}")
@@ -95,7 +117,7 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
         raise ValueError("query_descriptor: seqused_q (a packed batch's queries per request) "
                          "needs seqused_k (its keys per request)")
     if seqused_k is not None:
-        used = torch.as_tensor(seqused_k).to(dev, torch.int64).view(-1)
+        used, used_host = _counts("seqused_k", seqused_k, dev, seqlen_k)
         if batch_size is not None and used.numel() != batch_size:
             raise ValueError(f"query_descriptor: seqused_k has {used.numel()} entries, the "
                              f"batch {batch_size}")
@@ -103,13 +125,15 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
         if seqused_q is None:
             rows = used.view(-1, 1) - seqlen_q + local
         else:
-            used_q = torch.as_tensor(seqused_q).to(dev, torch.int64).view(-1)
+            used_q, used_q_host = _counts("seqused_q", seqused_q, dev, seqlen_q)
             if used_q.numel() != used.numel():
                 raise ValueError(f"query_descriptor: seqused_q has {used_q.numel()} entries, "
                                  f"seqused_k {used.numel()}")
-            if dev.type == "cpu" and ((used_q > seqlen_q) | (used_q > used)).any():
-                raise ValueError(f"query_descriptor: seqused_q {used_q.tolist()} exceeds "
-                                 f"seqlen_q ({seqlen_q}) or seqused_k {used.tolist()}")
+            if used_q_host is not None and used_host is not None and \
+                    (used_q_host > used_host).any():
+                raise ValueError(f"query_descriptor: seqused_q {used_q_host.tolist()} exceeds "
+                                 f"seqused_k {used_host.tolist()} (a request's queries are "
+                                 "among its keys)")
             # padding rows past a request's queries: -1, which sees nothing
             rows = torch.where(local < used_q.view(-1, 1),
                                used.view(-1, 1) - used_q.view(-1, 1) + local, -1)
@@ -331,21 +355,60 @@ def _fa4(q, k, v, desc, softmax_scale, engine, page_table=None):
 
 class DecodeState:
     """A generation's mask and metadata (over every position it will reach); ``descriptor``
-    gives the step's, made once per ``(seqlen_q, seqlen_k)`` and kept until the next shape."""
+    gives the step's, made once per ``(seqlen_q, seqlen_k)`` and metadata and kept until either
+    changes: a tensor written in place or replaced, an int changed, an entry added or removed
+    (the dict may be updated between calls). Metadata made under ``torch.inference_mode``
+    counts no writes, so each call makes its descriptor anew."""
 
     def __init__(self, mask, meta=None, *, batch_size: int | None = None, device=None):
         if not isinstance(mask, CompiledMask):
             raise TypeError(f"DecodeState: mask must be a compile_mask(...) result, got "
                             f"{type(mask).__name__}")
         self.mask, self.meta, self.batch_size, self.device = mask, meta, batch_size, device
+        # ((seqlen_q, seqlen_k, mask, batch_size, device), _snapshot(meta), descriptor)
         self._last: tuple | None = None
 
+    def _made_for(self, seqlen_q: int, seqlen_k: int) -> ExecutionDescriptor | None:
+        """The kept descriptor if it was made for this shape and this very metadata, else None."""
+        if self._last is None:
+            return None
+        made, snap, desc = self._last
+        meta = self.meta or {}
+        if made != self._args(seqlen_q, seqlen_k) or snap is None or len(snap) != len(meta):
+            return None
+        for (name, ref, stamp), (key, v) in zip(snap, meta.items()):
+            if name != key:
+                return None
+            if isinstance(v, torch.Tensor):
+                if stamp is None or v.is_inference() or ref() is not v or v._version != stamp:
+                    return None
+            elif stamp is not None or type(ref) is not type(v) or ref != v:
+                return None
+        return desc
+
     def descriptor(self, seqlen_q: int, seqlen_k: int) -> ExecutionDescriptor:
-        # metadata written in place between steps is a new descriptor too
-        key = (seqlen_q, seqlen_k, tuple(v._version for v in (self.meta or {}).values()
-                                        if isinstance(v, torch.Tensor)))
-        if self._last is None or self._last[0] != key:
+        desc = self._made_for(seqlen_q, seqlen_k)
+        if desc is None:
             desc = query_descriptor(self.mask, self.meta, seqlen_k, seqlen_q,
                                     batch_size=self.batch_size, device=self.device)
-            self._last = (key, desc)
-        return self._last[1]
+            self._last = (self._args(seqlen_q, seqlen_k), _snapshot(self.meta), desc)
+        return desc
+
+    def _args(self, seqlen_q: int, seqlen_k: int) -> tuple:
+        return (seqlen_q, seqlen_k, self.mask, self.batch_size, self.device)
+
+
+def _snapshot(meta) -> tuple | None:
+    """What a descriptor was made from, entry by entry: ``(name, weakref, version)`` for a
+    tensor (a weak reference: a freed tensor's id may be a new tensor's, and nothing is kept
+    alive), ``(name, value, None)`` for anything else; None when a tensor has no version
+    counter (an inference tensor), so that nothing is reused."""
+    out = []
+    for name, v in (meta or {}).items():
+        if isinstance(v, torch.Tensor):
+            if v.is_inference():
+                return None
+            out.append((name, weakref.ref(v), v._version))
+        else:
+            out.append((name, v, None))
+    return tuple(out)

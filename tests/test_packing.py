@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import packing
-from compilemask.masks import hstu, packed_documents, random_meta
+from compilemask import native, packing
+from compilemask.masks import hstu, packed_documents, packed_prefix_lm, random_meta
 
 HSTU = cm.compile_mask(hstu())
 PACKED = cm.compile_mask(packing.packed_hstu_spec())
@@ -104,6 +104,40 @@ def test_packed_documents_from_seq_start():
     got = mask.preprocess({"doc_start": meta["seq_start"]}, seqlen_q=13).dense_mask()
     expected = torch.block_diag(*(torch.ones(n, n).tril() for n in lens)).bool()
     assert torch.equal(got[0], expected)
+
+
+def test_padding_rows_of_masks_without_an_end_are_one_more_document():
+    """packed_documents and packed_prefix_lm have no end bound: the padding rows are one more
+    document, causal over the padding keys; real rows never see them, and the batch stays a
+    segmentation (FA4's varlen path), which a padding row seeing nothing would not be."""
+    lens, S = [3, 0, 6], 13
+    meta = packing.packed_meta({"prefix_end": torch.tensor([2, 1, 9])}, positions=["prefix_end"],
+                               cu_seqlens=_cu(lens), seqlen=S)
+    docs = cm.compile_mask(packed_documents())
+    desc = docs.preprocess({"doc_start": meta["seq_start"]}, seqlen_q=S)
+    tail = S - sum(lens)
+    expected = torch.block_diag(*(torch.ones(n, n).tril() for n in lens + [tail])).bool()
+    assert torch.equal(desc.dense_mask()[0], expected)
+    assert native.segments(docs, desc)[0][:4].tolist() == [0, 3, 9, S]
+    prefix = cm.compile_mask(packed_prefix_lm())
+    got = prefix.preprocess({"doc_start": meta["seq_start"], "prefix_end": meta["prefix_end"]},
+                            seqlen_q=S).dense_mask()[0]
+    assert not got[:9, 9:].any() and not got[9:, :9].any()
+    assert torch.equal(got[9:, 9:], torch.ones(tail, tail).tril().bool())
+
+
+def test_cu_seqlens_are_checked_on_the_host():
+    for cu, msg in (([1, 4, 9], r"start at 0, got cu_seqlens\[0\] = 1"),
+                    ([0, 5, 3, 9], r"non-decreasing: cu_seqlens\[2\] = 3 < cu_seqlens\[1\] = 5"),
+                    ([0, 4, 14], r"cu_seqlens\[-1\] = 14 exceeds seqlen \(13\)")):
+        with pytest.raises(ValueError, match=msg):
+            packing.packed_meta(cu_seqlens=torch.tensor(cu), seqlen=13)
+        with pytest.raises(ValueError, match=msg):
+            packing.packed_hstu_meta(hist_end=1, group_size=1, cu_seqlens=torch.tensor(cu),
+                                     seqlen=13)
+    # empty sequences, a padding tail and a full row are packings
+    for cu in ([0, 0, 4, 4, 9], [0, 13], [0, 0]):
+        packing.sequence_bounds(cu_seqlens=torch.tensor(cu, dtype=torch.int32), seqlen=13)
 
 
 def test_no_host_sync():

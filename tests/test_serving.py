@@ -67,6 +67,84 @@ def test_decode_state_makes_one_descriptor_per_step_shape():
     assert b is not a and b.dense_mask()[0, 0, :9].all() and not a.dense_mask()[0, 0, 3]
 
 
+def test_decode_state_sees_every_metadata_change():
+    """The kept descriptor serves only the metadata it was made from: a tensor replaced (a new
+    one at version 0, perhaps at the freed one's address) or written in place, a changed int, an
+    added or removed entry each make a fresh one, equal to one made from scratch."""
+    mask = cm.compile_mask(masks.prefix_lm())
+    meta = {"prefix_len": torch.tensor([2])}
+    state = DecodeState(mask, meta, batch_size=1)
+    made = [state.descriptor(4, 10)]
+    assert state.descriptor(4, 10) is made[0]  # unchanged: the same descriptor
+    # each change shows rows 6..9 other keys than the one before it
+    changes = [lambda: meta.__setitem__("prefix_len", torch.tensor([9])),
+               lambda: meta["prefix_len"].fill_(8),
+               lambda: meta.__setitem__("prefix_len", 10),
+               lambda: meta.__setitem__("prefix_len", 7)]
+    for change in changes:
+        change()
+        d = state.descriptor(4, 10)
+        want = query_descriptor(mask, meta, 10, 4, batch_size=1).dense_mask()
+        assert torch.equal(d.dense_mask(), want)
+        assert not torch.equal(want, made[-1].dense_mask())
+        assert all(d is not old for old in made) and state.descriptor(4, 10) is d
+        made.append(d)
+    meta["other"] = 1  # an added entry is read too: refused, as from scratch
+    with pytest.raises(ValueError, match="unknown param"):
+        state.descriptor(4, 10)
+    del meta["other"]
+    assert state.descriptor(4, 10) is made[-1]
+    del meta["prefix_len"]
+    with pytest.raises(ValueError, match="missing param"):
+        state.descriptor(4, 10)
+
+
+def test_decode_state_with_inference_tensors():
+    """Tensors made under torch.inference_mode count no writes: each call makes its descriptor,
+    so a write in place still shows."""
+    mask = cm.compile_mask(masks.prefix_lm())
+    with torch.inference_mode():
+        meta = {"prefix_len": torch.tensor([2])}
+        state = DecodeState(mask, meta, batch_size=1)
+        a = state.descriptor(4, 10)
+        meta["prefix_len"].fill_(9)
+        b = state.descriptor(4, 10)
+        want = query_descriptor(mask, meta, 10, 4, batch_size=1).dense_mask()
+    assert torch.equal(b.dense_mask(), want) and not torch.equal(a.dense_mask(), want)
+
+
+def test_request_counts_are_checked_on_the_host():
+    mask = cm.compile_mask(masks.causal())
+    for used, msg in (([45, 40], r"seqused_k\[0\] = 45 is outside \[0, seqlen_k\] = \[0, 40\]"),
+                      (torch.tensor([40, -3]), r"seqused_k\[1\] = -3 is outside"),
+                      (torch.tensor([40, 41], dtype=torch.int32), r"seqused_k\[1\] = 41")):
+        with pytest.raises(ValueError, match=msg):
+            query_descriptor(mask, None, 40, 4, seqused_k=used)
+    with pytest.raises(TypeError, match="seqused_k must be an int tensor"):
+        query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([4.0, 40.0]))
+    with pytest.raises(ValueError, match=r"seqused_q\[1\] = 5 is outside \[0, seqlen_q\]"):
+        query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([40, 40]),
+                         seqused_q=torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match=r"seqused_q \[4, 4\] exceeds seqused_k \[40, 3\]"):
+        query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([40, 3]),
+                         seqused_q=torch.tensor([4, 4]))
+    # the bounds are requests: an empty slot (its rows see nothing) and a full buffer
+    dense = query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([0, 40])).dense_mask()
+    assert not dense[0].any() and dense[1].any(-1).all()
+    dense = query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([40, 9]),
+                             seqused_q=torch.tensor([0, 4])).dense_mask()
+    assert not dense[0].any() and dense[1].any(-1).all()
+
+
+@pytest.mark.gpu
+def test_gpu_host_request_counts_are_checked_before_the_device():
+    mask = cm.compile_mask(masks.causal())
+    with pytest.raises(ValueError, match=r"seqused_k\[0\] = 45"):
+        query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([45, 40]), device="cuda")
+    d = query_descriptor(mask, None, 40, 4, seqused_k=torch.tensor([40, 9]), device="cuda")
+    assert d.seqused_k.is_cuda and d.seqused_k.tolist() == [40, 9]
+
+
 def test_tree_meta_from_parents():
     # prefix of 3, drafts 0..4 at positions 3..7: 0 and 1 roots, 2 under 0, 3 under 2, 4 under 1
     meta = masks.tree_meta(3, [-1, -1, 0, 2, 1], 8, depth=3)
@@ -135,6 +213,22 @@ def test_generate_equals_greedy_by_recomputation(case):
                        compilemask_meta=meta, attention_mask=torch.ones_like(ids),
                        pad_token_id=0)
     assert torch.equal(got, want), (got, want)
+
+
+def test_model_calls_with_one_meta_dict_see_its_changes():
+    """transformers keeps a generation's DecodeState while compilemask_meta is the same dict: a
+    call after an entry of the dict changed gives that metadata's logits, not the last call's."""
+    _, mod = _models()
+    mask = cm.compile_mask(masks.prefix_lm())
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    meta = {"prefix_len": torch.tensor([2])}
+    with torch.no_grad():
+        first = mod(ids, compilemask_meta=meta, compilemask_mask=mask).logits
+        meta["prefix_len"] = torch.tensor([10])
+        again = mod(ids, compilemask_meta=meta, compilemask_mask=mask).logits
+        alone = mod(ids, compilemask_meta={"prefix_len": torch.tensor([10])},
+                    compilemask_mask=mask).logits
+    assert torch.equal(again, alone) and not torch.allclose(again, first)
 
 
 def test_native_patterns_apply_to_queries_at_the_end():

@@ -170,7 +170,8 @@ _DECODE: dict = {}
 def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
     """The descriptor of this call's queries, the last ``Sq`` of the ``Sk`` keys (prefill and
     each decode step), from ``compilemask_mask`` and ``compilemask_meta``; made once per step
-    shape and shared by the layers."""
+    shape and metadata and shared by the layers (the dict may be updated between calls:
+    ``DecodeState`` sees a changed, replaced, added or removed entry)."""
     mask, meta = kwargs[MASK_KWARG], kwargs.get(META_KWARG)
     window = layer_window(module, kwargs)
     if window is not None and key.shape[2] + 1 >= window:
