@@ -18,6 +18,16 @@ is indexed:
 * a constant index (``t[b, 3]``, ``t[0]``, or the head under ``from_mask_mod_heads``:
   ``w[h]``, ``t[b, h, q_idx]``) selects that entry of its dimension first, then reads as above.
 
+Captured values are integers of either sign: nothing read from them folds away at conversion
+(``t[q_idx] >= 0`` keeps ``t``, whose negative entries preprocess refuses as any metadata's;
+``s[t[q_idx].clamp(min=0)]`` keeps its clamp; a gather's index reads as torch's indexing does).
+A uint8/int8/int16 value computes in its dtype in torch: comparisons, selections, ``& | ^`` and
+``// % >>`` by a positive constant are exact and kept, while ``+ - * << ~``, negation and a
+``.to`` that truncates are refused (``.long()`` first), as is a constant outside the dtype. A
+table read at a column that may be negative (torch counts it from the end) is refused unless the
+mask does not depend on the read there (``(kv_idx >= p) & anc[q_idx, kv_idx - p]``) or it is
+clamped. In-place operators (``x += 2``) are refused: torch would update ``q_idx`` itself.
+
 Python ints (captured or global) are compile-time constants. The operations read are
 ``& | ^ ~`` (of booleans and of integers), ``>> <<`` by constants, comparisons,
 ``+ - * // %``, ``abs``/``.abs()``, ``.clamp``, ``torch.where``, ``torch.minimum/maximum`` and
@@ -38,6 +48,7 @@ every call.
 from __future__ import annotations
 
 import builtins
+import functools
 import inspect
 import itertools
 import linecache
@@ -49,7 +60,8 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.dsl.frontend import array_function, bool_xor, int_bit_op, shift, table_function
+from compilemask import tracing
+from compilemask.dsl.frontend import bool_xor, int_bit_op, shift, table_function
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
@@ -63,6 +75,7 @@ _J = sp.Symbol("j", integer=True, nonnegative=True)
 _X = sp.Symbol("_x", integer=True, nonnegative=True)  # the index variable of a gather's recipe
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
+_TRACING = os.path.abspath(tracing.__file__)
 _COUNTER = itertools.count()
 _LOCK = threading.Lock()
 
@@ -73,6 +86,18 @@ _CAPTURE_IT = ("make it a variable outside the mask_mod (t = module.t, or build 
 
 def _every_row(i):
     return True
+
+
+def _array_function(name: str):
+    """A captured array read at an index: an integer of either sign (a captured tensor may hold
+    -1 for padding), so that nothing read from it is folded away at conversion; the rules it
+    reaches are checked non-negative at preprocess as every MaskSpec's metadata is."""
+    return sp.Function(name, integer=True)
+
+
+# dtypes narrower than int32: torch computes a value of one of them (with Python ints or values
+# of the same dtype) in that dtype, wrapping where the rules' unbounded integers would not
+_NARROW = (torch.uint8, torch.int8, torch.int16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +122,7 @@ class _Trace:
         self.scalar_leaf: dict[str, int] = {}  # scalar param -> leaf
         self.array_ndim: dict[str, int] = {}
         self.shape_deps: dict[tuple, int] = {}  # (leaf, dim) -> the size the rules assumed
+        self.table_reads: list = []  # (table read, its column, the user's line)
 
     def fail(self, what: str):
         return NotImplementedError(f"mask_mod {self.fname!r} ({user_line(__file__)}): {what}")
@@ -127,7 +153,8 @@ class _Ops(TracedOps):
                   "global (an attribute, or one made inside it) in '{name}'; " + _CAPTURE_IT)
 
     def __getattr__(self, name):
-        if name.startswith("_") or name in ("tr", "e", "tag", "leaf", "name", "ndim", "is_bool"):
+        if name.startswith("_") or name in ("tr", "e", "tag", "dt", "leaf", "name", "ndim",
+                                            "is_bool"):
             raise AttributeError(name)
         raise self.tr.fail(f"tensor method or attribute '.{name}'")
 
@@ -185,6 +212,49 @@ def _val(tr, x):
     if isinstance(x, sp.Basic):  # already converted (torch.logical_* convert their operands)
         return x
     raise tr.fail(f"value of type {type(x).__name__}")
+
+
+def _result_dtype(tr, what, operands, wraps=False):
+    """torch's dtype of an integer operation on ``operands`` where it is narrower than int32
+    (every traced operand narrow), else None. Python ints take that dtype (torch casts them to
+    it): refused where they do not fit it, as is an operation that can leave its range
+    (``wraps``: + - * << ~ and negation), since torch wraps there and the rules do not."""
+    traced = [x for x in operands if isinstance(x, _Sym)]
+    if not traced or any(x.dt is None for x in traced):
+        return None
+    dt = functools.reduce(torch.promote_types, [x.dt for x in traced])
+    info = torch.iinfo(dt)
+    for c in operands:
+        if isinstance(c, int) and not info.min <= c <= info.max:
+            raise tr.fail(f"the constant {c} with a {dt} value in '{what}': torch casts it to "
+                          f"{dt}, wrapping it; convert the value first (.long())")
+    if wraps:
+        raise tr.fail(f"'{what}' of a {dt} value: torch computes it in {dt}, which wraps where "
+                      "the mask's integers do not; convert it first (.long() or "
+                      ".to(torch.int64))")
+    return dt
+
+
+def _op_dtype(tr, op, a, b):
+    """The narrow dtype of ``a op b`` (see ``_result_dtype``), refusing what wraps in it."""
+    if op in ("+", "-", "*", "<<"):
+        return _result_dtype(tr, op, (a, b), wraps=True)
+    dt = _result_dtype(tr, op, (a, b))
+    if op in _REL:
+        return None  # a bool: the operands promote exactly
+    if dt is not None and op in ("//", "%", ">>") and not (
+            type(b) is int and (b >= 0 if op == ">>" else b > 0)):
+        # in range only by a constant (int8 -128 // -1 wraps)
+        raise tr.fail(f"'{op}' of a {dt} value by a value that is not a positive constant: "
+                      "torch computes it in that dtype; convert it first (.long())")
+    return dt
+
+
+def _abs_dtype(tr, x):
+    dt = _result_dtype(tr, "abs", (x,))
+    if dt is not None and dt.is_signed:
+        _result_dtype(tr, "abs", (x,), wraps=True)  # abs(-128) is -128 in int8
+    return dt
 
 
 def _gather_var(tr, x):
@@ -301,9 +371,16 @@ def _to_bool(tr, x):
 
 def _convert(tr, x, dtype):
     if dtype is torch.bool:
-        return _to_bool(tr, x)
+        return _Sym(tr, _to_bool(tr, x))
     if isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex:
-        return _to_int(tr, x)
+        if dtype in _NARROW:
+            src = torch.bool if _is_bool_value(x) else (x.dt or torch.int64)
+            if torch.promote_types(src, dtype) != dtype:
+                raise tr.fail(f".to({dtype}) of a {src} value: torch truncates it to {dtype}, "
+                              "wrapping where the mask's integers do not (compute and compare "
+                              "in int64)")
+            return _Sym(tr, _to_int(tr, x), dt=dtype)
+        return _Sym(tr, _to_int(tr, x))
     raise tr.fail(f"conversion to {dtype}")
 
 
@@ -318,12 +395,17 @@ def _const_like(tr, like, value, dtype=None):
     """A constant as ``like.new_full((), value, dtype=dtype)`` makes it: without a dtype it has
     ``like``'s (bool or integer), and the value is converted to that dtype."""
     if dtype is None:
-        dtype = torch.bool if _is_bool_value(like) else torch.int64
+        dtype = (torch.bool if _is_bool_value(like) else
+                 (like.dt if isinstance(like, _Sym) else None) or torch.int64)
     if dtype is torch.bool and isinstance(value, (bool, int)):
-        return sp.true if value else sp.false
+        return _Sym(tr, sp.true if value else sp.false)
     if (isinstance(dtype, torch.dtype) and not dtype.is_floating_point and not dtype.is_complex
             and isinstance(value, (bool, int))):
-        return sp.Integer(int(value))
+        narrow = dtype if dtype in _NARROW else None
+        if narrow is not None and not (torch.iinfo(narrow).min <= value
+                                       <= torch.iinfo(narrow).max):
+            raise tr.fail(f"constant {value!r} of dtype {dtype} (torch wraps it)")
+        return _Sym(tr, sp.Integer(int(value)), dt=narrow)
     raise tr.fail(f"constant {value!r} of dtype {dtype}")
 
 
@@ -340,40 +422,52 @@ def _div(tr, a, b, rounding_mode=None):
     return _arith(tr, "//", a, b)
 
 
-def _s(fn):
-    """Wrap a builder of sympy expressions into one that returns a traced value."""
+def _s(fn, dtype=None):
+    """Wrap a builder of sympy expressions into one that returns a traced value; ``dtype`` (of
+    the same arguments) gives its dtype where narrower than int32 (``_result_dtype``)."""
     def wrapped(tr, *args, **kwargs):
-        return _Sym(tr, fn(tr, *args, **kwargs))
+        e = fn(tr, *args, **kwargs)
+        return _Sym(tr, e, dt=dtype(tr, *args, **kwargs) if dtype is not None else None)
     return wrapped
 
 
+def _sel_dt(what):
+    return lambda tr, *args, **kwargs: _result_dtype(
+        tr, what, [*(args[1:] if what == "where" else args), *kwargs.values()])
+
+
+def _op_dt(op):
+    return lambda tr, a, b, **_: _op_dtype(tr, op, a, b)
+
+
 _TORCH_FUNCS = {
-    torch.where: _s(lambda tr, c, a, b: _select(tr, c, a, b)),
-    torch.minimum: _s(lambda tr, a, b: _method_min_max(tr, "minimum", a, b)),
-    torch.maximum: _s(lambda tr, a, b: _method_min_max(tr, "maximum", a, b)),
-    torch.min: _s(lambda tr, a, b=None: _method_min_max(tr, "min", a, b)),
-    torch.max: _s(lambda tr, a, b=None: _method_min_max(tr, "max", a, b)),
-    torch.abs: _s(lambda tr, a: sp.Abs(_int(tr, _val(tr, a), "abs"))),
-    torch.clamp: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max)),
-    torch.clip: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max)),
+    torch.where: _s(lambda tr, c, a, b: _select(tr, c, a, b), _sel_dt("where")),
+    torch.minimum: _s(lambda tr, a, b: _method_min_max(tr, "minimum", a, b), _sel_dt("minimum")),
+    torch.maximum: _s(lambda tr, a, b: _method_min_max(tr, "maximum", a, b), _sel_dt("maximum")),
+    torch.min: _s(lambda tr, a, b=None: _method_min_max(tr, "min", a, b), _sel_dt("min")),
+    torch.max: _s(lambda tr, a, b=None: _method_min_max(tr, "max", a, b), _sel_dt("max")),
+    torch.abs: _s(lambda tr, a: sp.Abs(_int(tr, _val(tr, a), "abs")), _abs_dtype),
+    torch.clamp: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max), _sel_dt("clamp")),
+    torch.clip: _s(lambda tr, x, min=None, max=None: _clamp(tr, x, min, max), _sel_dt("clip")),
     torch.logical_and: _s(lambda tr, a, b: _logic(tr, "&", _to_bool(tr, a), _to_bool(tr, b))),
     torch.logical_or: _s(lambda tr, a, b: _logic(tr, "|", _to_bool(tr, a), _to_bool(tr, b))),
     torch.logical_xor: _s(lambda tr, a, b: _logic(tr, "^", _to_bool(tr, a), _to_bool(tr, b))),
     torch.logical_not: _s(lambda tr, a: sp.Not(_to_bool(tr, a))),
-    torch.remainder: _s(lambda tr, a, b: _arith(tr, "%", a, b)),
-    torch.floor_divide: _s(lambda tr, a, b: _arith(tr, "//", a, b)),
-    torch.div: _s(lambda tr, a, b, rounding_mode=None: _div(tr, a, b, rounding_mode)),
-    torch.add: _s(lambda tr, a, b: _arith(tr, "+", a, b)),
-    torch.sub: _s(lambda tr, a, b: _arith(tr, "-", a, b)),
-    torch.mul: _s(lambda tr, a, b: _arith(tr, "*", a, b)),
-    torch.eq: _s(lambda tr, a, b: _compare(tr, "==", a, b)),
-    torch.ne: _s(lambda tr, a, b: _compare(tr, "!=", a, b)),
-    torch.lt: _s(lambda tr, a, b: _compare(tr, "<", a, b)),
-    torch.le: _s(lambda tr, a, b: _compare(tr, "<=", a, b)),
-    torch.gt: _s(lambda tr, a, b: _compare(tr, ">", a, b)),
-    torch.ge: _s(lambda tr, a, b: _compare(tr, ">=", a, b)),
-    torch.ones_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 1, dtype)),
-    torch.zeros_like: _s(lambda tr, x, dtype=None, **_: _const_like(tr, x, 0, dtype)),
+    torch.remainder: _s(lambda tr, a, b: _arith(tr, "%", a, b), _op_dt("%")),
+    torch.floor_divide: _s(lambda tr, a, b: _arith(tr, "//", a, b), _op_dt("//")),
+    torch.div: _s(lambda tr, a, b, rounding_mode=None: _div(tr, a, b, rounding_mode),
+                  _op_dt("//")),
+    torch.add: _s(lambda tr, a, b: _arith(tr, "+", a, b), _op_dt("+")),
+    torch.sub: _s(lambda tr, a, b: _arith(tr, "-", a, b), _op_dt("-")),
+    torch.mul: _s(lambda tr, a, b: _arith(tr, "*", a, b), _op_dt("*")),
+    torch.eq: _s(lambda tr, a, b: _compare(tr, "==", a, b), _op_dt("==")),
+    torch.ne: _s(lambda tr, a, b: _compare(tr, "!=", a, b), _op_dt("!=")),
+    torch.lt: _s(lambda tr, a, b: _compare(tr, "<", a, b), _op_dt("<")),
+    torch.le: _s(lambda tr, a, b: _compare(tr, "<=", a, b), _op_dt("<=")),
+    torch.gt: _s(lambda tr, a, b: _compare(tr, ">", a, b), _op_dt(">")),
+    torch.ge: _s(lambda tr, a, b: _compare(tr, ">=", a, b), _op_dt(">=")),
+    torch.ones_like: lambda tr, x, dtype=None, **_: _const_like(tr, x, 1, dtype),
+    torch.zeros_like: lambda tr, x, dtype=None, **_: _const_like(tr, x, 0, dtype),
 }
 
 
@@ -382,22 +476,31 @@ _Ops.FUNCS = _TORCH_FUNCS
 
 def _binop(op, kind):
     def forward(self, other):
-        return _Sym(self.tr, kind(self.tr, op, self, other))
+        e = kind(self.tr, op, self, other)
+        return _Sym(self.tr, e, dt=_op_dtype(self.tr, op, self, other))
 
     def reflected(self, other):
-        return _Sym(self.tr, kind(self.tr, op, other, self))
+        e = kind(self.tr, op, other, self)
+        return _Sym(self.tr, e, dt=_op_dtype(self.tr, op, other, self))
 
     return forward, reflected
 
 
+def _in_place(self, *_):
+    raise self.tr.fail("an in-place operator (x += ..., x &= ...) on a traced value: torch "
+                       "updates the tensor itself, seen through every name of it (q_idx "
+                       "too, also in the next mask_mod of and_masks); write x = x + ...")
+
+
 class _Sym(_Ops):
     """A traced value: a sympy expression in i, j and params; ``tag`` marks the b and h indices
-    (usable only as indices)."""
+    (usable only as indices); ``dt`` is its torch dtype where narrower than int32 (uint8, int8,
+    int16: torch computes in it), else None (int64, int32 or bool)."""
 
-    __slots__ = ("tr", "e", "tag")
+    __slots__ = ("tr", "e", "tag", "dt")
 
-    def __init__(self, tr, e, tag=None):
-        self.tr, self.e, self.tag = tr, e, tag
+    def __init__(self, tr, e, tag=None, dt=None):
+        self.tr, self.e, self.tag, self.dt = tr, e, tag, dt
 
     __add__, __radd__ = _binop("+", _arith)
     __sub__, __rsub__ = _binop("-", _arith)
@@ -413,6 +516,9 @@ class _Sym(_Ops):
     __le__, __ge__ = _binop("<=", _compare)[0], _binop(">=", _compare)[0]
     __eq__, __ne__ = _binop("==", _compare)[0], _binop("!=", _compare)[0]
     __hash__ = _Ops.__hash__
+    # without these Python rebinds the name to x + 2, where torch updates x (an alias of q_idx)
+    __iadd__ = __isub__ = __imul__ = __ifloordiv__ = __imod__ = __itruediv__ = _in_place
+    __iand__ = __ior__ = __ixor__ = __ilshift__ = __irshift__ = __ipow__ = _in_place
 
     def __truediv__(self, other):
         raise self.tr.fail("true division '/' (use //)")
@@ -420,25 +526,28 @@ class _Sym(_Ops):
     __rtruediv__ = __truediv__
 
     def __neg__(self):
-        return _Sym(self.tr, -_int(self.tr, _val(self.tr, self), "-"))
+        e = -_int(self.tr, _val(self.tr, self), "-")
+        return _Sym(self.tr, e, dt=_result_dtype(self.tr, "-", (self,), wraps=True))
 
     def __pos__(self):
         return self
 
     def __abs__(self):
-        return _Sym(self.tr, sp.Abs(_int(self.tr, _val(self.tr, self), "abs")))
+        e = sp.Abs(_int(self.tr, _val(self.tr, self), "abs"))
+        return _Sym(self.tr, e, dt=_abs_dtype(self.tr, self))
 
     def __invert__(self):
         e = _val(self.tr, self)
-        if not _is_bool(e):
-            return _Sym(self.tr, -e - 1)  # bitwise not of an integer
+        if not _is_bool(e):  # bitwise not of an integer
+            return _Sym(self.tr, -e - 1, dt=_result_dtype(self.tr, "~", (self,), wraps=True))
         return _Sym(self.tr, sp.Not(e))
 
     def abs(self):
         return abs(self)
 
     def clamp(self, min=None, max=None):  # noqa: A002 - torch's keyword names
-        return _Sym(self.tr, _clamp(self.tr, self, min, max))
+        return _Sym(self.tr, _clamp(self.tr, self, min, max),
+                    dt=_result_dtype(self.tr, "clamp", (self, min, max)))
 
     clip = clamp
 
@@ -449,13 +558,16 @@ class _Sym(_Ops):
         return self.clamp(max=hi)
 
     def minimum(self, other):
-        return _Sym(self.tr, _method_min_max(self.tr, "minimum", self, other))
+        return _Sym(self.tr, _method_min_max(self.tr, "minimum", self, other),
+                    dt=_result_dtype(self.tr, "minimum", (self, other)))
 
     def maximum(self, other):
-        return _Sym(self.tr, _method_min_max(self.tr, "maximum", self, other))
+        return _Sym(self.tr, _method_min_max(self.tr, "maximum", self, other),
+                    dt=_result_dtype(self.tr, "maximum", (self, other)))
 
     def where(self, cond, other):
-        return _Sym(self.tr, _select(self.tr, cond, self, other))
+        return _Sym(self.tr, _select(self.tr, cond, self, other),
+                    dt=_result_dtype(self.tr, "where", (self, other)))
 
     def logical_and(self, other):
         return _Sym(self.tr, _logic(self.tr, "&", _to_bool(self.tr, self),
@@ -472,8 +584,8 @@ class _Sym(_Ops):
         dtype = next((a for a in args if isinstance(a, torch.dtype)), dtype)
         other = next((a for a in args if isinstance(a, _Ops)), None)
         if dtype is None and other is not None:  # .to(tensor): that tensor's dtype
-            dtype = torch.bool if _is_bool_value(other) else torch.int64
-        return self if dtype is None else _Sym(self.tr, _convert(self.tr, self, dtype))
+            dtype = torch.bool if _is_bool_value(other) else (other.dt or torch.int64)
+        return self if dtype is None else _convert(self.tr, self, dtype)
 
     def bool(self):
         return _Sym(self.tr, _to_bool(self.tr, self))
@@ -484,16 +596,16 @@ class _Sym(_Ops):
     int = long
 
     def new_ones(self, *size, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, self, 1, dtype))
+        return _const_like(self.tr, self, 1, dtype)
 
     def new_zeros(self, *size, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, self, 0, dtype))
+        return _const_like(self.tr, self, 0, dtype)
 
     def new_full(self, size, fill_value, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, self, fill_value, dtype))
+        return _const_like(self.tr, self, fill_value, dtype)
 
     def new_tensor(self, value, dtype=None, **kwargs):
-        return _Sym(self.tr, _const_like(self.tr, self, value, dtype))
+        return _const_like(self.tr, self, value, dtype)
 
     def unsqueeze(self, dim):  # a value per score broadcasts like its unsqueezed self
         return self
@@ -538,6 +650,7 @@ class _Captured(_Sym):
         super().__init__(tr, None)
         self.leaf, self.name, self.ndim = leaf, name, tensor.dim()
         self.is_bool = tensor.dtype is torch.bool
+        self.dt = tensor.dtype if tensor.dtype in _NARROW else None
         self._like = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     def _selected(self, consts, suffix="sel"):
@@ -572,7 +685,8 @@ class _Captured(_Sym):
         if self.name in tr.array_leaf:
             raise tr.fail(f"captured tensor {self.name!r} used both per sequence and per token")
         tr.scalar_leaf[self.name] = self.leaf
-        return sp.Symbol(self.name, integer=True, nonnegative=True)
+        # of either sign: a value folded away here would be checked nowhere (t[b] < 0)
+        return sp.Symbol(self.name, integer=True)
 
     def _array_at(self, name, ndim, idx):
         tr = self.tr
@@ -580,7 +694,7 @@ class _Captured(_Sym):
             raise tr.fail(f"captured tensor {name!r} used both per sequence and per token")
         x = _val(tr, idx)
         if x == _I or x == _J:
-            return array_function(name)(x)
+            return _array_function(name)(x)
         at = _gather_var(tr, x)
         if at is None:
             raise tr.fail(f"index {name}[{x}]: a captured tensor is indexed by b, q_idx, kv_idx "
@@ -595,7 +709,7 @@ class _Captured(_Sym):
             dname = tr.gathers[recipe] = tr.fresh(f"{name}_at_{src}")
             tr.derived[dname] = recipe
             tr.array_leaf[dname] = self.leaf
-        return array_function(dname)(at)
+        return _array_function(dname)(at)
 
     def __getitem__(self, idx):
         tr = self.tr
@@ -609,7 +723,7 @@ class _Captured(_Sym):
         if any(isinstance(x, _Sym) and x.tag == "h" for x in idx):
             _val(tr, next(x for x in idx if isinstance(x, _Sym) and x.tag == "h"))
         if self.ndim == 1 and idx and is_b[0] and len(idx) == 1:
-            return _Sym(tr, self._wrap(self._scalar_symbol()))
+            return _Sym(tr, self._wrap(self._scalar_symbol()), dt=self.dt)
         if self.ndim == 2 and len(idx) == 1 and is_b[0]:
             return _Row(self)
         if self.ndim == 2 and len(idx) == 2 and is_b[0]:
@@ -655,7 +769,7 @@ class _Captured(_Sym):
             dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_{c}_at_index")
             tr.derived[dname] = recipe
             tr.array_leaf[dname] = self.leaf
-        return _Sym(tr, self._wrap(array_function(dname)(at)))
+        return _Sym(tr, self._wrap(_array_function(dname)(at)), dt=self.dt)
 
     def _read_pair(self, x, y, batched: bool, test=None):
         """``t[x, y]`` (``t[b, x, y]``) of a bool table at a token pair: a table param whose
@@ -682,7 +796,9 @@ class _Captured(_Sym):
         if dname is None:
             dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_rows")
             tr.derived[dname] = recipe
-        return _Sym(tr, sp.Ne(table_function(dname)(_I, ey), 0))
+        read = table_function(dname)(_I, ey)
+        tr.table_reads.append((read, ey, self.name, user_line(__file__)))
+        return _Sym(tr, sp.Ne(read, 0))
 
     def _read(self, idx, ndim):
         tr = self.tr
@@ -692,7 +808,7 @@ class _Captured(_Sym):
         e = self._array_at(self.name, ndim, idx)
         if type(e).__name__ == self.name:
             tr.array_leaf[self.name] = self.leaf
-        return _Sym(tr, self._wrap(e))
+        return _Sym(tr, self._wrap(e), dt=self.dt)
 
 
 _MAX_VECTOR = 64
@@ -797,6 +913,12 @@ class _Vec:
     __rand__, __ror__ = __and__, __or__
     __hash__ = object.__hash__
 
+    def __iand__(self, o):  # torch would update the row in place (aliases see it)
+        raise self.tr.fail("an in-place operator (r &= ..., r |= ...) on a row of values; "
+                           "write r = r & ...")
+
+    __ior__ = __iand__
+
     def _reduce(self, dim, keepdim, op):
         if dim not in (-1, 0) or keepdim:
             raise self.tr.fail("a row of values reduced other than over its one dimension "
@@ -883,8 +1005,12 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     ``meta`` maps each param to the captured tensor it reads, as it is now: ``[B]`` for
     ``t[b]``, ``[B, S]`` for ``t[b, idx]``; a 1-D ``t[idx]`` (or a 0-d ``t``) is the same for every
     sequence and is expanded (a view, no copy) to the batch: ``batch_size``, else the batch of
-    the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. Per-token tensors must
-    have ``seqlen_q`` entries, and those read at ``kv_idx`` need ``seqlen_k <= seqlen_q``. A
+    the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. ``meta`` reads the
+    captured tensors as they are at each preprocess: the arrays read directly are views, and
+    those gathered from them (below) are computed again once one of their tensors was updated
+    in place; a tensor replaced or resized needs ``from_mask_mod`` again (a resize is refused).
+    Per-token tensors must have ``seqlen_q`` entries, and those read at ``kv_idx`` need
+    ``seqlen_k <= seqlen_q``. A
     tensor read at an index computed from ``q_idx`` or ``kv_idx`` (``t[kv_idx // 16]``,
     ``s[t[q_idx] + 1]``) becomes a per-token array gathered here, by torch's indexing rules;
     ``seqlen`` (its number of tokens) is needed where no per-token tensor in that index says it.
@@ -974,6 +1100,83 @@ def _leaf_value(entry: _Entry, leaves, leaf):
 
 
 def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
+    """The metadata of a conversion: the captured tensors read directly (views: an in-place
+    update is seen at the next preprocess), and the arrays gathered from them, computed again
+    at the next read once a tensor they come from changed (``_LiveMeta``)."""
+    values = _values(entry, leaves, batch_size, seqlen)
+    out = {p: values[p] for p in entry.params}
+    if not entry.derived:
+        return out  # views only: a plain dict keeps the bound preprocessor's fast path
+    return _LiveMeta(out, (entry, leaves, batch_size, seqlen))
+
+
+def _sources(entry: _Entry, leaves):
+    """The captured tensors a conversion reads, with their versions (None where torch keeps
+    none: inference tensors, computed again at every read) and shapes."""
+    ids = {leaf if not isinstance(leaf, tuple) else leaf[0]
+           for group in (entry.scalars, entry.index_scalars, entry.arrays, entry.index_arrays,
+                         entry.derived) for _, leaf, *_ in group}
+    out = []
+    for n in sorted(ids):
+        t = leaves[n]
+        out.append((n, None if t.is_inference() else t._version, tuple(t.shape)))
+    return tuple(out)
+
+
+class _LiveMeta(dict):
+    """``from_mask_mod``'s metadata where it holds gathered arrays (``s[t[q_idx]]``, a table's
+    rows): a dict whose reads compute those again from the captured tensors once one of them
+    was updated in place (its version changed), so that the metadata always equals the
+    mask_mod's tensors as they are, as the arrays read directly (views) do."""
+
+    def __init__(self, values, src):
+        super().__init__(values)
+        self._src = src
+        self._stamps = _sources(src[0], src[1])
+
+    def _refresh(self):
+        entry, leaves, batch_size, seqlen = self._src
+        now = _sources(entry, leaves)
+        if now == self._stamps and all(v is not None for _, v, _ in now):
+            return
+        for (_, _, shape), (_, _, was) in zip(now, self._stamps):
+            if shape != was:
+                raise ValueError(
+                    f"mask_mod {entry.spec.name!r}: a captured tensor changed shape from "
+                    f"{list(was)} to {list(shape)} after from_mask_mod; call from_mask_mod "
+                    "again for its metadata (and rules)")
+        values = _values(entry, leaves, batch_size, seqlen)
+        for p in entry.params:
+            dict.__setitem__(self, p, values[p])
+        self._stamps = now
+
+    def __getitem__(self, key):
+        self._refresh()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self._refresh()
+        return dict.get(self, key, default)
+
+    def items(self):
+        self._refresh()
+        return dict.items(self)
+
+    def values(self):
+        self._refresh()
+        return dict.values(self)
+
+    def __iter__(self):  # defined here, dict(meta) and {**meta} read through __getitem__
+        return dict.__iter__(self)
+
+    def copy(self):
+        return dict(self)
+
+    def __reduce__(self):  # pickled and deep-copied as the plain dict of its current values
+        return (dict, (dict(self),))
+
+
+def _values(entry: _Entry, leaves, batch_size, seqlen=None):
     def leaf_of(leaf):
         return _leaf_value(entry, leaves, leaf)
 
@@ -1001,7 +1204,7 @@ def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
         seqlen = lengths.pop() if len(lengths) == 1 else None
     for p, leaf, ndim, index in entry.derived:
         values[p] = _gather(entry, p, _as_int(leaf_of(leaf)), ndim, index, values, B, seqlen)
-    return {p: values[p] for p in entry.params}
+    return values
 
 
 _TORCH_NS: dict = {}
@@ -1085,6 +1288,7 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     if not _is_bool(expr):
         raise TypeError(f"mask_mod {fname!r} must return a boolean, got the integer expression "
                         f"{expr}")
+    _check_table_columns(tr, expr)
     cases = _row_cases(expr)
     # the params are what the regions read (a case split can drop a row condition's array)
     used = [e for case in cases for e in case]
@@ -1125,6 +1329,52 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     spec = MaskSpec(label, params=list(params), regions=regions)
     return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params,
                    tuple(tr.shape_deps.items())), walk.leaves)
+
+
+def _check_table_columns(tr, expr):
+    """Refuse a table read at a column that may be negative where the mask depends on the read:
+    torch counts such a column from the table's end (FlexAttention's kernel reads outside the
+    table), the compiled table reads nothing there. Guarded reads (``(kv_idx >= p) &
+    anc[q_idx, kv_idx - p]``) and clamped columns convert. Params are non-negative here, as
+    preprocess checks them."""
+    for read, col, name, line in tr.table_reads:
+        nonneg = {s: sp.Dummy(s.name, integer=True, nonnegative=True)
+                  for s in col.free_symbols}
+        nonneg.update({f: sp.Dummy(type(f).__name__, integer=True, nonnegative=True)
+                       for f in col.atoms(sp.core.function.AppliedUndef)})
+        if col.xreplace(nonneg).is_nonnegative:
+            continue
+        # the rule with the read set and unset differs somewhere the column is negative
+        differs = sp.Xor(expr.xreplace({read: sp.Integer(1)}),
+                         expr.xreplace({read: sp.Integer(0)}))
+        if differs is sp.false or not sp.satisfiable(
+                _atoms_canonical(sp.And(sp.Lt(col, 0), differs).xreplace(nonneg))):
+            continue
+        raise NotImplementedError(
+            f"mask_mod {tr.fname!r} ({line}): table {name!r} read at column {col}, which may be "
+            "negative where the mask depends on the read (torch counts it from the table's "
+            "end); guard the read ((kv_idx >= p) & t[q_idx, kv_idx - p]) or clamp the column")
+
+
+def _atoms_canonical(e):
+    """Integer relations as one boolean atom per pair (``x >= 0`` or its negation, ``x < 0``
+    being ``-x - 1 >= 0``), so that the propositional check above sees ``kv_idx - p < 0`` and
+    ``kv_idx >= p`` as one atom."""
+    atoms: dict = {}
+
+    def one(rel):
+        d = sp.expand(rel.lhs - rel.rhs)
+        x = {sp.Ge: d, sp.Gt: d - 1, sp.Le: -d, sp.Lt: -d - 1}[type(rel)]
+        y = sp.expand(-x - 1)  # not (x >= 0)  <=>  y >= 0
+        if x.is_nonnegative or y.is_negative:
+            return sp.true
+        if y.is_nonnegative or x.is_negative:
+            return sp.false
+        neg = sp.default_sort_key(y) < sp.default_sort_key(x)
+        key = y if neg else x
+        atom = atoms.setdefault(key, sp.Symbol(f"_ge{len(atoms)}"))
+        return sp.Not(atom) if neg else atom
+    return e.replace(lambda a: type(a) in (sp.Ge, sp.Gt, sp.Le, sp.Lt), one)
 
 
 _MAX_ROW_ATOMS = 3  # up to 8 row cases
@@ -1179,7 +1429,7 @@ def _traceback_where(e) -> str:
     where = "?"
     while tb is not None:
         fn = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if fn != _HERE and not fn.startswith(_TORCH_DIR):
+        if fn not in (_HERE, _TRACING) and not fn.startswith(_TORCH_DIR):
             where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
         tb = tb.tb_next
     return where

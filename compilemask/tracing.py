@@ -73,4 +73,11 @@ class TracedOps:
             if any(isinstance(a, torch.Tensor) for a in args):
                 raise tr.fail(cls.UNCAPTURED.format(name=name))
             raise tr.fail(f"torch function '{name}'")
-        return fn(tr, *args, **kwargs)
+        try:
+            return fn(tr, *args, **kwargs)
+        except TypeError as err:  # a keyword or an arity the translation does not read
+            if tr is None:
+                raise
+            name = getattr(func, "__name__", repr(func))
+            raise tr.fail(f"torch function '{name}' with these arguments ("
+                          f"{str(err).replace('<lambda>() ', '')})") from err
