@@ -4,6 +4,7 @@ user's Python rules, and dense masked attention (the CPU path of ``cm.attention`
 from __future__ import annotations
 
 import dis
+import operator
 import types
 
 import torch
@@ -121,17 +122,75 @@ def _uses_invert(fn, seen: set) -> bool:
     return any(_uses_invert(g, seen) for g in reach)
 
 
+def _raw(x):
+    return x.t if isinstance(x, _Value) else x
+
+
+class _Value:
+    """A 0-d tensor as a rule called on tensors sees it: every operation is torch's, on the
+    tensor inside, and gives a new value. Without in-place operators, ``x += 1`` on a local that
+    shares its value with a param, ``i`` or another local (``x = w``, ``x = max(i, 5)``,
+    ``y = x``) rebinds the local, as on Python ints, and never writes into the shared tensor."""
+
+    __slots__ = ("t",)
+    __hash__ = None
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __bool__(self):
+        return bool(self.t)
+
+    def __int__(self):
+        return int(self.t)
+
+    def __index__(self):
+        return self.t.__index__()
+
+    def __repr__(self):
+        return f"_Value({self.t.item()!r})"
+
+
+def _forward(op):
+    return lambda self, other: _Value(op(self.t, _raw(other)))
+
+
+def _reflected(op):
+    return lambda self, other: _Value(op(_raw(other), self.t))
+
+
+for _name, _op in (("add", operator.add), ("sub", operator.sub), ("mul", operator.mul),
+                   ("truediv", operator.truediv), ("floordiv", operator.floordiv),
+                   ("mod", operator.mod), ("pow", operator.pow), ("and", operator.and_),
+                   ("or", operator.or_), ("xor", operator.xor), ("lshift", operator.lshift),
+                   ("rshift", operator.rshift)):
+    setattr(_Value, f"__{_name}__", _forward(_op))
+    setattr(_Value, f"__r{_name}__", _reflected(_op))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(_Value, f"__{_name}__", _forward(getattr(operator, _name)))
+for _name, _op in (("neg", operator.neg), ("pos", operator.pos), ("abs", operator.abs),
+                   ("invert", operator.invert)):
+    setattr(_Value, f"__{_name}__", lambda self, op=_op: _Value(op(self.t)))
+
+
+def _value(v, dtype=torch.int64) -> _Value:
+    return _Value(torch.tensor(v, dtype=dtype))
+
+
 class _TableRows:
     """A table param as the rules read it: ``t[i, c]`` is whether row ``i``'s entry ``c`` is
-    set, False at columns outside the table."""
+    set, False at columns outside the table; a 0-d bool tensor where the rules run on tensors
+    (``~t[i, c]`` is then not, as on the bool tensor a table is)."""
 
-    def __init__(self, entries: torch.Tensor):
+    def __init__(self, entries: torch.Tensor, tensors: bool):
         self.rows = [[bool(x) for x in row] for row in entries.tolist()]
+        self.tensors = tensors
 
     def __getitem__(self, rc):
         i, c = (int(x) for x in rc)
         row = self.rows[i]
-        return 0 <= c < len(row) and row[c]
+        got = 0 <= c < len(row) and row[c]
+        return _value(got, torch.bool) if self.tensors else got
 
 
 def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
@@ -140,17 +199,18 @@ def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
 
     A rule may negate a comparison with ``~`` (logical not, as on torch bool tensors); on a
     Python bool ``~`` is bitwise (``~True == -2``), so such rules are called on 0-d int64
-    tensors instead of ints, where ``~`` of a comparison is the logical not."""
+    tensors instead of ints, where ``~`` of a comparison is the logical not. Nothing writes
+    into those tensors (``_Value``), so every call sees the values Python ints would have."""
     spec = mask.spec
     seen: set = set()
     tensors = any(_uses_invert(f, seen) for r in spec.regions for f in (r.when, r.visible))
-    num = (lambda v: torch.tensor(v, dtype=torch.int64)) if tensors else int
+    num = _value if tensors else int
     out = torch.zeros(B, seqlen_q, seqlen_k, dtype=torch.bool)
     for b in range(B):
         env = {p: num(int(scal[p][b, 0])) for p in scal}
-        env.update({a: (arrs[a][b].clone() if tensors else arrs[a][b].tolist()) for a in arrs
+        env.update({a: [num(x) for x in arrs[a][b].tolist()] for a in arrs
                     if a not in mask.table_params})
-        env.update({t: _TableRows(arrs[t][b]) for t in mask.table_params})
+        env.update({t: _TableRows(arrs[t][b], tensors) for t in mask.table_params})
         env["seqlen_q"], env["seqlen_k"] = num(seqlen_q), num(seqlen_k)
         memo: dict = {}
         regions = [(_rebind(r.when, env, memo), _rebind(r.visible, env, memo))

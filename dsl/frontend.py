@@ -5,7 +5,9 @@ function's arguments (``i``, ``j``), local assignments, declared params (runtime
 ``seqlen_q``/``seqlen_k``, and globals or closure cells holding ints (compile-time constants) or
 plain helper functions (inlined); ``h``, where nothing else binds it, is the query head (a
 per-head mask). Anything else is an error that names the region, the function, the name and its
-source line.
+source line. ``~`` of a boolean is not, as on torch bool tensors, where the value is a tensor when
+the rule runs on tensors; on a value that can be a Python bool (``~(not c)``, ``~FLAG``), where
+Python computes it bitwise, it is refused.
 """
 
 from __future__ import annotations
@@ -181,6 +183,17 @@ def _is_bool(e) -> bool:
                           sp.logic.boolalg.BooleanAtom))
 
 
+# The env key of the local names whose value may be a Python object rather than a tensor (a
+# constant, a global, ``not``/``and``/``or``): ``~`` of such a bool is bitwise in Python and torch.
+_PY_LOCALS = "<python-valued locals>"
+
+
+def _bind(env: dict, name: str, value, tensor: bool):
+    env[name] = value
+    py = env.get(_PY_LOCALS, frozenset())
+    env[_PY_LOCALS] = py - {name} if tensor else py | {name}
+
+
 class SourceMatchError(ValueError):
     """A rule function whose source cannot be matched to its code object unambiguously."""
 
@@ -349,6 +362,10 @@ class _Translator:
         self.filename = filename
         self.depth = depth
         self.closure = _closure_vars(fn)
+        # id(node) -> whether the node's value is a tensor when the rule runs on tensors
+        # (reference_mask's 0-d tensors): set by expr() as each node is translated
+        self.tensor: dict[int, bool] = {}
+        self.returns_tensor = True  # every return of the function is a tensor
 
     # ---- errors ----------------------------------------------------------------------------
     def where(self, node) -> str:
@@ -367,20 +384,28 @@ class _Translator:
             if isinstance(st, ast.Return):
                 if st.value is None:
                     raise self.unsupported(st, "bare 'return' (return a boolean)")
-                return self.expr(st.value, env)
+                out = self.expr(st.value, env)
+                self.returns_tensor &= self.tensor[id(st.value)]
+                return out
             if isinstance(st, ast.Assign):
+                # Python evaluates the value once, then binds it to the targets left to right
+                got = self.assigned(st.value, env)
                 env = dict(env)
                 for target in st.targets:
-                    self.assign(target, st.value, env)
+                    self.assign(target, st.value, got, env)
                 continue
             if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value:
+                got = self.expr(st.value, env)
                 env = dict(env)
-                env[st.target.id] = self.expr(st.value, env)
+                _bind(env, st.target.id, got, self.tensor[id(st.value)])
                 continue
             if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name):
-                env = dict(env)
                 cur = self.name(st.target, env)
-                env[st.target.id] = self.binop(st.op, cur, self.expr(st.value, env), st)
+                tensor = self.name_is_tensor(st.target.id, env)
+                rhs = self.expr(st.value, env)
+                tensor = tensor or self.tensor[id(st.value)]
+                env = dict(env)
+                _bind(env, st.target.id, self.binop(st.op, cur, rhs, st), tensor)
                 continue
             if isinstance(st, ast.If):
                 cond = self.boolean(self.expr(st.test, env), st.test)
@@ -397,19 +422,28 @@ class _Translator:
             f"{self.where(node_for_error)}: a path through the function does not return"
         )
 
-    def assign(self, target, value, env):
-        """``name = expr`` and ``a, b = x, y`` (tuple targets need a tuple value)."""
+    def assigned(self, value, env):
+        """The value of an assignment, translated once: ``(expr, is tensor)``, or a list of
+        them for a tuple ``x, y``."""
+        if isinstance(value, ast.Tuple):
+            return [(self.expr(v, env), self.tensor[id(v)]) for v in value.elts]
+        return self.expr(value, env), self.tensor[id(value)]
+
+    def assign(self, target, value, got, env):
+        """Bind ``got`` (``assigned(value)``) to ``name`` or to ``a, b`` (of a tuple value)."""
         if isinstance(target, ast.Name):
-            env[target.id] = self.expr(value, env)
+            if isinstance(got, list):
+                raise self.unsupported(value, "syntax 'Tuple'")
+            _bind(env, target.id, *got)
             return
-        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
-            if len(target.elts) != len(value.elts):
+        if isinstance(target, ast.Tuple) and isinstance(got, list):
+            if len(target.elts) != len(got):
                 raise self.unsupported(target, "tuple assignment of unequal lengths")
-            vals = [self.expr(v, env) for v in value.elts]
-            for t, v in zip(target.elts, vals):
+            for t in target.elts:
                 if not isinstance(t, ast.Name):
                     raise self.unsupported(t, "assignment target (only names)")
-                env[t.id] = v
+            for t, (v, tensor) in zip(target.elts, got):
+                _bind(env, t.id, v, tensor)
             return
         raise self.unsupported(target, "assignment target (only 'name = expr' or 'a, b = x, y')")
 
@@ -435,6 +469,45 @@ class _Translator:
 
     # ---- expressions -----------------------------------------------------------------------
     def expr(self, node, env) -> sp.Basic:
+        out = self.translate(node, env)
+        self.tensor[id(node)] = self.is_tensor(node, env)
+        return out
+
+    def is_tensor(self, node, env) -> bool:
+        """Whether the value of ``node`` (its operands just translated) is a tensor when the rule
+        runs on tensors for ``i``, ``j``, the params and lengths, as Python evaluates it:
+        constants and globals are Python objects, ``not`` gives a Python bool, ``and``/``or``/
+        ``min``/``max``/``x if c else y`` give one of their operands, an operation with a
+        tensor operand gives a tensor."""
+        def sub(n):
+            return self.tensor.get(id(n), False)
+
+        if isinstance(node, ast.Name):
+            return self.name_is_tensor(node.id, env)
+        if isinstance(node, ast.Subscript):
+            return True  # params' entries
+        if isinstance(node, ast.UnaryOp):
+            return not isinstance(node.op, ast.Not) and sub(node.operand)
+        if isinstance(node, ast.BinOp):
+            return sub(node.left) or sub(node.right)
+        if isinstance(node, ast.Compare):
+            # a chained comparison is an 'and' of its pairs: one of them is the value
+            ops = [node.left, *node.comparators]
+            return all(sub(a) or sub(b) for a, b in zip(ops, ops[1:]))
+        if isinstance(node, ast.BoolOp):
+            return all(sub(v) for v in node.values)
+        if isinstance(node, ast.IfExp):
+            return sub(node.body) and sub(node.orelse)
+        if isinstance(node, ast.Call):
+            return sub(node)  # set by call()
+        return False
+
+    def name_is_tensor(self, name, env) -> bool:
+        if name in env:
+            return name not in env.get(_PY_LOCALS, ())
+        return name in self.ctx.params or name in ("seqlen_q", "seqlen_k")
+
+    def translate(self, node, env) -> sp.Basic:
         if isinstance(node, ast.Constant):
             if isinstance(node.value, bool):
                 return sp.true if node.value else sp.false
@@ -454,6 +527,8 @@ class _Translator:
                 # logical not on booleans, as on torch bool tensors; on an int it is bitwise
                 v = _truth(v)
                 if _is_bool(v):
+                    if not self.tensor[id(node.operand)]:
+                        raise self.invert_of_python_bool(node)
                     return sp.Not(v)
                 return -self.integer(v, node) - 1  # on an integer: bitwise not, -v - 1
             if isinstance(node.op, ast.USub):
@@ -483,6 +558,16 @@ class _Translator:
         if isinstance(node, ast.Subscript):
             return self.subscript(node, env)
         raise self.unsupported(node, f"syntax '{type(node).__name__}'")
+
+    def invert_of_python_bool(self, node):
+        # Python (and torch) compute ~ of a Python bool bitwise: ~True == -2, ~False == -1,
+        # both true, so reading it as logical not would compile another mask
+        operand = ast.unparse(node.operand)
+        return self.unsupported(
+            node, f"'~' of '{operand}', which can be a Python bool (from 'not', 'and'/'or', a "
+                  "constant or global, or a comparison without i, j, a param or a length): on a "
+                  "Python bool '~' is bitwise (~True == -2, ~False == -1, both true), not "
+                  f"logical; write 'not ({operand})'")
 
     def bool_binop(self, node, env):
         """``&``, ``|``, ``^`` of booleans are and, or, xor (as on torch bool tensors)."""
@@ -547,20 +632,25 @@ class _Translator:
             raise self.unsupported(node, f"call of '{ast.unparse(node.func)}'")
         fname = node.func.id
         args = [self.expr(a, env) for a in node.args]
+        tensors = [self.tensor[id(a)] for a in node.args]
         target = self.lookup(fname, env, node, allow_function=True)
         if target is builtins.min or target is builtins.max:
             if len(args) < 2:
                 raise self.unsupported(node, f"{fname}() with fewer than two arguments")
             args = [self.integer(a, node) for a in args]
+            self.tensor[id(node)] = all(tensors)  # the value is one of the arguments
             return sp.Min(*args) if target is builtins.min else sp.Max(*args)
         if target is builtins.abs:
             if len(args) != 1:
                 raise self.unsupported(node, "abs() takes one argument")
+            self.tensor[id(node)] = tensors[0]
             return sp.Abs(self.integer(args[0], node))
         if isinstance(target, types.FunctionType):
             if self.depth >= _MAX_INLINE_DEPTH:
                 raise self.unsupported(node, f"helper nesting deeper than {_MAX_INLINE_DEPTH}")
-            return inline_function(target, args, self.ctx, self.depth + 1, node, self)
+            out, self.tensor[id(node)] = _inline(target, args, tensors, self.ctx,
+                                                 self.depth + 1, node, self)
+            return out
         raise self.unsupported(node, f"call to '{fname}' (not min/max/abs or a plain function)")
 
     def subscript(self, node, env):
@@ -678,6 +768,14 @@ def _who(ctx: RuleContext, fn, depth: int) -> str:
 
 def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, caller=None,
                     found=None):
+    """``fn`` applied to the expressions ``args`` (tensors when the rule runs on tensors)."""
+    return _inline(fn, args, [True] * len(args), ctx, depth, call_node, caller, found)[0]
+
+
+def _inline(fn, args, tensors, ctx: RuleContext, depth: int, call_node=None, caller=None,
+            found=None):
+    """``fn`` applied to ``args``: its expression, and whether every value it returns is a
+    tensor given which of ``args`` are (``tensors``)."""
     node, _, filename = found or _func_source_node(fn, _who(ctx, fn, depth))
     tr = _Translator(ctx, fn, filename, depth)
     a = node.args
@@ -686,10 +784,13 @@ def inline_function(fn, args, ctx: RuleContext, depth: int, call_node=None, call
     if len(a.args) != len(args):
         where = caller.where(call_node) if caller else tr.where(node)
         raise TypeError(f"{where}: {fn.__name__} takes {len(a.args)} arguments, got {len(args)}")
-    env = {arg.arg: v for arg, v in zip(a.args, args)}
+    env: dict = {}
+    for arg, v, tensor in zip(a.args, args, tensors):
+        _bind(env, arg.arg, v, tensor)
     if isinstance(node, ast.Lambda):
-        return tr.expr(node.body, env)
-    return tr.block(list(node.body), env, node)
+        return tr.expr(node.body, env), tr.tensor[id(node.body)]
+    out = tr.block(list(node.body), env, node)
+    return out, tr.returns_tensor
 
 
 def translate_rule(fn, ctx: RuleContext) -> TranslatedRule:

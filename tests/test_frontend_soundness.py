@@ -1,6 +1,7 @@
 """The front end reads the rule Python runs: a function's identity comes from its code object
 (first line, instruction columns, constants, names), never from the first match on a line."""
 
+import ast
 import itertools
 import linecache
 
@@ -284,3 +285,211 @@ def test_a_local_assigned_on_every_path_is_read():
     desc = mask.preprocess({}, seqlen_q=9)
     assert torch.equal(desc.dense_mask(), mask.reference_mask({}, seqlen_q=9))
     assert int(desc.dense_mask()[0, 8].sum()) == 2  # w = 2 there, not the global 10
+
+
+# ---- assignments, ~ of Python bools, and the reference's tensors --------------------------------
+
+
+class _Rows:
+    """A table param read as the rules read it, on Python values: False outside the table."""
+
+    def __init__(self, entries):
+        self.rows = entries.tolist()
+
+    def __getitem__(self, rc):
+        i, c = rc
+        return 0 <= c < len(self.rows[i]) and bool(self.rows[i][c])
+
+
+def _python_twin(source, **values):
+    """The rules of ``source`` as plain Python computes them: ``~`` (applied to booleans only in
+    these tests, where it means not) spelled ``not``, run on ints with the params as globals."""
+
+    class _Not(ast.NodeTransformer):
+        def visit_UnaryOp(self, node):
+            self.generic_visit(node)
+            return ast.UnaryOp(ast.Not(), node.operand) if isinstance(node.op, ast.Invert) else node
+
+    tree = ast.fix_missing_locations(_Not().visit(ast.parse(source)))
+    ns = dict(values)
+    exec(compile(tree, "<twin>", "exec"), ns)
+    return ns
+
+
+def _python_mask(ns, sq, sk):
+    """bool [Sq, Sk]: the first region (``when0``/``vis0``, ``when1``/``vis1``, ...) whose guard
+    holds gives the row; a spec of one region may name them ``when``/``vis``."""
+    names = [("when", "vis")] if "vis" in ns else [
+        (f"when{k}", f"vis{k}") for k in range(10) if f"vis{k}" in ns]
+    out = torch.zeros(sq, sk, dtype=torch.bool)
+    for i in range(sq):
+        for when, vis in names:
+            if bool(ns[when](i)):
+                out[i] = torch.tensor([bool(ns[vis](i, j)) for j in range(sk)])
+                break
+    return out
+
+
+def _check_against_python(source, params=(), metas=({},), sizes=((12, 12), (9, 14))):
+    """Compile the rules of ``source`` (``when``/``vis``, or numbered regions); the descriptor's
+    dense mask and the reference mask equal plain Python's evaluation, element by element."""
+    ns, _ = _exec(source)
+    names = [("when", "vis")] if "vis" in ns else [
+        (f"when{k}", f"vis{k}") for k in range(10) if f"vis{k}" in ns]
+    mask = cm.compile_mask(cm.MaskSpec("m", params=list(params), regions=[
+        cm.Region(f"r{k}", when=ns[w], visible=ns[v]) for k, (w, v) in enumerate(names)]))
+    for full in metas:
+        for sq, sk in sizes:
+            meta = {p: v[:, :sq] if p in mask.array_params else v for p, v in full.items()}
+            got = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk).dense_mask()
+            ref = mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)
+            for b in range(got.shape[0]):  # a sequence's metadata as Python values
+                values = {p: (_Rows(v[b]) if p in mask.table_params else
+                              v[b].tolist() if p in mask.array_params else
+                              int(v[b]) if isinstance(v, torch.Tensor) else v)
+                          for p, v in meta.items()}
+                ns = _python_twin(source, **values, seqlen_q=sq, seqlen_k=sk)
+                want = _python_mask(ns, sq, sk)
+                assert torch.equal(got[b], want), (source, meta, sq, sk, b)
+                assert torch.equal(ref[b], want), (source, meta, sq, sk, b)
+    return mask
+
+
+_WHEN = "def when(i):\n    return True\n\n"
+
+
+@pytest.mark.parametrize("body", [
+    "    x = i\n    x = y = x + 1\n    return j < y\n",  # the value is read before x changes
+    "    x = 1\n    x = y = z = x + i\n    return j < x + y + z - 2 * i\n",
+    "    x = j\n    x = z = x - 2\n    return z <= i\n",
+    "    x, y = i, j\n    x, y = y, x = x, y\n    return x <= y\n",  # left to right: y, x win
+    "    a, b = c, d = j, i - 1\n    return a <= d and c >= b - 3\n",
+    "    w = i\n    w = v = w // 2\n    w += 1\n    return v <= j < w + v\n",
+])
+def test_assignment_to_several_targets_binds_one_value(body):
+    _check_against_python(_WHEN + "def vis(i, j):\n" + body)
+
+
+def test_a_tuple_bound_to_a_name_is_refused():
+    ns, name = _exec("def vis(i, j):\n    x = y = i, j\n    return j < i\n")
+    with pytest.raises(NotImplementedError, match=rf"\({name}:2\): unsupported syntax 'Tuple'"):
+        _compile(ns["vis"])
+
+
+_W = torch.tensor([2, 0])
+_ARR = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]] * 2)
+
+
+@pytest.mark.parametrize("source,meta", [
+    # a local sharing its tensor with a param, then augmented: the param keeps its value
+    (_WHEN + "def vis(i, j):\n    x = w\n    x += 1\n    return ~(j > i) & (j > i - x)\n",
+     {"w": _W}),
+    # ... with the row index (max returns its argument itself), read again after
+    (_WHEN + "def vis(i, j):\n    x = max(i, 5)\n    x -= 2\n    return ~(j > i) & "
+             "(j >= i - 3) & (j >= x - 4)\n", {}),
+    (_WHEN + "def vis(i, j):\n    y = x = i\n    x += 2\n    return ~(j > y) & (j < x - 3)\n",
+     {}),
+    # ... with a per-row array's entry
+    (_WHEN + "def vis(i, j):\n    x = arr[i]\n    x += 3\n    return ~(j < arr[i]) & (j < x)\n",
+     {"arr": _ARR}),
+    # ... in a guard, which the visible rule then reads
+    ("def when0(i):\n    x = w\n    x *= 3\n    return ~(i < x)\n\n"
+     "def vis0(i, j):\n    return j <= i - w\n\n"
+     "def when1(i):\n    return True\n\n"
+     "def vis1(i, j):\n    x = i\n    x >>= 1\n    return ~(j < x) & (j <= i)\n", {"w": _W}),
+])
+def test_reference_calls_never_change_the_values_they_share(source, meta):
+    # the reference runs rules that use ~ on tensors: every call must see Python's values
+    _check_against_python(source, params=list(meta), metas=(meta,))
+    assert torch.equal(_W, torch.tensor([2, 0]))  # the metadata are untouched
+
+
+_CALLER = "FLAG = True\nW = 4\n\n\ndef not_j(i, j):\n    return not (j > i)\n\n\n" + _WHEN
+
+
+@pytest.mark.parametrize("expr", [
+    "~(not (j > i))",
+    "~((j > i) or (0 < 1))",
+    "~(3 > 2) & (j <= i)",
+    "~FLAG & (j <= i)",
+    "~(W > 3) | (j < 2)",
+    "~(min(i, 5) > 3) & (j <= i)",  # min(i, 5) is the int 5 for i >= 5
+    "~(j < 5 < W)",  # the value may be the pair (5 < W), a Python bool
+    "~not_j(i, j)",
+    "~((j > i) if i < 3 else False)",
+])
+def test_invert_of_a_python_bool_is_refused(expr):
+    # on a Python bool ~ is bitwise (~True == -2, ~False == -1: both true), not logical
+    ns, name = _exec(_CALLER + f"def vis(i, j):\n    return {expr}\n")
+    line = _CALLER.count("\n") + 2
+    with pytest.raises(NotImplementedError, match=rf"Region 'all', visible function 'vis' "
+                       rf"\({name}:{line}\): unsupported '~' of .*Python bool.*write 'not \("):
+        _compile(ns["vis"])
+
+
+def test_invert_of_a_local_python_bool_is_refused():
+    ns, name = _exec("def vis(i, j):\n    x = not (j > i)\n    if i > 2:\n        x = j > 1\n"
+                     "    return ~x\n")
+    with pytest.raises(NotImplementedError, match=rf"\({name}:5\): unsupported '~' of 'x'"):
+        _compile(ns["vis"])
+    ns, name = _exec("def when(i):\n    return ~(seqlen_q > 3 > 2)\n")  # the pair (3 > 2)
+    with pytest.raises(NotImplementedError, match=rf"Region 'all', when function 'when' "
+                       rf"\({name}:2\): unsupported '~'"):
+        cm.compile_mask(cm.MaskSpec("m", regions=[
+            cm.Region("all", when=ns["when"], visible=lambda i, j: j <= i)]))
+
+
+@pytest.mark.parametrize("body", [
+    "    return ~(j > i) & ~~(j >= i - 3)\n",
+    "    ok = j > i\n    ok2 = ok\n    return ~ok2\n",
+    "    return ~((j > i) & FLAG) & ~(W > j)\n",  # & of a tensor and a Python bool is a tensor
+    "    return ~((j > i + 1) and (j < 9)) & ~(i < 2 < j)\n",  # each value is a tensor
+    "    return ~(min(i, j) > 3) | ~(abs(i - j) < w)\n",
+    "    return ~tensor_cmp(i, j) & (j <= i)\n",
+    "    return ~(j > i) if i < W else ~((j < 2) ^ (i == j))\n",
+    "    x = 1\n    x += w\n    return ~(j > i) & (j >= i - x)\n",  # int + tensor: a tensor
+    "    return ~(j < seqlen_k - 3) | (j == i)\n",
+])
+def test_invert_of_a_tensor_boolean_is_not(body):
+    src = ("FLAG = True\nW = 4\n\n\ndef tensor_cmp(a, b):\n    if a > 3:\n        return b > a\n"
+           "    return a == b\n\n\n" + _WHEN + "def vis(i, j):\n" + body)
+    _check_against_python(src, params=["w"], metas=({"w": 3}, {"w": 0}))
+
+
+def test_invert_of_a_table_entry_is_not():
+    gen = torch.Generator().manual_seed(0)
+    anc = torch.rand(1, 12, 6, generator=gen) < 0.5
+    src = _WHEN + ("def vis(i, j):\n    if ~anc[i, j]:\n        return ~~anc[i, j + 1] & (j <= i)\n"
+                   "    return ~anc[i, j - 2] | (j == 0)\n")
+    _check_against_python(src, params=["anc"], metas=({"anc": anc},), sizes=((12, 12),))
+
+
+_inv_atom = st.sampled_from([
+    "(j > i)", "(j <= a)", "(i < 3)", "(3 > 2)", "(W > j)", "FLAG", "True", "(min(i, 5) > 3)",
+    "(max(j, W) == j)", "(i < j < W)", "(0 < 1 < j)", "(j != i + a)"])
+_inv_rule = st.recursive(_inv_atom, lambda b: st.one_of(
+    st.tuples(b, st.sampled_from(["&", "|", "^", "and", "or"]), b).map(
+        lambda t: f"({t[0]} {t[1]} {t[2]})"),
+    b.map(lambda x: f"(~{x})"), b.map(lambda x: f"(not {x})"),
+    st.tuples(b, b).map(lambda t: f"({t[0]} if (i < 4) else {t[1]})")), max_leaves=5)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(rule=_inv_rule, a=st.integers(0, 9))
+def test_random_invert_rules_match_torch_or_are_refused(rule, a):
+    """A rule mixing ``~`` with ``not``, ``and``/``or``, constants and globals is what Python
+    computes on 0-d tensors (torch's ``~`` of a bool tensor, Python's of a bool), or refused."""
+    ns, _ = _exec(f"W = 6\nFLAG = True\n\n\ndef vis(i, j):\n    return {rule}\n")
+    try:
+        mask = _compile(ns["vis"], params=["a"])
+    except NotImplementedError as e:
+        assert "'~' of" in str(e) and "write 'not (" in str(e), (rule, str(e))
+        return
+    sq = sk = 9
+    t = torch.tensor
+    want = torch.tensor([[bool(eval(rule, {"W": 6, "FLAG": True, "a": t(a), "i": t(i),  # noqa: S307
+                                            "j": t(j)})) for j in range(sk)] for i in range(sq)])
+    meta = {"a": a} if "a" in mask.scalar_params else {}
+    desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk)
+    assert torch.equal(desc.dense_mask()[0], want), rule
+    assert torch.equal(mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)[0], want), rule
