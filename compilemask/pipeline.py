@@ -376,7 +376,8 @@ class Preprocessor:
 
     def _matches(self, meta, inputs):
         """The metadata dtype when the fast path applies, else None."""
-        if type(meta) is not dict or meta.keys() != self._keys:
+        # a dict subclass too: from_mask_mod's metadata computes its gathers again on a read
+        if not isinstance(meta, dict) or meta.keys() != self._keys:
             return None
         dtype = torch.int64
         for n, (p, shape) in enumerate(inputs):
