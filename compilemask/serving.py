@@ -99,8 +99,10 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     padding (``varlen_attention``, ``paged_attention`` with packed queries). The counts are
     checked (ints within those bounds) where they are on the host; counts already on CUDA are
     not (that would synchronize every step; a graph-captured step rewrites them in place).
-    ``device``: where the descriptor is made (default: the metadata's, else ``seqused_k``'s,
-    else the CPU); a mask without metadata is made there directly, never copied per step."""
+    A rule that reads ``seqlen_k`` sees ``seqlen_k`` (the buffer), not a request's
+    ``seqused_k[b]``: put a request's own length in its metadata. ``device``: where the
+    descriptor is made (default: the metadata's, else ``seqused_k``'s, else the CPU); a mask
+    without metadata is made there directly, never copied per step."""
     for name, val in (("seqlen_k", seqlen_k), ("seqlen_q", seqlen_q)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"query_descriptor: {name} must be a positive int, got {val!r}")
