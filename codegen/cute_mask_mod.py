@@ -106,7 +106,7 @@ def mask_mod_variant(mask) -> str:
     return _VARIANT[mask.key]
 
 
-_FITS: dict = {}  # (mask key, length) -> whether the rules fit int32 there
+_LONGEST: dict = {}  # mask key -> the longest length at which its rules fit int32
 
 # FA4 calls the mask_mod on the padded rows and keys of the last tiles, past the length
 PAD = 256
@@ -118,11 +118,27 @@ def rules_fit(mask, length: int) -> bool:
     and, as for the kernels' predicates (``compilemask.bounds.check_kernel_predicates``),
     metadata up to the length. The Interval Table's endpoints are int64 in the preprocess, so
     where the rules may wrap the table test runs instead."""
-    key = (mask.key, length)
-    if key not in _FITS:
-        expr = whole_mask_predicate(mask, any_region=True)
-        _FITS[key] = expr is not None and magnitude(expr, length + PAD, length) <= INT32_MAX
-    return _FITS[key]
+    if mask.key not in _LONGEST:
+        _LONGEST[mask.key] = _longest_fit(whole_mask_predicate(mask, any_region=True))
+    return length <= _LONGEST[mask.key]
+
+
+def _longest_fit(expr) -> int:
+    """The longest length at which ``expr`` fits int32 (-1: none): its bound only grows with
+    the length, so a bisection finds it once per mask, not once per length of a loop whose
+    length changes every step."""
+    def fits(n):
+        return magnitude(expr, n + PAD, n) <= INT32_MAX
+
+    lo, hi = 0, INT32_MAX - PAD
+    if expr is None or not fits(lo):
+        return -1
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def call_variant(mask, variant: str | None, length: int) -> str:
