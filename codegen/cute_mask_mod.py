@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from sympy.core.function import AppliedUndef
 
-from compilemask.bounds import INT32_MAX, magnitude
+from compilemask.bounds import longest_fit
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import (
     UNWRAPPED_ATTR,
@@ -119,26 +119,9 @@ def rules_fit(mask, length: int) -> bool:
     metadata up to the length. The Interval Table's endpoints are int64 in the preprocess, so
     where the rules may wrap the table test runs instead."""
     if mask.key not in _LONGEST:
-        _LONGEST[mask.key] = _longest_fit(whole_mask_predicate(mask, any_region=True))
+        expr = whole_mask_predicate(mask, any_region=True)
+        _LONGEST[mask.key] = -1 if expr is None else longest_fit([expr], pad=PAD)
     return length <= _LONGEST[mask.key]
-
-
-def _longest_fit(expr) -> int:
-    """The longest length at which ``expr`` fits int32 (-1: none): its bound only grows with
-    the length, so a bisection finds it once per mask, not once per length of a loop whose
-    length changes every step."""
-    def fits(n):
-        return magnitude(expr, n + PAD, n) <= INT32_MAX
-
-    lo, hi = 0, INT32_MAX - PAD
-    if expr is None or not fits(lo):
-        return -1
-    if fits(hi):
-        return hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def call_variant(mask, variant: str | None, length: int) -> str:

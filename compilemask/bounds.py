@@ -13,7 +13,7 @@ from compilemask.dsl.frontend import IntBitOp
 from compilemask.exprprint import split_floor
 
 __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
-           "check_kernel_predicates"]
+           "check_kernel_predicates", "kernel_predicates", "longest_fit"]
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -117,11 +117,35 @@ def check_kernel_predicates(mask, length: int) -> None:
     Indices and metadata are bounded by ``length``: metadata on the GPU is not read back (that
     would synchronize), and values past the sequence (a sentinel of 2**30 in a product) are the
     caller's to keep within int32 there, as the docs say."""
+    for r, what, e in kernel_predicates(mask):
+        check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
+                   "kernels; backend='reference' computes it exactly)", index_max=length,
+                   meta_max=length)
+
+
+def kernel_predicates(mask) -> list:
+    """``(region, "rule" | "guard", expr)`` of what the GPU kernels evaluate in int32."""
     whole = all(r.fallback for r in mask.regions)  # one predicate with the guards in it
-    for r in mask.regions:
-        parts = [("rule", r.rule)] if r.fallback else []
-        parts += [("guard", r.guard)] if whole else []
-        for what, e in parts:
-            check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
-                       "kernels; backend='reference' computes it exactly)", index_max=length,
-                       meta_max=length)
+    return [(r, what, e) for r in mask.regions
+            for what, e in ([("rule", r.rule)] if r.fallback else [])
+            + ([("guard", r.guard)] if whole else [])]
+
+
+def longest_fit(exprs, limit: int = INT32_MAX, pad: int = 0) -> int:
+    """The longest length L at which every expression fits ``limit``, with indices up to
+    ``L + pad`` and metadata up to L (-1: none). The bounds only grow with L, so a bisection
+    finds it once per mask, not once per length of a loop whose length changes every step."""
+    exprs = list(exprs)
+
+    def fits(n):
+        return all(magnitude(e, n + pad, n) <= limit for e in exprs)
+
+    lo, hi = 0, INDEX_MAX - pad
+    if not fits(lo):
+        return -1
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

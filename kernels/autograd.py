@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from compilemask.blocksparse import BlockSparseLists
-from compilemask.bounds import check_kernel_predicates
+from compilemask.bounds import check_kernel_predicates, kernel_predicates, longest_fit
 from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
@@ -276,24 +276,25 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
                f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-_CHECKED: set = set()  # (mask key, longest length) whose predicates the kernels can evaluate
+_LONGEST: dict = {}  # mask key -> the longest length at which its predicates fit int32
 
 
 def _check_predicates(mask, length: int) -> None:
-    """Before any kernel is built: the predicates fit int32 at this length, and the GPU code
-    generator reads every fallback rule (else a clear error naming the region)."""
-    if (mask.key, length) in _CHECKED:
-        return
-    check_kernel_predicates(mask, length)
-    for r in mask.fallback_regions:
-        try:
-            predicate_source(r.rule, mask.scalar_params, mask.array_params,
-                             table_params=mask.table_params)
-        except UnsupportedExpression as e:
-            raise NotImplementedError(
-                f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
-                f"predicate ({e}); backend='reference' runs it") from None
-    _CHECKED.add((mask.key, length))
+    """Before any kernel is built: the GPU code generator reads every fallback rule (else a
+    clear error naming the region), once per mask, and the predicates fit int32 at this length
+    (else the error names the term)."""
+    if mask.key not in _LONGEST:
+        for r in mask.fallback_regions:
+            try:
+                predicate_source(r.rule, mask.scalar_params, mask.array_params,
+                                 table_params=mask.table_params)
+            except UnsupportedExpression as e:
+                raise NotImplementedError(
+                    f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
+                    f"predicate ({e}); backend='reference' runs it") from None
+        _LONGEST[mask.key] = longest_fit(e for _, _, e in kernel_predicates(mask))
+    if length > _LONGEST[mask.key]:
+        check_kernel_predicates(mask, length)  # raises, naming the region and the term
 
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)

@@ -58,6 +58,19 @@ def test_kernel_predicates_are_checked_at_the_call_length():
         check_kernel_predicates(sq, 50000)  # j * j passes 2**31
 
 
+def test_longest_fit_is_the_check_s_boundary():
+    """The longest length found once per mask is where the per-length check starts to refuse."""
+    from compilemask.bounds import kernel_predicates, longest_fit
+
+    sq = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
+    n = longest_fit(e for _, _, e in kernel_predicates(sq))
+    assert 1024 < n < 50000
+    check_kernel_predicates(sq, n)
+    with pytest.raises(ValueError, match="Region 'r', rule"):
+        check_kernel_predicates(sq, n + 1)
+    assert longest_fit([]) == INT32_MAX
+
+
 @pytest.mark.parametrize("engine", ["fa4", "cute"])
 def test_the_kernel_engines_check_their_predicates_before_running(engine, monkeypatch):
     """In the op (eager even inside a compiled graph), before any kernel is built."""
