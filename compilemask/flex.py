@@ -61,7 +61,13 @@ import sympy as sp
 import torch
 
 from compilemask import tracing
-from compilemask.dsl.frontend import bool_xor, int_bit_op, shift, table_function
+from compilemask.dsl.frontend import (
+    array_function,
+    bool_xor,
+    int_bit_op,
+    shift,
+    table_function,
+)
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
@@ -86,13 +92,6 @@ _CAPTURE_IT = ("make it a variable outside the mask_mod (t = module.t, or build 
 
 def _every_row(i):
     return True
-
-
-def _array_function(name: str):
-    """A captured array read at an index: an integer of either sign (a captured tensor may hold
-    -1 for padding), so that nothing read from it is folded away at conversion; the rules it
-    reaches are checked non-negative at preprocess as every MaskSpec's metadata is."""
-    return sp.Function(name, integer=True)
 
 
 # dtypes narrower than int32: torch computes a value of one of them (with Python ints or values
@@ -694,7 +693,7 @@ class _Captured(_Sym):
             raise tr.fail(f"captured tensor {name!r} used both per sequence and per token")
         x = _val(tr, idx)
         if x == _I or x == _J:
-            return _array_function(name)(x)
+            return array_function(name, nonnegative=False)(x)
         at = _gather_var(tr, x)
         if at is None:
             raise tr.fail(f"index {name}[{x}]: a captured tensor is indexed by b, q_idx, kv_idx "
@@ -709,7 +708,7 @@ class _Captured(_Sym):
             dname = tr.gathers[recipe] = tr.fresh(f"{name}_at_{src}")
             tr.derived[dname] = recipe
             tr.array_leaf[dname] = self.leaf
-        return _array_function(dname)(at)
+        return array_function(dname, nonnegative=False)(at)
 
     def __getitem__(self, idx):
         tr = self.tr
@@ -769,7 +768,7 @@ class _Captured(_Sym):
             dname = tr.gathers[recipe] = tr.fresh(f"{self.name}_{c}_at_index")
             tr.derived[dname] = recipe
             tr.array_leaf[dname] = self.leaf
-        return _Sym(tr, self._wrap(_array_function(dname)(at)), dt=self.dt)
+        return _Sym(tr, self._wrap(array_function(dname, nonnegative=False)(at)), dt=self.dt)
 
     def _read_pair(self, x, y, batched: bool, test=None):
         """``t[x, y]`` (``t[b, x, y]``) of a bool table at a token pair: a table param whose

@@ -135,9 +135,11 @@ def rule_symbols(params) -> dict[str, sp.Symbol]:
     return syms
 
 
-def array_function(name: str):
-    """A per-row metadata array ``name[i]`` is the integer-valued function ``name(i)``."""
-    return sp.Function(name, integer=True, nonnegative=True)
+def array_function(name: str, nonnegative: bool = True):
+    """A per-row metadata array ``name[i]`` is the integer-valued function ``name(i)``;
+    ``nonnegative=False`` where its values may still be negative when it is read (a mask_mod's
+    captured tensor, whose rules must not fold ``t[q_idx] >= 0`` away)."""
+    return sp.Function(name, integer=True, **({"nonnegative": True} if nonnegative else {}))
 
 
 def table_function(name: str):
