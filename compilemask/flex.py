@@ -1105,7 +1105,7 @@ def _meta(entry: _Entry, leaves, batch_size, seqlen=None):
     values = _values(entry, leaves, batch_size, seqlen)
     out = {p: values[p] for p in entry.params}
     if not entry.derived:
-        return out  # views only: a plain dict keeps the bound preprocessor's fast path
+        return out  # views only: nothing to compute again
     return _LiveMeta(out, (entry, leaves, batch_size, seqlen))
 
 
