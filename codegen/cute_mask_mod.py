@@ -32,7 +32,13 @@ from __future__ import annotations
 
 from sympy.core.function import AppliedUndef
 
-from compilemask.bounds import longest_fit
+from compilemask.bounds import (
+    INT32_MAX,
+    fits_metadata,
+    kernel_predicates,
+    longest_fit,
+    magnitude,
+)
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import (
     UNWRAPPED_ATTR,
@@ -42,7 +48,8 @@ from compilemask.codegen.cute_predicate import (
 from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
-           "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "VARIANTS",
+           "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "metadata_matters",
+           "VARIANTS",
            "ROWS_ATTR", "COLUMNS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
@@ -107,36 +114,63 @@ def mask_mod_variant(mask) -> str:
 
 
 _LONGEST: dict = {}  # mask key -> the longest length at which its rules fit int32
+_WIDE: dict = {}  # (mask key, length, meta_max) -> whether the rules fit int32 there
 
 # FA4 calls the mask_mod on the padded rows and keys of the last tiles, past the length
 PAD = 256
 
 
-def rules_fit(mask, length: int) -> bool:
+def rules_fit(mask, length: int, meta_max: int = 0) -> bool:
     """Whether the ``"rules"`` mask_mod, which evaluates the whole first-match rule (guards
     included) in int32, computes it exactly at this length: indices up to the padded length
     and, as for the kernels' predicates (``compilemask.bounds.check_kernel_predicates``),
-    metadata up to the length. The Interval Table's endpoints are int64 in the preprocess, so
-    where the rules may wrap the table test runs instead."""
+    metadata up to ``max(length, meta_max)`` (``ExecutionDescriptor.meta_max``). The Interval
+    Table's endpoints are int64 in the preprocess, so where the rules may wrap the table test
+    runs instead."""
     if mask.key not in _LONGEST:
         expr = whole_mask_predicate(mask, any_region=True)
         _LONGEST[mask.key] = -1 if expr is None else longest_fit([expr], pad=PAD)
-    return length <= _LONGEST[mask.key]
+    if meta_max <= length or _LONGEST[mask.key] < 0:
+        return length <= _LONGEST[mask.key]
+    key = (mask.key, length, meta_max)
+    if key not in _WIDE:
+        expr = whole_mask_predicate(mask, any_region=True)
+        _WIDE[key] = magnitude(expr, length + PAD, meta_max) <= INT32_MAX
+    return _WIDE[key]
 
 
-def call_variant(mask, variant: str | None, length: int) -> str:
-    """The per-score mask_mod of a call at ``length``: ``variant``, or ``mask_mod_variant``'s
-    choice; its rules give way to the table where they may wrap there, and asked for by name
-    there they raise."""
+_META: dict = {}  # mask key -> whether metadata past the length may change its int32 checks
+
+
+def metadata_matters(mask) -> bool:
+    """Whether metadata given on the host past the sequence may make the GPU's int32
+    arithmetic of this mask (its fallback predicates, its rules mask_mod) wrap where metadata
+    up to the length would not: only then does a descriptor record how far they reach
+    (``ExecutionDescriptor.meta_max``), so a loop of other masks never sees the value."""
+    if mask.key not in _META:
+        rules = whole_mask_predicate(mask, any_region=True)
+        _META[mask.key] = not (
+            fits_metadata([e for _, _, e in kernel_predicates(mask)])
+            and (rules is None or fits_metadata([rules], pad=PAD)))
+    return _META[mask.key]
+
+
+def call_variant(mask, variant: str | None, length: int, meta_max: int = 0) -> str:
+    """The per-score mask_mod of a call at ``length`` (metadata up to ``meta_max`` past it):
+    ``variant``, or ``mask_mod_variant``'s choice; its rules give way to the table where they
+    may wrap there, and asked for by name there they raise."""
     if variant is not None:
         variant = _check_variant(mask, variant)
-        if variant == "rules" and not rules_fit(mask, length):
+        if variant == "rules" and not rules_fit(mask, length, meta_max):
+            reach = (f"metadata up to {meta_max}" if meta_max > length
+                     else "metadata up to the length")
             raise ValueError(f"mask {mask.name!r}: the 'rules' mask_mod computes the rules in "
-                             f"int32, and at length {length} they may pass its range (metadata "
-                             "up to the length); 'intervals' reads the int64-computed table")
+                             f"int32, and at length {length} they may pass its range ({reach}); "
+                             "'intervals' reads the int64-computed table")
         return variant
     variant = mask_mod_variant(mask)
-    return "intervals" if variant == "rules" and not rules_fit(mask, length) else variant
+    return ("intervals" if variant == "rules" and not rules_fit(mask, length, meta_max)
+            else variant)
 
 
 # per score, in ALU operations: a global load counts LOAD_COST, so the interval test costs
@@ -319,14 +353,15 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
 
 
 def forward_variant(mask, variant: str | None, backward: bool, columns: bool = False,
-                    length: int | None = None) -> str:
+                    length: int | None = None, meta_max: int = 0) -> str:
     """The mask_mod variant of one FA4 block-sparse call. A forward of a mask without fallback
     regions reads its intervals a row at a time (``"rows"``: 1-7% faster train steps than the
     per-score tests, docs/decisions/engine.md); ``"rows"`` is a forward strategy only (FA4's
     sm90 backward holds the tile transposed), so a backward takes the per-score default. A
     backward of a descriptor that carries the column view (``columns``) reads it
     (``"columns"``), a backward strategy only; asked for without it, it raises. ``length``:
-    the call's longest sequence, where the rules must fit int32 (``call_variant``)."""
+    the call's longest sequence, where the rules must fit int32 with metadata up to
+    ``meta_max`` past it (``call_variant``)."""
     if backward:
         if variant == "columns" and not columns:
             raise ValueError(f"mask {mask.name!r}: the 'columns' mask_mod reads the descriptor's "
@@ -341,7 +376,7 @@ def forward_variant(mask, variant: str | None, backward: bool, columns: bool = F
         variant = None if variant == "columns" else variant
     if length is None:
         return _check_variant(mask, variant)
-    return call_variant(mask, variant, length)
+    return call_variant(mask, variant, length, meta_max)
 
 
 def aux_tensors(desc, variant: str | None = None) -> list:

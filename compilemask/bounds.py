@@ -13,7 +13,7 @@ from compilemask.dsl.frontend import IntBitOp
 from compilemask.exprprint import split_floor
 
 __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
-           "check_kernel_predicates", "kernel_predicates", "longest_fit"]
+           "check_kernel_predicates", "kernel_predicates", "longest_fit", "fits_metadata"]
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -110,17 +110,19 @@ def check_fits(e, limit: int, what: str, index_max: int = INDEX_MAX,
             "terms, e.g. divide before multiplying")
 
 
-def check_kernel_predicates(mask, length: int) -> None:
+def check_kernel_predicates(mask, length: int, meta_max: int = 0) -> None:
     """The GPU kernels evaluate fallback predicates (and, for an all-fallback mask, the guards)
     in int32: refuse a rule that may not fit at this length, before any kernel is built.
 
-    Indices and metadata are bounded by ``length``: metadata on the GPU is not read back (that
-    would synchronize), and values past the sequence (a sentinel of 2**30 in a product) are the
-    caller's to keep within int32 there, as the docs say."""
+    Indices are bounded by ``length``, metadata by ``max(length, meta_max)``: ``meta_max`` is
+    what a descriptor knows of metadata given on the host (``ExecutionDescriptor.meta_max``).
+    Metadata on the GPU is not read back (that would synchronize), and values there past the
+    sequence (a sentinel of 2**30 in a product) are the caller's to keep within int32, as the
+    docs say."""
     for r, what, e in kernel_predicates(mask):
         check_fits(e, INT32_MAX, f"Region {r.name!r}, {what} (evaluated per score by the GPU "
                    "kernels; backend='reference' computes it exactly)", index_max=length,
-                   meta_max=length)
+                   meta_max=max(length, meta_max))
 
 
 def kernel_predicates(mask) -> list:
@@ -129,6 +131,16 @@ def kernel_predicates(mask) -> list:
     return [(r, what, e) for r in mask.regions
             for what, e in ([("rule", r.rule)] if r.fallback else [])
             + ([("guard", r.guard)] if whole else [])]
+
+
+def fits_metadata(exprs, limit: int = INT32_MAX, pad: int = 0) -> bool:
+    """Whether metadata up to ``META_MAX`` keep every expression within ``limit`` at each
+    length up to its ``longest_fit`` (else a descriptor records how far metadata given on the
+    host reach past the length: ``ExecutionDescriptor.meta_max``). The bounds only grow with
+    the length, so the longest such length (at most ``META_MAX``) decides."""
+    exprs = list(exprs)
+    n = min(longest_fit(exprs, limit, pad), META_MAX)
+    return n < 0 or all(magnitude(e, n + pad, META_MAX) <= limit for e in exprs)
 
 
 def longest_fit(exprs, limit: int = INT32_MAX, pad: int = 0) -> int:

@@ -260,6 +260,10 @@ class ExecutionDescriptor:
     # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.serving``); -1: each
     # sequence's rows start at its own position (a batch of requests), so no native path
     q_offset: int = 0
+    # > 0: the metadata given on the host reach past the longest sequence, up to this power of
+    # two; the kernels' int32 arithmetic is checked against it (0: metadata up to the length,
+    # the bound assumed of values on the GPU, which are not read)
+    meta_max: int = 0
     # int32 [B]: the keys each request holds in a shared KV buffer (``serving.query_descriptor
     # (..., seqused_k=)``), which a paged KV cache's kernel stops at; None: all seqlen_k
     seqused_k: torch.Tensor | None = None
@@ -346,13 +350,14 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     bwd_tiles: TileConfig, *, intervals: torch.Tensor, row_region: torch.Tensor,
                     fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, params: torch.Tensor,
                     row_params: torch.Tensor, segments: tuple | None = None,
-                    lists: PackedLists | None = None, q_offset: int = 0) -> ExecutionDescriptor:
+                    lists: PackedLists | None = None, q_offset: int = 0,
+                    meta_max: int = 0) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
-        lists=lists, q_offset=q_offset)
+        lists=lists, q_offset=q_offset, meta_max=meta_max)
 
 
 def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,
@@ -391,13 +396,15 @@ class DescriptorArgs(NamedTuple):
     bwd_tile_m: int
     bwd_tile_n: int
     q_offset: int
+    meta_max: int
 
     @classmethod
     def of(cls, desc: ExecutionDescriptor) -> DescriptorArgs:
         return cls(desc.intervals, desc.row_region, desc.fwd_bitmap, desc.bwd_bitmap,
                    desc.params, desc.row_params, int(desc.seqlen_q), int(desc.seqlen_k),
                    int(desc.fwd_tiles.tile_m), int(desc.fwd_tiles.tile_n),
-                   int(desc.bwd_tiles.tile_m), int(desc.bwd_tiles.tile_n), int(desc.q_offset))
+                   int(desc.bwd_tiles.tile_m), int(desc.bwd_tiles.tile_n), int(desc.q_offset),
+                   int(desc.meta_max))
 
     def to_op_args(self) -> tuple:
         """The op's arguments for these fields, in schema order."""
@@ -430,4 +437,4 @@ class DescriptorArgs(NamedTuple):
             TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,
             row_region=self.row_region, fwd_bitmap=self.fwd_bitmap, bwd_bitmap=self.bwd_bitmap,
             params=self.params, row_params=self.row_params, segments=segments,
-            q_offset=self.q_offset)
+            q_offset=self.q_offset, meta_max=self.meta_max)

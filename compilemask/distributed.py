@@ -250,7 +250,8 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
         desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles,
                                  fwd, bwd_tiles, bwd)
     # no segments: FA4's varlen needs rows in global order
-    return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1)
+    return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1,
+                               meta_max=pipeline.meta_reach(mask, meta, n, S))
 
 
 # ---- tensors ----------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from compilemask.codegen.blocksparse import (
     packed_lists,
 )
 from compilemask.codegen.column_table import column_table_program, tilelang_column_table
+from compilemask.codegen.cute_mask_mod import metadata_matters
 from compilemask.codegen.preprocess import (
     DEFAULT_PREPROCESS_CONFIG,
     PreprocessConfig,
@@ -168,19 +169,41 @@ def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, dev
         arrs = {**arrs, **derive_run_arrays(mask.derived_arrays, arrs,
                                             check or dev.type == "cpu")}
     fwd, bwd = config.fwd_tiles, config.bwd_tiles
+    reach = meta_reach(mask, meta, seqlen_q, seqlen_k)
     if backend == "tilelang" or (backend == "auto" and dev.type == "cuda" and has_tilelang()):
         first_use(mask, dev.type, "int64", config)
         out = tilelang_preprocess(mask, B, scal, arrs, seqlen_q, seqlen_k, fwd, bwd, device=dev,
                                   config=config.preprocess)
         out["row_params"] = with_tables(mask, arrs, out["row_params"])
-        desc = make_descriptor(mask, seqlen_q, seqlen_k, fwd, bwd, **out)
+        desc = make_descriptor(mask, seqlen_q, seqlen_k, fwd, bwd, **out, meta_max=reach)
     else:
         starts, lens, region = torch_tables(mask, B, scal, arrs, seqlen_q, seqlen_k, dev)
         always = visibility_only_slots(mask, region)
         fwd_bm, bwd_bm = bitmaps(starts, lens, always, fwd, bwd, seqlen_q, seqlen_k)
         desc = assemble(mask, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd,
                         fwd_bm, bwd, bwd_bm)
+        desc = dataclasses.replace(desc, meta_max=reach) if reach else desc
     return finish(desc, config, max_segments)
+
+
+def meta_reach(mask, meta, seqlen_q: int, seqlen_k: int) -> int:
+    """``ExecutionDescriptor.meta_max`` of a batch: where metadata past the sequence may make
+    the mask's int32 kernel arithmetic wrap (``metadata_matters``), the power of two at or
+    above the largest value given on the host (ints, CPU tensors) if it passes the longest
+    sequence; else 0. Powers of two, so a compiled loop sees few values; tensors on the GPU
+    are not read (that would synchronize)."""
+    if not meta or not metadata_matters(mask):
+        return 0
+    top = 0
+    for p, v in meta.items():
+        if p in mask.table_params:  # entries, not values
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "cpu" and v.numel():
+                top = max(top, int(v.max()))
+        elif isinstance(v, int):
+            top = max(top, v)
+    return 0 if top <= max(seqlen_q, seqlen_k) else 1 << (top - 1).bit_length()
 
 
 def torch_tables(mask, B, scal, arrs, seqlen_q, seqlen_k, dev):
@@ -410,5 +433,7 @@ class Preprocessor:
         args += launch_outputs(out, len(self.mask.scalar_params), len(self.mask.array_params))
         args.append(sk)
         self._launch_for(dtype)(*args)
-        desc = make_descriptor(self.mask, sq, sk, self.fwd_tiles, self.bwd_tiles, **out)
+        reach = meta_reach(self.mask, meta, sq, sk) if dev.type == "cpu" else 0
+        desc = make_descriptor(self.mask, sq, sk, self.fwd_tiles, self.bwd_tiles, **out,
+                               meta_max=reach)
         return finish(desc, self.config, self.max_segments)

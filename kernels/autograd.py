@@ -277,12 +277,13 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
 
 
 _LONGEST: dict = {}  # mask key -> the longest length at which its predicates fit int32
+_WIDE: set = set()  # (mask key, length, meta_max) checked with metadata past the length
 
 
-def _check_predicates(mask, length: int) -> None:
+def _check_predicates(mask, length: int, meta_max: int = 0) -> None:
     """Before any kernel is built: the GPU code generator reads every fallback rule (else a
     clear error naming the region), once per mask, and the predicates fit int32 at this length
-    (else the error names the term)."""
+    with metadata up to ``max(length, meta_max)`` (else the error names the term)."""
     if mask.key not in _LONGEST:
         for r in mask.fallback_regions:
             try:
@@ -293,7 +294,11 @@ def _check_predicates(mask, length: int) -> None:
                     f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
                     f"predicate ({e}); backend='reference' runs it") from None
         _LONGEST[mask.key] = longest_fit(e for _, _, e in kernel_predicates(mask))
-    if length > _LONGEST[mask.key]:
+    if meta_max > length:  # host metadata past the sequence (ExecutionDescriptor.meta_max)
+        if (mask.key, length, meta_max) not in _WIDE:
+            check_kernel_predicates(mask, length, meta_max)
+            _WIDE.add((mask.key, length, meta_max))
+    elif length > _LONGEST[mask.key]:
         check_kernel_predicates(mask, length)  # raises, naming the region and the term
 
 
@@ -308,7 +313,7 @@ def _fwd_impl(q, k, v, desc, call: _Call) -> tuple[Tensor, Tensor]:
     scale, engine = call.softmax_scale, call.engine
     if engine in ("fa4", "cute") and desc.mask.has_fallback:
         # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
-        _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k))
+        _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
     if engine in ("fa4", "native"):
         lists = _lists(call.extra, backward=False)
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,

@@ -169,7 +169,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         else:
             columns = desc.columns is not None and heads == 1
             variant = forward_variant(desc.mask, variant, backward, columns,
-                                      max(desc.seqlen_q, desc.seqlen_k))
+                                      max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -246,7 +246,8 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
     native = _native_kwargs(desc.native) if engine == "native" else {}
     # the per-score test: the row mask is measured and tested on the block-sparse forward only
     per_score = ("intervals" if desc.q_offset
-                 else call_variant(desc.mask, None, max(desc.seqlen_q, desc.seqlen_k)))
+                 else call_variant(desc.mask, None, max(desc.seqlen_q, desc.seqlen_k),
+                                   desc.meta_max))
     mods = _mods(desc, engine, per_score, None, backward=False)
     return _timed("serving forward", desc, engine, q)(_fa4_fwd)(
         q, k, v, softmax_scale=softmax_scale, **lengths, **native, **mods)

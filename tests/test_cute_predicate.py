@@ -231,6 +231,90 @@ def test_rules_give_way_to_the_table_where_they_may_wrap():
             assert call_variant(m, None, length) == mask_mod_variant(m), (spec.name, length)
 
 
+class _Wrap32(int):
+    """An int that wraps to int32 after every arithmetic operation, as the GPU computes."""
+
+    def __new__(cls, v):
+        return int.__new__(cls, (int(v) + 2**31) % 2**32 - 2**31)
+
+
+for _op in ("add", "sub", "mul", "floordiv", "mod"):
+    for _name in (f"__{_op}__", f"__r{_op}__"):
+        setattr(_Wrap32, _name, (lambda f: lambda a, b: _Wrap32(f(int(a), int(b))))(
+            getattr(int, _name)))
+_Wrap32.__neg__ = lambda a: _Wrap32(-int(a))
+
+
+def test_rules_give_way_to_the_table_where_host_metadata_reach_past_the_length():
+    """Metadata given on the host past the sequence (CLEAR's image rows 2**25 at 512 tokens)
+    may wrap the rules' int32 arithmetic where metadata up to the length would not: the
+    descriptor records how far they reach, the call then reads the table, and asking for
+    the rules by name raises; the wrapped rules are really wrong there."""
+    import torch
+
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.codegen.cute_mask_mod import (
+        call_variant,
+        forward_variant,
+        metadata_matters,
+        whole_mask_predicate,
+    )
+    from compilemask.descriptor import DescriptorArgs
+
+    mask = cm.compile_mask(masks.clear(2, 64))
+    assert metadata_matters(mask)
+    S = 512
+    for meta in ({"text_end": 100, "img_rows": 2**25},
+                 {"text_end": torch.tensor([100]), "img_rows": torch.tensor([2**25 - 3])}):
+        desc = mask.preprocess(meta, S, backend="torch")
+        assert desc.meta_max == 2**25
+        assert DescriptorArgs.of(desc).descriptor(mask).meta_max == 2**25  # through the ops
+        assert call_variant(mask, None, S, desc.meta_max) == "intervals"
+        assert forward_variant(mask, None, True, length=S, meta_max=desc.meta_max) == "intervals"
+        with pytest.raises(ValueError, match="clear_r2_w64.*int32.*metadata up to 33554432"):
+            call_variant(mask, "rules", S, desc.meta_max)
+    # the rules computed in int32: 64 * 2**25 wraps to -2**31, and rows see no key
+    expr = whole_mask_predicate(mask, any_region=True)
+    src = predicate_source(expr, mask.scalar_params, name="pred")
+    int32 = type("Int32", (), {"__new__": lambda cls, v: _Wrap32(v)})
+    env = {"cutlass": types.SimpleNamespace(Int32=int32, min=min, max=max),
+           "cute": types.SimpleNamespace(jit=lambda f: f)}
+    exec(compile(src.replace("import cutlass.cute as cute\n", "").replace(  # noqa: S102
+        "import cutlass\n", ""), "<pred>", "exec"), env)
+    dense = desc.dense_mask()[0]
+    wrapped = torch.tensor([[bool(env["pred"](_Wrap32(r), _Wrap32(c), _Wrap32(100),
+                                              _Wrap32(2**25), None, 0, S - 1))
+                             for c in range(0, S, 7)] for r in range(0, S, 7)])
+    assert not torch.equal(wrapped, dense[::7, ::7])
+    # metadata up to the length, or on masks whose int32 code no metadata value wraps: 0
+    assert mask.preprocess({"text_end": 100, "img_rows": 6}, S, backend="torch").meta_max == 0
+    window = cm.compile_mask(masks.sink_window(4096, 4))
+    assert not metadata_matters(window)
+
+
+def test_kernel_predicates_are_checked_against_host_metadata_past_the_length():
+    """A fallback predicate that fits int32 with metadata up to the length but not with the
+    batch's metadata given on the host: the op's check raises, naming the region and the term,
+    before any kernel is built; metadata within the length pass."""
+    import compilemask as cm
+    from compilemask.kernels.autograd import _check_predicates
+
+    def rule(i, j):
+        return (j <= i) & ((i * w - j * w) % 1000 < 500)  # noqa: F821
+
+    mask = cm.compile_mask(cm.MaskSpec("scaled_stripes", params=["w"], regions=[
+        cm.Region("stripes", when=lambda i: True, visible=rule)]))
+    assert mask.has_fallback
+    small = mask.preprocess({"w": 3}, 1000, backend="torch")
+    assert small.meta_max == 0
+    _check_predicates(mask, 1000, small.meta_max)
+    big = mask.preprocess({"w": 2**24}, 1000, backend="torch")
+    assert big.meta_max == 2**24
+    with pytest.raises(ValueError, match="stripes.*int32|stripes.*32-bit"):
+        _check_predicates(mask, 1000, big.meta_max)
+
+
 def test_mask_mod_variant_errors_name_the_mask():
     import compilemask as cm
     from compilemask import masks
