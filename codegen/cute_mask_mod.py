@@ -49,8 +49,7 @@ from compilemask.compiler import first_match_rule
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
            "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "metadata_matters",
-           "VARIANTS",
-           "ROWS_ATTR", "COLUMNS_ATTR"]
+           "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
 
 # "predicate": every region is a fallback region; "rules": the rules as one predicate (no
 # per-row arrays read); "intervals": the Interval Table test (and fallback predicates);
