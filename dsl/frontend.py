@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dis
 import inspect
 import linecache
 import textwrap
@@ -218,6 +219,7 @@ def _file_tree(fn):
     """(module ast, source text, filename) for ``fn``; positions match its code object."""
     code = fn.__code__
     filename = code.co_filename
+    linecache.checkcache(filename)  # a file edited (and reloaded) since it was first read
     lines = linecache.getlines(filename, fn.__globals__)
     if not lines:
         raise SourceMatchError(
@@ -260,13 +262,24 @@ def _inside(pos, node) -> bool:
             and (end_line, end_col) <= (node.end_lineno, node.end_col_offset))
 
 
+# the instructions that say what is computed (operators, compares, subscripts, and/or), not
+# where a name resolves (a closure variable compiled alone loads as a global)
+_OPS = ("BINARY_OP", "COMPARE_OP", "IS_OP", "CONTAINS_OP", "UNARY_NEGATIVE", "UNARY_NOT",
+        "UNARY_INVERT", "UNARY_POSITIVE", "BINARY_SUBSCR", "CALL_INTRINSIC_1")
+
+
 def _code_shape(code):
     """What a code object computes apart from where names resolve: compiled alone, a closure
-    variable becomes a global, so free and global names are compared as one set."""
+    variable becomes a global, so free and global names are compared as one set; its
+    operators in order tell ``j >= i - w`` from ``j <= i - w`` (a file edited since)."""
     consts = tuple(_code_shape(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
                    for c in code.co_consts)
+    ops = tuple((ins.opname, ins.argrepr) if ins.opname in _OPS
+                else ins.opname.replace("FORWARD_", "").replace("BACKWARD_", "")
+                for ins in dis.get_instructions(code)
+                if ins.opname in _OPS or "JUMP_IF" in ins.opname)
     return (code.co_argcount, code.co_varnames, consts,
-            frozenset(code.co_names) | frozenset(code.co_freevars))
+            frozenset(code.co_names) | frozenset(code.co_freevars), ops)
 
 
 def _node_shape(node):

@@ -99,12 +99,16 @@ def test_changed_source_is_an_error_naming_region_and_line():
 
 def test_without_columns_ambiguous_lambdas_are_an_error(monkeypatch):
     # -X no_debug_ranges strips instruction columns: two lambdas of one line with the same
-    # constants and names cannot be told apart, so the reader refuses rather than guesses
+    # constants, names and operators cannot be told apart, so the reader refuses rather than
+    # guesses
     monkeypatch.setattr(frontend, "_code_positions", lambda code: set())
-    _a, b = (lambda i, j: j < i), (lambda i, j: j > i)
+    _a, b = (lambda i, j: j < i), (lambda i, j: i < j)
     with pytest.raises(ValueError, match=r"Region 'all', visible function '<lambda>' "
                        r"\(.*:\d+\): 2 functions on this line match"):
         _compile(b)
+    # their operators tell them apart
+    _g, h = (lambda i, j: j < i), (lambda i, j: j > i)
+    assert str(_compile(h).regions[0].intervals[0]) == "[i + 1, seqlen_k)"
     # different constants still tell them apart without columns
     _c, d = (lambda i, j: i - 8 < j <= i), (lambda i, j: i - 64 < j <= i)
     assert [str(iv) for iv in _compile(d).regions[0].intervals] == ["[i - 63, i + 1)"]
@@ -493,3 +497,39 @@ def test_random_invert_rules_match_torch_or_are_refused(rule, a):
     desc = mask.preprocess(meta, seqlen_q=sq, seqlen_k=sk)
     assert torch.equal(desc.dense_mask()[0], want), rule
     assert torch.equal(mask.reference_mask(meta, seqlen_q=sq, seqlen_k=sk)[0], want), rule
+
+
+_EDITED = """
+import compilemask as cm
+spec = cm.MaskSpec("edited", params=["w"], regions=[
+    cm.Region("all", when=lambda i: i >= 0, visible=lambda i, j: (j {op} i - w) & (j >= 0))])
+other = cm.MaskSpec("other", params=["w"], regions=[
+    cm.Region("all", when=lambda i: i >= 0, visible=lambda i, j: (j {op} i + w) & (j >= 0))])
+"""
+
+
+def test_a_rule_file_edited_since_import_is_read_as_it_runs(tmp_path, monkeypatch):
+    """The rules are read from their file: edited and reloaded, the new text is read (not a
+    cached copy); edited and not reloaded, the text no longer matches the code that runs (an
+    operator changed) and the reader refuses rather than translate the new text."""
+    import importlib
+    import os
+    import sys
+
+    path = tmp_path / "edited_rules.py"
+    path.write_text(_EDITED.format(op=">="))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "edited_rules", raising=False)
+    mod = importlib.import_module("edited_rules")
+    first = cm.compile_mask(mod.spec)
+    _assert_exact(first, {"w": 2})
+    path.write_text(_EDITED.format(op="<="))
+    os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 5))
+    assert cm.compile_mask(mod.spec).key == first.key  # the code that runs, compiled before
+    with pytest.raises(ValueError, match="does not match the function's code"):
+        cm.compile_mask(mod.other)  # the old code object, the new text
+    mod = importlib.reload(mod)
+    second = cm.compile_mask(mod.spec)
+    assert second.key != first.key
+    _assert_exact(second, {"w": 2})
+    _assert_exact(cm.compile_mask(mod.other), {"w": 2})
