@@ -13,7 +13,7 @@ from compilemask.log import said, say_once
 from compilemask.options import KernelOptions
 from compilemask.pipeline import on_device
 from compilemask.reference import attention_reference, descriptor_dense_mask
-from compilemask.score_mod import compile_score_mod, follow, kernel_table, static_score_args
+from compilemask.score_mod import compile_score_mod, traced_score_args
 
 __all__ = ["attention", "select_engine", "BACKENDS"]
 
@@ -233,8 +233,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
         if score_mod is None:
             pass
         elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it
-            key, paths, floats, row_shift = static_score_args(score_mod)
-            score = (key, [kernel_table(follow(score_mod, p), f) for p, f in zip(paths, floats)])
+            key, tables, row_shift = traced_score_args(score_mod)
+            score = (key, tables)
             _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
         else:
             sm, tables = compile_score_mod(score_mod)

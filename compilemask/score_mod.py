@@ -41,6 +41,7 @@ from compilemask.fingerprint import Walk as _Walk
 from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
+           "traced_score_args",
            "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
@@ -583,10 +584,13 @@ def _convert(score_mod, name):
 
 @torch.compiler.assume_constant_result
 def static_score_args(score_mod) -> tuple:
-    """``(key, paths, is_float, row_shift)`` of a score_mod, for a traced call
-    (``torch.compile``): the
-    conversion runs once, outside the graph, and each table is reached from the score_mod by
-    its path (``follow``), which the tracer can read."""
+    """``(key, paths, is_float, row_shift, constants)`` of a score_mod, for a traced call
+    (``torch.compile``): the conversion runs once, outside the graph, and each table is reached
+    from the score_mod by its path (``follow``), which the tracer can read. ``constants``:
+    ``(path, value)`` of each Python number or string the score_mod can read (closure cells,
+    globals, defaults, items, nested functions), which the caller compares in the graph
+    (``same_constant``) so that its guards cover them: the key is a constant of the graph,
+    and a changed value must compile again."""
     sm, tables = compile_score_mod(score_mod)
     paths = []
     for t in tables:
@@ -597,17 +601,53 @@ def static_score_args(score_mod) -> tuple:
                 "attribute, which a compiled graph cannot follow; capture it as a closure "
                 "variable, a global or a default")
         paths.append(path)
-    return sm.key, tuple(paths), tuple(t.is_float for t in sm.tables), sm.row_shift
+    consts = []
+    _constants(score_mod, (), 0, set(), consts)
+    return (sm.key, tuple(paths), tuple(t.is_float for t in sm.tables), sm.row_shift,
+            tuple(consts))
 
 
-def _path_to(obj, target, depth, seen):
-    """The steps from ``obj`` to the tensor ``target``: closure cells, globals the code loads,
-    defaults, items of tuples / lists / dicts, through nested functions."""
-    if obj is target:
-        return ()
+def traced_score_args(score_mod) -> tuple:
+    """``(key, tables as the kernels read them, row_shift)`` of a score_mod inside a traced
+    call (``torch.compile``): the conversion's constant result, the tables read from the
+    score_mod where the graph can follow them, and every constant it reads compared in the
+    graph, so that the graph's guards cover it (a changed global scale compiles again)."""
+    key, paths, floats, row_shift, consts = static_score_args(score_mod)
+    for path, value in consts:
+        if not same_constant(follow(score_mod, path), value):
+            raise RuntimeError(f"score_mod {getattr(score_mod, '__name__', '')!r}: a constant "
+                               "changed while traced")
+    tables = [follow(score_mod, p) for p in paths]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
+        raise NotImplementedError(
+            f"score_mod {getattr(score_mod, '__name__', '')!r}: gradients into a captured "
+            "tensor are not built on the GPU engines; detach it (t.detach()), or "
+            "backend='reference' where they flow")
+    return key, [kernel_table(t, f) for t, f in zip(tables, floats)], row_shift
+
+
+_CONSTANTS = (int, float, bool, complex, str, type(None))
+
+
+def same_constant(now, then) -> bool:
+    """A constant of ``static_score_args`` unchanged (NaN equal to itself)."""
+    return now == then or (now != now and then != then)
+
+
+def _constants(obj, path, depth, seen, out) -> None:
+    """``(path, value)`` of the constants reachable from ``obj`` as ``_path_to`` walks."""
     if depth > 8 or id(obj) in seen:
-        return None
+        return
     seen.add(id(obj))
+    for step, v in _steps(obj):
+        if isinstance(v, _CONSTANTS):
+            out.append(((*path, step), v))
+        elif isinstance(v, (types.FunctionType, tuple, list, dict)):
+            _constants(v, (*path, step), depth + 1, seen, out)
+
+
+def _steps(obj) -> list:
+    """``(step, value)`` of what a score_mod's function, tuple, list or dict holds."""
     steps = []
     if isinstance(obj, types.FunctionType):
         for n, cell in enumerate(obj.__closure__ or ()):
@@ -623,7 +663,18 @@ def _path_to(obj, target, depth, seen):
         steps = [(("item", n), v) for n, v in enumerate(obj)]
     elif isinstance(obj, dict):
         steps = [(("item", k), v) for k, v in obj.items() if isinstance(k, (str, int))]
-    for step, v in steps:
+    return steps
+
+
+def _path_to(obj, target, depth, seen):
+    """The steps from ``obj`` to the tensor ``target``: closure cells, globals the code loads,
+    defaults, items of tuples / lists / dicts, through nested functions."""
+    if obj is target:
+        return ()
+    if depth > 8 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    for step, v in _steps(obj):
         if isinstance(v, (types.FunctionType, tuple, list, dict)) or v is target:
             rest = _path_to(v, target, depth + 1, seen)
             if rest is not None:

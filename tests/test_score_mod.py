@@ -474,13 +474,12 @@ def test_score_mod_tables_reach_a_compiled_graph(name):
     """Under torch.compile (fullgraph) the GPU engines' score_mod arguments come from a
     conversion outside the graph (its key and the paths to the captured tensors) and reads the
     graph records: the same tables as eager, read again when a captured tensor is rebound."""
-    from compilemask.score_mod import compile_score_mod, follow, kernel_table, static_score_args
+    from compilemask.score_mod import compile_score_mod, static_score_args, traced_score_args
 
     fn = _cases()[name][0]
 
     def args(f):
-        key, paths, floats, _ = static_score_args(f)
-        return [kernel_table(follow(f, p), fl) for p, fl in zip(paths, floats)]
+        return traced_score_args(f)[1]
 
     compiled = torch.compile(args, fullgraph=True, backend="eager")
     sm, tables = compile_score_mod(fn)
@@ -490,6 +489,59 @@ def test_score_mod_tables_reach_a_compiled_graph(name):
     for a, b in zip(got, tables):
         torch.testing.assert_close(a, b.to(a.dtype).reshape(a.shape))
     assert static_score_args(fn)[0] == sm.key
+
+
+SCALE = 1.0
+
+
+def test_score_mod_values_read_are_guarded_in_a_compiled_graph():
+    """The score_mod's key is a constant of the compiled graph; the graph's guards cover the
+    Python values the score_mod reads (a global, a closure's constant), so a changed value
+    compiles again and the call runs the score_mod as it is now, never the old one."""
+    global SCALE
+    from compilemask.score_mod import SCORE, compile_score_mod, traced_score_args
+
+    def make():
+        shift = [0.5]
+
+        def scaled(score, b, h, q_idx, kv_idx):
+            return score * SCALE + shift[0]
+
+        return scaled, shift
+
+    fn, shift = make()
+
+    def key_of(f, x):
+        return x + 1, traced_score_args(f)[0]
+
+    compiled = torch.compile(key_of, fullgraph=True, backend="eager")
+    x = torch.zeros(2)
+    try:
+        for scale, s in ((1.0, 0.5), (3.0, 0.5), (3.0, -2.0)):
+            SCALE, shift[0] = scale, s
+            sm = compile_score_mod(fn)[0]
+            assert compiled(fn, x)[1] == sm.key
+            assert float(sm.expr.subs(SCORE, 2)) == 2 * scale + s
+    finally:
+        SCALE = 1.0
+
+
+def test_score_mod_gradients_into_captures_are_refused_in_a_compiled_graph():
+    """A captured tensor that requires grad is refused on the GPU engines in a compiled graph
+    as in eager (the kernels build no gradient for it), not dropped; without grad it runs."""
+    from compilemask.score_mod import traced_score_args
+
+    slopes = torch.nn.Parameter(torch.rand(4))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    f = torch.compile(lambda x: (x + 1, traced_score_args(alibi)[1]), fullgraph=True,
+                      backend="eager")
+    with pytest.raises(Exception, match="gradients into a captured tensor"):
+        f(torch.zeros(2))
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.zeros(2))[1][0], slopes.detach())
 
 
 def test_score_mod_tensors_read_as_attributes_are_refused():
@@ -527,6 +579,21 @@ def test_gpu_score_mod_under_torch_compile_fullgraph():
         torch.testing.assert_close(f(q, k, v), cm.attention(q, k, v, desc, score_mod=alibi),
                                    rtol=0, atol=0)
         slopes = torch.rand(4, device="cuda") * 4  # rebound: the next call reads it
+    global SCALE
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * SCALE
+
+    g = torch.compile(lambda a, b_, c: cm.attention(a, b_, c, desc, score_mod=scaled),
+                      fullgraph=True)
+    try:
+        for scale in (1.0, 0.25):  # a changed global: the graph compiles again
+            SCALE = scale
+            torch.testing.assert_close(g(q, k, v),
+                                       cm.attention(q, k, v, desc, score_mod=scaled),
+                                       rtol=0, atol=0)
+    finally:
+        SCALE = 1.0
 
 
 @pytest.mark.gpu
