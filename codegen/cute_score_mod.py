@@ -27,7 +27,7 @@ import sympy as sp
 
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, compile_predicate
-from compilemask.score_mod import SCORE, ScoreMod, fdiv, trunc
+from compilemask.score_mod import SCORE, ScoreMod, fdiv, log2, tofloat, trunc
 
 __all__ = ["score_mod_source", "score_mod_fns", "index_total"]
 
@@ -147,6 +147,10 @@ class _Emit:
             return self.tmp(f"{self.get(e, 'i')}.to(Float32)")
         if isinstance(e, sp.core.function.AppliedUndef):
             return self._load(e)
+        if isinstance(e, tofloat):  # .float() of an integer: converted here, float above
+            return self.get(e.args[0], "f")
+        if isinstance(e, log2):
+            return self.tmp(f"cute.math.log2({self.get(e.args[0], 'f')}, {self.fm})")
         if isinstance(e, (sp.Add, sp.Mul)):
             if isinstance(e, sp.Mul):
                 num, den = e.as_numer_denom()
@@ -176,9 +180,7 @@ class _Emit:
                 return self.tmp(f"Float32(1.0) / {acc}") if k < 0 else acc
             if base == 2:
                 return self.tmp(f"cute.math.exp2({self.get(ex, 'f')}, {self.fm})")
-            # x ** y = exp2(y * log2(x)) for x > 0, as torch's pow of a positive base
-            lg = self.tmp(f"cute.math.log2({self.get(base, 'f')}, {self.fm})")
-            return self.tmp(f"cute.math.exp2({self.get(ex, 'f')} * {lg}, {self.fm})")
+            return self._pow(base, ex)
         fns = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.sin: "sin", sp.cos: "cos"}
         for k, fn in fns.items():
             if isinstance(e, k):
@@ -190,6 +192,23 @@ class _Emit:
         if isinstance(e, sp.floor):
             return self.tmp(f"cute.math.floor({self.get(e.args[0], 'f')})")
         raise NotImplementedError(f"score_mod: no float32 code for {type(e).__name__}: {e}")
+
+    def _pow(self, base, ex) -> str:
+        """torch's pow for any signs: ``|x| ** y`` as ``exp2(y * log2|x|)``, ``x ** 0 == 1``,
+        and for ``x < 0`` the sign of an odd integral ``y`` (NaN for a fractional one)."""
+        x, y = self.get(base, "f"), self.get(ex, "f")
+        ax = self.tmp(f"cute.where({x} < Float32(0.0), -{x}, {x})")
+        lg = self.tmp(f"cute.math.log2({ax}, {self.fm})")
+        r = self.tmp(f"cute.math.exp2({y} * {lg}, {self.fm})")
+        r = self.tmp(f"cute.where({y} == Float32(0.0), cute.full_like(s, 1.0), {r})")
+        if base.is_nonnegative:
+            return r
+        fy = self.tmp(f"cute.math.floor({y})")
+        half = self.tmp(f"cute.math.floor({y} * Float32(0.5))")
+        odd = self.tmp(f"{fy} - {half} * Float32(2.0)")  # 1.0 for an odd integral y
+        signed = self.tmp(f"cute.where({odd} == Float32(1.0), -{r}, {r})")
+        neg = self.tmp(f"cute.where({fy} == {y}, {signed}, cute.full_like(s, float('nan')))")
+        return self.tmp(f"cute.where({x} < Float32(0.0), {neg}, {r})")
 
     # ---- Int32 ---------------------------------------------------------------------------
     def _i(self, e) -> str:

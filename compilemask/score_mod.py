@@ -72,6 +72,37 @@ class trunc(sp.Function):  # noqa: N801 - sympy's spelling of functions
         return sp.Integer(0)  # piecewise constant
 
 
+class tofloat(sp.Function):  # noqa: N801
+    """An integer value converted to float (``.float()``): what is computed from it is float
+    arithmetic, as in torch (``(kv_idx - q_idx).float() ** 2`` must not square in int32)."""
+
+    is_real = True
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.Float(x, 17)
+        return None
+
+    def fdiff(self, argindex=1):
+        return sp.Integer(1)
+
+
+class log2(sp.Function):  # noqa: N801
+    """torch.log2, kept whole: ``log(x) / log(2)`` in float32 is 14.999999 at 2**15."""
+
+    is_real = True
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Integer and x > 0 and not int(x) & (int(x) - 1):
+            return sp.Integer(int(x).bit_length() - 1)
+        return None
+
+    def fdiff(self, argindex=1):
+        return 1 / (self.args[0] * sp.log(2))
+
+
 class fdiv(sp.Function):  # noqa: N801
     """True division of two integer-valued expressions, kept whole: sympy would distribute
     ``(j - i) / 3`` into ``j/3 - i/3``, which rounds differently (a float -> int conversion of
@@ -157,6 +188,7 @@ class _Trace:
         self.fname = fname
         self.stand_ins: dict = {}
         self.tables: dict[int, Table] = {}  # leaf -> table
+        self.narrow: dict = {}  # table name -> its int8 / uint8 / int16 dtype
 
     def fail(self, what: str):
         return NotImplementedError(f"score_mod {self.fname!r} ({user_line(__file__)}): {what}")
@@ -168,6 +200,8 @@ class _Trace:
         tab = Table(f"tab{leaf}_{name}" if name.isidentifier() else f"tab{leaf}",
                     tensor.dim(), tensor.dtype in _FLOAT_DTYPES)
         self.tables[leaf] = tab
+        if tensor.dtype in (torch.int8, torch.uint8, torch.int16):
+            self.narrow[tab.name] = tensor.dtype
         s = _Tab(self, tab, tensor, tensor.dtype)
         if tensor.dim() == 0:  # a scalar tensor reads as its value
             s = s._read(())
@@ -218,6 +252,13 @@ def _kind(*xs) -> str:
 
 
 def _arith(tr, op, a, b):
+    a, b = _v(tr, a), _v(tr, b)
+    if op == "-" and "b" in (a.kind, b.kind):  # torch refuses it
+        raise tr.fail("'-' with a boolean (torch refuses it; ~ negates a boolean)")
+    if a.kind == "b" and b.kind == "b" and op in ("+", "*"):
+        # torch keeps bool + bool a bool (or), bool * bool (and)
+        return _V(tr, (sp.Or if op == "+" else sp.And)(a.e, b.e), "b")
+    _check_narrow(tr, op, a, b)
     a, b = _num(tr, a, op), _num(tr, b, op)
     if op == "+":
         return _V(tr, a.e + b.e, _kind(a, b))
@@ -238,10 +279,28 @@ def _arith(tr, op, a, b):
             raise tr.fail("% of floats")
         return _V(tr, sp.Mod(a.e, b.e), "i")
     if op == "**":
+        if b.e.is_Float and b.e == int(b.e):  # x ** 2.0 is x * x in torch, also for x < 0
+            b = _V(tr, sp.Integer(int(b.e)), "f")
         if _kind(a, b) == "i" and not (b.e.is_Integer and int(b.e) >= 0):
             raise tr.fail("an integer raised to a non-constant or negative power")
         return _V(tr, a.e ** b.e, _kind(a, b))
     raise tr.fail(f"operator {op!r}")
+
+
+def _check_narrow(tr, op, a, b) -> None:
+    """int8 / uint8 / int16 arithmetic wraps in torch where both sides keep that dtype (two
+    such reads, or one and a Python number); the kernels compute in int32: refused."""
+    def narrow(x):
+        return isinstance(x.e, sp.core.function.AppliedUndef) and type(x.e).__name__ in tr.narrow
+
+    def constant(x):
+        return x.e.is_Number and x.kind != "f"
+
+    if (narrow(a) and (narrow(b) or constant(b))) or (narrow(b) and constant(a)):
+        name = type(a.e if narrow(a) else b.e).__name__.split("_", 1)[-1]
+        raise tr.fail(f"'{op}' on captured tensor {name!r} of dtype "
+                      f"{tr.narrow[type(a.e if narrow(a) else b.e).__name__]} keeps its dtype "
+                      "in torch, which wraps; convert it first (.long() or .int())")
 
 
 _REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
@@ -310,7 +369,11 @@ def _to(tr, x, dtype):
     if dtype in _FLOAT_DTYPES:
         if x.kind == "b":
             x = _num(tr, x, "float")
-        return _V(tr, x.e, "f")
+        return _V(tr, tofloat(x.e) if x.kind == "i" else x.e, "f")
+    if dtype in (torch.int8, torch.uint8, torch.int16) and not (
+            x.kind == "b" or (x.e.is_Number and _fits(x.e, dtype))):
+        raise tr.fail(f"a conversion to {dtype}, which wraps in torch (the kernels compute "
+                      "in int32)")
     if dtype is torch.bool:
         return x if x.kind == "b" else _V(tr, sp.Ne(x.e, 0), "b")
     if dtype in _INT_DTYPES:
@@ -318,6 +381,11 @@ def _to(tr, x, dtype):
         return _V(tr, trunc(x.e) if x.kind == "f" else x.e, "i")
     raise tr.fail(f"a conversion to {dtype} (its rounding is not reproduced: float32, float64, "
                   "integers, bool)")
+
+
+def _fits(n, dtype) -> bool:
+    info = torch.iinfo(dtype)
+    return n.is_Integer and info.min <= int(n) <= info.max
 
 
 _TORCH_FUNCS = {
@@ -330,7 +398,7 @@ _TORCH_FUNCS = {
     torch.exp: _float_fn(sp.exp),
     torch.exp2: _float_fn(lambda x: sp.Integer(2) ** x),
     torch.log: _float_fn(sp.log),
-    torch.log2: _float_fn(lambda x: sp.log(x) / sp.log(2)),
+    torch.log2: _float_fn(log2),
     torch.tanh: _float_fn(sp.tanh),
     torch.sigmoid: _float_fn(lambda x: 1 / (1 + sp.exp(-x))),
     torch.sqrt: _float_fn(sp.sqrt),
@@ -396,6 +464,8 @@ class _V(_Ops):
     __hash__ = _Ops.__hash__
 
     def __neg__(self):
+        if self.kind == "b":
+            raise self.tr.fail("'-' of a boolean (torch refuses it; use ~)")
         return _arith(self.tr, "-", 0, self)
 
     def __pos__(self):
@@ -717,6 +787,7 @@ def _row_shift(expr) -> str:
     if _I not in expr.free_symbols:
         return "none"
     c = sp.Symbol("_shift", integer=True)
+    expr = expr.replace(tofloat, lambda x: x)  # a conversion is the same value
     d = sp.expand(expr.subs(_I, _I + c) - expr)
     row = not (d.free_symbols & {SCORE, _J, _I}) and not any(
         a.free_symbols & {SCORE, _J, _I} for a in d.atoms(sp.core.function.AppliedUndef))
@@ -824,6 +895,10 @@ def _torch_eval(e, env, tabs, fdtype):
             return torch.trunc(args[0].to(fdtype)).long()
         if isinstance(x, fdiv):
             return args[0].to(fdtype) / args[1].to(fdtype)
+        if isinstance(x, tofloat):
+            return args[0].to(fdtype)
+        if isinstance(x, log2):
+            return torch.log2(args[0].to(fdtype))
         if isinstance(x, sp.Min):
             out = args[0]
             for a in args[1:]:

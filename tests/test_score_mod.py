@@ -290,8 +290,15 @@ def test_score_mod_tables_as_the_kernels_read_them():
         sm.aux_tensors(ordered(slopes=slopes.detach(), ids=ids), torch.device("meta"))
 
 
+def _pow_log2(score, b, h, q_idx, kv_idx):
+    d = (kv_idx - q_idx).abs()
+    return (score - (kv_idx - q_idx).float() ** 2.0 * 1e-9 + (-0.5) ** (d % 4)
+            + score ** ((d % 3).float() * 0.5) * 1e-3 + torch.log2(d.float() + 1).long())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
 @pytest.mark.parametrize("name,engine", [
+    pytest.param("pow_log2", "fa4", marks=pytest.mark.slow),
     ("t5_prefix_lm", "fa4"),
     pytest.param("alibi_causal", "native", marks=pytest.mark.slow),
     pytest.param("temperature_hstu", "fa4", marks=pytest.mark.slow)])
@@ -307,7 +314,8 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
 
     from helpers import fake_on_cuda
 
-    fn, _, spec, _ = _cases()[name]
+    fn, _, spec, _ = _cases()[name] if name != "pow_log2" else (
+        _pow_log2, None, masks.prefix_lm(), None)
     mask = cm.compile_mask(spec)
     Bf, S, D = 2, 300, 128
     meta = masks.random_meta(mask.spec, Bf, S, torch.Generator().manual_seed(0))
@@ -966,3 +974,75 @@ def test_index_total_refuses_what_can_overflow():
     assert index_total(compile_score_mod(square)[0])
     assert not index_total(compile_score_mod(reciprocal)[0])
     assert not index_total(compile_score_mod(decay)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated code against the score_mod as written (numpy stand-ins for FA4's vectors)
+# ---------------------------------------------------------------------------------------------
+def _as_written_cases():
+    gate = torch.tensor([True, False, True, True])
+
+    def gauss(s, b, h, q, kv):
+        return s - (kv - q).float() ** 2.0 * 1e-9
+
+    return {
+        "bool_plus_bool_is_or": lambda s, b, h, q, kv: s - 2 * ((kv > q) + (kv > q - 3)),
+        "bool_times_bool_is_and": lambda s, b, h, q, kv: s - 2 * ((kv > q) * gate[h]),
+        "bool_table_plus_itself": lambda s, b, h, q, kv: s + (gate[h] + gate[h]),
+        "integral_float_power_of_a_negative": lambda s, b, h, q, kv: s ** 2.0,
+        "pow_with_float_two": lambda s, b, h, q, kv: torch.pow(s, 2.0),
+        "squared_distance_in_float": gauss,
+        "negative_base_integer_exponent": lambda s, b, h, q, kv: s + (-0.5) ** (kv - q).abs(),
+        "negative_base_any_power": lambda s, b, h, q, kv: (s - 1.0) ** ((kv - q) % 3 + 0.5),
+        "log2_at_powers_of_two": lambda s, b, h, q, kv: s + torch.log2(
+            (kv - q).abs().float() + 1).long(),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_as_written_cases()))
+def test_generated_score_mod_equals_the_score_mod_as_written(name):
+    """The generated CuTe score_mod and its derivative, run on float32 / int32 stand-ins,
+    equal the score_mod in torch (int32 indices, as FlexAttention's) on random scores and on
+    distances up to 2**17 (squares past int32 after .float(), log2 at powers of two), NaN
+    where torch gives NaN."""
+    from score_mod_stand_ins import run_eager, run_generated
+
+    fn = _as_written_cases()[name]
+    g = np.random.default_rng(len(name))
+    n = 3000
+    q = g.integers(0, 2**17, n)
+    kv = np.concatenate([g.integers(0, 2**17, n - 40), q[-40:] + 2 ** g.integers(0, 14, 40) - 1])
+    s = np.concatenate([(g.standard_normal(n - 4) * 4), [-3.0, 0.0, 2.0, -0.5]])
+    args = (s, g.integers(0, B, n), g.integers(0, H, n), q, kv)
+    for grad in (False, True):
+        got, want = run_generated(fn, *args, grad=grad), run_eager(fn, *args, grad=grad)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, equal_nan=True,
+                                   err_msg=f"{name} grad={grad}")
+
+
+def test_narrow_integer_arithmetic_and_bool_negation_are_refused():
+    """Arithmetic that keeps an int8 / uint8 / int16 dtype in torch wraps there (the kernels
+    compute in int32); a conversion to one wraps; ``-`` of a boolean raises in torch. Each is
+    refused naming the tensor or the operation; a narrow table compared, or added to an index,
+    reads exactly."""
+    from compilemask.score_mod import compile_score_mod
+
+    u8 = torch.tensor([0, 200, 3, 9], dtype=torch.uint8)
+    i8 = torch.tensor([100, 120, -3, 1], dtype=torch.int8)
+    for fn, what in (
+            (lambda s, b, h, q, kv: s + (u8[h] - 1), "'u8'.*uint8"),
+            (lambda s, b, h, q, kv: s + (i8[h] + i8[h]), "'i8'.*int8"),
+            (lambda s, b, h, q, kv: s + (q - kv).to(torch.uint8), "conversion to torch.uint8"),
+            (lambda s, b, h, q, kv: s + (-(kv > q)), "'-' of a boolean"),
+            (lambda s, b, h, q, kv: s + ((kv > q) - (q > kv)), "'-' with a boolean"),
+            (lambda s, b, h, q, kv: s - (kv > q), "'-' with a boolean")):
+        with pytest.raises(NotImplementedError, match=what):
+            compile_score_mod(fn)
+    from score_mod_stand_ins import run_eager, run_generated
+
+    def fine(s, b, h, q, kv):
+        return s + (u8[h] + kv) * 0.01 + (i8[h] > 50)
+
+    args = (np.linspace(-2, 2, 64), np.zeros(64), np.arange(64) % H, np.arange(64),
+            np.arange(64)[::-1])
+    np.testing.assert_allclose(run_generated(fine, *args), run_eager(fine, *args), rtol=1e-6)
