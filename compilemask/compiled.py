@@ -179,7 +179,9 @@ def _compile_spec(spec: MaskSpec) -> _IR:
         raise NotImplementedError(f"MaskSpec {spec.name!r}: tables {tables}: a mask reads at "
                                   "most one table param")
     canonical = "\n".join(
-        [f"params={spec.params} arrays={arrays}" + (f" tables={tables}" if tables else "")]
+        [f"params={spec.params} arrays={arrays}" + (f" tables={tables}" if tables else "")
+         # a divisor sympy cancels is still checked (> 0) at preprocess
+         + (f" divisors={sorted(ctx_all.divisor_params)}" if ctx_all.divisor_params else "")]
         + [f"{r.name}|{sp.srepr(g.expr)}|{sp.srepr(v.expr)}" for r, g, v in translated]
     )
     key = canonical_hash(canonical)
@@ -371,9 +373,11 @@ class CompiledMask:
         return self._column_view()[1]
 
     def _column_view(self):
-        if not hasattr(self._ir, "columns"):
-            self._ir.columns = _column_view(self)
-        return self._ir.columns
+        # per head_param: a spec declaring ``h`` and one reading it implicitly share the IR
+        views = self._ir.__dict__.setdefault("columns", {})
+        if self.head_param not in views:
+            views[self.head_param] = _column_view(self)
+        return views[self.head_param]
 
     @property
     def divisor_params(self) -> tuple[str, ...]:

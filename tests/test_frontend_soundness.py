@@ -533,3 +533,35 @@ def test_a_rule_file_edited_since_import_is_read_as_it_runs(tmp_path, monkeypatc
     assert second.key != first.key
     _assert_exact(second, {"w": 2})
     _assert_exact(cm.compile_mask(mod.other), {"w": 2})
+
+
+def _folded_divisor(i, j):
+    return j <= i and (i // g) - (i // g) == 0  # noqa: F821
+
+
+def test_a_divisor_sympy_cancels_is_still_checked():
+    """``i // g`` cancelled by sympy leaves the rules equal to ``j <= i``, but Python raises
+    at g = 0: the mask keeps g as a divisor (refused at 0) whatever compiled before it."""
+    plain = cm.compile_mask(cm.MaskSpec("plain_g", params=["g"], regions=[
+        cm.Region("r", when=lambda i: i >= 0, visible=lambda i, j: j <= i)]))
+    folded = cm.compile_mask(cm.MaskSpec("folded_g", params=["g"], regions=[
+        cm.Region("r", when=lambda i: i >= 0, visible=_folded_divisor)]))
+    assert plain.key != folded.key and folded.divisor_params == ("g",)
+    plain.preprocess({"g": 0}, seqlen_q=4, backend="torch")
+    with pytest.raises(ValueError, match="g.*positive"):
+        folded.preprocess({"g": 0}, seqlen_q=4, backend="torch")
+
+
+def test_a_head_read_implicitly_has_no_column_view_whatever_compiled_first():
+    """A spec declaring ``h`` and one reading the head index implicitly share their rules'
+    compilation; the column view, which the per-head one does not have, is decided per mask."""
+    def rule(i, j):
+        return j <= i and j >= h  # noqa: F821
+
+    explicit = cm.compile_mask(cm.MaskSpec("explicit_h", params=["h"], regions=[
+        cm.Region("all", when=lambda i: i >= 0, visible=rule)]))
+    implicit = cm.compile_mask(cm.MaskSpec("implicit_h", regions=[
+        cm.Region("all", when=lambda i: i >= 0, visible=rule)]))
+    assert explicit.column_view is not None
+    assert implicit.head_param == "h" and implicit.column_view is None
+    assert "head index" in implicit.column_view_reason
