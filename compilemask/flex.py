@@ -1007,7 +1007,9 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     the ``b``-indexed tensors, else 1. Bool tensors are viewed as uint8. ``meta`` reads the
     captured tensors as they are at each preprocess: the arrays read directly are views, and
     those gathered from them (below) are computed again once one of their tensors was updated
-    in place; a tensor replaced or resized needs ``from_mask_mod`` again (a resize is refused).
+    in place through torch (its version counter: a write through ``.data`` or a NumPy array
+    sharing the memory is not seen); a tensor replaced or resized needs ``from_mask_mod`` again
+    (a resize is refused).
     Per-token tensors must have ``seqlen_q`` entries, and those read at ``kv_idx`` need
     ``seqlen_k <= seqlen_q``. A
     tensor read at an index computed from ``q_idx`` or ``kv_idx`` (``t[kv_idx // 16]``,

@@ -158,7 +158,8 @@ class ScoreMod:
 
     def aux_tensors(self, tensors, device) -> list:
         """The captured tensors as the kernel reads them, on ``device`` (float32 / int32,
-        contiguous, 0-d as one element); a conversion is made once per tensor version."""
+        contiguous, 0-d as one element); a conversion is made once per tensor version (torch's
+        version counter: write a table through torch, not through ``.data`` or NumPy)."""
         return [_as_table(t, spec, device, self.name) for t, spec in zip(tensors, self.tables)]
 
     def evaluate(self, score, b, h, q_idx, kv_idx, tensors, grad: bool = False):
@@ -284,7 +285,7 @@ def _arith(tr, op, a, b):
         if _kind(a, b) == "i" and not (b.e.is_Integer and int(b.e) >= 0):
             raise tr.fail("an integer raised to a non-constant or negative power")
         return _V(tr, a.e ** b.e, _kind(a, b))
-    raise tr.fail(f"operator {op!r}")
+    raise tr.fail(op if op.startswith("torch.") else f"operator {op!r}")
 
 
 def _check_narrow(tr, op, a, b) -> None:
@@ -409,7 +410,9 @@ _TORCH_FUNCS = {
     torch.sub: lambda tr, a, b: _arith(tr, "-", a, b),
     torch.mul: lambda tr, a, b: _arith(tr, "*", a, b),
     torch.div: lambda tr, a, b, rounding_mode=None: _arith(
-        tr, "/" if rounding_mode is None else "//" if rounding_mode == "floor" else "?", a, b),
+        tr, "/" if rounding_mode is None else "//" if rounding_mode == "floor" else
+        f"torch.div with rounding_mode={rounding_mode!r} (floor division: // or "
+        "rounding_mode='floor')", a, b),
     torch.true_divide: lambda tr, a, b: _arith(tr, "/", a, b),
     torch.floor_divide: lambda tr, a, b: _arith(tr, "//", a, b),
     torch.remainder: lambda tr, a, b: _arith(tr, "%", a, b),
@@ -611,7 +614,14 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
         key, sm = None, None
     leaves = walk.leaves
     if sm is None:
-        sm, leaves = _convert(score_mod, name)
+        try:
+            sm, leaves = _convert(score_mod, name)
+        except RecursionError:  # sympy's Piecewise folding of some comparisons used as numbers
+            raise NotImplementedError(
+                f"score_mod {getattr(score_mod, '__name__', 'score_mod')!r}: an expression the "
+                "converter cannot simplify (a comparison of two index expressions used as a "
+                "number); compare their difference with a constant instead "
+                "((3 * kv_idx - 2 * q_idx > 0).float())") from None
         if key is not None:
             with _LOCK:
                 if len(_CACHE) > 1024:

@@ -359,8 +359,11 @@ class DecodeState:
     """A generation's mask and metadata (over every position it will reach); ``descriptor``
     gives the step's, made once per ``(seqlen_q, seqlen_k)`` and metadata and kept until either
     changes: a tensor written in place or replaced, an int changed, an entry added or removed
-    (the dict may be updated between calls). Metadata made under ``torch.inference_mode``
-    counts no writes, so each call makes its descriptor anew."""
+    (the dict may be updated between calls). Writes are seen through torch's version counter:
+    one that bypasses it (through ``.data``, a NumPy array or DLPack sharing the memory) is
+    not, as for autograd's saved tensors; write through torch, or pass a new tensor. Metadata
+    made under ``torch.inference_mode`` counts no writes, so each call makes its descriptor
+    anew."""
 
     def __init__(self, mask, meta=None, *, batch_size: int | None = None, device=None):
         if not isinstance(mask, CompiledMask):

@@ -1046,3 +1046,15 @@ def test_narrow_integer_arithmetic_and_bool_negation_are_refused():
     args = (np.linspace(-2, 2, 64), np.zeros(64), np.arange(64) % H, np.arange(64),
             np.arange(64)[::-1])
     np.testing.assert_allclose(run_generated(fine, *args), run_eager(fine, *args), rtol=1e-6)
+
+
+def test_unsupported_score_mods_are_refused_with_the_construct_named():
+    """A rounding mode the kernels do not reproduce, and a comparison sympy cannot fold, are
+    refused naming what to write instead (not an operator '?' or a RecursionError)."""
+    from compilemask.score_mod import compile_score_mod
+
+    with pytest.raises(NotImplementedError, match="rounding_mode='trunc'.*floor division"):
+        compile_score_mod(lambda s, b, h, q, kv: s + torch.div(kv - q, 3, rounding_mode="trunc"))
+    with pytest.raises(NotImplementedError, match="compare their difference with a constant"):
+        compile_score_mod(lambda s, b, h, q, kv: s + ((kv * 2 - q) > (q - kv)).float())
+    compile_score_mod(lambda s, b, h, q, kv: s + (3 * kv - 2 * q > 0).float())
