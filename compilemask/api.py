@@ -192,8 +192,14 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     engine = select_engine(q, desc, backend, deterministic, heads)
     score = None
     if score_mod is not None and engine == "reference" and desc.q_offset:
-        _check_rows(desc, compile_score_mod(score_mod)[0].row_shift, return_lse,
-                    learnable_sink is not None)
+        try:
+            row_shift = compile_score_mod(score_mod)[0].row_shift
+        except (NotImplementedError, TypeError) as e:
+            raise NotImplementedError(
+                "cm.attention: this descriptor's queries are not rows 0.. of the sequence, "
+                "where a score_mod runs only if its reading of q_idx is known, and this one "
+                f"does not convert ({e})") from None
+        _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
     if score_mod is not None or learnable_sink is not None:
         if score_mod is not None and not callable(score_mod):
             raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "

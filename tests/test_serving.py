@@ -769,3 +769,18 @@ def test_fa4_length_arguments_are_made_once_per_descriptor():
     assert _lengths(d, paged=True)["seqused_k"].tolist() == [9, 4]
     square = query_descriptor(mask, None, 9, 1, batch_size=2)
     assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]
+
+
+def test_reference_on_served_rows_names_why_a_score_mod_is_refused():
+    """Served rows run a score_mod only where its reading of q_idx is known; one the converter
+    does not read (a -inf constant) is refused saying so, on the reference engine too."""
+    from compilemask.serving import query_descriptor
+
+    desc = query_descriptor(cm.compile_mask(masks.causal()), None, 16, 4, batch_size=1)
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 16, 2, 8)
+
+    def no_first_key(score, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx == 0, float("-inf"), score)
+
+    with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*-inf"):
+        cm.attention(q, k, k, desc, score_mod=no_first_key, backend="reference")
