@@ -102,6 +102,10 @@ class HeadGroups:
         if seen != list(range(self.num_heads)):
             raise ValueError(f"HeadGroups: the groups' heads {seen} are not each of "
                              f"0..{self.num_heads - 1} once")
+        for _, heads in self.groups:
+            if list(heads) != sorted(heads):  # a group's kv heads pair with them in order
+                raise ValueError(f"HeadGroups: a group's heads {tuple(heads)} are not "
+                                 "ascending")
         first = self.groups[0][0]
         for desc, _ in self.groups:
             if not isinstance(desc, ExecutionDescriptor):
@@ -299,6 +303,10 @@ def attention_heads(attention, q, k, v, groups: HeadGroups, return_lse: bool, sc
         qs = [q.index_select(2, idx) for idx in heads]
         ks = [k.index_select(2, kv_idx) for _, kv_idx in per]
         vs = [v.index_select(2, kv_idx) for _, kv_idx in per]
+    if learnable_sink is not None and (not isinstance(learnable_sink, torch.Tensor)
+                                       or learnable_sink.shape != (H,)):
+        raise ValueError(f"learnable_sink must be [H] = [{H}], got "
+                         f"{list(getattr(learnable_sink, 'shape', [type(learnable_sink)]))}")
     outs, lses = [], []
     for (desc, _), qg, kg, vg, idx in zip(groups.groups, qs, ks, vs, heads):
         sink = None if learnable_sink is None else learnable_sink.index_select(

@@ -110,7 +110,15 @@ def test_head_groups_errors():
     d = causal.preprocess(None, S, batch_size=B)
     with pytest.raises(ValueError, match="not each of 0..2 once"):
         cm.HeadGroups(((d, (0, 1)), (d, (1,))), 3)
+    # a group's query heads pair with its kv heads in order: given out of order, refused
+    with pytest.raises(ValueError, match=r"heads \(2, 0\) are not ascending"):
+        cm.HeadGroups(((d, (2, 0)), (d, (1, 3))), 4)
     assert "heads [0, 1]" in groups.explain()
+    # a sink of another length is refused before the groups slice it
+    win = cm.compile_mask(masks.sliding_window(3))
+    mixed = cm.preprocess_heads([causal, win, causal, win], None, S, batch_size=B)
+    with pytest.raises(ValueError, match=r"learnable_sink must be \[H\] = \[4\], got \[8\]"):
+        cm.attention(q, k, v, mixed, learnable_sink=torch.zeros(8), backend="reference")
 
 
 @pytest.mark.gpu
