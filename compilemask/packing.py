@@ -101,6 +101,9 @@ def _per_row(value, seq_id, n_seq, name):
         if value.dim() != 1 or value.is_floating_point():
             raise ValueError(f"{name}: per-sequence metadata must be an int tensor [N] or an "
                              f"int, got shape {list(value.shape)} dtype {value.dtype}")
+        if n_seq is not None and value.shape[0] != n_seq:
+            raise ValueError(f"{name}: {value.shape[0]} per-sequence values, cu_seqlens has "
+                             f"{n_seq} sequences")
         idx = seq_id if n_seq is None else seq_id.clamp(max=n_seq - 1)  # padding: the last one
         return value.to(device=dev, dtype=torch.int64)[idx]
     if isinstance(value, int) and not isinstance(value, bool):

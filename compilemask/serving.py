@@ -222,10 +222,19 @@ def _unpacked(x, used, S: int):
     return torch.where(valid.view(*valid.shape, *(1,) * (x.dim() - 1)), rows, 0), valid
 
 
-def _gathered(cache, page_table, seqlen_k: int):
-    """[B, seqlen_k, Hkv, D]: each sequence's keys read through its page table."""
+def _gathered(cache, page_table, seqlen_k: int, used=None):
+    """[B, seqlen_k, Hkv, D]: each sequence's keys read through its page table; the entries
+    past a request's ``used`` keys are not read (a serving engine may leave them unset)."""
     page_size = cache.shape[1]
     pages = page_table[:, :(seqlen_k + page_size - 1) // page_size].long()
+    if used is not None:
+        need = (used.to(pages.device).long() + page_size - 1) // page_size
+        pages = torch.where(torch.arange(pages.shape[1], device=pages.device) < need.view(-1, 1),
+                            pages, 0)
+    if pages.device.type == "cpu" and pages.numel() and (
+            int(pages.min()) < 0 or int(pages.max()) >= cache.shape[0]):
+        raise ValueError(f"paged_attention: page_table entries must lie in [0, "
+                         f"{cache.shape[0]}), got [{int(pages.min())}, {int(pages.max())}]")
     B, P = pages.shape
     return cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
 
@@ -287,8 +296,8 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     _checks("paged_attention", q, k_cache, v_cache, page_table, desc)
     engine = _engine("paged_attention", q, desc, backend)
     if engine == "reference":
-        k = _gathered(k_cache, page_table, desc.seqlen_k)
-        v = _gathered(v_cache, page_table, desc.seqlen_k)
+        k = _gathered(k_cache, page_table, desc.seqlen_k, desc.seqused_k)
+        v = _gathered(v_cache, page_table, desc.seqlen_k, desc.seqused_k)
         return _reference(q, k, v, desc, softmax_scale)
     return _fa4(q, k_cache, v_cache, desc, softmax_scale, engine, page_table=page_table)
 
@@ -305,6 +314,10 @@ def varlen_attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float
     _checks("varlen_attention", q, k, v, None, desc)
     engine = _engine("varlen_attention", q, desc, backend)
     if engine == "reference":
+        used = desc.seqused_k
+        if used is not None and used.device.type == "cpu" and int(used.sum()) > k.shape[0]:
+            raise ValueError(f"varlen_attention: k holds {k.shape[0]} rows, the descriptor's "
+                             f"seqused_k {used.tolist()} {int(used.sum())}")
         kk, _ = _unpacked(k, desc.seqused_k, desc.seqlen_k)
         vv, _ = _unpacked(v, desc.seqused_k, desc.seqlen_k)
         return _reference(q, kk, vv, desc, softmax_scale)

@@ -176,3 +176,5 @@ def test_errors():
     with pytest.raises(ValueError, match=r"\[N\]"):
         packing.packed_meta({"w": torch.ones(1, 1, dtype=torch.long)}, values=["w"],
                             cu_seqlens=cu, seqlen=4)
+    with pytest.raises(ValueError, match="w: 2 per-sequence values, cu_seqlens has 1 sequences"):
+        packing.packed_meta({"w": torch.tensor([1, 2])}, values=["w"], cu_seqlens=cu, seqlen=4)

@@ -584,6 +584,19 @@ def test_paged_kv_refusals_name_the_argument():
     with torch.no_grad():  # grad-requiring inputs are fine without grad
         out = paged_attention(q.requires_grad_(), k_cache, v_cache, table, d)
     assert torch.equal(out, cm.attention(q.detach(), k, v, d))
+    q = q.detach()
+    bad = table.clone()
+    bad[1, 0] = -1  # torch would read the last page
+    with pytest.raises(ValueError, match=r"page_table entries must lie in \[0, "):
+        paged_attention(q, k_cache, v_cache, bad, d, backend="reference")
+    # entries past a request's used keys are not read: unset ones are fine
+    short = query_descriptor(mask, None, 100, 1, batch_size=2, seqused_k=torch.tensor([100, 40]))
+    unset = table.clone()
+    unset[1, 2:] = -1
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, unset, short,
+                                               backend="reference"),
+                               paged_attention(q, k_cache, v_cache, table, short,
+                                               backend="reference"))
 
 
 def _packed_batch(mask, gen, used_k, used_q, Hkv=2, D=32, dtype=torch.float32, device="cpu"):
@@ -657,6 +670,8 @@ def test_varlen_refusals_name_the_argument():
                          seqused_q=torch.tensor([2, 4]))
     with pytest.raises(NotImplementedError, match="forward only"):
         varlen_attention(q.requires_grad_(), k, v, d)
+    with pytest.raises(ValueError, match=r"k holds 10 rows, the descriptor's seqused_k \[9, 4\]"):
+        varlen_attention(q.detach(), k[:10], v[:10], d, backend="reference")
 
 
 @pytest.mark.gpu
