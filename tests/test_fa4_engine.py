@@ -326,6 +326,24 @@ def test_gpu_fa4_mask_mod_variants(name, variant):
 
 
 @pytest.mark.gpu
+def test_gpu_rules_give_way_where_host_metadata_reach_past_the_length():
+    """CLEAR (2, 64), whose default backward test is its rules in int32, with image rows
+    given on the host far past the sequence (64 * 2**25 wraps int32): the descriptor records
+    it and the call reads the table, exact; asked for the rules by name, it raises."""
+    mask = cm.compile_mask(masks.clear(2, 64))
+    desc = mask.preprocess({"text_end": torch.tensor([100, 37]),
+                            "img_rows": torch.tensor([2**25, 3])}, seqlen_q=512, device="cuda")
+    assert desc.meta_max == 2**25
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 512, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    check_attention_vs_reference(desc, q, k, v, "fa4", mask.reference_mask(
+        {"text_end": torch.tensor([100, 37]), "img_rows": torch.tensor([2**25, 3])}, 512))
+    with pytest.raises(ValueError, match="int32.*metadata up to 33554432"):
+        cm.attention(q, k, v, desc, backend="fa4", options=cm.KernelOptions(mask_mod="rules"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["hstu", "clear", "causal"])
 def test_gpu_fa4_rectangular_and_mha(name):
     # Sq != Sk (top-left causal is then not native), no GQA, seqlen not a multiple of 128
