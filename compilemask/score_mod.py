@@ -693,11 +693,17 @@ def traced_score_args(score_mod) -> tuple:
     score_mod where the graph can follow them, and every constant it reads compared in the
     graph, so that the graph's guards cover it (a changed global scale compiles again)."""
     key, paths, floats, row_shift, consts = static_score_args(score_mod)
-    for path, value in consts:
-        if not same_constant(follow(score_mod, path), value):
-            raise RuntimeError(f"score_mod {getattr(score_mod, '__name__', '')!r}: a constant "
-                               "changed while traced")
-    tables = [follow(score_mod, p) for p in paths]
+    try:
+        for path, value in consts:
+            if not same_constant(follow(score_mod, path), value):
+                raise RuntimeError(f"score_mod {getattr(score_mod, '__name__', '')!r}: a "
+                                   "constant changed while traced")
+        tables = [follow(score_mod, p) for p in paths]
+    except AttributeError:  # the tracer cannot read a closure made inside the graph
+        raise NotImplementedError(
+            f"score_mod {getattr(score_mod, '__name__', '')!r} is made inside the compiled "
+            "region, whose closure the graph cannot read; make it once outside (a module "
+            "attribute, a global) and pass that") from None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
         raise NotImplementedError(
             f"score_mod {getattr(score_mod, '__name__', '')!r}: gradients into a captured "

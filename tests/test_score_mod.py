@@ -534,6 +534,22 @@ def test_score_mod_values_read_are_guarded_in_a_compiled_graph():
         SCALE = 1.0
 
 
+def test_score_mod_made_inside_a_compiled_graph_is_refused_saying_so():
+    """A score_mod whose closure is made inside the compiled region cannot be read by the
+    graph (fullgraph); the error says to make it once outside, which then compiles."""
+    from compilemask.score_mod import traced_score_args
+
+    def inside(x, cap):
+        return x + 1, traced_score_args(score_mods.softcap(cap))[0]
+
+    with pytest.raises(Exception, match="made inside the compiled region"):
+        torch.compile(inside, fullgraph=True, backend="eager")(torch.zeros(2), 30.0)
+    outside = score_mods.softcap(30.0)
+    f = torch.compile(lambda x: (x + 1, traced_score_args(outside)[0]), fullgraph=True,
+                      backend="eager")
+    assert f(torch.zeros(2))[1] == traced_score_args(outside)[0]
+
+
 def test_score_mod_gradients_into_captures_are_refused_in_a_compiled_graph():
     """A captured tensor that requires grad is refused on the GPU engines in a compiled graph
     as in eager (the kernels build no gradient for it), not dropped; without grad it runs."""
