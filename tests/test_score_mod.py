@@ -942,6 +942,43 @@ def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, 
         assert dgot == pytest.approx(float(x.grad), rel=1e-5, abs=1e-5), (name, i, j)
 
 
+def _run_vectors(fn, score, b, h, q_idx, kv_idx, grad: bool = False):
+    """The generated score_mod (or its derivative) of ``fn`` on 1-D inputs, by the CPU model
+    above (float32 / int32 numpy vectors: int32 arithmetic wraps, float32 rounds)."""
+    import warnings
+
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.score_mod import compile_score_mod, kernel_table
+
+    sm, tables = compile_score_mod(fn)
+    aux = [np.asarray(kernel_table(t.detach(), spec.is_float))
+           for t, spec in zip(tables, sm.tables)]
+    ns = _fake_cute()
+    exec("\n".join(ln for ln in score_mod_source(sm).splitlines()  # noqa: S102 - generated
+                   if not ln.startswith(("import", "from"))), ns)
+    vec = [np.asarray(x, dtype=d).reshape(-1).view(_Vec) for x, d in
+           ((score, np.float32), (b, np.int32), (h, np.int32), (q_idx, np.int32),
+            (kv_idx, np.int32))]
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        if grad:
+            out = ns["score_mod_bwd"](np.ones_like(vec[0]).view(_Vec), *vec, None, aux)
+        else:
+            out = ns["score_mod"](*vec, None, aux)
+    return np.asarray(out, dtype=np.float32)
+
+
+def _run_eager(fn, score, b, h, q_idx, kv_idx, grad: bool = False):
+    """``fn`` as written, on int32 indices (FlexAttention's), float32 scores."""
+    x = torch.as_tensor(np.asarray(score, dtype=np.float32)).clone().requires_grad_(grad)
+    idx = [torch.as_tensor(np.asarray(v, dtype=np.int32)) for v in (b, h, q_idx, kv_idx)]
+    out = torch.broadcast_to(fn(x, *idx), x.shape)
+    if grad:
+        out.float().sum().backward()
+        return x.grad.numpy()
+    return out.detach().to(torch.float32).numpy()
+
+
 _INDEX_TOTAL = {"alibi_causal", "bool_table", "per_sequence_scale", "sigmoid_abs_min_max",
                 "softcap_sliding_window", "temperature_hstu", "zero_d_tensor"}
 
@@ -1021,8 +1058,6 @@ def test_generated_score_mod_equals_the_score_mod_as_written(name):
     equal the score_mod in torch (int32 indices, as FlexAttention's) on random scores and on
     distances up to 2**17 (squares past int32 after .float(), log2 at powers of two), NaN
     where torch gives NaN."""
-    from score_mod_stand_ins import run_eager, run_generated
-
     fn = _as_written_cases()[name]
     g = np.random.default_rng(len(name))
     n = 3000
@@ -1031,7 +1066,7 @@ def test_generated_score_mod_equals_the_score_mod_as_written(name):
     s = np.concatenate([(g.standard_normal(n - 4) * 4), [-3.0, 0.0, 2.0, -0.5]])
     args = (s, g.integers(0, B, n), g.integers(0, H, n), q, kv)
     for grad in (False, True):
-        got, want = run_generated(fn, *args, grad=grad), run_eager(fn, *args, grad=grad)
+        got, want = _run_vectors(fn, *args, grad=grad), _run_eager(fn, *args, grad=grad)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, equal_nan=True,
                                    err_msg=f"{name} grad={grad}")
 
@@ -1054,14 +1089,12 @@ def test_narrow_integer_arithmetic_and_bool_negation_are_refused():
             (lambda s, b, h, q, kv: s - (kv > q), "'-' with a boolean")):
         with pytest.raises(NotImplementedError, match=what):
             compile_score_mod(fn)
-    from score_mod_stand_ins import run_eager, run_generated
-
     def fine(s, b, h, q, kv):
         return s + (u8[h] + kv) * 0.01 + (i8[h] > 50)
 
     args = (np.linspace(-2, 2, 64), np.zeros(64), np.arange(64) % H, np.arange(64),
             np.arange(64)[::-1])
-    np.testing.assert_allclose(run_generated(fine, *args), run_eager(fine, *args), rtol=1e-6)
+    np.testing.assert_allclose(_run_vectors(fine, *args), _run_eager(fine, *args), rtol=1e-6)
 
 
 def test_unsupported_score_mods_are_refused_with_the_construct_named():
