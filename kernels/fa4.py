@@ -92,16 +92,25 @@ def _bs_torch(lists, block_size):
         full_block_cnt=lists.full_cnt, full_block_idx=lists.full_idx, block_size=block_size)
 
 
-def _window(pat):
-    return (pat.window_left, pat.window_right)
+def _window(pat, seqlen_q: int, seqlen_k: int) -> tuple:
+    """FA4's ``window_size`` of a proven window at this shape: a side that reaches past the
+    sequence (FA4: row i sees ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``) is None, so
+    a window of any size (2**32: no window) never reaches FA4's Int32 arguments."""
+    left, right = pat.window_left, pat.window_right
+    left = None if left is not None and left >= seqlen_k - 1 else left
+    right = None if right is not None and right >= seqlen_q - 1 else right
+    return left, right
 
 
-def _native_kwargs(pat):
+def _native_kwargs(pat, seqlen_q: int, seqlen_k: int) -> dict:
+    """FA4's arguments for a native (non-segments) pattern at this shape (the longest of a
+    varlen batch's: a side past it is past each request's too)."""
     if pat.kind == "full":
         return {}
-    if pat.causal:
+    left, right = _window(pat, seqlen_q, seqlen_k)
+    if left is None and right == 0:
         return {"causal": True}
-    return {"window_size": _window(pat)}
+    return {} if (left, right) == (None, None) else {"window_size": (left, right)}
 
 
 def _timed(what: str, desc, engine: str, q):
@@ -228,10 +237,11 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
                 q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
                 v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
-                causal=pat.window_left is None, window_size=_window(pat), return_lse=True,
-                **mods)
+                causal=_window(pat, max_len, max_len)[0] is None,
+                window_size=_window(pat, max_len, max_len), return_lse=True, **mods)
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
-        return _fa4_fwd(q, k, v, softmax_scale=softmax_scale, **_native_kwargs(pat), **mods)
+        return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
+                        **_native_kwargs(pat, q.shape[1], k.shape[1]), **mods)
 
     lists = _per_head(desc.block_sparse("fwd") if lists is None else lists, heads)
     return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
@@ -243,7 +253,8 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
     ``page_table`` / ``seqused_k`` / ``cu_seqlens_q/k`` / ``max_seqlen_q/k`` for the batch.
     FA4's paged and varlen loads take no block-sparse lists here, so the fa4 engine's mask_mod
     runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""
-    native = _native_kwargs(desc.native) if engine == "native" else {}
+    native = (_native_kwargs(desc.native, desc.seqlen_q, desc.seqlen_k) if engine == "native"
+              else {})
     # the per-score test: the row mask is measured and tested on the block-sparse forward only
     per_score = ("intervals" if desc.q_offset
                  else call_variant(desc.mask, None, max(desc.seqlen_q, desc.seqlen_k),
@@ -286,13 +297,14 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
             dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
             dq, dk, dv, *dsink = _fa4_bwd(
                 *flat[:3], flat[3], flat[4], lse_flat.contiguous(), softmax_scale,
-                causal=pat.window_left is None,
-                window_size_left=pat.window_left, window_size_right=pat.window_right,
+                causal=_window(pat, max_len, max_len)[0] is None,
+                window_size_left=_window(pat, max_len, max_len)[0],
+                window_size_right=_window(pat, max_len, max_len)[1],
                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                 deterministic=deterministic,
                 dlse=None if dlse_flat is None else dlse_flat.contiguous(), **mods)
             return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), *dsink)
-        kw = _native_kwargs(pat)
+        kw = _native_kwargs(pat, q.shape[1], k.shape[1])
         causal = kw.get("causal", False)
         wl, wr = kw.get("window_size", (None, None))
         return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,

@@ -59,6 +59,43 @@ def test_more_native_patterns():
     assert (p.kind, p.window_left, p.segment_param) == ("segments", 63, "doc_start")
 
 
+def _fa4_native_mask(kwargs, Sq, Sk):
+    """The mask FA4's native kernel computes from its arguments (bottom-right aligned)."""
+    i = torch.arange(Sq).view(-1, 1) + (Sk - Sq)
+    j = torch.arange(Sk).view(1, -1)
+    if kwargs.get("causal"):
+        return j <= i
+    left, right = kwargs.get("window_size", (None, None))
+    assert all(-(2**31) <= w < 2**31 for w in (left, right) if w is not None)  # FA4's Int32
+    vis = torch.ones(Sq, Sk, dtype=torch.bool)
+    if left is not None:
+        vis &= j >= i - left
+    if right is not None:
+        vis &= j <= i + right
+    return vis
+
+
+@pytest.mark.parametrize("Sq,Sk", [(8, 8), (5, 9), (9, 5), (1, 1)])
+def test_native_arguments_reach_fa4_within_int32_and_exact(Sq, Sk):
+    """A proven window of any size reaches FA4 as arguments it takes (Int32: a side past the
+    sequence is no bound, so 2**32 never wraps to -1 or 0), which compute the rules exactly."""
+    from compilemask.kernels.fa4 import _native_kwargs
+
+    ran = 0
+    for rule in (lambda i, j: i - 4294967296 < j <= i, lambda i, j: j <= i + 4294967296,
+                 lambda i, j: i - 3_000_000_000 <= j <= i + 3_000_000_000,
+                 lambda i, j: i - 3 <= j <= i + 2, lambda i, j: j <= i + seqlen_k - seqlen_q,  # noqa: F821
+                 lambda i, j: i - 2 <= j <= i):
+        mask = cm.compile_mask(_spec("t_big", [], lambda i: True, rule))
+        desc = mask.preprocess(None, Sq, Sk, backend="torch")
+        if desc.native is None or not desc.native_applies():
+            continue
+        got = _fa4_native_mask(_native_kwargs(desc.native, Sq, Sk), Sq, Sk)
+        assert torch.equal(got, mask.reference_mask(None, Sq, Sk)[0]), (Sq, Sk)
+        ran += 1
+    assert ran >= (6 if Sq == Sk else 1)  # top-left windows apply to square shapes only
+
+
 def test_near_misses_are_not_native():
     # a window whose guard excludes rows, two regions, an off-by-one against causal
     guarded = _spec("t_g", ["n"], lambda i: i < n, lambda i, j: j <= i)  # noqa: F821
