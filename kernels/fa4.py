@@ -11,11 +11,12 @@ Two engines share this module:
   with no lists and no mask_mod.
 
 The forward calls ``interface._flash_attn_fwd``, the function FA4's ``flash_attn_func`` runs
-below its autograd.Function (whose bookkeeping is a tenth of a decode step's host time; these
-calls never need it), and the varlen path ``flash_attn_varlen_func``. FA4 has no public backward
-entry point besides its autograd functions, and re-running the forward under autograd would
-cost a third of a train step, so the backward calls ``interface._flash_attn_bwd``; the private
-calls are confined to :func:`_fa4_fwd` and :func:`_fa4_bwd` and tested on the GPU.
+below its autograd.Function (whose bookkeeping is about a tenth of the host time of one
+generated token; these calls never need it), and the varlen path ``flash_attn_varlen_func``.
+FA4 has no public backward entry point besides its autograd functions, and re-running the
+forward under autograd would cost a third of a train step, so the backward calls
+``interface._flash_attn_bwd``; the private calls are confined to :func:`_fa4_fwd` and
+:func:`_fa4_bwd` and tested on the GPU.
 """
 
 from __future__ import annotations
@@ -233,12 +234,12 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
         if pat.kind == "segments":
             B, S, H, D = q.shape
             cu, max_len = desc.segments
+            window = _window(pat, max_len, max_len)
             out, lse = flash_attn_varlen_func(
                 q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
                 v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
-                causal=_window(pat, max_len, max_len)[0] is None,
-                window_size=_window(pat, max_len, max_len), return_lse=True, **mods)
+                causal=window[0] is None, window_size=window, return_lse=True, **mods)
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
         return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
                         **_native_kwargs(pat, q.shape[1], k.shape[1]), **mods)
@@ -292,14 +293,14 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
         if pat.kind == "segments":
             B, S, H, _ = q.shape
             cu, max_len = desc.segments
+            window = _window(pat, max_len, max_len)
             flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
             lse_flat = lse.permute(1, 0, 2).reshape(H, B * S)
             dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
             dq, dk, dv, *dsink = _fa4_bwd(
                 *flat[:3], flat[3], flat[4], lse_flat.contiguous(), softmax_scale,
-                causal=_window(pat, max_len, max_len)[0] is None,
-                window_size_left=_window(pat, max_len, max_len)[0],
-                window_size_right=_window(pat, max_len, max_len)[1],
+                causal=window[0] is None, window_size_left=window[0],
+                window_size_right=window[1],
                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                 deterministic=deterministic,
                 dlse=None if dlse_flat is None else dlse_flat.contiguous(), **mods)
