@@ -32,13 +32,7 @@ from __future__ import annotations
 
 from sympy.core.function import AppliedUndef
 
-from compilemask.bounds import (
-    INT32_MAX,
-    fits_metadata,
-    kernel_predicates,
-    longest_fit,
-    magnitude,
-)
+from compilemask.bounds import fits_int32, fits_metadata, kernel_predicates
 from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import (
     UNWRAPPED_ATTR,
@@ -112,9 +106,6 @@ def mask_mod_variant(mask) -> str:
     return _VARIANT[mask.key]
 
 
-_LONGEST: dict = {}  # mask key -> the longest length at which its rules fit int32
-_WIDE: dict = {}  # (mask key, length, meta_max) -> whether the rules fit int32 there
-
 # FA4 calls the mask_mod on the padded rows and keys of the last tiles, past the length
 PAD = 256
 
@@ -126,16 +117,9 @@ def rules_fit(mask, length: int, meta_max: int = 0) -> bool:
     metadata up to ``max(length, meta_max)`` (``ExecutionDescriptor.meta_max``). The Interval
     Table's endpoints are int64 in the preprocess, so where the rules may wrap the table test
     runs instead."""
-    if mask.key not in _LONGEST:
-        expr = whole_mask_predicate(mask, any_region=True)
-        _LONGEST[mask.key] = -1 if expr is None else longest_fit([expr], pad=PAD)
-    if meta_max <= length or _LONGEST[mask.key] < 0:
-        return length <= _LONGEST[mask.key]
-    key = (mask.key, length, meta_max)
-    if key not in _WIDE:
-        expr = whole_mask_predicate(mask, any_region=True)
-        _WIDE[key] = magnitude(expr, length + PAD, meta_max) <= INT32_MAX
-    return _WIDE[key]
+    expr = whole_mask_predicate(mask, any_region=True)
+    return expr is not None and fits_int32(("rules", mask.key), lambda: [expr], length,
+                                           meta_max, PAD)
 
 
 _META: dict = {}  # mask key -> whether metadata past the length may change its int32 checks

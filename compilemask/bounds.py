@@ -13,7 +13,8 @@ from compilemask.dsl.frontend import IntBitOp
 from compilemask.exprprint import split_floor
 
 __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
-           "check_kernel_predicates", "kernel_predicates", "longest_fit", "fits_metadata"]
+           "check_kernel_predicates", "kernel_predicates", "longest_fit", "fits_metadata",
+           "fits_int32"]
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -141,6 +142,27 @@ def fits_metadata(exprs, limit: int = INT32_MAX, pad: int = 0) -> bool:
     exprs = list(exprs)
     n = min(longest_fit(exprs, limit, pad), META_MAX)
     return n < 0 or all(magnitude(e, n + pad, META_MAX) <= limit for e in exprs)
+
+
+_LONGEST: dict = {}  # (key, pad) -> longest_fit of the key's expressions
+_WIDE: dict = {}  # (key, pad, length, meta_max) -> whether they fit there
+
+
+def fits_int32(key, exprs, length: int, meta_max: int = 0, pad: int = 0) -> bool:
+    """Whether the expressions ``exprs()`` (asked for once per ``key``) fit int32 with indices
+    up to ``length + pad`` and metadata up to ``max(length, meta_max)``. Their ``longest_fit``
+    is found once per key, so a loop whose length changes every step pays a compare; metadata
+    given on the host past the length (``ExecutionDescriptor.meta_max``) are bounded once per
+    (length, meta_max)."""
+    k = (key, pad)
+    if k not in _LONGEST:
+        _LONGEST[k] = longest_fit(exprs(), pad=pad)
+    if meta_max <= length or length > _LONGEST[k]:
+        return length <= _LONGEST[k]
+    w = (key, pad, length, meta_max)
+    if w not in _WIDE:
+        _WIDE[w] = all(magnitude(e, length + pad, meta_max) <= INT32_MAX for e in exprs())
+    return _WIDE[w]
 
 
 def longest_fit(exprs, limit: int = INT32_MAX, pad: int = 0) -> int:

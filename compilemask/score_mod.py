@@ -41,8 +41,7 @@ from compilemask.fingerprint import Walk as _Walk
 from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
-           "traced_score_args",
-           "follow", "kernel_table"]
+           "traced_score_args", "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)

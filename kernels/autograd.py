@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from compilemask.blocksparse import BlockSparseLists
-from compilemask.bounds import check_kernel_predicates, kernel_predicates, longest_fit
+from compilemask.bounds import check_kernel_predicates, fits_int32, kernel_predicates
 from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
@@ -276,15 +276,14 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
                f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-_LONGEST: dict = {}  # mask key -> the longest length at which its predicates fit int32
-_WIDE: set = set()  # (mask key, length, meta_max) checked with metadata past the length
+_READ: set = set()  # mask keys whose fallback rules the GPU code generator reads
 
 
 def _check_predicates(mask, length: int, meta_max: int = 0) -> None:
     """Before any kernel is built: the GPU code generator reads every fallback rule (else a
     clear error naming the region), once per mask, and the predicates fit int32 at this length
     with metadata up to ``max(length, meta_max)`` (else the error names the term)."""
-    if mask.key not in _LONGEST:
+    if mask.key not in _READ:
         for r in mask.fallback_regions:
             try:
                 predicate_source(r.rule, mask.scalar_params, mask.array_params,
@@ -293,13 +292,10 @@ def _check_predicates(mask, length: int, meta_max: int = 0) -> None:
                 raise NotImplementedError(
                     f"Region {r.name!r}, rule {r.rule}: the GPU kernels cannot evaluate it as a "
                     f"predicate ({e}); backend='reference' runs it") from None
-        _LONGEST[mask.key] = longest_fit(e for _, _, e in kernel_predicates(mask))
-    if meta_max > length:  # host metadata past the sequence (ExecutionDescriptor.meta_max)
-        if (mask.key, length, meta_max) not in _WIDE:
-            check_kernel_predicates(mask, length, meta_max)
-            _WIDE.add((mask.key, length, meta_max))
-    elif length > _LONGEST[mask.key]:
-        check_kernel_predicates(mask, length)  # raises, naming the region and the term
+        _READ.add(mask.key)
+    if not fits_int32(("predicates", mask.key),
+                      lambda: [e for _, _, e in kernel_predicates(mask)], length, meta_max):
+        check_kernel_predicates(mask, length, meta_max)  # raises, naming the region and term
 
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
