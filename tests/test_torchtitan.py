@@ -1,0 +1,417 @@
+"""CompileMask inside TorchTitan 0.3.0 (compilemask.integrations.torchtitan), on CPU.
+
+FlexAttention has no CPU backward: the model's forward is compared with TorchTitan's Flex
+model, its gradients with the same model on a dense float32 attention (autograd)."""
+
+import copy
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention  # noqa: E402
+
+import compilemask as cm  # noqa: E402
+from compilemask import masks as cm_masks  # noqa: E402
+from compilemask.integrations.torchtitan import _compat  # noqa: E402
+from compilemask.integrations.torchtitan.attention import (  # noqa: E402
+    CompileMaskAttention,
+    CompileMaskBatch,
+)
+from compilemask.integrations.torchtitan.config_registry import compilemask_config  # noqa: E402
+from compilemask.integrations.torchtitan.data import IGNORE_INDEX, PackedSequences  # noqa: E402
+from compilemask.integrations.torchtitan.masks import (  # noqa: E402
+    _hstu_meta,
+    document_bounds,
+    resolve_mask,
+)
+from compilemask.integrations.torchtitan.sac import (  # noqa: E402
+    CompileMaskSelectiveAC,
+    upgrade_ac_config,
+)
+from compilemask.integrations.torchtitan.trainer import (  # noqa: E402
+    BatchDescriptors,
+    CompileMaskTrainer,
+    attention_config_of,
+    flex_block_mask,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def packed_batch(S=128, B=2, seed=3, mu=3.5):
+    ds = iter(PackedSequences(S, seed=seed, mu=mu, sigma=0.8, min_len=8, group_size=4,
+                              ctx_len=3))
+    rows = [next(ds) for _ in range(B)]
+    d = {k: torch.stack([r[0][k] for r in rows]) for k in rows[0][0]}
+    return d, torch.stack([r[1] for r in rows])
+
+
+def row_fields(name, B, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    spec = {"shared_prompt_rm": cm_masks.shared_prompt_rm(), "clear": cm_masks.clear(1, 8),
+            "prefix_lm": cm_masks.prefix_lm()}[name]
+    return cm_masks.random_meta(spec, B, S, g)
+
+
+def models(mask="hstu", n_layers=1, **kw):
+    """A CompileMask debug Qwen3 and TorchTitan's Flex one with the same weights."""
+    torch.manual_seed(0)
+    cm_cfg = compilemask_config(mask=mask, n_layers=n_layers, **kw)
+    fx_cfg = compilemask_config(mask=None, n_layers=n_layers)
+    m_cm = cm_cfg.model_spec.model.build()
+    m_cm.init_states()
+    m_fx = fx_cfg.model_spec.model.build()
+    m_fx.load_state_dict(m_cm.state_dict())
+    return cm_cfg, m_cm, fx_cfg, m_fx
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """TorchTitan's Flex with the eager flex_attention and create_block_mask (its compiled
+    ones take half a minute to build on a CPU; the same math)."""
+    import torchtitan.models.common.attention as A
+
+    monkeypatch.setattr(A, "_compiled_create_block_mask", create_block_mask)
+    monkeypatch.setattr(A.FlexAttention, "_compiled_flex_attn", flex_attention)
+
+
+# ---- masks ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["causal", "block_causal", "hstu", "shared_prompt_rm", "clear",
+                                  "prefix_lm"])
+def test_named_mask_descriptor_equals_its_flex_mask_mod(name):
+    """Each named mask's descriptor, built from a batch as the trainer builds it, equals its
+    FlexAttention mask_mod evaluated at every (q, kv)."""
+    d, labels = packed_batch()
+    B, S = d["input"].shape
+    opts = {"radius": 1, "width": 8} if name == "clear" else {}
+    if name in ("shared_prompt_rm", "clear", "prefix_lm"):
+        d = {"input": d["input"], "positions": d["positions"], **row_fields(name, B, S)}
+    source = resolve_mask(name, opts)
+    fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
+    desc = cm.compile_mask(source.spec).preprocess(source.meta(d["positions"], fields),
+                                                   seqlen_q=S, batch_size=B)
+    ref = create_mask(source.flex(d["positions"], fields), B, None, S, S, device="cpu")
+    assert torch.equal(desc.dense_mask(), ref[:, 0])
+    assert desc.dense_mask().any(-1).float().mean() > 0.5  # most rows see something
+
+
+def test_hstu_packed_equals_each_sequence_alone():
+    """The packed HSTU descriptor is block-diagonal over the packed sequences, and each block
+    is masks.hstu of that sequence alone with its own metadata."""
+    d, _ = packed_batch(S=160, seed=5)
+    source = resolve_mask("hstu")
+    fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
+    dense = cm.compile_mask(source.spec).preprocess(
+        source.meta(d["positions"], fields), seqlen_q=160).dense_mask()
+    hstu = cm.compile_mask(cm_masks.hstu())
+    local_id, start, end = document_bounds(d["positions"])
+    checked = 0
+    for b in range(2):
+        starts = sorted(set(start[b].tolist()))
+        for n, s in enumerate(starts):
+            e = int(end[b, s])
+            L = e - s
+            meta = {"ctx_end": d["ctx_end"][b, n:n + 1], "hist_end": d["hist_end"][b, n:n + 1],
+                    "seq_end": torch.tensor([L]), "group_size": d["group_size"][b, n:n + 1]}
+            alone = hstu.reference_mask(meta, seqlen_q=L)[0]
+            assert torch.equal(dense[b, s:e, s:e], alone)
+            assert not dense[b, s:e, :s].any() and not dense[b, s:e, e:].any()
+            checked += 1
+    assert checked >= 4
+
+
+def test_mask_by_import_path_spec_factory_and_mask_mod(tmp_path, monkeypatch):
+    (tmp_path / "my_masks.py").write_text(
+        "from compilemask.masks import sliding_window\n"
+        "SPEC = sliding_window(5)\n"
+        "def factory(window=3):\n    return sliding_window(window)\n"
+        "def local(b, h, q_idx, kv_idx):\n    return (kv_idx <= q_idx) & (q_idx - kv_idx < 4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pos = torch.arange(32).expand(2, 32)
+    for name, opts, w in (("my_masks:SPEC", {}, 5), ("my_masks:factory", {"window": 6}, 6),
+                          ("my_masks:local", {}, 4)):
+        src = resolve_mask(name, opts)
+        desc = cm.compile_mask(src.spec).preprocess(src.meta(pos, {}), seqlen_q=32, batch_size=2)
+        i, j = torch.arange(32).view(-1, 1), torch.arange(32).view(1, -1)
+        want = (j <= i) & (i - j < w)
+        assert torch.equal(desc.dense_mask()[0], want), name
+    with pytest.raises(ValueError, match="pkg.module:NAME"):
+        resolve_mask("no_such_mask")
+    with pytest.raises(KeyError, match="hist_end"):
+        resolve_mask("hstu").meta(pos, {})
+
+
+def test_batch_metadata_is_traceable_without_host_sync():
+    """Documents and the packed HSTU metadata are tensor ops only: one graph, no .item()."""
+    d, _ = packed_batch()
+    fields = {k: d[k] for k in ("ctx_end", "hist_end", "group_size")}
+    eager = _hstu_meta(d["positions"], fields)
+    traced = torch.compile(_hstu_meta, backend="eager", fullgraph=True)(d["positions"], fields)
+    assert all(torch.equal(eager[k], traced[k]) for k in eager)
+    b = torch.compile(document_bounds, backend="eager", fullgraph=True)(d["positions"])
+    assert all(torch.equal(x, y) for x, y in zip(b, document_bounds(d["positions"])))
+
+
+# ---- the module in TorchTitan's debug model ----------------------------------------------------
+
+def test_debug_model_forward_equals_flex(eager_flex):
+    """Qwen3's debug model with CompileMask attention equals TorchTitan's Flex model (same
+    weights, the BlockMask built as TorchTitan builds it) on packed HSTU data."""
+    cm_cfg, m_cm, fx_cfg, m_fx = models("hstu")
+    d, labels = packed_batch()
+    inputs, _, extra = BatchDescriptors(attention_config_of(cm_cfg.model_spec.model))(d, labels)
+    assert set(extra) == {"positions", "attention_masks"}
+    fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
+    bm = flex_block_mask(resolve_mask("hstu"), d["positions"], fields,
+                         fx_cfg.model_spec.model.first_attention)
+    with torch.no_grad():
+        out = m_cm(inputs, **extra)
+        ref = m_fx(inputs, positions=d["positions"], attention_masks=bm)
+    assert out.shape == ref.shape == (2, 128, m_cm.config.vocab_size)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+class DenseAttention(torch.nn.Module):
+    """float32 dense masked softmax attention through autograd (rows that see nothing: 0)."""
+
+    def forward(self, q, k, v, *, attention_masks, scale=None, enable_gqa=False, **kw):
+        dense = attention_masks.desc.dense_mask()[:, None]  # [B, 1, S, S]
+        q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+        p = torch.softmax(s.masked_fill(~dense, float("-inf")), -1).nan_to_num(0.0)
+        return (p @ v).transpose(1, 2).float()
+
+
+def test_debug_model_gradients_equal_dense_autograd():
+    cm_cfg, m_cm, _, _ = models("hstu", n_layers=1)
+    m_ref = copy.deepcopy(m_cm)
+    for layer in m_ref.layers.values():
+        layer.attention.inner_attention = DenseAttention()
+    d, labels = packed_batch()
+    inputs, _, extra = BatchDescriptors(attention_config_of(cm_cfg.model_spec.model))(d, labels)
+    for m in (m_cm, m_ref):
+        logits = m(inputs, **extra)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                          ignore_index=IGNORE_INDEX).backward()
+    n = 0
+    for (name, p), (_, r) in zip(m_cm.named_parameters(), m_ref.named_parameters()):
+        assert p.grad is not None and r.grad is not None, name
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-5, rtol=1e-3, msg=name)
+        n += p.grad.abs().sum() > 0
+    assert n > 10
+
+
+def test_out_transform_gets_lse_as_B_L_N():
+    mod = CompileMaskAttention(CompileMaskAttention.Config(mask="causal"))
+    desc = cm.compile_mask(cm_masks.causal()).preprocess({}, seqlen_q=16, batch_size=2)
+    q = torch.randn(2, 16, 4, 8)
+    k = v = torch.randn(2, 16, 2, 8)
+    got = {}
+
+    def out_transform(out, lse):
+        got["lse"] = lse
+        return out
+
+    out = mod(q, k, v, attention_masks=CompileMaskBatch(desc), out_transform=out_transform)
+    _, lse = cm.attention(q, k, v, desc, return_lse=True)
+    assert got["lse"].shape == (2, 16, 4)
+    torch.testing.assert_close(got["lse"], lse.transpose(1, 2))
+    torch.testing.assert_close(out, cm.attention(q, k, v, desc))
+    with pytest.raises(TypeError, match="CompileMaskBatch"):
+        mod(q, k, v, attention_masks=None)
+
+
+@pytest.mark.slow
+def test_block_compiles_fullgraph_once():
+    """One transformer block under torch.compile(fullgraph=True): equal to eager, and a second
+    batch (new descriptor, new metadata) reuses the graph."""
+    cm_cfg, m_cm, _, _ = models("hstu")
+    block = m_cm.layers["0"]
+    bd = BatchDescriptors(attention_config_of(cm_cfg.model_spec.model))
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for seed in (3, 4):
+        d, labels = packed_batch(seed=seed)
+        _, _, extra = bd(d, labels)
+        x = torch.randn(2, 128, m_cm.config.dim, requires_grad=True)
+        want = block(x, extra["attention_masks"], extra["positions"])
+        got = compiled(x, extra["attention_masks"], extra["positions"])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        got.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+# ---- the trainer's hook, SAC, configs -----------------------------------------------------------
+
+def test_trainer_post_dataloading_builds_one_descriptor_per_batch():
+    cm_cfg, _, _, _ = models("hstu")
+    trainer = object.__new__(CompileMaskTrainer)  # the hook alone (Trainer() needs a GPU)
+    trainer.batch_descriptors = BatchDescriptors(attention_config_of(cm_cfg.model_spec.model))
+    trainer.ntokens_seen = 0
+    d, labels = packed_batch()
+    inputs, out_labels, extra = trainer.post_dataloading_process(dict(d), labels)
+    assert torch.equal(inputs, d["input"]) and torch.equal(out_labels, labels)
+    assert set(extra) == {"positions", "attention_masks"}  # metadata fields are not model kwargs
+    desc = extra["attention_masks"].desc
+    assert (desc.batch_size, desc.seqlen_q, desc.mask.name) == (2, 128, "packed_hstu")
+    assert trainer.ntokens_seen == labels.numel()
+
+
+def test_selective_ac_saves_compilemask_op(monkeypatch):
+    """Under TorchTitan's SelectiveAC the attention runs again in the recomputation; under
+    CompileMaskSelectiveAC its output is saved (one forward per layer), gradients equal."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    import compilemask.kernels.autograd as ag
+
+    calls = []
+    real = ag._fwd_impl
+    monkeypatch.setattr(ag, "_fwd_impl", lambda *a: calls.append(1) or real(*a))
+    cm_cfg, m_cm, _, _ = models("hstu")
+    d, labels = packed_batch()
+    _, _, extra = BatchDescriptors(attention_config_of(cm_cfg.model_spec.model))(d, labels)
+    x = torch.randn(2, 128, m_cm.config.dim)
+    grads = {}
+    for policy in (SelectiveAC, CompileMaskSelectiveAC):
+        block = copy.deepcopy(m_cm.layers["0"])
+        wrapped = policy(policy.Config())._wrap_block(block, base_fqn="layers.0")
+        calls.clear()
+        wrapped(x, extra["attention_masks"], extra["positions"]).square().sum().backward()
+        grads[policy] = [p.grad for p in block.parameters()]
+        assert len(calls) == (1 if policy is CompileMaskSelectiveAC else 2), policy
+    for a, b in zip(*grads.values()):
+        torch.testing.assert_close(a, b)
+    up = upgrade_ac_config(SelectiveAC.Config(preserve_rng_state=False))
+    assert type(up) is CompileMaskSelectiveAC.Config and up.preserve_rng_state is False
+
+
+def test_config_registry_parses_and_builds(tmp_path):
+    """The one command's argument parsing (TorchTitan's ConfigManager), for every config."""
+    from torchtitan.config import ConfigManager
+
+    from compilemask.integrations.torchtitan import config_registry as reg
+
+    for name in reg.__all__[1:]:
+        cfg = ConfigManager().parse_args(["--module", "compilemask.integrations.torchtitan",
+                                          "--config", name, "--training.steps", "3"])
+        assert type(cfg) is CompileMaskTrainer.Config and cfg.training.steps == 3, name
+        assert cfg.parallelism.spmd_backend == _compat.SPMD_BACKEND
+        attn = attention_config_of(cfg.model_spec.model)
+        assert (attn is None) == name.startswith("flex"), name
+    cfg = ConfigManager().parse_args(["--module", "compilemask.integrations.torchtitan",
+                                      "--config", "compilemask_qwen3_debug_hstu"])
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    inner = [m for m in model.modules() if isinstance(m, CompileMaskAttention)]
+    assert len(inner) == len(cfg.model_spec.model.layers) and inner[0].mask == "hstu"
+    with pytest.raises(ValueError, match="spmd_backend"):
+        cfg.parallelism.spmd_backend = "spmd_types"
+        _compat.check_parallelism(cfg.parallelism)
+
+
+def test_packed_dataset_lengths_and_metadata():
+    ds = PackedSequences(512, seed=0)
+    for _ in range(4):
+        d, labels, n = ds._row()
+        local_id, start, end = document_bounds(d["positions"].view(1, -1))
+        lens = (end - start)[0][torch.unique(start[0])]
+        assert int(lens.sum()) <= 512 and 1 <= n <= ds.max_seqs - 1
+        assert (d["hist_end"][:n] < lens[:n] + 1).all() and (d["ctx_end"] <= d["hist_end"]).all()
+        assert (labels == IGNORE_INDEX).sum() >= min(n, 1)
+
+
+# ---- context parallelism on gloo --------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cp_worker(rank, world, port, out_dir, mask):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compilemask.distributed import unshard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        cfg, model, _, _ = models(mask, n_layers=1)
+        attn = attention_config_of(cfg.model_spec.model)
+        attn.cp_tile = 16
+        d, labels = packed_batch()
+
+        class Dims:  # what the parallelize wrapper reads of ParallelDims
+            cp_enabled = True
+
+            def get_mesh(self, name):
+                return mesh
+
+        seen = {}
+        _compat.wrap_parallelize(lambda m, parallel_dims, **kw: seen.update(
+            cp=parallel_dims.cp_enabled) or m)(model, parallel_dims=Dims())
+        assert seen["cp"] is False  # apply_cp_to_forward is not reached
+        inputs, lab, extra = BatchDescriptors(attn, mesh)(d, labels)
+        logits = model(inputs, **extra)
+        loss = (logits.float().square().mean(-1) * (lab != IGNORE_INDEX)).sum()
+        loss.backward()
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits.detach().contiguous())
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(grads)
+        if rank == 0:
+            torch.save({"logits": unshard(parts, extra["attention_masks"].plan), "grads": grads,
+                        "balance": extra["attention_masks"].plan.balance()},
+                       os.path.join(out_dir, f"cp{world}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_process(world, tmp_path):
+    """TorchTitan's CP input sharding ordered by the CompileMask plan, K/V gathered at the
+    attention: logits and gradients (summed over ranks) equal one process's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cp_worker, args=(world, _free_port(), str(tmp_path), "hstu"), nprocs=world)
+    got = torch.load(tmp_path / f"cp{world}.pt")
+    cfg, model, _, _ = models("hstu", n_layers=1)
+    d, labels = packed_batch()
+    _, _, extra = BatchDescriptors(attention_config_of(cfg.model_spec.model))(d, labels)
+    logits = model(d["input"], **extra)
+    (logits.float().square().mean(-1) * (labels != IGNORE_INDEX)).sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(got["logits"], logits.detach(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got["grads"], grads, atol=1e-4, rtol=1e-3)
+    assert got["balance"] < 1.5
+
+
+# ---- the GPU bench's CPU smoke mode -------------------------------------------------------------
+
+def test_bench_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("torchtitan_e2e",
+                                                  ROOT / "bench" / "torchtitan_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["torchtitan_e2e"] = mod
+    spec.loader.exec_module(mod)
+    rows = mod.main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "torchtitan_e2e.json").is_file()
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and all(r["tokens_per_s"] > 0 for r in ok)
+    assert all(r["loss_agrees"] for r in ok if r["method"] != "compilemask")
