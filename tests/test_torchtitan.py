@@ -383,6 +383,7 @@ def _cp_worker(rank, world, port, out_dir, mask):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 80 s (2 ranks) and 160 s (4 ranks) on 2 CPU cores: one process per rank
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_equals_one_process(world, tmp_path):
     """TorchTitan's CP input sharding ordered by the CompileMask plan, K/V gathered at the
