@@ -405,6 +405,7 @@ def test_context_parallel_equals_one_process(world, tmp_path):
 
 # ---- the GPU bench's CPU smoke mode -------------------------------------------------------------
 
+@pytest.mark.slow  # 50 s on a loaded 2-core CPU (two methods x two steps of a debug model)
 def test_bench_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("torchtitan_e2e",
                                                   ROOT / "bench" / "torchtitan_e2e.py")

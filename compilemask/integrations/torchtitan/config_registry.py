@@ -37,7 +37,8 @@ def compilemask_config(*, mask: str | None = "block_causal", mask_options: dict 
                        flavor: str = "debugmodel", flex_mask: str = "", seq_len: int = 2048,
                        local_batch_size: int = 2, steps: int = 10, backend: str = "auto",
                        deterministic: bool = False, n_layers: int | None = None,
-                       flex_backend: str = "flex") -> CompileMaskTrainer.Config:
+                       flex_backend: str = "flex",
+                       flex_mask_options: dict | None = None) -> CompileMaskTrainer.Config:
     """A ``CompileMaskTrainer.Config`` for Qwen3 ``flavor`` (TorchTitan's registry) on packed
     HSTU data: CompileMask attention with ``mask`` in every layer, or, with ``mask=None``,
     TorchTitan's Flex attention (``flex_backend``: flex or flex_flash) with ``flex_mask``'s
@@ -53,6 +54,7 @@ def compilemask_config(*, mask: str | None = "block_causal", mask_options: dict 
             deterministic=deterministic))
     config.model_spec = spec
     config.flex_mask = flex_mask
+    config.flex_mask_options = dict(flex_mask_options or {})
     vocab = spec.model.vocab_size
     config.tokenizer = SyntheticTokenizer.Config(vocab_size=vocab)
     config.dataloader = PackedSequenceDataLoader.Config(vocab_size=vocab)

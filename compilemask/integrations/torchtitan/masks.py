@@ -67,7 +67,8 @@ def document_bounds(positions: torch.Tensor):
 def _per_seq(value: torch.Tensor, local_id: torch.Tensor, name: str) -> torch.Tensor:
     """A per-sequence field ``[B, N]`` (or ``[B]``: one value per row) read at each row's
     sequence, ``[B, S]``; rows past the field's N read its last entry."""
-    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.dim() not in (1, 2):
+    if (not isinstance(value, torch.Tensor) or value.is_floating_point()
+            or value.dim() not in (1, 2)):
         raise ValueError(f"batch field {name!r} must be an int tensor [B, N] (one value per "
                          f"packed sequence) or [B], got {getattr(value, 'shape', value)!r}")
     v = value.to(device=local_id.device, dtype=torch.int64)
@@ -197,7 +198,8 @@ def _builtin(name: str, options: Mapping) -> MaskSource:
     if name == "clear":
         unknown = set(opts) - {"radius", "width"}
         if unknown:
-            raise ValueError(f"mask 'clear' takes mask_options radius, width; got {sorted(unknown)}")
+            raise ValueError(f"mask 'clear' takes mask_options radius, width; got "
+                             f"{sorted(unknown)}")
         spec = cm_masks.clear(int(opts.get("radius", 1)), int(opts.get("width", 16)))
         names = ("text_end", "img_rows")
         return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names)

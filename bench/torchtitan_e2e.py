@@ -1,0 +1,387 @@
+"""TorchTitan end to end: a Qwen3-8B-shaped TorchTitan model trained with each attention.
+
+    python bench/torchtitan_e2e.py --out $OUT                       # every mask x method x length
+    python bench/torchtitan_e2e.py --masks hstu,packed_hstu --methods compilemask,flex_fa4 \\
+        --seqlens 32768 --steps 12 --layers 8 --out $OUT
+    python bench/torchtitan_e2e.py --smoke --out /tmp/x              # tiny model, CPU, no GPU
+
+What runs (one H100, 80 GB, a single rank). TorchTitan 0.3.0's Qwen3 at the 8B shape (hidden
+4096, 32 heads, 8 kv heads, head dim 128, ffn 12288, vocab 151936) with ``--layers`` decoder
+layers (default 8: at 32K tokens, with selective AC, that fits in 80 GB next to the fp32
+embeddings, head and AdamW state; the run reports OOM where it does not), built on the meta
+device and initialised from ``--seed`` (the same weights for every method), bf16 compute through
+FSDP2 over the one rank (``fully_shard``, bf16 params / fp32 reduce), AdamW, TorchTitan's
+selective activation checkpointing (CompileMask's policy for CompileMask: its attention output
+is saved) and ``torch.compile`` per transformer block. One row of S tokens per step; the loss
+is the cross entropy in chunks of 4096 tokens (the head applied per chunk, as TorchTitan's
+chunked loss does).
+
+Methods (the layer's inner attention is the only difference):
+
+* ``compilemask``: ``CompileMaskAttention`` (engine auto), the descriptor from
+  ``BatchDescriptors`` once per step;
+* ``flex_fa4``: TorchTitan's ``FlexAttention`` with ``kernel_options={"BACKEND": "FLASH"}``
+  and block size (256, 128) (its ``flex_flash`` backend), the BlockMask built per step as
+  TorchTitan builds it (``create_attention_mask``);
+* ``flex_triton``: TorchTitan's ``FlexAttention`` (Triton templates);
+* ``fa4_native``: ``CompileMaskAttention(backend="native")``, FA4's own causal / varlen kernels
+  (causal and documents only);
+* ``varlen``: TorchTitan's ``VarlenAttention`` (torch's varlen_attn; documents and causal).
+
+Masks: ``hstu`` (one sequence per row: context, history to ~70 %, targets in groups of 64),
+``shared_prompt_rm``, ``clear`` (radius 1, width 64), ``causal``, ``documents`` (lognormal
+document lengths, causal within each), and ``packed_hstu``: the packed variable-length HSTU
+workload (``compilemask.integrations.torchtitan.data.PackedSequences``: lognormal lengths,
+mu = log(S / 8), sigma = 1.0, clipped to [64, S], targets the last 20 % in groups of 64).
+
+Per (mask, S, method): median step time (CUDA events around whole steps after ``--warmup``;
+descriptor or BlockMask build included), tokens/s, peak memory, the first ``--steps`` losses
+(agree with compilemask's to 1e-2 relative: same init, same data), and the attention's share:
+the forward + backward of one layer's inner attention alone on that step's q, k, v (same
+method, same mask object), times the layers, over the step time. Each config runs in
+try/except: an out-of-memory is reported as OOM, any other error by its message.
+Prints a markdown table and writes ``torchtitan_e2e.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MASKS = ("hstu", "shared_prompt_rm", "clear", "causal", "documents", "packed_hstu")
+METHODS = ("compilemask", "flex_fa4", "flex_triton", "fa4_native", "varlen")
+NATIVE_MASKS = ("causal", "documents")  # fa4_native and varlen run these only
+REL_TOL = 1e-2
+CHUNK = 4096
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+def make_batch(mask: str, S: int, vocab: int, seed: int):
+    """(input_dict, labels, compilemask mask name, mask_options) of one row of S tokens."""
+    from compilemask.integrations.torchtitan.data import PackedSequences
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (1, S + 1), generator=g)
+    d = {"input": tokens[:, :-1], "positions": torch.arange(S).view(1, S)}
+    labels = tokens[:, 1:]
+    if mask in ("documents", "packed_hstu"):
+        ds = PackedSequences(S, vocab_size=vocab, mu=math.log(max(S // 8, 2)), sigma=1.0,
+                             min_len=min(64, S // 4), group_size=64 if S >= 1024 else 4,
+                             seed=seed)
+        row, labels, _ = ds._row()
+        d = {k: v.unsqueeze(0) for k, v in row.items()}
+        labels = labels.unsqueeze(0)
+        if mask == "documents":
+            d = {"input": d["input"], "positions": d["positions"]}
+        return d, labels, ("block_causal" if mask == "documents" else "hstu"), {}
+    if mask == "hstu":
+        from compilemask.masks.hstu import bench_meta
+        m = bench_meta(1, S, seed)
+        if S < 1024:
+            m["group_size"] = torch.full((1,), 4, dtype=torch.int32)
+        d.update(hist_end=m["hist_end"].view(1, 1), ctx_end=m["ctx_end"].view(1, 1),
+                 group_size=m["group_size"].view(1, 1))
+        return d, labels, "hstu", {}
+    if mask == "shared_prompt_rm":
+        from compilemask.masks.shared_prompt_rm import bench_meta
+        d.update(bench_meta(1, S, seed))
+        return d, labels, "shared_prompt_rm", {}
+    if mask == "clear":
+        from compilemask.masks.clear import bench_meta
+        width = 64 if S >= 1024 else 8
+        d.update(bench_meta(1, S, seed, width=width))
+        return d, labels, "clear", {"radius": 1, "width": width}
+    if mask == "causal":
+        return d, labels, "causal", {}
+    raise ValueError(f"unknown mask {mask!r}; one of {MASKS}")
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+class DenseAttention(torch.nn.Module):
+    """float64 dense masked softmax through autograd (the smoke mode's reference)."""
+
+    def forward(self, q, k, v, *, attention_masks, scale=None, **kw):
+        dense = attention_masks.desc.dense_mask()[:, None]
+        q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (q @ k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+        p = torch.softmax(s.masked_fill(~dense, float("-inf")), -1).nan_to_num(0.0)
+        return (p @ v).transpose(1, 2).to(torch.float32)
+
+
+def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: int):
+    from compilemask.integrations.torchtitan.config_registry import compilemask_config
+
+    if method in ("compilemask", "fa4_native", "dense"):
+        backend = "native" if method == "fa4_native" else "auto"
+        return compilemask_config(mask=cm_mask, mask_options=opts, flavor=flavor,
+                                  n_layers=layers, backend=backend)
+    flex = {"flex_fa4": "flex_flash", "flex_triton": "flex", "varlen": "varlen"}[method]
+    return compilemask_config(mask=None, flex_mask=cm_mask, flex_mask_options=opts,
+                              flavor=flavor, n_layers=layers, flex_backend=flex)
+
+
+def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    from compilemask.integrations.torchtitan.sac import CompileMaskSelectiveAC
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_states(buffer_device=device)
+    if method == "dense":
+        for layer in model.layers.values():
+            layer.attention.inner_attention = DenseAttention()
+    if ac:
+        policy = CompileMaskSelectiveAC if method in ("compilemask", "fa4_native") else SelectiveAC
+        policy(policy.Config()).apply(model)
+    if compile_blocks:
+        for k, block in list(model.layers.named_children()):
+            model.layers.register_module(k, torch.compile(block))
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    return model
+
+
+def batch_kwargs(method, cfg, d, labels):
+    """What the trainer's hook gives the model: (inputs, labels, kwargs), timed by the caller."""
+    from torchtitan.models.common.attention import create_varlen_metadata_for_document
+
+    from compilemask.integrations.torchtitan.masks import resolve_mask
+    from compilemask.integrations.torchtitan.trainer import (
+        BatchDescriptors,
+        attention_config_of,
+        flex_block_mask,
+    )
+
+    if method in ("compilemask", "fa4_native", "dense"):
+        bd = batch_kwargs.cache.get(id(cfg))
+        if bd is None:
+            bd = batch_kwargs.cache[id(cfg)] = BatchDescriptors(
+                attention_config_of(cfg.model_spec.model))
+        return bd(d, labels)
+    if method == "varlen":
+        return d["input"], labels, {"positions": d["positions"], "attention_masks":
+                                    create_varlen_metadata_for_document(d["positions"])}
+    fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
+    bm = flex_block_mask(resolve_mask(cfg.flex_mask, cfg.flex_mask_options), d["positions"],
+                         fields, cfg.model_spec.model.first_attention)
+    return d["input"], labels, {"positions": d["positions"], "attention_masks": bm}
+
+
+batch_kwargs.cache = {}
+
+
+def chunked_loss(model, h, labels):
+    """Cross entropy with the head applied per chunk of tokens (no [S, vocab] logits kept)."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = h.new_zeros((), dtype=torch.float32)
+    n = (labels != -100).sum().clamp(min=1)
+    hf, lf = h.flatten(0, 1), labels.flatten()
+    for s in range(0, hf.shape[0], CHUNK):
+        def part(x, y):
+            logits = model.lm_head(model.norm(x)).float()
+            return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100,
+                                                     reduction="sum")
+        total = total + checkpoint(part, hf[s:s + CHUNK], lf[s:s + CHUNK], use_reentrant=False)
+    return total / n
+
+
+def run_config(mask, S, method, args, device):
+    d, labels, cm_mask, opts = make_batch(mask, S, args.vocab, args.seed)
+    if method in ("fa4_native", "varlen") and mask not in NATIVE_MASKS:
+        return {"status": "n/a"}
+    cfg = trainer_config(method, cm_mask, opts, args.flavor, args.layers)
+    model = build_model(cfg, method, device, args.seed, not args.no_compile, not args.no_ac,
+                        args.fsdp)
+    model._skip_lm_head = True
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=device.type == "cuda")
+    d = {k: v.to(device) for k, v in d.items()}
+    labels = labels.to(device)
+    times, losses = [], []
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        inputs, lab, kw = batch_kwargs(method, cfg, d, labels)
+        with torch.autocast(device.type, torch.bfloat16, enabled=cuda and not args.fsdp):
+            h = model(inputs, **kw)
+            loss = chunked_loss(model, h, lab)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            e1.record()
+            e1.synchronize()
+            dt = e0.elapsed_time(e1) / 1e3
+        else:
+            dt = time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        if step >= args.warmup:
+            times.append(dt)
+    step_s = statistics.median(times)
+    row = {"status": "ok", "step_s": step_s, "tokens_per_s": S / step_s, "losses": losses,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+    row["attn_share"] = attention_share(model, inputs, kw, device, args) * args.layers / step_s
+    return row
+
+
+def attention_share(model, inputs, kw, device, args):
+    """Forward + backward of the first layer's inner attention alone (seconds), on q, k, v of
+    that layer's shapes, with the step's mask object."""
+    block = model.layers["0"]
+    attn = [m for m in block.modules() if m.__class__.__name__ in (
+        "CompileMaskAttention", "FlexAttention", "VarlenAttention", "DenseAttention")][0]
+    cfg = model.config.layers[0].attention
+    B, S = inputs.shape
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(B, S, cfg.n_heads, cfg.head_dim, device=device, dtype=dt,
+                    requires_grad=True)
+    k, v = (torch.randn(B, S, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dt,
+                        requires_grad=True) for _ in range(2))
+    fn = lambda: attn(q, k, v, attention_masks=kw["attention_masks"],  # noqa: E731
+                      enable_gqa=True).sum().backward()
+    for _ in range(2):
+        fn()
+    reps = 3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def _is_oom(e):
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--masks", default=",".join(MASKS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--seqlens", default="8192,32768")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (their losses compared)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--flavor", default="8B", help="TorchTitan Qwen3 flavor (8B: the 8B shape)")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-ac", action="store_true")
+    p.add_argument("--out", default=".")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny debug model on the CPU: compilemask vs a dense float64 reference")
+    args = p.parse_args(argv)
+    args.fsdp = False
+    if args.smoke:
+        device = torch.device("cpu")
+        args.flavor, args.layers, args.vocab = "debugmodel", 1, 2048
+        args.steps, args.warmup, args.no_compile = 2, 0, True
+        masks, methods, seqlens = ["packed_hstu"], ["compilemask", "dense"], [128]
+    else:
+        device = torch.device("cuda")
+        masks, methods = args.masks.split(","), args.methods.split(",")
+        seqlens = [int(s) for s in args.seqlens.split(",")]
+        args.fsdp = _init_single_rank()
+    rows = []
+    for S in seqlens:
+        for mask in masks:
+            base = None
+            for method in methods:
+                row = {"mask": mask, "seqlen": S, "method": method, "layers": args.layers}
+                try:
+                    row.update(run_config(mask, S, method, args, device))
+                except Exception as e:  # one config's failure is reported, the rest run
+                    row.update(status="OOM" if _is_oom(e) else f"error: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                    if not _is_oom(e):
+                        traceback.print_exc()
+                finally:
+                    batch_kwargs.cache.clear()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if row["status"] == "ok":
+                    if method == "compilemask":
+                        base = row
+                    row["loss_agrees"] = base is not None and all(
+                        abs(a - b) <= REL_TOL * abs(b) for a, b in zip(row["losses"],
+                                                                       base["losses"]))
+                rows.append(row)
+                print(_fmt(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "torchtitan_e2e.json").write_text(json.dumps(
+        {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda"
+         else "cpu", "rows": rows}, indent=1))
+    print(table(rows))
+    return rows
+
+
+def _init_single_rank() -> bool:
+    """FSDP over one rank: a one-process NCCL group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29512")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    return True
+
+
+def _fmt(r):
+    if r["status"] != "ok":
+        return f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['status']}"
+    return (f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['step_s'] * 1e3:8.1f} ms "
+            f"{r['tokens_per_s']:9.0f} tok/s attn {100 * r['attn_share']:5.1f} % "
+            f"loss0 {r['losses'][0]:.4f}")
+
+
+def table(rows):
+    lines = ["| mask | S | method | step (ms) | tokens/s | attention share | peak GiB | "
+             "losses agree |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mask']} | {r['seqlen']} | {r['method']} | {r['status']} |"
+                         " | | | |")
+            continue
+        lines.append(f"| {r['mask']} | {r['seqlen']} | {r['method']} | {r['step_s'] * 1e3:.1f} "
+                     f"| {r['tokens_per_s']:.0f} | {100 * r['attn_share']:.1f} % | "
+                     f"{r['peak_gib']:.1f} | {'yes' if r.get('loss_agrees') else 'NO'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
