@@ -71,7 +71,7 @@ CHUNK = 4096
 
 def make_batch(mask: str, S: int, vocab: int, seed: int):
     """(input_dict, labels, compilemask mask name, mask_options) of one row of S tokens."""
-    from compilemask.integrations.torchtitan.data import PackedSequences
+    from compilemask.integrations.torchtitan.packed import PackedSequences
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (1, S + 1), generator=g)
@@ -124,16 +124,31 @@ class DenseAttention(torch.nn.Module):
         return (p @ v).transpose(1, 2).to(torch.float32)
 
 
-def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: int):
-    from compilemask.integrations.torchtitan.config_registry import compilemask_config
+class RunConfig:
+    """The model spec and the mask of one run (what the trainer's config holds; built without
+    TorchTitan's trainer module, which imports datasets, metrics and checkpointing)."""
 
+    def __init__(self, model_spec, flex_mask="", flex_mask_options=None):
+        self.model_spec, self.flex_mask = model_spec, flex_mask
+        self.flex_mask_options = dict(flex_mask_options or {})
+
+
+def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: int):
+    from torchtitan.models.qwen3 import model_registry
+
+    from compilemask.integrations.torchtitan import _compat
+    from compilemask.integrations.torchtitan.attention import CompileMaskAttention
+
+    flex = {"flex_fa4": "flex_flash", "flex_triton": "flex", "varlen": "varlen"}.get(method,
+                                                                                   "flex")
+    spec = model_registry(flavor, attn_backend=flex)
+    spec.model.layers = spec.model.layers[:layers]
     if method in ("compilemask", "fa4_native", "dense"):
         backend = "native" if method == "fa4_native" else "auto"
-        return compilemask_config(mask=cm_mask, mask_options=opts, flavor=flavor,
-                                  n_layers=layers, backend=backend)
-    flex = {"flex_fa4": "flex_flash", "flex_triton": "flex", "varlen": "varlen"}[method]
-    return compilemask_config(mask=None, flex_mask=cm_mask, flex_mask_options=opts,
-                              flavor=flavor, n_layers=layers, flex_backend=flex)
+        _compat.replace_inner_attention(spec.model, CompileMaskAttention.Config(
+            mask=cm_mask, mask_options=dict(opts), backend=backend))
+        return RunConfig(spec)
+    return RunConfig(spec, cm_mask, opts)
 
 
 def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
@@ -170,12 +185,12 @@ def batch_kwargs(method, cfg, d, labels):
     """What the trainer's hook gives the model: (inputs, labels, kwargs), timed by the caller."""
     from torchtitan.models.common.attention import create_varlen_metadata_for_document
 
-    from compilemask.integrations.torchtitan.masks import resolve_mask
-    from compilemask.integrations.torchtitan.trainer import (
+    from compilemask.integrations.torchtitan.batch import (
         BatchDescriptors,
         attention_config_of,
         flex_block_mask,
     )
+    from compilemask.integrations.torchtitan.masks import resolve_mask
 
     if method in ("compilemask", "fa4_native", "dense"):
         bd = batch_kwargs.cache.get(id(cfg))

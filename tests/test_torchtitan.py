@@ -25,12 +25,12 @@ from compilemask.integrations.torchtitan.attention import (  # noqa: E402
     CompileMaskBatch,
 )
 from compilemask.integrations.torchtitan.config_registry import compilemask_config  # noqa: E402
-from compilemask.integrations.torchtitan.data import IGNORE_INDEX, PackedSequences  # noqa: E402
 from compilemask.integrations.torchtitan.masks import (  # noqa: E402
     _hstu_meta,
     document_bounds,
     resolve_mask,
 )
+from compilemask.integrations.torchtitan.packed import IGNORE_INDEX, PackedSequences  # noqa: E402
 from compilemask.integrations.torchtitan.sac import (  # noqa: E402
     CompileMaskSelectiveAC,
     upgrade_ac_config,
