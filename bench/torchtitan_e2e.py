@@ -92,9 +92,8 @@ def make_batch(mask: str, S: int, vocab: int, seed: int):
         m = bench_meta(1, S, seed)
         if S < 1024:
             m["group_size"] = torch.full((1,), 4, dtype=torch.int32)
-        d.update(hist_end=m["hist_end"].view(1, 1), ctx_end=m["ctx_end"].view(1, 1),
-                 group_size=m["group_size"].view(1, 1))
-        return d, labels, "hstu", {}
+        d.update(m)  # one sequence per row: FLASH-translatable 1-D metadata
+        return d, labels, "hstu_row", {}
     if mask == "shared_prompt_rm":
         from compilemask.masks.shared_prompt_rm import bench_meta
         d.update(bench_meta(1, S, seed))
@@ -168,15 +167,16 @@ def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
     if ac:
         policy = CompileMaskSelectiveAC if method in ("compilemask", "fa4_native") else SelectiveAC
         policy(policy.Config()).apply(model)
-    if compile_blocks:
-        for k, block in list(model.layers.named_children()):
-            model.layers.register_module(k, torch.compile(block))
+    if compile_blocks:  # in place, as TorchTitan's apply_compile: the module stays FSDP-able
+        for block in model.layers.values():
+            block.compile()
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers.values():
             fully_shard(block, mp_policy=mp)
+        fully_shard(model.lm_head, mp_policy=mp)  # called per loss chunk, outside the forward
         fully_shard(model, mp_policy=mp)
     return model
 
@@ -211,7 +211,8 @@ batch_kwargs.cache = {}
 
 
 def chunked_loss(model, h, labels):
-    """Cross entropy with the head applied per chunk of tokens (no [S, vocab] logits kept)."""
+    """Cross entropy with the head applied per chunk of tokens (no [S, vocab] logits kept);
+    ``h`` is the model's output with ``_skip_lm_head`` (after the final norm)."""
     from torch.utils.checkpoint import checkpoint
 
     total = h.new_zeros((), dtype=torch.float32)
@@ -219,7 +220,7 @@ def chunked_loss(model, h, labels):
     hf, lf = h.flatten(0, 1), labels.flatten()
     for s in range(0, hf.shape[0], CHUNK):
         def part(x, y):
-            logits = model.lm_head(model.norm(x)).float()
+            logits = model.lm_head(x).float()
             return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100,
                                                      reduction="sum")
         total = total + checkpoint(part, hf[s:s + CHUNK], lf[s:s + CHUNK], use_reentrant=False)

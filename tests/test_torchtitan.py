@@ -56,7 +56,7 @@ def packed_batch(S=128, B=2, seed=3, mu=3.5):
 def row_fields(name, B, S, seed=0):
     g = torch.Generator().manual_seed(seed)
     spec = {"shared_prompt_rm": cm_masks.shared_prompt_rm(), "clear": cm_masks.clear(1, 8),
-            "prefix_lm": cm_masks.prefix_lm()}[name]
+            "prefix_lm": cm_masks.prefix_lm(), "hstu_row": cm_masks.hstu()}[name]
     return cm_masks.random_meta(spec, B, S, g)
 
 
@@ -84,15 +84,15 @@ def eager_flex(monkeypatch):
 
 # ---- masks ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["causal", "block_causal", "hstu", "shared_prompt_rm", "clear",
-                                  "prefix_lm"])
+@pytest.mark.parametrize("name", ["causal", "block_causal", "hstu", "hstu_row",
+                                  "shared_prompt_rm", "clear", "prefix_lm"])
 def test_named_mask_descriptor_equals_its_flex_mask_mod(name):
     """Each named mask's descriptor, built from a batch as the trainer builds it, equals its
     FlexAttention mask_mod evaluated at every (q, kv)."""
     d, labels = packed_batch()
     B, S = d["input"].shape
     opts = {"radius": 1, "width": 8} if name == "clear" else {}
-    if name in ("shared_prompt_rm", "clear", "prefix_lm"):
+    if name in ("hstu_row", "shared_prompt_rm", "clear", "prefix_lm"):
         d = {"input": d["input"], "positions": d["positions"], **row_fields(name, B, S)}
     source = resolve_mask(name, opts)
     fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
@@ -417,3 +417,16 @@ def test_bench_smoke(tmp_path):
     ok = [r for r in rows if r["status"] == "ok"]
     assert ok and all(r["tokens_per_s"] > 0 for r in ok)
     assert all(r["loss_agrees"] for r in ok if r["method"] != "compilemask")
+
+
+def test_flex_baseline_documents_use_torchtitans_mask_mods(eager_flex):
+    """The Flex baseline of block_causal is TorchTitan's own document BlockMask, equal to the
+    CompileMask descriptor."""
+    cfg = compilemask_config(mask=None, n_layers=1)
+    d, _ = packed_batch()
+    bm = flex_block_mask(resolve_mask("block_causal"), d["positions"], {},
+                         cfg.model_spec.model.first_attention)
+    src = resolve_mask("block_causal")
+    desc = cm.compile_mask(src.spec).preprocess(src.meta(d["positions"], {}), seqlen_q=128)
+    dense = create_mask(bm.mask_mod, 2, None, 128, 128, device="cpu")[:, 0]
+    assert torch.equal(dense, desc.dense_mask())

@@ -86,5 +86,16 @@ def flex_block_mask(source, positions: torch.Tensor, fields: dict, attn_config):
         raise TypeError(f"flex_block_mask: the model's inner attention is "
                         f"{type(inner).__name__}, not FlexAttention")
     B, S = positions.shape
-    return create_attention_mask(source.flex(positions, fields), B, None, S, S,
-                                 device=positions.device, BLOCK_SIZE=inner.block_size)
+    if source.name in ("block_causal", "documents"):  # TorchTitan's own document mask_mods
+        from torch.nn.attention.flex_attention import and_masks
+        from torchtitan.models.common.attention import (
+            get_causal_mask_mod,
+            get_efficient_causal_mask_mod_for_packed_document,
+        )
+
+        mask_mod = and_masks(get_causal_mask_mod(),
+                             get_efficient_causal_mask_mod_for_packed_document(positions))
+    else:
+        mask_mod = source.flex(positions, fields)
+    return create_attention_mask(mask_mod, B, None, S, S, device=positions.device,
+                                 BLOCK_SIZE=inner.block_size)

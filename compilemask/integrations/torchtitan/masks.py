@@ -15,6 +15,9 @@ Names (``CompileMaskAttention.Config.mask``; options in ``mask_options``):
   target metadata: fields ``hist_end``, ``ctx_end`` (optional, default 0) and ``group_size``,
   int ``[B, N]`` per sequence of the row (offsets from the sequence's start; padded past a row's
   last sequence) or ``[B]``;
+* ``"hstu_row"``: one HSTU sequence per row (``masks.hstu``): fields ``ctx_end``,
+  ``hist_end``, ``seq_end``, ``group_size`` ``[B]`` (its Flex mask_mod reads 1-D per-row
+  values only, which FlexAttention's FLASH backend translates);
 * ``"shared_prompt_rm"``: fields ``prompt_end``, ``r1_end`` .. ``r6_end`` ``[B]``;
 * ``"clear"``: fields ``text_end``, ``img_rows`` ``[B]``; options ``radius``, ``width``;
 * ``"prefix_lm"``: field ``prefix_len`` ``[B]``;
@@ -41,8 +44,8 @@ from compilemask.packing import packed_hstu_spec
 
 __all__ = ["MaskSource", "resolve_mask", "document_bounds", "MASK_NAMES"]
 
-MASK_NAMES = ("causal", "block_causal", "documents", "hstu", "shared_prompt_rm", "clear",
-              "prefix_lm")
+MASK_NAMES = ("causal", "block_causal", "documents", "hstu", "hstu_row", "shared_prompt_rm",
+              "clear", "prefix_lm")
 
 
 def document_bounds(positions: torch.Tensor):
@@ -190,6 +193,11 @@ def _builtin(name: str, options: Mapping) -> MaskSource:
         no_options()
         return MaskSource(name, packed_hstu_spec(), _hstu_meta, _hstu_flex,
                           fields=("hist_end", "group_size"), optional=("ctx_end",))
+    if name == "hstu_row":
+        no_options()
+        spec = cm_masks.hstu()
+        names = ("ctx_end", "hist_end", "seq_end", "group_size")
+        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names)
     if name == "shared_prompt_rm":
         no_options()
         spec = cm_masks.shared_prompt_rm()
