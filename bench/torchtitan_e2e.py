@@ -328,6 +328,11 @@ def main(argv=None):
         masks, methods, seqlens = ["packed_hstu"], ["compilemask", "dense"], [128]
     else:
         device = torch.device("cuda")
+        try:  # TorchTitan 0.3.0's model code on this torch: say so once, not per config
+            import torchtitan.models.qwen3  # noqa: F401
+        except Exception as e:
+            raise SystemExit(f"torchtitan 0.3.0 does not import on torch {torch.__version__}: "
+                             f"{type(e).__name__}: {e}") from e
         masks, methods = args.masks.split(","), args.methods.split(",")
         seqlens = [int(s) for s in args.seqlens.split(",")]
         args.fsdp = _init_single_rank()
