@@ -6,7 +6,6 @@ model, its gradients with the same model on a dense float32 attention (autograd)
 import copy
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -335,20 +334,15 @@ def test_packed_dataset_lengths_and_metadata():
 
 # ---- context parallelism on gloo --------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cp_worker(rank, world, port, out_dir, mask):
+def _cp_worker(rank, world, out_dir, mask):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from compilemask.distributed import unshard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rendezvous file, not a TCP port another process on the machine could take first
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world)
     torch.set_num_threads(1)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
@@ -390,7 +384,7 @@ def test_context_parallel_equals_one_process(world, tmp_path):
     attention: logits and gradients (summed over ranks) equal one process's."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_cp_worker, args=(world, _free_port(), str(tmp_path), "hstu"), nprocs=world)
+    mp.spawn(_cp_worker, args=(world, str(tmp_path), "hstu"), nprocs=world)
     got = torch.load(tmp_path / f"cp{world}.pt")
     cfg, model, _, _ = models("hstu", n_layers=1)
     d, labels = packed_batch()
