@@ -424,3 +424,14 @@ def test_flex_baseline_documents_use_torchtitans_mask_mods(eager_flex):
     desc = cm.compile_mask(src.spec).preprocess(src.meta(d["positions"], {}), seqlen_q=128)
     dense = create_mask(bm.mask_mod, 2, None, 128, 128, device="cpu")[:, 0]
     assert torch.equal(dense, desc.dense_mask())
+
+
+def test_compilemask_never_imports_torchtitan():
+    """compilemask, the subpackage's __init__, the mask names and the packed data load no
+    TorchTitan (the model code loads with attention/batch; the trainer with trainer)."""
+    import subprocess
+
+    code = ("import sys, compilemask, compilemask.integrations.torchtitan\n"
+            "from compilemask.integrations.torchtitan import masks, packed\n"
+            "assert 'torchtitan' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
