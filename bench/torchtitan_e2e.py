@@ -124,49 +124,43 @@ class DenseAttention(torch.nn.Module):
 
 
 class RunConfig:
-    """The model spec and the mask of one run (what the trainer's config holds; built without
-    TorchTitan's trainer module, which imports datasets, metrics and checkpointing)."""
+    """The model config, its inner attention's config and the Flex baseline's mask of one run
+    (what the trainer's config holds; built without TorchTitan's trainer module, which imports
+    datasets, metrics and checkpointing)."""
 
-    def __init__(self, model_spec, flex_mask="", flex_mask_options=None):
-        self.model_spec, self.flex_mask = model_spec, flex_mask
+    def __init__(self, model_config, inner, flex_mask="", flex_mask_options=None):
+        self.model_config, self.inner, self.flex_mask = model_config, inner, flex_mask
         self.flex_mask_options = dict(flex_mask_options or {})
 
 
-def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: int):
-    from torchtitan.models.qwen3 import model_registry
+BACKEND_OF = {"flex_fa4": "flex_flash", "flex_triton": "flex", "varlen": "varlen"}
 
+
+def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: int, S: int):
     from compilemask.integrations.torchtitan import _compat
     from compilemask.integrations.torchtitan.attention import CompileMaskAttention
 
-    flex = {"flex_fa4": "flex_flash", "flex_triton": "flex", "varlen": "varlen"}.get(method,
-                                                                                   "flex")
-    spec = model_registry(flavor, attn_backend=flex)
-    spec.model.layers = spec.model.layers[:layers]
     if method in ("compilemask", "fa4_native", "dense"):
         backend = "native" if method == "fa4_native" else "auto"
-        _compat.replace_inner_attention(spec.model, CompileMaskAttention.Config(
-            mask=cm_mask, mask_options=dict(opts), backend=backend))
-        return RunConfig(spec)
-    return RunConfig(spec, cm_mask, opts)
+        inner = CompileMaskAttention.Config(mask=cm_mask, mask_options=dict(opts),
+                                            backend=backend)
+        return RunConfig(*_compat.qwen3_config(flavor, layers, S, "flex", inner))
+    return RunConfig(*_compat.qwen3_config(flavor, layers, S, BACKEND_OF[method]), cm_mask,
+                     opts)
 
 
 def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    """(model, output projection): the model returns the final norm's output."""
+    from compilemask.integrations.torchtitan import _compat
 
-    from compilemask.integrations.torchtitan.sac import CompileMaskSelectiveAC
-
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = cfg.model_spec.model.build()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_states(buffer_device=device)
+    model = _compat.build_qwen3(cfg.model_config, device, seed)
+    head = _compat.split_head(model)
     if method == "dense":
         for layer in model.layers.values():
             layer.attention.inner_attention = DenseAttention()
     if ac:
-        policy = CompileMaskSelectiveAC if method in ("compilemask", "fa4_native") else SelectiveAC
-        policy(policy.Config()).apply(model)
+        _compat.apply_sac(model, save_compilemask=method in ("compilemask", "fa4_native"),
+                          compiled=compile_blocks)
     if compile_blocks:  # in place, as TorchTitan's apply_compile: the module stays FSDP-able
         for block in model.layers.values():
             block.compile()
@@ -176,43 +170,37 @@ def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers.values():
             fully_shard(block, mp_policy=mp)
-        fully_shard(model.lm_head, mp_policy=mp)  # called per loss chunk, outside the forward
+        fully_shard(head, mp_policy=mp)  # called per loss chunk, outside the forward
         fully_shard(model, mp_policy=mp)
-    return model
+    return model, head
 
 
 def batch_kwargs(method, cfg, d, labels):
     """What the trainer's hook gives the model: (inputs, labels, kwargs), timed by the caller."""
-    from torchtitan.models.common.attention import create_varlen_metadata_for_document
-
-    from compilemask.integrations.torchtitan.batch import (
-        BatchDescriptors,
-        attention_config_of,
-        flex_block_mask,
-    )
+    from compilemask.integrations.torchtitan import _compat
+    from compilemask.integrations.torchtitan.batch import BatchDescriptors, flex_block_mask
     from compilemask.integrations.torchtitan.masks import resolve_mask
 
     if method in ("compilemask", "fa4_native", "dense"):
         bd = batch_kwargs.cache.get(id(cfg))
         if bd is None:
-            bd = batch_kwargs.cache[id(cfg)] = BatchDescriptors(
-                attention_config_of(cfg.model_spec.model))
+            bd = batch_kwargs.cache[id(cfg)] = BatchDescriptors(cfg.inner)
         return bd(d, labels)
     if method == "varlen":
-        return d["input"], labels, {"positions": d["positions"], "attention_masks":
-                                    create_varlen_metadata_for_document(d["positions"])}
+        return d["input"], labels, {"positions": d["positions"],
+                                    "attention_masks": _compat.varlen_masks(d["positions"])}
     fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
     bm = flex_block_mask(resolve_mask(cfg.flex_mask, cfg.flex_mask_options), d["positions"],
-                         fields, cfg.model_spec.model.first_attention)
+                         fields, cfg.inner)
     return d["input"], labels, {"positions": d["positions"], "attention_masks": bm}
 
 
 batch_kwargs.cache = {}
 
 
-def chunked_loss(model, h, labels):
+def chunked_loss(head, h, labels):
     """Cross entropy with the head applied per chunk of tokens (no [S, vocab] logits kept);
-    ``h`` is the model's output with ``_skip_lm_head`` (after the final norm)."""
+    ``h`` is the model's output without its head (``split_head``: after the final norm)."""
     from torch.utils.checkpoint import checkpoint
 
     total = h.new_zeros((), dtype=torch.float32)
@@ -220,7 +208,7 @@ def chunked_loss(model, h, labels):
     hf, lf = h.flatten(0, 1), labels.flatten()
     for s in range(0, hf.shape[0], CHUNK):
         def part(x, y):
-            logits = model.lm_head(x).float()
+            logits = head(x).float()
             return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100,
                                                      reduction="sum")
         total = total + checkpoint(part, hf[s:s + CHUNK], lf[s:s + CHUNK], use_reentrant=False)
@@ -228,13 +216,17 @@ def chunked_loss(model, h, labels):
 
 
 def run_config(mask, S, method, args, device):
+    from compilemask.integrations.torchtitan import _compat
+
     d, labels, cm_mask, opts = make_batch(mask, S, args.vocab, args.seed)
     if method in ("fa4_native", "varlen") and mask not in NATIVE_MASKS:
         return {"status": "n/a"}
-    cfg = trainer_config(method, cm_mask, opts, args.flavor, args.layers)
-    model = build_model(cfg, method, device, args.seed, not args.no_compile, not args.no_ac,
-                        args.fsdp)
-    model._skip_lm_head = True
+    why = _compat.method_unavailable(BACKEND_OF[method]) if method in BACKEND_OF else None
+    if why:
+        return {"status": f"unavailable: {why}"}
+    cfg = trainer_config(method, cm_mask, opts, args.flavor, args.layers, S)
+    model, head = build_model(cfg, method, device, args.seed, not args.no_compile,
+                              not args.no_ac, args.fsdp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=device.type == "cuda")
     d = {k: v.to(device) for k, v in d.items()}
     labels = labels.to(device)
@@ -250,7 +242,7 @@ def run_config(mask, S, method, args, device):
         inputs, lab, kw = batch_kwargs(method, cfg, d, labels)
         with torch.autocast(device.type, torch.bfloat16, enabled=cuda and not args.fsdp):
             h = model(inputs, **kw)
-            loss = chunked_loss(model, h, lab)
+            loss = chunked_loss(head, h, lab)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -273,15 +265,15 @@ def run_config(mask, S, method, args, device):
 def attention_share(model, inputs, kw, device, args):
     """Forward + backward of the first layer's inner attention alone (seconds), on q, k, v of
     that layer's shapes, with the step's mask object."""
+    from compilemask.integrations.torchtitan import _compat
+
     block = model.layers["0"]
-    attn = [m for m in block.modules() if m.__class__.__name__ in (
-        "CompileMaskAttention", "FlexAttention", "VarlenAttention", "DenseAttention")][0]
-    cfg = model.config.layers[0].attention
+    attn = [m for n, m in block.named_modules() if n.endswith("inner_attention")][0]
+    n_heads, n_kv_heads, head_dim = _compat.attention_dims(model)
     B, S = inputs.shape
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(B, S, cfg.n_heads, cfg.head_dim, device=device, dtype=dt,
-                    requires_grad=True)
-    k, v = (torch.randn(B, S, cfg.n_kv_heads, cfg.head_dim, device=device, dtype=dt,
+    q = torch.randn(B, S, n_heads, head_dim, device=device, dtype=dt, requires_grad=True)
+    k, v = (torch.randn(B, S, n_kv_heads, head_dim, device=device, dtype=dt,
                         requires_grad=True) for _ in range(2))
     fn = lambda: attn(q, k, v, attention_masks=kw["attention_masks"],  # noqa: E731
                       enable_gqa=True).sum().backward()
@@ -317,6 +309,9 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-ac", action="store_true")
     p.add_argument("--out", default=".")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="wall-clock seconds for all configs (0: no limit): a config whose "
+                        "start leaves less than the longest config so far is skipped")
     p.add_argument("--smoke", action="store_true",
                    help="tiny debug model on the CPU: compilemask vs a dense float64 reference")
     args = p.parse_args(argv)
@@ -328,31 +323,50 @@ def main(argv=None):
         masks, methods, seqlens = ["packed_hstu"], ["compilemask", "dense"], [128]
     else:
         device = torch.device("cuda")
-        try:  # TorchTitan 0.3.0's model code on this torch: say so once, not per config
+        try:  # TorchTitan's model code on this torch: say so once, not per config
             import torchtitan.models.qwen3  # noqa: F401
         except Exception as e:
-            raise SystemExit(f"torchtitan 0.3.0 does not import on torch {torch.__version__}: "
+            raise SystemExit(f"torchtitan does not import on torch {torch.__version__}: "
                              f"{type(e).__name__}: {e}") from e
         masks, methods = args.masks.split(","), args.methods.split(",")
         seqlens = [int(s) for s in args.seqlens.split(",")]
         args.fsdp = _init_single_rank()
-    rows = []
+    from compilemask.integrations.torchtitan import _compat
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"args": vars(args), "device": torch.cuda.get_device_name()
+            if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "torchtitan": _titan_version(), "torchtitan_layout": "0.2" if _compat.legacy()
+            else "0.3", "rows": []}
+    print(f"torch {meta['torch']}, torchtitan {meta['torchtitan']}, {meta['device']}",
+          flush=True)
+    rows = meta["rows"]
+    t_start, longest = time.monotonic(), 0.0
     for S in seqlens:
         for mask in masks:
             base = None
             for method in methods:
                 row = {"mask": mask, "seqlen": S, "method": method, "layers": args.layers}
-                try:
-                    row.update(run_config(mask, S, method, args, device))
-                except Exception as e:  # one config's failure is reported, the rest run
-                    row.update(status="OOM" if _is_oom(e) else f"error: {type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200] if str(e) else ''}")
-                    if not _is_oom(e):
-                        traceback.print_exc()
-                finally:
-                    batch_kwargs.cache.clear()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                t0 = time.monotonic()
+                left = args.budget_s - (t0 - t_start)
+                if args.budget_s > 0 and left < longest:
+                    row["status"] = f"skipped: {left:.0f} s of --budget-s left"
+                else:
+                    try:
+                        row.update(run_config(mask, S, method, args, device))
+                    except Exception as e:  # one config's failure is reported, the rest run
+                        row.update(status="OOM" if _is_oom(e) else f"error: "
+                                   f"{type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''}")
+                        if not _is_oom(e):
+                            traceback.print_exc()
+                    finally:
+                        batch_kwargs.cache.clear()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    row["wall_s"] = time.monotonic() - t0
+                    longest = max(longest, row["wall_s"])
                 if row["status"] == "ok":
                     if method == "compilemask":
                         base = row
@@ -361,13 +375,19 @@ def main(argv=None):
                                                                        base["losses"]))
                 rows.append(row)
                 print(_fmt(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "torchtitan_e2e.json").write_text(json.dumps(
-        {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda"
-         else "cpu", "rows": rows}, indent=1))
-    print(table(rows))
+                # rewritten after every config: a run stopped midway keeps its rows
+                (out / "torchtitan_e2e.json").write_text(json.dumps(meta, indent=1))
+    print(table(rows), flush=True)
     return rows
+
+
+def _titan_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _init_single_rank() -> bool:

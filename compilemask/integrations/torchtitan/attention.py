@@ -14,11 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torchtitan.protocols.module import Module
 
 from compilemask.api import BACKENDS, attention
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.distributed import PLAN_KINDS, CPPlan, cp_attention
+
+from ._compat import module_base
+
+Module = module_base()  # TorchTitan's configurable Module (a stand-in on 0.2.x)
 
 __all__ = ["CompileMaskAttention", "CompileMaskBatch"]
 

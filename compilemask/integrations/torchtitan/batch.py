@@ -78,24 +78,13 @@ class BatchDescriptors:
 def flex_block_mask(source, positions: torch.Tensor, fields: dict, attn_config):
     """A named mask's FlexAttention BlockMask for a batch, built as TorchTitan's
     ``Decoder._create_flex_attention_mask`` builds its own (``create_attention_mask``: the
-    compiled ``create_block_mask``, the inner attention config's block size)."""
-    from torchtitan.models.common.attention import FlexAttention, create_attention_mask
-
-    inner = attn_config.inner_attention
-    if not isinstance(inner, FlexAttention.Config):
-        raise TypeError(f"flex_block_mask: the model's inner attention is "
-                        f"{type(inner).__name__}, not FlexAttention")
+    compiled ``create_block_mask``, the inner attention config's block size). ``attn_config``:
+    the attention layer's config or its inner attention's."""
+    block_size = _compat.flex_block_size(getattr(attn_config, "inner_attention", attn_config))
     B, S = positions.shape
+    mask_mod = None
     if source.name in ("block_causal", "documents"):  # TorchTitan's own document mask_mods
-        from torch.nn.attention.flex_attention import and_masks
-        from torchtitan.models.common.attention import (
-            get_causal_mask_mod,
-            get_efficient_causal_mask_mod_for_packed_document,
-        )
-
-        mask_mod = and_masks(get_causal_mask_mod(),
-                             get_efficient_causal_mask_mod_for_packed_document(positions))
-    else:
+        mask_mod = _compat.document_mask_mod(positions)
+    if mask_mod is None:
         mask_mod = source.flex(positions, fields)
-    return create_attention_mask(mask_mod, B, None, S, S, device=positions.device,
-                                 BLOCK_SIZE=inner.block_size)
+    return _compat.create_attention_mask(mask_mod, B, S, positions.device, block_size)
