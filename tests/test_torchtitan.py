@@ -435,3 +435,63 @@ def test_compilemask_never_imports_torchtitan():
             "from compilemask.integrations.torchtitan import masks, packed\n"
             "assert 'torchtitan' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- TorchTitan 0.2.x (the layout _compat.legacy() detects) -----------------------------------
+
+LEGACY_CHECK = """
+import torch
+from compilemask.integrations.torchtitan import _compat
+from compilemask.integrations.torchtitan.attention import CompileMaskAttention
+from compilemask.integrations.torchtitan.batch import BatchDescriptors
+from compilemask.integrations.torchtitan.packed import PackedSequences
+assert _compat.legacy()
+inner = CompileMaskAttention.Config(mask="hstu")
+cfg, got = _compat.qwen3_config("debugmodel", 1, 128, "flex", inner)
+assert got is inner
+model = _compat.build_qwen3(cfg, torch.device("cpu"), 0)
+assert _compat.attention_dims(model) == (16, 8, 128)
+ds = iter(PackedSequences(128, vocab_size=2048, mu=3.5, sigma=0.8, min_len=8, group_size=4))
+row, labels = next(ds)
+d = {k: v.unsqueeze(0) for k, v in row.items()}
+inputs, _, kw = BatchDescriptors(inner)(d, labels.unsqueeze(0))
+head = _compat.split_head(model)
+with torch.no_grad():
+    h = model(inputs, **kw)
+    dense = kw["attention_masks"].desc.dense_mask()
+    for layer in model.layers.values():  # the same layer on a float64 dense attention
+        class Dense(torch.nn.Module):
+            def forward(self, q, k, v, *, attention_masks, scale=None, **kw):
+                q, k, v = (t.transpose(1, 2).double() for t in (q, k, v))
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+                s = (q @ k.transpose(-1, -2)) * scale
+                p = torch.softmax(s.masked_fill(~dense[:, None], float("-inf")), -1)
+                return (p.nan_to_num(0.0) @ v).transpose(1, 2).float()
+        layer.attention.inner_attention = Dense()
+    ref = model(inputs, **kw)
+assert h.shape == (1, 128, 256) and head.out_features == 2048
+torch.testing.assert_close(h, ref, atol=2e-5, rtol=1e-4)
+pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+m = _compat.varlen_masks(pos)
+assert m.cu_seq_q.tolist() == [0, 3, 5, 9] and m.max_q == 4
+print("ok")
+"""
+
+
+@pytest.mark.slow  # 35 s on a loaded 2-core CPU (TorchTitan 0.2.x imports in a subprocess)
+def test_torchtitan_022_model_equals_dense():
+    """On TorchTitan 0.2.x (its site folder in COMPILEMASK_TORCHTITAN_022, or installed): the
+    debug Qwen3 built through _compat runs CompileMaskAttention in 0.3.0's calling convention
+    and equals the same model on a dense attention; varlen metadata from positions."""
+    import subprocess
+
+    site = os.environ.get("COMPILEMASK_TORCHTITAN_022")
+    if not site and not _compat.legacy():
+        pytest.skip("TorchTitan 0.2.x not installed (set COMPILEMASK_TORCHTITAN_022 to its "
+                    "site folder)")
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join([site, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", LEGACY_CHECK], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
