@@ -5,7 +5,8 @@
         --seqlens 32768 --steps 12 --layers 8 --out $OUT
     python bench/torchtitan_e2e.py --smoke --out /tmp/x              # tiny model, CPU, no GPU
 
-What runs (one H100, 80 GB, a single rank). TorchTitan 0.3.0's Qwen3 at the 8B shape (hidden
+What runs (one H100, 80 GB, a single rank). TorchTitan's (0.3.0 or 0.2.x, the differences in
+``compilemask.integrations.torchtitan._compat``) Qwen3 at the 8B shape (hidden
 4096, 32 heads, 8 kv heads, head dim 128, ffn 12288, vocab 151936) with ``--layers`` decoder
 layers (default 8: at 32K tokens, with selective AC, that fits in 80 GB next to the fp32
 embeddings, head and AdamW state; the run reports OOM where it does not), built on the meta
@@ -40,7 +41,9 @@ descriptor or BlockMask build included), tokens/s, peak memory, the first ``--st
 the forward + backward of one layer's inner attention alone on that step's q, k, v (same
 method, same mask object), times the layers, over the step time. Each config runs in
 try/except: an out-of-memory is reported as OOM, any other error by its message.
-Prints a markdown table and writes ``torchtitan_e2e.json`` to ``--out``.
+Each row is printed when its config ends and ``torchtitan_e2e.json`` in ``--out`` is rewritten
+after every config (a stopped run keeps its rows); ``--budget-s`` skips the configs that start
+with less time left than the longest config so far took. Ends with a markdown table.
 """
 
 from __future__ import annotations
