@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The steps of one lease of the GPU machine (see README "GPU"): run from the repository root after
+# The steps of one lease of the GPU machine (see docs/gpu.md): run from the repository root after
 # `. /opt/cm-gpu/env.sh`. Every step has its own time limit and writes its log under $OUT, so a
 # step that hangs or fails does not take the others' results with it. To run the GPU tests in
 # parallel processes, carry pytest-xdist's wheels in .whl/ (git-ignored) with the call:
@@ -29,7 +29,7 @@ set -u
 OUT=${OUT:-/tmp/cm-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# pytest-xdist, when its wheels were carried in .whl/ (README "GPU"): the GPU tests' kernel
+# pytest-xdist, when its wheels were carried in .whl/ (docs/gpu.md): the GPU tests' kernel
 # compiles run in parallel processes (one GPU; NPROC=1 to run them one by one)
 if [ -d .whl ] && ! python3 -c "import xdist" 2>/dev/null; then
   pip install -q --no-index --no-deps .whl/*.whl >/dev/null 2>&1 || true

@@ -545,7 +545,7 @@ def _tiles_arg(t, name) -> TileConfig:
 
 
 _META_KINDS = "metadata are non-negative ints (Python ints or integer tensors)"
-_META_MAX = META_MAX  # the largest metadata value accepted (the README's contract)
+_META_MAX = META_MAX  # the largest metadata value accepted (docs/masks.md's contract)
 
 
 def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_values):

@@ -155,8 +155,8 @@ def test_a_table_column_torch_counts_from_the_end_is_refused(form):
 
 @pytest.mark.parametrize("form", ["ge", "gt", "where", "or", "clamp", "scalar", "plain"])
 def test_guarded_and_in_range_table_reads_convert(form):
-    """The README's ``anc[q_idx, kv_idx - p]`` guarded by ``kv_idx >= p`` (the read's value does
-    not matter where its column is negative), spelled several ways."""
+    """docs/flex-migration.md's ``anc[q_idx, kv_idx - p]`` guarded by ``kv_idx >= p`` (the read's
+    value does not matter where its column is negative), spelled several ways."""
     p = 3
     mask_mod = {
         "ge": lambda b, h, q_idx, kv_idx: (kv_idx >= p) & TBL[q_idx, kv_idx - p],

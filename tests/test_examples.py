@@ -1,5 +1,5 @@
 """The examples run: each mask module's main() (compilemask/masks/<name>.py), the end-to-end
-scripts in examples/ at small sizes, and the README's ``show`` command."""
+scripts in examples/ at small sizes, and the ``show`` command of docs/inspection.md."""
 
 from __future__ import annotations
 
@@ -88,12 +88,12 @@ def test_transformers_model_matches_sdpa(capsys):
     assert "attn_implementation='compilemask'" in out and "max |logits - sdpa logits|" in out
 
 
-# ---- the README's show command -----------------------------------------------------------------
-def test_readme_show_command_runs(tmp_path, capsys):
+# ---- the show command of docs/inspection.md ----------------------------------------------------
+def test_docs_show_command_runs(tmp_path, capsys):
     from compilemask.cli import run
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    line = re.search(r"`python -m compilemask (show [^`]*\.py:\w+ [^`]*)`", readme).group(1)
+    guide = open(os.path.join(ROOT, "docs", "inspection.md")).read()
+    line = re.search(r"`python -m compilemask (show [^`]*\.py:\w+ [^`]*)`", guide).group(1)
     cmd, *argv = shlex.split(line)
     argv[0] = os.path.join(ROOT, argv[0])  # the file, relative to the repository root
     argv[argv.index("--out") + 1] = str(tmp_path / "mask.png")

@@ -271,19 +271,18 @@ def test_gpu_decode_and_chunked_prefill_vs_float32_reference(name):
         check_attention_vs_reference(d, q, k, v, engine, d.dense_mask())
 
 
-def test_readme_generate_lines_run():
-    """The README's generate line, as written, on a tiny Qwen3."""
+def test_docs_generate_lines_run():
+    """The generate line of docs/serving.md, as written, on a tiny Qwen3."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Serving and per-head masks", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = re.search(r"```python\n(.*?)```", guide, re.S).group(1)
     ref, mod = _models()
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     env = {"model": mod, "input_ids": ids, "n": 3, "cm": cm, "prefix_lm": masks.prefix_lm,
            "prefix": torch.tensor([4, 9])}
-    exec(compile(code, "README.md", "exec"), env)
+    exec(compile(code, "docs/serving.md", "exec"), env)
     dense = cm.compile_mask(masks.prefix_lm()).preprocess(
         {"prefix_len": env["prefix"]}, 12, batch_size=2).dense_mask()
     assert torch.equal(env["out"], _greedy_by_recomputation(ref, ids, 3, dense))
