@@ -55,10 +55,11 @@ def test_operands_exchanged_after_import_are_refused(tmp_path, monkeypatch, k):
     path.write_text(_RULES.format(rule=new))
     os.utime(path, (path.stat().st_atime, path.stat().st_mtime + 5))
     # never compiled before: its text is read now, and it is not what the function computes
-    for spec, who in ((mod.after, "'after'"), (mod.by_def, "'by_def'")):
+    for spec, fn in ((mod.after, "'<lambda>'"), (mod.by_def, "'helper'")):
         with pytest.raises(ValueError, match="does not match the function's code") as err:
             cm.compile_mask(spec)
-        assert "reload" in str(err.value) and "Region 'all'" in str(err.value), err.value
+        assert f"Region 'all', visible function {fn}" in str(err.value), err.value
+        assert "reload" in str(err.value), err.value
     # reloaded, the text and the code agree again
     mod = importlib.reload(mod)
     _exact(cm.compile_mask(mod.after), {"w": 5})
