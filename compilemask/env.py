@@ -52,11 +52,29 @@ def _writable(path: str) -> bool:
     return True
 
 
+def _makedirs_private(path: str) -> None:
+    """``os.makedirs`` giving every folder it creates mode 0o700 (``makedirs`` gives only the
+    last one its mode)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+
+
 def ensure_dir(path: str) -> str | None:
     """Create ``path`` (private: mode 0o700) where it is missing, also when it was deleted while
     running; returns why it cannot hold cached programs, or None."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        _makedirs_private(path)
     except OSError as e:
         return f"it cannot be created ({e.strerror or e})"
     why = unsafe_reason(path)
@@ -97,7 +115,7 @@ def cache_dir(kind: str) -> str:
     if why is None:
         return d
     fallback = os.path.join(_fallback_root(), kind)
-    os.makedirs(fallback, mode=0o700, exist_ok=True)
+    _makedirs_private(fallback)
     log.warning("compilemask: cache folder %s is not used: %s. Using %s, private to this process "
                 "and removed when it exits: programs compiled now are compiled again by later "
                 "processes. Set %s to a folder only you can write to keep them.",
