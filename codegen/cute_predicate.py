@@ -36,7 +36,6 @@ from typing import Iterable, Sequence
 import sympy
 
 from compilemask.dsl.frontend import IntBitOp
-from compilemask.env import cache_dir
 
 # on a generated mask_mod / score_mod(_bwd) whose reads are clamped (a mask_mod: which is also
 # False for every key past seqlen_k; a score_mod: whose value is finite at any index): FA4 need
@@ -317,25 +316,16 @@ def source_hash(src: str) -> str:
 
 
 def compile_predicate(src: str, name: str = "fallback_predicate"):
-    """Write the generated source to a cache file, import it, return the ``@cute.jit`` function.
+    """Write the generated source to a cache file (checked against ``src``), run ``src`` as a
+    module, return the ``@cute.jit`` function.
 
-    (A real file, not ``exec``: the DSL's AST preprocessor reads the function's source.)
+    (A real file, not a bare ``exec``: the DSL's AST preprocessor reads the function's source.)
     """
-    import importlib.util
-    import os
+    from compilemask.cache import exec_verified, verified_source_file
 
-
-    d = cache_dir("predicates")
     mod_name = f"cm_pred_{source_hash(src)}"
-    path = os.path.join(d, mod_name + ".py")
-    if not os.path.exists(path) or open(path).read() != src:
-        tmp = path + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(src)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    path = verified_source_file("predicates", mod_name + ".py", src)
+    mod = exec_verified(src, path, mod_name)
     fn = getattr(mod, name)
     # flash-attn-4 keys its compiled kernels by the hash of this one function's source, which
     # does not see the generated functions it calls (two masks' mask_mods can read the same):

@@ -1,19 +1,21 @@
 """What every generated TileLang program shares: the text emitter's skeleton, loading the text as
-a module, compiling it (logged, cached on disk by TileLang under the compilemask cache folder),
-compiling several first-use programs at once in worker processes (:func:`prebuild`), and calling
-the compiled function without TileLang's per-call wrapper."""
+a module (its file in the cache folder checked against the text, which is what runs:
+``compilemask.cache``), compiling it (logged, one process at a time per program, cached on disk
+by TileLang under the compilemask cache folder), compiling several first-use programs at once in
+worker processes (:func:`prebuild`), and calling the compiled function without TileLang's
+per-call wrapper."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 from typing import NamedTuple
 
-from compilemask.env import cache_dir, configure_compile_caches
+from compilemask.cache import exec_verified, file_lock, verified_source_file, write_atomic
+from compilemask.env import cache_dir, configure_compile_caches, in_private_fallback
 from compilemask.log import log
 
 __all__ = ["CUDA_TARGET", "check_target", "ProgramEmitter", "Program", "load_prim_func",
@@ -112,44 +114,54 @@ def _built_marker(source: str, tag: str, target: str) -> str:
     return f"{_source_path(source, tag)[0][:-3]}.{target}.built"
 
 
+def _built_stamp(source: str, target: str) -> bytes:
+    return hashlib.sha256(f"{target}\n{source}".encode()).hexdigest().encode()
+
+
+def _is_built(source: str, tag: str, target: str) -> bool:
+    """The marker of (text, target) exists and names that text in full (a hint only: what runs
+    is TileLang's build of the checked text)."""
+    try:
+        with open(_built_marker(source, tag, target), "rb") as f:
+            return f.read() == _built_stamp(source, target)
+    except OSError:
+        return False
+
+
 def _write_source(source: str, tag: str) -> tuple[str, str]:
     path, digest = _source_path(source, tag)
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    return path, digest
+    return verified_source_file("tilelang", os.path.basename(path), source), digest
 
 
 def load_prim_func(source: str, tag: str, attr: str):
-    """exec the generated module from a real file (TileLang's parser reads the source back);
-    returns its ``attr``."""
+    """exec the generated text as a module, from its checked file in the cache folder (TileLang's
+    parser reads the source back); returns its ``attr``."""
     path, digest = _write_source(source, tag)
-    modname = f"_compilemask_tl_{tag}_{digest}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    spec.loader.exec_module(mod)
+    mod = exec_verified(source, path, f"_compilemask_tl_{tag}_{digest}", register=True)
     return getattr(mod, attr)
 
 
 def compile_program(source: str, tag: str, attr: str, target: str, what: str):
     """Compile a generated program (TileLang reuses its on-disk build of an equal text and
-    target, across processes); a build that takes long says once what compiled and why."""
+    target, across processes; one process compiles a program at a time, the others wait for it
+    and load its build); a build that takes long says once what compiled and why."""
     configure_compile_caches()
     import tilelang
 
     func = load_prim_func(source, tag, attr)
-    t0 = time.perf_counter()
-    kern = tilelang.compile(func, target=CUDA_TARGET if target == "cuda" else "c")
-    took = time.perf_counter() - t0
-    if took > 1.0:
-        log.warning("compilemask: compiled %s (%s target) in %.1f s: its first use on this "
-                    "machine; later processes load it from the cache folder", what, target, took)
     marker = _built_marker(source, tag, target)
-    if not os.path.exists(marker):
-        open(marker, "w").close()
+    with file_lock(marker):
+        t0 = time.perf_counter()
+        kern = tilelang.compile(func, target=CUDA_TARGET if target == "cuda" else "c")
+        took = time.perf_counter() - t0
+        if not _is_built(source, tag, target):
+            write_atomic(marker, _built_stamp(source, target))
+    if took > 1.0:
+        later = ("later processes compile it again (this process's cache folder is private "
+                 "and temporary)" if in_private_fallback(os.environ.get("TILELANG_CACHE_DIR", ""))
+                 else "later processes load it from the cache folder")
+        log.warning("compilemask: compiled %s (%s target) in %.1f s: its first use on this "
+                    "machine; %s", what, target, took, later)
     return kern
 
 
@@ -163,9 +175,8 @@ def prebuild(programs, timeout: float = 1800.0) -> int:
     configure_compile_caches()  # the workers inherit the cache folders
     todo = {}
     for p in programs:
-        marker = _built_marker(p.source, p.tag, p.target)
-        if not os.path.exists(marker):
-            todo.setdefault(marker, p)
+        if not _is_built(p.source, p.tag, p.target):
+            todo.setdefault(_built_marker(p.source, p.tag, p.target), p)
     if len(todo) < 2:  # one compile gains nothing from a worker
         return 0
     t0 = time.perf_counter()
@@ -175,8 +186,9 @@ def prebuild(programs, timeout: float = 1800.0) -> int:
     procs = []
     for p in todo.values():
         path, _ = _write_source(p.source, p.tag)
+        full = hashlib.sha256(p.source.encode()).hexdigest()
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", __name__, path, p.tag, p.attr, p.target, p.what],
+            [sys.executable, "-m", __name__, path, full, p.tag, p.attr, p.target, p.what],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for proc in procs:
         try:
@@ -185,7 +197,7 @@ def prebuild(programs, timeout: float = 1800.0) -> int:
             proc.kill()
     log.warning("compilemask: %d programs compiled in %.1f s", len(todo),
                 time.perf_counter() - t0)
-    return sum(os.path.exists(m) for m in todo)
+    return sum(_is_built(p.source, p.tag, p.target) for p in todo.values())
 
 
 def raw_launch(kern):
@@ -199,10 +211,15 @@ def raw_launch(kern):
 
 
 def _main(argv) -> int:
-    """Worker of :func:`prebuild`: compile one program file into TileLang's disk cache."""
-    path, tag, attr, target, what = argv
-    with open(path) as f:
-        compile_program(f.read(), tag, attr, target, what)
+    """Worker of :func:`prebuild`: compile one program file into TileLang's disk cache, if it
+    holds the text whose sha256 the parent passed (else the parent compiles it itself)."""
+    path, sha256, tag, attr, target, what = argv
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        log.warning("compilemask: %s changed since it was written; not compiled", path)
+        return 1
+    compile_program(data.decode(), tag, attr, target, what)
     return 0
 
 

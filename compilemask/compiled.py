@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import types
 from dataclasses import dataclass, field
+from typing import Any
 
 import sympy as sp
 import torch
@@ -14,7 +14,7 @@ import torch
 from compilemask import pipeline
 from compilemask.blocksparse import descriptor_lists
 from compilemask.bounds import INT64_MAX, META_MAX, check_fits
-from compilemask.cache import mask_for_key, register_mask
+from compilemask.cache import CompileCache, mask_for_key, register_mask
 from compilemask.codegen.preprocess import tilelang_source
 from compilemask.codegen.torch_reference import exec_source, torch_source
 from compilemask.columns import COLUMN_SLOTS, ColumnView, transposed_rule, why_no_view
@@ -51,8 +51,8 @@ from compilemask.reference import brute_force_mask, descriptor_dense_mask
 from compilemask.render import descriptor_to_string, explain
 from compilemask.segments import run_facts
 
-__all__ = ["CompiledRegion", "CompiledMask", "compile_mask", "mask_for_key", "DEFAULT_FWD_TILES",
-           "DEFAULT_BWD_TILES"]
+__all__ = ["CompiledRegion", "CompiledMask", "MaskFacts", "compile_mask", "mask_for_key",
+           "DEFAULT_FWD_TILES", "DEFAULT_BWD_TILES"]
 
 log = logging.getLogger("compilemask")
 
@@ -85,6 +85,16 @@ class CompiledRegion:
         return len(self.intervals)
 
 
+@dataclass(frozen=True)
+class MaskFacts:
+    """What a compiled form's rules prove, found when it compiles (under the compile lock), so
+    that no preprocess, from any thread, runs a proof: the native pattern z3 proves the mask
+    equal to (``compilemask.native``) and the per-row arrays a rule subscripts by j."""
+
+    native: Any  # NativePattern | None
+    key_indexed_arrays: tuple[str, ...]
+
+
 @dataclass
 class _IR:
     key: str
@@ -98,11 +108,16 @@ class _IR:
     torch_fns: dict
     derived: tuple = ()  # (run start, run end, ids) arrays computed from the metadata
     table_params: tuple[str, ...] = ()  # [B, Sq, M] tables, packed after the arrays
+    # set once, before the IR is published in _IR_CACHE (None for a column view's IR)
+    facts: MaskFacts | None = None
 
 
 _IR_CACHE: dict[str, _IR] = {}
 _SPEC_CACHE: dict = {}  # what the rule functions read -> (_IR, reads h): skips the source
 _LOCK = threading.Lock()
+# (semantic key, head param) -> (column view or None, why not): compiled on first request, once
+# (a column view can cost more than the mask's own compile, and the default pipeline reads none)
+_COLUMN_VIEWS = CompileCache("column_view")
 
 
 def _spec_key(spec: MaskSpec):
@@ -189,8 +204,17 @@ def _compile_spec(spec: MaskSpec) -> _IR:
         ir = _IR_CACHE.get(key)
         if ir is None:
             ir = _compile_ir(spec, translated, syms, ctx_all, canonical, key)
+            ir.facts = _mask_facts(CompiledMask(spec, ir))
             _IR_CACHE[key] = ir
     return ir
+
+
+def _mask_facts(mask: CompiledMask) -> MaskFacts:
+    j = rule_symbols(())["j"]
+    names = {type(f).__name__ for r in mask.regions
+             for f in r.rule.atoms(sp.core.function.AppliedUndef) if f.has(j)}
+    return MaskFacts(native=native_pattern(mask),
+                     key_indexed_arrays=tuple(a for a in mask.array_params if a in names))
 
 
 def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
@@ -346,21 +370,21 @@ class CompiledMask:
     def has_fallback(self) -> bool:
         return any(r.fallback for r in self.regions)
 
-    @functools.cached_property
+    @property
+    def facts(self) -> MaskFacts:
+        """What the rules prove, found when the mask compiled (``MaskFacts``)."""
+        return self._ir.facts
+
+    @property
     def key_indexed_arrays(self) -> tuple[str, ...]:
         """Per-row arrays that a rule subscripts by j (their terms are fallback predicates)."""
-        j = rule_symbols(())["j"]
-        names = {type(f).__name__ for r in self.regions
-                 for f in r.rule.atoms(sp.core.function.AppliedUndef) if f.has(j)}
-        return tuple(a for a in self.array_params if a in names)
+        return self._ir.facts.key_indexed_arrays
 
     @property
     def native_pattern(self):
         """The FA4-native pattern z3 proves this mask equal to, or None (``compilemask.native``);
-        proved once per compiled form."""
-        if not hasattr(self._ir, "native"):
-            self._ir.native = native_pattern(self)
-        return self._ir.native
+        proved once per compiled form, when it compiles."""
+        return self._ir.facts.native
 
     @property
     def column_view(self) -> ColumnView | None:
@@ -374,10 +398,7 @@ class CompiledMask:
 
     def _column_view(self):
         # per head_param: a spec declaring ``h`` and one reading it implicitly share the IR
-        views = self._ir.__dict__.setdefault("columns", {})
-        if self.head_param not in views:
-            views[self.head_param] = _column_view(self)
-        return views[self.head_param]
+        return _COLUMN_VIEWS.get((self.key, self.head_param), lambda: _column_view(self))
 
     @property
     def divisor_params(self) -> tuple[str, ...]:

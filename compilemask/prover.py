@@ -7,25 +7,36 @@ Canonicalization asks thousands of claims of one prover, most of them false and 
 same endpoints, so answers are cached by claim, translations by subexpression, and a claim that
 one of the last counterexamples z3 found falsifies is answered without a solver run (the answer
 z3 would give: a model of the assumptions and the negated claim means it is not provable).
+
+Threads: z3's contexts are not thread-safe, and z3py's default context is one per process. Each
+``Prover`` owns a z3 ``Context`` (every term it builds lives there, so a dead prover's terms are
+freed by any thread without touching a context in use), and every call into z3 runs under
+``Z3_LOCK``, so one prover may also be shared by threads.
 """
 
 from __future__ import annotations
+
+import threading
 
 import sympy as sp
 import z3
 
 from compilemask.dsl.frontend import IntBitOp
 
-__all__ = ["Prover", "to_z3"]
+__all__ = ["Prover", "to_z3", "Z3_LOCK"]
 
 _TIMEOUT_MS = 500
 _MODELS = 8  # counterexamples kept per prover, tried before each solver run
 # a timed-out run, in ordinary runs (about 500 ms against a few ms), for the work count
 _TIMEOUT_WORK = 50
 
+# held by every call into z3 (reentrant: a proof may translate a claim)
+Z3_LOCK = threading.RLock()
+
 
 class _Z3Env:
     def __init__(self):
+        self.ctx = z3.Context()  # this prover's own: no term is shared with another thread
         self.vars: dict[str, z3.ArithRef] = {}
         self.funcs: dict[str, z3.FuncDeclRef] = {}
         self.side: list = []  # facts about function applications (non-negative metadata)
@@ -33,11 +44,12 @@ class _Z3Env:
 
     def var(self, name):
         if name not in self.vars:
-            self.vars[name] = z3.Int(name)
+            self.vars[name] = z3.Int(name, self.ctx)
         return self.vars[name]
 
 
 def to_z3(e, env: _Z3Env):
+    """``e`` in ``env``'s z3 context (the caller holds ``Z3_LOCK``)."""
     hit = env.memo.get(e)
     if hit is None:
         hit = env.memo[e] = _to_z3(e, env)
@@ -46,13 +58,13 @@ def to_z3(e, env: _Z3Env):
 
 def _to_z3(e, env: _Z3Env):
     if e is sp.true or e == sp.true:
-        return z3.BoolVal(True)
+        return z3.BoolVal(True, env.ctx)
     if e is sp.false or e == sp.false:
-        return z3.BoolVal(False)
+        return z3.BoolVal(False, env.ctx)
     if isinstance(e, sp.Symbol):
         return env.var(e.name)
     if isinstance(e, sp.Integer):
-        return z3.IntVal(int(e))
+        return z3.IntVal(int(e), env.ctx)
     if isinstance(e, sp.Rational):
         raise TypeError(f"rational {e} outside floor()")
     if isinstance(e, sp.Add):
@@ -101,7 +113,8 @@ def _to_z3(e, env: _Z3Env):
         # what holds for non-negative operands: a & b <= min(a, b), max(a, b) <= a | b <= a + b
         name = f"int_{type(e).__name__}"
         if name not in env.funcs:
-            env.funcs[name] = z3.Function(name, z3.IntSort(), z3.IntSort(), z3.IntSort())
+            ints = z3.IntSort(env.ctx)
+            env.funcs[name] = z3.Function(name, ints, ints, ints)
         a, b = (to_z3(x, env) for x in e.args)
         r = env.funcs[name](a, b)
         if e.op == "&":
@@ -115,7 +128,7 @@ def _to_z3(e, env: _Z3Env):
     if isinstance(e, sp.core.function.AppliedUndef):
         name = type(e).__name__
         if name not in env.funcs:  # an array (one index) or a table (row, column)
-            env.funcs[name] = z3.Function(name, *[z3.IntSort()] * (len(e.args) + 1))
+            env.funcs[name] = z3.Function(name, *[z3.IntSort(env.ctx)] * (len(e.args) + 1))
         app = env.funcs[name](*[to_z3(a, env) for a in e.args])
         env.side.append(app >= 0)
         return app
@@ -141,9 +154,16 @@ def _to_z3(e, env: _Z3Env):
 
 
 class Prover:
-    """Proves claims about integer expressions under a fixed list of sympy assumptions."""
+    """Proves claims about integer expressions under a fixed list of sympy assumptions.
+
+    Thread-safe: each public method holds ``Z3_LOCK`` and does its z3 work in a call below it,
+    so that every z3 term it makes is also released under the lock."""
 
     def __init__(self, assumptions, symbols, divisor_params=()):
+        with Z3_LOCK:
+            self._init(assumptions, symbols, divisor_params)
+
+    def _init(self, assumptions, symbols, divisor_params):
         self.env = _Z3Env()
         facts = []
         for s in symbols.values():
@@ -170,6 +190,10 @@ class Prover:
             return True
         if not self.ok:
             return False
+        with Z3_LOCK:
+            return self._proves(claim)
+
+    def _proves(self, claim) -> bool:
         hit = self._cache.get(claim)
         if hit is not None:
             return hit
@@ -188,6 +212,10 @@ class Prover:
         built without sympy's evaluation (``evaluate=False``)."""
         if not self.ok or claim is sp.true or claim == sp.true:
             return False
+        with Z3_LOCK:
+            return self._refutes(claim)
+
+    def _refutes(self, claim) -> bool:
         try:
             return self._refuted(to_z3(claim, self.env))
         except TypeError:
@@ -206,7 +234,7 @@ class Prover:
         recent counterexamples, then z3."""
         if self._refuted(c):
             return False
-        s = z3.Solver()
+        s = z3.Solver(ctx=self.env.ctx)
         s.set("timeout", _TIMEOUT_MS)
         s.add(*self.facts, *self.env.side)
         s.add(z3.Not(c))

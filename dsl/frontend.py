@@ -262,24 +262,64 @@ def _inside(pos, node) -> bool:
             and (end_line, end_col) <= (node.end_lineno, node.end_col_offset))
 
 
-# the instructions that say what is computed (operators, compares, subscripts, and/or), not
-# where a name resolves (a closure variable compiled alone loads as a global)
-_OPS = ("BINARY_OP", "COMPARE_OP", "IS_OP", "CONTAINS_OP", "UNARY_NEGATIVE", "UNARY_NOT",
-        "UNARY_INVERT", "UNARY_POSITIVE", "BINARY_SUBSCR", "CALL_INTRINSIC_1")
+# a name read, however it resolves: compiled alone, a closure variable loads as a global
+_NAME_LOADS = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_GLOBAL", "LOAD_NAME",
+                         "LOAD_CLASSDEREF", "LOAD_FROM_DICT_OR_DEREF",
+                         "LOAD_FROM_DICT_OR_GLOBALS", "LOAD_FAST_LOAD_FAST"})
+# what only a closure adds (its cells, the NULL a called free name needs): no computation
+_SCAFFOLD = frozenset({"RESUME", "COPY_FREE_VARS", "MAKE_CELL", "PUSH_NULL", "NOP", "CACHE",
+                       "EXTENDED_ARG", "LOAD_CLOSURE"})
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+
+def _instructions(code) -> tuple:
+    """Every instruction of ``code`` in order with its argument, where names resolve aside:
+    ``j <= i`` and ``i <= j``, ``i - w`` and ``w - i`` differ (the operands' order is the
+    order of their loads); jumps by the index of their target."""
+    kept, closure = [], False
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_CLOSURE":
+            closure = True
+        if ins.opname in _SCAFFOLD:
+            continue
+        if closure and ins.opname == "BUILD_TUPLE":  # the tuple of cells a closure takes
+            closure = False
+            continue
+        closure = False
+        kept.append(ins)
+    index = {ins.offset: n for n, ins in enumerate(kept)}
+    out = []
+    for ins in kept:
+        if ins.opname in _NAME_LOADS:
+            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            out += [("LOAD", n) for n in names]
+        elif ins.opcode in _JUMPS:
+            target = index.get(ins.argval)
+            if target is None:  # a target dropped above: the next instruction kept
+                target = next((n for n, k in enumerate(kept) if k.offset > ins.argval), -1)
+            out.append((ins.opname.replace("FORWARD_", "").replace("BACKWARD_", ""), target))
+        elif ins.opname == "MAKE_FUNCTION":
+            out.append((ins.opname, (ins.arg or 0) & ~0x08))  # 0x08: with a closure
+        elif ins.opname == "SET_FUNCTION_ATTRIBUTE" and ins.arg == 0x08:
+            continue
+        elif ins.opname == "LOAD_CONST":
+            c = ins.argval
+            out.append((ins.opname, _code_shape(c) if isinstance(c, types.CodeType)
+                        else (type(c).__name__, repr(c))))
+        else:
+            out.append((ins.opname, ins.argrepr))
+    return tuple(out)
 
 
 def _code_shape(code):
     """What a code object computes apart from where names resolve: compiled alone, a closure
     variable becomes a global, so free and global names are compared as one set; its
-    operators in order tell ``j >= i - w`` from ``j <= i - w`` (a file edited since)."""
+    instructions in order (``_instructions``) tell ``j >= i - w`` from ``j <= i - w`` and from
+    ``i >= j - w`` (a file edited since)."""
     consts = tuple(_code_shape(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
                    for c in code.co_consts)
-    ops = tuple((ins.opname, ins.argrepr) if ins.opname in _OPS
-                else ins.opname.replace("FORWARD_", "").replace("BACKWARD_", "")
-                for ins in dis.get_instructions(code)
-                if ins.opname in _OPS or "JUMP_IF" in ins.opname)
     return (code.co_argcount, code.co_varnames, consts,
-            frozenset(code.co_names) | frozenset(code.co_freevars), ops)
+            frozenset(code.co_names) | frozenset(code.co_freevars), _instructions(code))
 
 
 def _node_shape(node):
@@ -353,7 +393,8 @@ def _func_source_node(fn, where: str | None = None) -> tuple[ast.AST, str, str]:
     if len(candidates) == 1 and _node_shape(node) not in (_code_shape(code), None):
         raise SourceMatchError(
             f"{who} ({filename}:{first}): the source at this line does not match the function's "
-            "code; the file may have changed since it was imported"
+            "code; the file may have changed since it was imported: reload the module (e.g. "
+            "importlib.reload) or restart, so that the rule that runs is the rule compiled"
         )
     src = ast.get_source_segment(text, node) if text else None
     return node, src or ast.unparse(node), filename

@@ -1,7 +1,21 @@
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# Before compilemask is imported: the tests' cached programs (ours, TileLang's, flash-attn-4's)
+# go to a folder of this run, never to the user's ~/.cache. COMPILEMASK_TEST_CACHE_DIR names a
+# folder to keep between runs instead (e.g. on a GPU machine, where builds take minutes).
+_TEST_CACHE = os.environ.get("COMPILEMASK_TEST_CACHE_DIR")
+if not _TEST_CACHE:
+    _TEST_CACHE = tempfile.mkdtemp(prefix="compilemask-tests-")
+    atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
+os.environ["COMPILEMASK_CACHE_DIR"] = _TEST_CACHE
+os.environ["TILELANG_CACHE_DIR"] = os.path.join(_TEST_CACHE, "tilelang-builds")
+os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(_TEST_CACHE, "fa4")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # CPU: CuTe kernels (ours and FA4's) compile for the H200's sm_90a; the DSL reads the target

@@ -98,14 +98,17 @@ def test_changed_source_is_an_error_naming_region_and_line():
 
 
 def test_without_columns_ambiguous_lambdas_are_an_error(monkeypatch):
-    # -X no_debug_ranges strips instruction columns: two lambdas of one line with the same
-    # constants, names and operators cannot be told apart, so the reader refuses rather than
-    # guesses
+    # -X no_debug_ranges strips instruction columns: two lambdas of one line whose texts differ
+    # and whose code is the same (Python folds the constant) cannot be told apart, so the
+    # reader refuses rather than guesses
     monkeypatch.setattr(frontend, "_code_positions", lambda code: set())
-    _a, b = (lambda i, j: j < i), (lambda i, j: i < j)
+    _a, b = (lambda i, j: j < 2 + 1), (lambda i, j: j < 3)
     with pytest.raises(ValueError, match=r"Region 'all', visible function '<lambda>' "
                        r"\(.*:\d+\): 2 functions on this line match"):
         _compile(b)
+    # the order of the operands tells them apart
+    _a, b = (lambda i, j: j < i), (lambda i, j: i < j)
+    assert str(_compile(b).regions[0].intervals[0]) == "[i + 1, seqlen_k)"
     # their operators tell them apart
     _g, h = (lambda i, j: j < i), (lambda i, j: j > i)
     assert str(_compile(h).regions[0].intervals[0]) == "[i + 1, seqlen_k)"

@@ -42,6 +42,7 @@ model is per token, so feeding it the rank's tokens with their global positions 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 
@@ -49,6 +50,7 @@ import torch
 
 from compilemask import score_mods
 from compilemask.api import _validate, attention, select_engine
+from compilemask.cache import CompileCache
 from compilemask.compiled import CompiledMask, compile_mask
 from compilemask.compiler import first_match_rule
 from compilemask.descriptor import ExecutionDescriptor, unpack_table
@@ -272,7 +274,8 @@ def _key_validity(attention_mask) -> torch.Tensor | None:
                      "out, or put it in the mask's rules)")
 
 
-_WITHIN: dict = {}  # (mask key, window, square) -> proven
+# (mask key, window, square) -> proven: each proof runs once, also when threads ask at once
+_WITHIN = CompileCache("window_proof")
 
 
 # dynamo runs it while tracing and keeps the answer (z3 cannot be traced): a fixed property of
@@ -283,11 +286,7 @@ def within_window(mask, window: int, square: bool) -> bool:
     keys, ``i + seqlen_k - seqlen_q``, when not ``square``, as transformers aligns a cache), for
     every row, key and metadata value: from its native pattern, else a z3 proof over its rules.
     Unknown counts as not proven."""
-    got = _WITHIN.get((mask.key, window, square))
-    if got is None:
-        got = _within_window(mask, window, square)
-        _WITHIN[(mask.key, window, square)] = got
-    return got
+    return _WITHIN.get((mask.key, window, square), lambda: _within_window(mask, window, square))
 
 
 def _within_window(mask, window, square) -> bool:
@@ -335,35 +334,35 @@ def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int):
 
 
 _WINDOWED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WINDOWED_LOCK = threading.Lock()  # guards _WINDOWED (threads may share a descriptor)
 
 
-_WINDOWED_MASKS: dict = {}  # (mask key, window) -> the compiled windowed mask
+_WINDOWED_MASKS = CompileCache("windowed_mask")  # (mask key, window) -> the compiled mask
 
 
 def windowed_mask(mask, window: int):
     """``mask`` with every region's rule also ``j > i - window``, compiled once per (mask key,
     window)."""
-    got = _WINDOWED_MASKS.get((mask.key, window))
-    if got is not None:
-        return got
+    return _WINDOWED_MASKS.get((mask.key, window), lambda: _windowed_mask(mask, window))
 
+
+def _windowed_mask(mask, window: int):
     def within(visible):
         def visible_in_window(i, j):
             return visible(i, j) and j > i - window
         return visible_in_window
 
     spec = mask.spec
-    got = _WINDOWED_MASKS[(mask.key, window)] = compile_mask(MaskSpec(
+    return compile_mask(MaskSpec(
         f"{spec.name}_window{window}", params=list(spec.params),
         regions=[Region(r.name, when=r.when, visible=within(r.visible)) for r in spec.regions]))
-    return got
 
 
 def windowed_descriptor(desc, window: int):
     """The descriptor of ``desc``'s mask within ``window`` for the same batch: its metadata
     read back from ``desc`` (its params and per-row arrays, on its device: no host sync)."""
-    per = _WINDOWED.setdefault(desc, {})
-    got = per.get(window)
+    with _WINDOWED_LOCK:
+        got = _WINDOWED.setdefault(desc, {}).get(window)
     if got is None:
         mask = desc.mask
         meta = {p: desc.params[:, n] for n, p in enumerate(mask.scalar_params)
@@ -373,8 +372,10 @@ def windowed_descriptor(desc, window: int):
         # a table's entries from its words (the padding entries read as the columns past it)
         meta.update({t: unpack_table(desc.row_params[:, :, len(mask.array_params):])
                      for t in mask.table_params})
-        got = per[window] = windowed_mask(mask, window).preprocess(
+        got = windowed_mask(mask, window).preprocess(
             meta, desc.seqlen_q, desc.seqlen_k, batch_size=desc.batch_size, device=desc.device)
+        with _WINDOWED_LOCK:  # a thread that made it first keeps its descriptor
+            got = _WINDOWED.setdefault(desc, {}).setdefault(window, got)
     return got
 
 
