@@ -236,7 +236,13 @@ def _gathered(cache, page_table, seqlen_k: int, used=None):
         raise ValueError(f"paged_attention: page_table entries must lie in [0, "
                          f"{cache.shape[0]}), got [{int(pages.min())}, {int(pages.max())}]")
     B, P = pages.shape
-    return cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
+    rows = cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
+    if used is None:
+        return rows
+    # rows a request does not own (its last page's tail, page 0 standing in for pages it has
+    # not got) may hold anything: zeros, chosen by where (0 * NaN would still be NaN in P @ V)
+    own = torch.arange(seqlen_k, device=rows.device) < used.to(rows.device).view(-1, 1)
+    return torch.where(own.view(B, seqlen_k, *(1,) * (rows.dim() - 2)), rows, 0)
 
 
 def _runs_native(desc) -> bool:
