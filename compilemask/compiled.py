@@ -45,6 +45,7 @@ from compilemask.dsl.frontend import (
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.heads import HeadGroups, head_count, per_head_meta, preprocess_heads
+from compilemask.log import say_once
 from compilemask.native import native_pattern
 from compilemask.prover import Prover
 from compilemask.reference import brute_force_mask, descriptor_dense_mask
@@ -212,6 +213,12 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         terms = extract_intervals(dnf, i, j)
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
+        stopped = [x for x in proofs if x.startswith("stopped at the proof budget")]
+        if stopped:  # exact, yet more slots than a full canonicalization may leave: said
+            say_once(f"compile_mask: MaskSpec {spec.name!r}, Region {r.name!r}: {stopped[0]} "
+                     f"({len(ivs)} interval slots, exact); to merge more, raise "
+                     "compilemask.compiler.CANONICALIZE_TESTS / CANONICALIZE_BUDGET before "
+                     "compile_mask")
         excl = {}
         for (r2, _, _), g2 in zip(translated[:idx], guards[:idx]):
             excl[r2.name] = unconditional.proves(sp.Not(sp.And(guard, g2)))

@@ -1290,7 +1290,13 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
         raise TypeError(f"mask_mod {fname!r} must return a boolean, got the integer expression "
                         f"{expr}")
     _check_table_columns(tr, expr)
-    cases = _row_cases(expr)
+    try:
+        cases = _row_cases(expr)
+    except (ArithmeticError, RecursionError, ValueError) as err:  # sympy could not decide
+        raise NotImplementedError(
+            f"mask_mod {fname!r}: its expression {str(expr)[:300]} could not be split into "
+            f"row cases ({type(err).__name__}); simplify the expression, or write the rule as "
+            "a MaskSpec") from None
     # the params are what the regions read (a case split can drop a row condition's array)
     used = [e for case in cases for e in case]
     used_arrays = {type(f).__name__ for e in used for f in e.atoms(sp.core.function.AppliedUndef)}
@@ -1400,7 +1406,9 @@ def _row_cases(expr):
         cases.setdefault(rule, []).append(conj)
     out = []
     for rule, conjs in cases.items():
-        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf")
+        # deep=False: the atoms stay as written (simplifying them asks sympy to decide
+        # comparisons of floors and maxima numerically, which can exhaust its precision)
+        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf", deep=False)
         if guard is not sp.false:
             out.append((guard, rule))
     return out
@@ -1417,7 +1425,16 @@ def _one_of_pair(rel):
 
 def _generated(role, args, e, fname):
     """A rule function from generated source (registered for the front end's reader)."""
-    source = f"def {role}({args}):\n    return {ExprPrinter()(e)}\n"
+    from compilemask.compiler import boolean_basis  # compiler imports the front end
+
+    try:  # ITE / Xor / Implies that sympy folds nested wheres into: And / Or / Not
+        body = ExprPrinter()(boolean_basis(e))
+    except TypeError as err:  # a form the printer has no exact spelling for: refused
+        raise NotImplementedError(
+            f"mask_mod {fname!r}: its {role} expression {e} has a part this converter cannot "
+            f"write exactly ({err}); rewrite that part (e.g. compare before dividing, or split "
+            "the torch.where into separate conditions)") from None
+    source = f"def {role}({args}):\n    return {body}\n"
     filename = f"<compilemask-from_mask_mod-{fname}-{next(_COUNTER)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     ns: dict = {}
