@@ -195,6 +195,12 @@ def _warmup_parser() -> _Parser:
 
 
 def _warmup(args) -> int:
+    from compilemask.compiled import check_device
+
+    try:  # before compiling: a machine without CUDA is told in one line
+        check_device(args.device, "--device")
+    except ValueError as e:
+        raise CliError(str(e)) from None
     mask = _compile(load_spec(args.target))
     took = cm.warmup(mask, _ints(args.seqlens, "--seqlens"), _ints(args.head_dims, "--head-dims"),
                   args.heads, args.kv_heads, backward=not args.no_backward, device=args.device,
