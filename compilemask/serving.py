@@ -303,7 +303,8 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     its length must be finite (FA4's TMA loads read the whole page; masked scores times NaN are
     NaN); page table entries must lie in ``[0, num_pages)`` (not checked on the GPU: that
     would synchronize). ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or ``"reference"``
-    (the pages gathered, then the dense float32 path; the CPU's)."""
+    (the pages gathered, then the dense float32 path; the CPU's: it reads no row past a
+    request's length and no page past its last, so those may hold anything, NaN included)."""
     _checks("paged_attention", q, k_cache, v_cache, page_table, desc, softmax_scale)
     engine = _engine("paged_attention", q, desc, backend)
     if engine == "reference":
