@@ -26,6 +26,7 @@ import sys
 import uuid
 
 import compilemask as cm
+from compilemask.compiled import check_device
 from compilemask.dsl import MaskSpec
 from compilemask.render import descriptor_to_string
 
@@ -195,8 +196,6 @@ def _warmup_parser() -> _Parser:
 
 
 def _warmup(args) -> int:
-    from compilemask.compiled import check_device
-
     try:  # before compiling: a machine without CUDA is told in one line
         check_device(args.device, "--device")
     except ValueError as e:

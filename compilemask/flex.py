@@ -61,6 +61,7 @@ import sympy as sp
 import torch
 
 from compilemask import tracing
+from compilemask.compiler import boolean_basis
 from compilemask.dsl.frontend import (
     array_function,
     bool_xor,
@@ -1449,8 +1450,6 @@ def _one_of_pair(rel):
 
 def _generated(role, args, e, fname):
     """A rule function from generated source (registered for the front end's reader)."""
-    from compilemask.compiler import boolean_basis  # compiler imports the front end
-
     try:  # ITE / Xor / Implies that sympy folds nested wheres into: And / Or / Not
         body = ExprPrinter()(boolean_basis(e))
     except TypeError as err:  # a form the printer has no exact spelling for: refused
