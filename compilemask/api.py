@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
@@ -66,6 +68,29 @@ def _validate(q, k, v, desc, heads: int = 1):
             f"{desc.seqlen_k}; q/k give batch {B}, seqlen_q {Sq}, seqlen_k {Sk}{hint}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def check_arguments(q, k, v, softmax_scale, who: str = "cm.attention") -> None:
+    """What every engine needs of its arguments, said before any of them reads one: a finite
+    ``softmax_scale`` (NaN or inf makes every score NaN), at least one head and a head dim, and
+    q, k, v on one device."""
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"{who}: softmax_scale must be a float or None (1/sqrt(head dim)), "
+                            f"got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"{who}: softmax_scale must be finite, got {softmax_scale}; pass "
+                             "None for 1/sqrt(head dim)")
+    ts = [(n, t) for n, t in (("q", q), ("k", k), ("v", v)) if isinstance(t, torch.Tensor)]
+    for name, t in ts:
+        if t.dim() >= 2 and (t.shape[-1] == 0 or t.shape[-2] == 0):
+            raise ValueError(f"{who}: {name} {list(t.shape)} has no heads or a head dim of 0; "
+                             "give at least one head of dim >= 1")
+    devices = {t.device for _, t in ts}
+    if len(devices) > 1:
+        raise ValueError(f"{who}: q, k, v must be on one device, got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in ts)
+                         + "; move them with .to(q.device)")
 
 
 BACKENDS = ("auto", "fa4", "native", "cute", "reference")
@@ -174,6 +199,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     on the fa4 and native engines.
     ``desc`` may be ``HeadGroups`` (``preprocess_heads``: a mask per group of heads), each group
     run through its own descriptor, or all heads in one fa4 launch where they are folded."""
+    check_arguments(q, k, v, softmax_scale)
     heads = 1
     if isinstance(desc, HeadGroups) and desc.folded:  # one launch: a sequence per batch x head
         desc, heads = desc.groups[0][0], desc.num_heads

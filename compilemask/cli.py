@@ -26,6 +26,7 @@ import sys
 import uuid
 
 import compilemask as cm
+from compilemask.compiled import check_device
 from compilemask.dsl import MaskSpec
 from compilemask.render import descriptor_to_string
 
@@ -195,6 +196,10 @@ def _warmup_parser() -> _Parser:
 
 
 def _warmup(args) -> int:
+    try:  # before compiling: a machine without CUDA is told in one line
+        check_device(args.device, "--device")
+    except ValueError as e:
+        raise CliError(str(e)) from None
     mask = _compile(load_spec(args.target))
     took = cm.warmup(mask, _ints(args.seqlens, "--seqlens"), _ints(args.head_dims, "--head-dims"),
                   args.heads, args.kv_heads, backward=not args.no_backward, device=args.device,

@@ -45,6 +45,7 @@ from compilemask.dsl.frontend import (
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.heads import HeadGroups, head_count, per_head_meta, preprocess_heads
+from compilemask.log import say_once
 from compilemask.native import native_pattern
 from compilemask.prover import Prover
 from compilemask.reference import brute_force_mask, descriptor_dense_mask
@@ -144,7 +145,11 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
     fkey = _spec_key(spec)
     entry = _SPEC_CACHE.get(fkey) if fkey is not None else None
     if entry is None:
-        entry = _compile_spec_or_heads(spec)
+        try:
+            entry = _compile_spec_or_heads(spec)
+        except RecursionError:  # past translation (sympy's passes recurse too)
+            raise NotImplementedError(f"compile_mask: MaskSpec {spec.name!r}: a rule "
+                                      f"{_TOO_DEEP}") from None
         if fkey is not None:
             with _LOCK:
                 if len(_SPEC_CACHE) > 4096:
@@ -158,6 +163,44 @@ def compile_mask(spec: MaskSpec) -> CompiledMask:
     # effect at trace time
     register_mask(mask)
     return mask
+
+
+_TOO_DEEP = ("nests deeper than Python's recursion limit (thousands of chained | / & / or "
+             "terms?): write runs of keys as ranges ((j >= lo) & (j <= hi)), or split the rule "
+             "over Regions")
+
+
+def _translated(spec, region, role, ctx):
+    try:
+        return translate_rule(getattr(region, role), ctx)
+    except RecursionError:
+        raise NotImplementedError(f"MaskSpec {spec.name!r}, Region {region.name!r}: the {role} "
+                                  f"rule {_TOO_DEEP}") from None
+
+
+def _one_batch_hint(v, B) -> str:
+    """Why a batch-1 tensor may meet a larger batch: a 1-D tensor a mask_mod read at q_idx /
+    kv_idx is the same for every sequence and converts to batch 1 unless told the batch."""
+    if v.shape[0] != 1:
+        return ""
+    return (f"; a tensor the same for every sequence (a 1-D tensor a mask_mod reads) converts "
+            f"to batch 1: pass from_mask_mod(..., batch_size={B}), or expand it: "
+            f"t.expand({B}, *t.shape[1:])")
+
+
+def check_device(device, who: str) -> None:
+    """A ``device=`` argument: refused with the fix where CUDA is named and absent (torch's own
+    message is an AssertionError from deep inside the first copy)."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{who}: device must be a torch.device or a name like 'cpu' / "
+                         f"'cuda:0', got {device!r} ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{who}: device={device!r}, but CUDA is not available here "
+                         "(torch.cuda.is_available() is False); use device='cpu'")
 
 
 def _with_head_param(spec: MaskSpec) -> MaskSpec:
@@ -180,11 +223,11 @@ def _compile_spec(spec: MaskSpec) -> _IR:
     for r in spec.regions:
         ctx = RuleContext(r.name, "when", spec.params, syms, ctx_all.array_params,
                           ctx_all.scalar_params, ctx_all.divisor_params, ctx_all.table_params)
-        g = translate_rule(r.when, ctx)
+        g = _translated(spec, r, "when", ctx)
         if g.expr.has(syms["j"]):
             raise ValueError(f"Region {r.name!r}: the guard {g.func_name} must not use j")
         ctx.role = "visible"
-        v = translate_rule(r.visible, ctx)
+        v = _translated(spec, r, "visible", ctx)
         translated.append((r, g, v))
     # Which params are per-row arrays is part of the interface (the metadata's shapes), even when
     # sympy simplifies every use of an array away.
@@ -236,6 +279,12 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         terms = extract_intervals(dnf, i, j)
         ivs, proofs = canonicalize(terms, prover, syms["seqlen_k"])
         reasons = [why for t in terms for why in t.reasons]
+        stopped = [x for x in proofs if x.startswith("stopped at the proof budget")]
+        if stopped:  # exact, yet more slots than a full canonicalization may leave: said
+            say_once(f"compile_mask: MaskSpec {spec.name!r}, Region {r.name!r}: {stopped[0]} "
+                     f"({len(ivs)} interval slots, exact); to merge more, raise "
+                     "compilemask.compiler.CANONICALIZE_TESTS / CANONICALIZE_BUDGET before "
+                     "compile_mask")
         excl = {}
         for (r2, _, _), g2 in zip(translated[:idx], guards[:idx]):
             excl[r2.name] = unconditional.proves(sp.Not(sp.And(guard, g2)))
@@ -597,6 +646,13 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
         raise ValueError(f"mask {spec.name!r}: per-row array(s) {list(mask.key_indexed_arrays)} "
                          f"are subscripted by j, so seqlen_k ({seqlen_k}) must not exceed "
                          f"seqlen_q ({seqlen_q})")
+    if batch_size is not None and (not isinstance(batch_size, int)
+                                   or isinstance(batch_size, bool) or batch_size < 1):
+        bad = ValueError if isinstance(batch_size, int) and not isinstance(batch_size, bool) \
+            else TypeError
+        raise bad(f"batch_size must be a positive int (or None: the metadata's batch), got "
+                  f"{batch_size!r}")
+    check_device(device, "preprocess")
     # batch size and device from the tensors
     B = batch_size
     dev = dev0 = None  # 0-d tensors give the device only where no [B] or [B, Sq] tensor does
@@ -620,6 +676,9 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                 dev = v.device if dev is None else dev
                 continue
             want = 2 if p in mask.array_params else 1
+            if v.dim() and v.shape[0] == 0:
+                raise ValueError(f"param {p!r} is an empty tensor {list(v.shape)}: give a value "
+                                 "per sequence (batch >= 1)")
             if want == 1 and v.dim() == 0:
                 # a 0-d tensor is one value for every sequence, as a Python int is
                 dev0 = v.device if dev0 is None else dev0
@@ -633,7 +692,8 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
             if B is None:
                 B = v.shape[0]
             elif v.shape[0] != B:
-                raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}")
+                raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}"
+                                 + _one_batch_hint(v, B))
             if want == 2 and v.shape[1] != seqlen_q:
                 raise ValueError(f"param {p!r}: per-row array length {v.shape[1]} != seqlen_q "
                                  f"{seqlen_q}")

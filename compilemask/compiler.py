@@ -36,6 +36,7 @@ __all__ = [
     "canonicalize",
     "MAX_QUOTIENT_SPLIT",
     "CANONICALIZE_BUDGET",
+    "CANONICALIZE_TESTS",
     "python_str",
     "run_arrays",
     "first_match_rule",
@@ -46,6 +47,11 @@ MAX_QUOTIENT_SPLIT = 64
 # Solver work (``Prover.work``: runs, timeouts weighted) canonicalization may spend on one
 # region's pairs of slots and their order: seconds; 52 slots from 104 terms take some 160 runs.
 CANONICALIZE_BUDGET = 1000
+# Pair tests (contained / mergeable / ordered, each built in sympy and mostly settled by a
+# recent counterexample, so not solver runs) one region may spend: the scan is quadratic in its
+# slots, and each test costs about a millisecond: 10000 are some ten seconds (104 terms to 52
+# slots take some 7300), where 229 slots would take two minutes.
+CANONICALIZE_TESTS = 10000
 
 _REL = (sp.Lt, sp.Le, sp.Gt, sp.Ge, sp.Eq, sp.Ne)
 
@@ -597,16 +603,22 @@ def _term_interval(t: Term, prover: Prover, seqlen_k) -> Interval | None:
 
 
 def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
-                 budget: int | None = None) -> tuple[list[Interval], list[str]]:
+                 budget: int | None = None,
+                 tests: int | None = None) -> tuple[list[Interval], list[str]]:
     """Pass 4: Terms -> canonical interval slots, plus a log of what was proven.
 
     Pairs are scanned in order and the scan restarts after each drop or merge; what a pair
     proved is kept (by the pair's slots), so a restart proves only pairs with the new slot.
     ``budget`` caps the solver work of the pair scan and the ordering (default
-    ``CANONICALIZE_BUDGET``): past it the slots are kept as they are, which is sound since
-    canonicalization only drops and merges."""
+    ``CANONICALIZE_BUDGET``), ``tests`` the pair tests (default ``CANONICALIZE_TESTS``): past
+    either the slots are kept as they are, which is sound since canonicalization only drops and
+    merges."""
     log: list[str] = []
     stop = prover.work + (CANONICALIZE_BUDGET if budget is None else budget)
+    left = [CANONICALIZE_TESTS if tests is None else tests]
+
+    def spent():
+        return prover.work >= stop or left[0] <= 0
     ivs = []
     for t in terms:
         iv = _term_interval(t, prover, seqlen_k)
@@ -624,6 +636,7 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
     def contained(a, b):
         key = (tokens[a], tokens[b])
         if key not in inside:
+            left[0] -= 1
             A, B = ivs[a], ivs[b]
             quick = _implies(B.cond, [A.cond, _rel(sp.Le, A.lower, B.lower),
                                       _rel(sp.Ge, A.upper, B.upper)])
@@ -635,6 +648,7 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
     def mergeable(a, b):
         key = (tokens[a], tokens[b])
         if key not in joins:
+            left[0] -= 1
             A, B = ivs[a], ivs[b]
             quick = sp.And(_implies(A.cond, [B.cond]), _implies(B.cond, [A.cond]),
                            _implies(A.cond, [_rel(sp.Le, A.lower, B.upper),
@@ -648,9 +662,9 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
     while changed:
         changed = False
         for a, b in itertools.permutations(range(len(ivs)), 2):
-            if prover.work >= stop:
-                log.append("stopped at the proof budget: the remaining intervals are kept as "
-                           "they are")
+            if spent():
+                log.append(f"stopped at the proof budget ({_spent_what(prover, stop, left)}): "
+                           "the remaining intervals are kept as they are")
                 break
             A, B = ivs[a], ivs[b]
             # B inside A on every row where B's condition holds: B adds nothing.
@@ -679,13 +693,22 @@ def canonicalize(terms: list[Term], prover: Prover, seqlen_k,
     for iv in ivs:
         pos = len(ordered)
         for k, o in enumerate(ordered):
-            if prover.work >= stop:
+            if spent():
                 break
+            left[0] -= 1
             if prover.proves(sp.Lt(iv.lower, o.lower)):
                 pos = k
                 break
         ordered.insert(pos, iv)
+    if spent() and not any(x.startswith("stopped at the proof budget") for x in log):
+        log.append(f"stopped at the proof budget ({_spent_what(prover, stop, left)}) while "
+                   "ordering: the remaining intervals are kept in their order")
     return ordered, log
+
+
+def _spent_what(prover, stop, left) -> str:
+    return ("CANONICALIZE_BUDGET solver runs" if prover.work >= stop else
+            "CANONICALIZE_TESTS pair tests")
 
 
 def _rel(cls, a, b):

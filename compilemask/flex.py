@@ -61,6 +61,7 @@ import sympy as sp
 import torch
 
 from compilemask import tracing
+from compilemask.compiler import boolean_basis
 from compilemask.dsl.frontend import (
     array_function,
     bool_xor,
@@ -1022,7 +1023,17 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     (constants, defaults, attributes of captured objects) return the same spec; only the tensors
     are collected again."""
     _check_signature(mask_mod)
+    _check_count("batch_size", batch_size)
+    _check_count("seqlen", seqlen)
     return _converted(mask_mod, batch_size, name, seqlen, None)
+
+
+def _check_count(name, value):
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+        raise (ValueError if isinstance(value, int) and not isinstance(value, bool)
+               else TypeError)(f"from_mask_mod: {name} must be a positive int or None, got "
+                               f"{value!r}")
 
 
 def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = None,
@@ -1038,6 +1049,8 @@ def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = No
         out = cm.attention(q, k, v, groups)
     """
     _check_signature(mask_mod)
+    _check_count("batch_size", batch_size)
+    _check_count("seqlen", seqlen)
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"from_mask_mod_heads: num_heads must be a positive int, got "
                          f"{num_heads!r}")
@@ -1181,18 +1194,24 @@ def _values(entry: _Entry, leaves, batch_size, seqlen=None):
     def leaf_of(leaf):
         return _leaf_value(entry, leaves, leaf)
 
+    batched = [(p, leaf_of(leaf)) for p, leaf in (*entry.scalars, *entry.index_scalars)
+               if leaf_of(leaf).dim() == 1]
+    # b-indexed, read directly or in a gather's index
+    batched += [(p, leaf_of(leaf)) for p, leaf, ndim in (*entry.arrays, *entry.index_arrays)
+                if ndim == 2]
+    batched += [(p, leaf_of(leaf)) for p, leaf, ndim, _ in entry.derived
+                if ndim == 2 or isinstance(ndim, tuple) and ndim[0] == "rows" and ndim[1]]
     B = batch_size
     if B is None:
-        B = 1
-        for _, leaf in (*entry.scalars, *entry.index_scalars):
-            if leaf_of(leaf).dim() == 1:
-                B = max(B, leaf_of(leaf).shape[0])
-        for _, leaf, ndim in (*entry.arrays, *entry.index_arrays):
-            if ndim == 2:  # b-indexed, read directly or in a gather's index
-                B = max(B, leaf_of(leaf).shape[0])
-        for _, leaf, ndim, _ in entry.derived:
-            if ndim == 2 or isinstance(ndim, tuple) and ndim[0] == "rows" and ndim[1]:
-                B = max(B, leaf_of(leaf).shape[0])
+        B = max([1] + [t.shape[0] for _, t in batched])
+    for p, t in batched:
+        if t.shape[0] != B:  # torch would index this batch's entries past the tensor's
+            raise ValueError(
+                f"from_mask_mod: mask_mod {entry.spec.name!r} reads the tensor behind param "
+                f"{p!r} ({list(t.shape)}) at b, a batch of {t.shape[0]}, but "
+                + (f"batch_size={B}; pass batch_size={t.shape[0]} (or None)"
+                   if batch_size is not None else f"another tensor it reads at b has {B}")
+                + f"; or capture tensors of batch {B}")
     values = {}
     for p, leaf in (*entry.scalars, *entry.index_scalars):
         t = _as_int(leaf_of(leaf))
@@ -1278,7 +1297,13 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
                                  _Sym(tr, sp.Integer(head)))
     try:
         out = copy(b, h, _Sym(tr, _I), _Sym(tr, _J))
-    except (TypeError, AttributeError) as e:
+    except (TypeError, AttributeError, IndexError) as e:
+        arrays = _numpy_names(mask_mod)
+        if arrays:  # NumPy indexes with ints only: the symbolic q_idx / kv_idx cannot reach it
+            raise NotImplementedError(
+                f"mask_mod {fname!r} ({_traceback_where(e)}) reads the NumPy array(s) "
+                f"{arrays}: capture torch tensors instead (torch.from_numpy({arrays[0]}))"
+            ) from None
         raise NotImplementedError(f"mask_mod {fname!r} ({_traceback_where(e)}): {e}") from e
     if isinstance(out, bool):
         out = _Sym(tr, sp.true if out else sp.false)
@@ -1290,7 +1315,13 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
         raise TypeError(f"mask_mod {fname!r} must return a boolean, got the integer expression "
                         f"{expr}")
     _check_table_columns(tr, expr)
-    cases = _row_cases(expr)
+    try:
+        cases = _row_cases(expr)
+    except (ArithmeticError, RecursionError, ValueError) as err:  # sympy could not decide
+        raise NotImplementedError(
+            f"mask_mod {fname!r}: its expression {str(expr)[:300]} could not be split into "
+            f"row cases ({type(err).__name__}); simplify the expression, or write the rule as "
+            "a MaskSpec") from None
     # the params are what the regions read (a case split can drop a row condition's array)
     used = [e for case in cases for e in case]
     used_arrays = {type(f).__name__ for e in used for f in e.atoms(sp.core.function.AppliedUndef)}
@@ -1400,7 +1431,9 @@ def _row_cases(expr):
         cases.setdefault(rule, []).append(conj)
     out = []
     for rule, conjs in cases.items():
-        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf")
+        # deep=False: the atoms stay as written (simplifying them asks sympy to decide
+        # comparisons of floors and maxima numerically, which can exhaust its precision)
+        guard = sp.simplify_logic(sp.Or(*conjs), form="dnf", deep=False)
         if guard is not sp.false:
             out.append((guard, rule))
     return out
@@ -1417,12 +1450,37 @@ def _one_of_pair(rel):
 
 def _generated(role, args, e, fname):
     """A rule function from generated source (registered for the front end's reader)."""
-    source = f"def {role}({args}):\n    return {ExprPrinter()(e)}\n"
+    try:  # ITE / Xor / Implies that sympy folds nested wheres into: And / Or / Not
+        body = ExprPrinter()(boolean_basis(e))
+    except TypeError as err:  # a form the printer has no exact spelling for: refused
+        raise NotImplementedError(
+            f"mask_mod {fname!r}: its {role} expression {e} has a part this converter cannot "
+            f"write exactly ({err}); rewrite that part (e.g. compare before dividing, or split "
+            "the torch.where into separate conditions)") from None
+    source = f"def {role}({args}):\n    return {body}\n"
     filename = f"<compilemask-from_mask_mod-{fname}-{next(_COUNTER)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     ns: dict = {}
     exec(compile(source, filename, "exec"), ns)
     return ns[role]
+
+
+def _numpy_names(fn) -> list[str]:
+    """Names of NumPy arrays among what ``fn`` reads (its globals, closure and defaults)."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    seen = {n: fn.__globals__.get(n) for n in code.co_names}
+    for n, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            seen[n] = cell.cell_contents
+        except ValueError:
+            pass
+    names = code.co_varnames[:code.co_argcount]
+    seen.update(zip(names[len(names) - len(fn.__defaults__ or ()):], fn.__defaults__ or ()))
+    return sorted(n for n, v in seen.items()
+                  if type(v).__name__ == "ndarray" and type(v).__module__ == "numpy")
 
 
 def _traceback_where(e) -> str:

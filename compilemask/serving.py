@@ -33,8 +33,8 @@ import weakref
 
 import torch
 
-from compilemask.api import BACKENDS, attention, select_engine
-from compilemask.compiled import CompiledMask
+from compilemask.api import BACKENDS, attention, check_arguments, select_engine
+from compilemask.compiled import CompiledMask, check_device
 from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, ExecutionDescriptor
 from compilemask.distributed import rows_descriptor
 from compilemask.kernels import fa4
@@ -66,6 +66,9 @@ def _counts(name: str, value, dev, limit: int):
     t = torch.as_tensor(value)
     if t.is_floating_point() or t.is_complex() or t.dtype is torch.bool:
         raise TypeError(f"query_descriptor: {name} must be an int tensor [B], got {t.dtype}")
+    if t.dim() > 1:
+        raise ValueError(f"query_descriptor: {name} must be 1-D [B] (a count per request), got "
+                         f"shape {list(t.shape)}")
     t = t.reshape(-1)
     moved = t.to(dev, torch.int64)
     host = t if t.device.type == "cpu" else moved if moved.device.type == "cpu" else None
@@ -109,6 +112,7 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     if seqlen_q > seqlen_k:
         raise ValueError(f"query_descriptor: seqlen_q ({seqlen_q}) > seqlen_k ({seqlen_k}): the "
                          "queries are the last positions of the keys")
+    check_device(device, "query_descriptor")
     found = [v.device for v in (*(meta or {}).values(), seqused_k)
              if isinstance(v, torch.Tensor)]
     dev = torch.device(device) if device is not None else (found[0] if found else
@@ -155,7 +159,7 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
     return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
 
 
-def _checks(who, q, k, v, page_table, desc) -> None:
+def _checks(who, q, k, v, page_table, desc, softmax_scale=None) -> None:
     """Arguments of ``paged_attention`` / ``varlen_attention`` (``page_table`` None: the
     latter's contiguous packed keys)."""
     if not isinstance(desc, ExecutionDescriptor):
@@ -166,6 +170,7 @@ def _checks(who, q, k, v, page_table, desc) -> None:
             (("page_table", page_table),) if page_table is not None else ()):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_arguments(q, k, v, softmax_scale, who)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError(f"{who}: forward only (serving); run it under "
                                   "torch.no_grad(), or cm.attention on [B, S, H, D] keys to train")
@@ -236,7 +241,13 @@ def _gathered(cache, page_table, seqlen_k: int, used=None):
         raise ValueError(f"paged_attention: page_table entries must lie in [0, "
                          f"{cache.shape[0]}), got [{int(pages.min())}, {int(pages.max())}]")
     B, P = pages.shape
-    return cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
+    rows = cache[pages].reshape(B, P * page_size, *cache.shape[2:])[:, :seqlen_k]
+    if used is None:
+        return rows
+    # rows a request does not own (its last page's tail, page 0 standing in for pages it has
+    # not got) may hold anything: zeros, chosen by where (0 * NaN would still be NaN in P @ V)
+    own = torch.arange(seqlen_k, device=rows.device) < used.to(rows.device).view(-1, 1)
+    return torch.where(own.view(B, seqlen_k, *(1,) * (rows.dim() - 2)), rows, 0)
 
 
 def _runs_native(desc) -> bool:
@@ -292,8 +303,9 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     its length must be finite (FA4's TMA loads read the whole page; masked scores times NaN are
     NaN); page table entries must lie in ``[0, num_pages)`` (not checked on the GPU: that
     would synchronize). ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or ``"reference"``
-    (the pages gathered, then the dense float32 path; the CPU's)."""
-    _checks("paged_attention", q, k_cache, v_cache, page_table, desc)
+    (the pages gathered, then the dense float32 path; the CPU's: it reads no row past a
+    request's length and no page past its last, so those may hold anything, NaN included)."""
+    _checks("paged_attention", q, k_cache, v_cache, page_table, desc, softmax_scale)
     engine = _engine("paged_attention", q, desc, backend)
     if engine == "reference":
         k = _gathered(k_cache, page_table, desc.seqlen_k, desc.seqused_k)
@@ -311,7 +323,7 @@ def varlen_attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float
     seqused_q=)`` (each request's queries its last positions). Returns ``out [total_q, H, D]``.
     The offsets (FA4's ``cu_seqlens``) are the descriptor's counts summed on the device, so a
     batch's packing can never disagree with its mask. Engines as ``paged_attention``."""
-    _checks("varlen_attention", q, k, v, None, desc)
+    _checks("varlen_attention", q, k, v, None, desc, softmax_scale)
     engine = _engine("varlen_attention", q, desc, backend)
     if engine == "reference":
         used = desc.seqused_k

@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from compilemask.api import attention
-from compilemask.compiled import CompiledMask, compile_mask
+from compilemask.compiled import CompiledMask, check_device, compile_mask
 from compilemask.dsl import MaskSpec
 from compilemask.env import configure_compile_caches
 
@@ -49,6 +49,7 @@ def warmup(mask: CompiledMask | MaskSpec, seqlens: Iterable[int], head_dims=(128
     if not isinstance(mask, CompiledMask):
         raise TypeError(f"warmup: mask must be a MaskSpec or CompiledMask, got "
                         f"{type(mask).__name__}")
+    check_device(device, "warmup")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     took = {}

@@ -51,6 +51,13 @@ class MaskSpec:
     regions: Sequence[Region] = field(default_factory=tuple)
 
     def __post_init__(self):
+        for arg in ("params", "regions"):
+            got = getattr(self, arg)
+            if isinstance(got, (str, bytes, Region)) or not hasattr(got, "__iter__"):
+                # a bare string would iterate to one-letter params
+                fix = f"[{got!r}]" if isinstance(got, (str, Region)) else "a list"
+                raise TypeError(f"MaskSpec {self.name!r}: {arg} must be a list, got "
+                                f"{type(got).__name__} {got!r}; pass {fix}")
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "regions", tuple(self.regions))
         if not isinstance(self.name, str) or not self.name:

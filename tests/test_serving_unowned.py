@@ -1,0 +1,118 @@
+"""Memory a request does not own never reaches its output: on the reference engine, pages and
+rows past a request's keys (its last page's tail, pages its table row does not need, a packed
+buffer's rows past the batch's keys) and query rows before a request's first position may hold
+NaN or inf, and ``paged_attention`` / ``varlen_attention`` give exactly the output of clean
+buffers (finite; rows that see nothing 0)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.serving import paged_attention, query_descriptor, varlen_attention
+
+NAMES = ["causal", "prefix_lm", "sliding_window", "packed_documents", "tree_verify", "hstu"]
+JUNK = (float("nan"), float("inf"), float("-inf"))
+
+
+@functools.lru_cache(maxsize=None)
+def _mask(name):
+    return cm.compile_mask(masks.EXAMPLES[name]())
+
+
+def _junk(t, where, gen):
+    """``t`` with ``where`` (a bool mask over its leading dims) filled by NaN / inf / -inf."""
+    pick = torch.randint(len(JUNK), t.shape, generator=gen)
+    junk = torch.tensor(JUNK, dtype=t.dtype)[pick]
+    return torch.where(where.view(*where.shape, *(1,) * (t.dim() - where.dim())), junk, t)
+
+
+def _case(gen):
+    name = NAMES[int(torch.randint(len(NAMES), (), generator=gen))]
+    B = int(torch.randint(1, 4, (), generator=gen))
+    Sk = int(torch.randint(1, 41, (), generator=gen))
+    Sq = int(torch.randint(1, Sk + 1, (), generator=gen))
+    used = torch.randint(0, Sk + 1, (B,), generator=gen)
+    used[int(torch.randint(B, (), generator=gen))] = int(torch.randint(0, 2, (), generator=gen))
+    page = (1, 4, 8, 16)[int(torch.randint(4, (), generator=gen))]
+    return name, B, Sk, Sq, used, page
+
+
+def _pages(gen, B, Sk, page, used, Hkv, D):
+    """A pool with a shuffled page table for keys ``[0, Sk)`` of each request (spare pages in
+    the pool, table entries past a request's pages -1), clean and with everything a request
+    does not own junk."""
+    per = -(-Sk // page)
+    n = B * per + 3
+    table = torch.randperm(n, generator=gen)[:B * per].view(B, per).to(torch.int32)
+    need = (used + page - 1) // page
+    owned = torch.zeros(n, page, dtype=torch.bool)
+    for b in range(B):
+        for p in range(int(need[b])):
+            rows = min(page, int(used[b]) - p * page)
+            owned[int(table[b, p]), :rows] = True
+    unset = torch.arange(per).view(1, -1) >= need.view(-1, 1)
+    dirty_table = torch.where(unset, torch.full_like(table, -1), table)
+    caches = []
+    for _ in range(2):
+        clean = torch.randn(n, page, Hkv, D, generator=gen)
+        caches.append((clean, _junk(clean, ~owned, gen)))
+    return table, dirty_table, caches
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_decode_and_chunks_ignore_unowned_pages(seed):
+    """[B, Sq] queries over paged keys with per-request lengths (some 0, some shorter than
+    Sq): junk in unowned pages, tails and table entries, and in the query rows before a
+    request's first position, changes nothing."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    H, Hkv, D = 4, 2, 8
+    for _ in range(60):
+        name, B, Sk, Sq, used, page = _case(gen)
+        mask = _mask(name)
+        meta = masks.random_meta(mask.spec, B, Sk, gen)
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=B, seqused_k=used)
+        table, dirty_table, ((kc, kd), (vc, vd)) = _pages(gen, B, Sk, page, used, Hkv, D)
+        q = torch.randn(B, Sq, H, D, generator=gen)
+        before = (used.view(-1, 1) - Sq + torch.arange(Sq).view(1, -1)) < 0  # no position
+        with torch.no_grad():
+            want = paged_attention(q, kc, vc, table, d)
+            got = paged_attention(_junk(q, before, gen), kd, vd, dirty_table, d)
+        case = (name, B, Sk, Sq, used.tolist(), page)
+        assert torch.isfinite(got).all(), case
+        assert torch.equal(got, want), case
+        assert not got[~d.dense_mask().any(-1)].any(), case  # rows that see nothing: 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_batches_ignore_unowned_rows(seed):
+    """Packed (varlen) queries over packed keys and over paged keys: junk in the key buffer's
+    rows past the batch's keys, and in every unowned page, changes nothing."""
+    gen = torch.Generator().manual_seed(200 + seed)
+    H, Hkv, D = 2, 1, 8
+    for _ in range(50):
+        name, B, Sk, Sq, used, page = _case(gen)
+        used_q = torch.minimum(torch.randint(0, Sq + 1, (B,), generator=gen), used)
+        mask = _mask(name)
+        meta = masks.random_meta(mask.spec, B, Sk, gen)
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=B, seqused_k=used, seqused_q=used_q)
+        spare = int(torch.randint(0, 5, (), generator=gen))
+        total = int(used.sum())
+        k, v = (torch.randn(total + spare, Hkv, D, generator=gen) for _ in range(2))
+        tail = torch.arange(total + spare) >= total
+        q = torch.randn(int(used_q.sum()), H, D, generator=gen)
+        case = (name, B, Sk, Sq, used.tolist(), used_q.tolist(), page)
+        with torch.no_grad():
+            want = varlen_attention(q, k, v, d)
+            got = varlen_attention(q, _junk(k, tail, gen), _junk(v, tail, gen), d)
+            assert torch.isfinite(got).all(), case
+            assert torch.equal(got, want), case
+            table, dirty_table, ((kc, kd), (vc, vd)) = _pages(gen, B, Sk, page, used, Hkv, D)
+            want = paged_attention(q, kc, vc, table, d)
+            got = paged_attention(q, kd, vd, dirty_table, d)
+        assert torch.isfinite(got).all(), case
+        assert torch.equal(got, want), case
