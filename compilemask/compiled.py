@@ -45,6 +45,7 @@ from compilemask.dsl.frontend import (
 from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.heads import HeadGroups, head_count, per_head_meta, preprocess_heads
+from compilemask.lru import LRU
 from compilemask.native import native_pattern
 from compilemask.prover import Prover
 from compilemask.reference import brute_force_mask, descriptor_dense_mask
@@ -100,8 +101,9 @@ class _IR:
     table_params: tuple[str, ...] = ()  # [B, Sq, M] tables, packed after the arrays
 
 
-_IR_CACHE: dict[str, _IR] = {}
-_SPEC_CACHE: dict = {}  # what the rule functions read -> (_IR, reads h): skips the source
+# bounded (a compiled mask keeps its own _IR; a dropped entry compiles again): ~50-100 KB each
+_IR_CACHE = LRU(256)  # canonical key -> _IR
+_SPEC_CACHE = LRU(1024)  # what the rule functions read -> (_IR, reads h): skips the source
 _LOCK = threading.Lock()
 
 

@@ -53,7 +53,6 @@ import inspect
 import itertools
 import linecache
 import os
-import threading
 import types
 from dataclasses import dataclass
 
@@ -72,6 +71,7 @@ from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.lru import LRU
 from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["from_mask_mod", "from_mask_mod_heads"]
@@ -83,7 +83,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
 _TRACING = os.path.abspath(tracing.__file__)
 _COUNTER = itertools.count()
-_LOCK = threading.Lock()
 
 
 _CAPTURE_IT = ("make it a variable outside the mask_mod (t = module.t, or build it there) and "
@@ -994,7 +993,7 @@ class _Entry:
     shape_deps: tuple = ()  # ((leaf, dim), size): sizes the rules were converted for
 
 
-_CACHE: dict = {}
+_CACHE = LRU(1024)  # conversion key -> _Entry; bounded: a new captured int is a new key
 
 
 def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None,
@@ -1060,10 +1059,7 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
     if entry is None:
         entry, leaves = _convert_mask_mod(mask_mod, name, head)
         if key is not None:
-            with _LOCK:
-                if len(_CACHE) > 1024:
-                    _CACHE.clear()
-                _CACHE[key] = entry
+            _CACHE[key] = entry
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
 
@@ -1209,7 +1205,7 @@ def _values(entry: _Entry, leaves, batch_size, seqlen=None):
 
 
 _TORCH_NS: dict = {}
-_GATHER_CODE: dict = {}  # index expression -> (compiled torch code, arrays, scalars it reads)
+_GATHER_CODE = LRU(1024)  # index expression -> (compiled torch code, arrays, scalars it reads)
 
 
 def _gather_code(index):

@@ -57,6 +57,7 @@ from compilemask.descriptor import (
     pack_table,
 )
 from compilemask.env import configure_compile_caches
+from compilemask.lru import LRU, LRUSet
 from compilemask.native import segments
 from compilemask.segments import derive_run_arrays
 from compilemask.tiles import bitmaps, visibility_only_slots
@@ -122,7 +123,7 @@ def has_tilelang() -> bool:
     return True
 
 
-_FIRST_USES: set = set()
+_FIRST_USES = LRUSet(1024)  # (mask key, device, dtype, config) prebuilt; again: a disk lookup
 
 
 def first_use_programs(mask, device_type: str, meta_dtype: str = "int64",
@@ -362,7 +363,7 @@ class Preprocessor:
         # a table's words are packed by the general path
         self.fast = self.fast and not mask.table_params
         self._launches = {}  # metadata dtype -> launch function
-        self._shapes = {}  # (seqlen_q, seqlen_k) -> output shapes
+        self._shapes = LRU(64)  # (seqlen_q, seqlen_k) -> output shapes: a loop of new lengths
         self._keys = set(mask.spec.params)
         self._derived = mask.derived_arrays  # run bounds of compared ids, derived in torch
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k

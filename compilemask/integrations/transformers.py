@@ -56,6 +56,7 @@ from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
 from compilemask.heads import HeadGroups
+from compilemask.lru import LRU
 from compilemask.native import _run_axioms
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
@@ -164,7 +165,7 @@ def layer_type(module) -> str:
 
 
 # (id(mask), id(meta), batch, device) -> (mask, meta, DecodeState): the current generation
-_DECODE: dict = {}
+_DECODE = LRU(1)  # one generation at a time (cleared before each store)
 
 
 def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
@@ -272,7 +273,7 @@ def _key_validity(attention_mask) -> torch.Tensor | None:
                      "out, or put it in the mask's rules)")
 
 
-_WITHIN: dict = {}  # (mask key, window, square) -> proven
+_WITHIN = LRU(1024)  # (mask key, window, square) -> proven
 
 
 # dynamo runs it while tracing and keeps the answer (z3 cannot be traced): a fixed property of
@@ -337,7 +338,7 @@ def _check_window(module, desc, window, seqlen_q: int, seqlen_k: int):
 _WINDOWED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-_WINDOWED_MASKS: dict = {}  # (mask key, window) -> the compiled windowed mask
+_WINDOWED_MASKS = LRU(64)  # (mask key, window) -> the compiled windowed mask
 
 
 def windowed_mask(mask, window: int):
