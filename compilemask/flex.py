@@ -71,6 +71,7 @@ from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.log import say_once
 from compilemask.lru import LRU
 from compilemask.tracing import TracedOps, user_line
 
@@ -1060,7 +1061,28 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
         entry, leaves = _convert_mask_mod(mask_mod, name, head)
         if key is not None:
             _CACHE[key] = entry
+            _count_variants(mask_mod, key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
+
+
+# code object -> the conversion keys seen for it (up to _VARIANTS_SAID): a mask_mod converted
+# again and again for new captured values compiles a new mask each time (~50 ms, ~50 KB)
+_VARIANTS = LRU(256)
+_VARIANTS_SAID = 8
+
+
+def _count_variants(mask_mod, key) -> None:
+    fn = getattr(mask_mod, "__func__", mask_mod)
+    seen = _VARIANTS.setdefault(fn.__code__, set())
+    if len(seen) >= _VARIANTS_SAID:
+        return
+    seen.add(key)
+    if len(seen) == _VARIANTS_SAID:
+        say_once(f"from_mask_mod: mask_mod {mask_mod.__name__!r} was converted for "
+                 f"{_VARIANTS_SAID} different captured values, each a new compiled mask (a "
+                 "compile and its memory); capture a value that changes per batch as a 0-d "
+                 "tensor (torch.tensor(v)): it is then a param of one compiled mask, read at "
+                 "each preprocess")
 
 
 def _check_signature(mask_mod):
