@@ -1076,7 +1076,7 @@ def _count_variants(mask_mod, key) -> None:
     seen = _VARIANTS.setdefault(fn.__code__, set())
     if len(seen) >= _VARIANTS_SAID:
         return
-    seen.add(key)
+    seen.add(key[:2])  # the values read and the name: one conversion per head is no variant
     if len(seen) == _VARIANTS_SAID:
         say_once(f"from_mask_mod: mask_mod {mask_mod.__name__!r} was converted for "
                  f"{_VARIANTS_SAID} different captured values, each a new compiled mask (a "

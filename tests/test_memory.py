@@ -267,9 +267,14 @@ def test_a_mask_mod_converted_for_many_ints_says_how_to_make_one_mask(caplog):
             return (kv_idx <= q_idx) | (kv_idx < p)
         return prefix_for_hint
 
+    def per_head_for_hint(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (h < 2)
+
     said.clear()
     with caplog.at_level("WARNING", logger="compilemask"):
+        flex.from_mask_mod_heads(per_head_for_hint, num_heads=2 * flex._VARIANTS_SAID)
         for v in range(flex._VARIANTS_SAID + 2):
             flex.from_mask_mod(make(1000 + v))
-    hints = [r for r in caplog.records if "prefix_for_hint" in r.getMessage()]
+    hints = [r for r in caplog.records if "_for_hint" in r.getMessage()]
     assert len(hints) == 1 and "0-d tensor" in hints[0].getMessage()
+    assert "prefix_for_hint" in hints[0].getMessage()  # one conversion per head is no variant
