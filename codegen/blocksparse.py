@@ -60,6 +60,7 @@ from compilemask.descriptor import (
     TILE_STATE_MASK,
     TILES_PER_WORD,
 )
+from compilemask.lru import LRU
 
 from .tilelang_build import (
     Program,
@@ -552,7 +553,7 @@ def multi_kernel(mp: MultiPlan, target: str):
     return _KERNELS.get(key, build)
 
 
-_LAUNCHERS: dict = {}
+_LAUNCHERS = LRU(256)  # (plan, device) -> entry point
 
 
 def _launcher(mp: MultiPlan, device_type: str):

@@ -40,6 +40,7 @@ from compilemask.codegen.cute_predicate import (
     predicate_source,
 )
 from compilemask.compiler import first_match_rule
+from compilemask.lru import LRU
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
            "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "metadata_matters",
@@ -70,7 +71,7 @@ def _fallback_sources(mask):
             for r in mask.fallback_regions]
 
 
-_WHOLE: dict = {}  # (mask key, all regions) -> predicate (aux_tensors asks on every call)
+_WHOLE = LRU(1024)  # (mask key, all regions) -> predicate (aux_tensors asks on every call)
 
 
 def whole_mask_predicate(mask, any_region: bool = False):
@@ -79,19 +80,21 @@ def whole_mask_predicate(mask, any_region: bool = False):
     its rule); None otherwise, or when a rule reads ``seqlen_q`` / ``seqlen_k`` (not in a
     predicate's arguments)."""
     key = (mask.key, any_region)
-    if key not in _WHOLE:
-        _WHOLE[key] = _whole_mask_predicate(mask, any_region)
-    return _WHOLE[key]
+    got = _WHOLE.get(key, _WHOLE)  # the store itself: not computed (None is an answer)
+    if got is _WHOLE:
+        got = _WHOLE[key] = _whole_mask_predicate(mask, any_region)
+    return got
 
 
-_VARIANT: dict = {}
+_VARIANT = LRU(1024)  # mask key -> mask_mod variant
 
 
 def mask_mod_variant(mask) -> str:
     """Which mask_mod a mask gets (the one place this is decided): the whole predicate when
     every region is one; the rules when they read no per-row arrays, print, and cost less per
     score than the table (``_rules_cheaper``); else the Interval Table test."""
-    if mask.key not in _VARIANT:
+    v = _VARIANT.get(mask.key)
+    if v is None:
         if whole_mask_predicate(mask) is not None:
             v = "predicate"
         else:
@@ -103,7 +106,7 @@ def mask_mod_variant(mask) -> str:
                 except Exception:  # a rule the CuTe printer cannot write: the table then
                     pass
         _VARIANT[mask.key] = v
-    return _VARIANT[mask.key]
+    return v
 
 
 # FA4 calls the mask_mod on the padded rows and keys of the last tiles, past the length
@@ -122,7 +125,7 @@ def rules_fit(mask, length: int, meta_max: int = 0) -> bool:
                                            meta_max, PAD)
 
 
-_META: dict = {}  # mask key -> whether metadata past the length may change its int32 checks
+_META = LRU(1024)  # mask key -> whether metadata past the length may change its int32 checks
 
 
 def metadata_matters(mask) -> bool:
@@ -130,12 +133,13 @@ def metadata_matters(mask) -> bool:
     arithmetic of this mask (its fallback predicates, its rules mask_mod) wrap where metadata
     up to the length would not: only then does a descriptor record how far they reach
     (``ExecutionDescriptor.meta_max``), so a loop of other masks never sees the value."""
-    if mask.key not in _META:
+    got = _META.get(mask.key)
+    if got is None:
         rules = whole_mask_predicate(mask, any_region=True)
-        _META[mask.key] = not (
+        got = _META[mask.key] = not (
             fits_metadata([e for _, _, e in kernel_predicates(mask)])
             and (rules is None or fits_metadata([rules], pad=PAD)))
-    return _META[mask.key]
+    return got
 
 
 def call_variant(mask, variant: str | None, length: int, meta_max: int = 0) -> str:

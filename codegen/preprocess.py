@@ -79,6 +79,7 @@ from compilemask.descriptor import (
     TileConfig,
     descriptor_shapes,
 )
+from compilemask.lru import LRU
 
 from .tilelang_build import (
     Program,
@@ -649,7 +650,7 @@ def preprocess_program(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, targe
                    f"the {what} of mask {mask.name!r}")
 
 
-_LAUNCHERS: dict = {}
+_LAUNCHERS = LRU(256)  # (mask key, tilings, device, dtype, config) -> entry point
 
 
 def launcher(mask, fwd_tiles: TileConfig, bwd_tiles: TileConfig, device_type: str,

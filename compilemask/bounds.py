@@ -11,6 +11,7 @@ import sympy as sp
 
 from compilemask.dsl.frontend import IntBitOp
 from compilemask.exprprint import split_floor
+from compilemask.lru import LRU
 
 __all__ = ["INDEX_MAX", "META_MAX", "INT32_MAX", "INT64_MAX", "magnitude", "check_fits",
            "check_kernel_predicates", "kernel_predicates", "longest_fit", "fits_metadata",
@@ -144,8 +145,10 @@ def fits_metadata(exprs, limit: int = INT32_MAX, pad: int = 0) -> bool:
     return n < 0 or all(magnitude(e, n + pad, META_MAX) <= limit for e in exprs)
 
 
-_LONGEST: dict = {}  # (key, pad) -> longest_fit of the key's expressions
-_WIDE: dict = {}  # (key, pad, length, meta_max) -> whether they fit there
+# bounded: a job of many masks (keys) and lengths meets new keys every step; a dropped entry is
+# a bisection (_LONGEST) or a magnitude walk (_WIDE) again
+_LONGEST = LRU(4096)  # (key, pad) -> longest_fit of the key's expressions
+_WIDE = LRU(4096)  # (key, pad, length, meta_max) -> whether they fit there
 
 
 def fits_int32(key, exprs, length: int, meta_max: int = 0, pad: int = 0) -> bool:
@@ -155,14 +158,16 @@ def fits_int32(key, exprs, length: int, meta_max: int = 0, pad: int = 0) -> bool
     given on the host past the length (``ExecutionDescriptor.meta_max``) are bounded once per
     (length, meta_max)."""
     k = (key, pad)
-    if k not in _LONGEST:
-        _LONGEST[k] = longest_fit(exprs(), pad=pad)
-    if meta_max <= length or length > _LONGEST[k]:
-        return length <= _LONGEST[k]
+    longest = _LONGEST.get(k)
+    if longest is None:
+        longest = _LONGEST[k] = longest_fit(exprs(), pad=pad)
+    if meta_max <= length or length > longest:
+        return length <= longest
     w = (key, pad, length, meta_max)
-    if w not in _WIDE:
-        _WIDE[w] = all(magnitude(e, length + pad, meta_max) <= INT32_MAX for e in exprs())
-    return _WIDE[w]
+    wide = _WIDE.get(w)
+    if wide is None:
+        wide = _WIDE[w] = all(magnitude(e, length + pad, meta_max) <= INT32_MAX for e in exprs())
+    return wide
 
 
 def longest_fit(exprs, limit: int = INT32_MAX, pad: int = 0) -> int:

@@ -17,6 +17,7 @@ from typing import Callable, Hashable
 
 from compilemask.env import cache_dir, ensure_dir
 from compilemask.log import log
+from compilemask.lru import LRU
 
 try:
     import fcntl
@@ -36,11 +37,13 @@ class CompileCache:
     instead of compiling it again. A build that raises stores nothing (the next caller
     retries)."""
 
-    def __init__(self, name: str, serial: bool = False):
+    def __init__(self, name: str, serial: bool = False, maxsize: int = 256):
         self.name = name
         self._serial = threading.Lock() if serial else None
         self.builds = 0  # how many times a build ran (tests: no recompile)
-        self._items: dict = {}
+        # the maxsize most recently used builds (a job of ever new masks would keep each kernel);
+        # a dropped one is built again, from the compilers' disk caches where they have it
+        self._items = LRU(maxsize)
         self._building: dict = {}
         self._lock = threading.Lock()
 

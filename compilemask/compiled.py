@@ -46,6 +46,7 @@ from compilemask.dsl.spec import MaskSpec, canonical_hash
 from compilemask.fingerprint import Uncacheable, Walk
 from compilemask.heads import HeadGroups, head_count, per_head_meta, preprocess_heads
 from compilemask.log import say_once
+from compilemask.lru import LRU
 from compilemask.native import native_pattern
 from compilemask.prover import Prover
 from compilemask.reference import brute_force_mask, descriptor_dense_mask
@@ -113,8 +114,9 @@ class _IR:
     facts: MaskFacts | None = None
 
 
-_IR_CACHE: dict[str, _IR] = {}
-_SPEC_CACHE: dict = {}  # what the rule functions read -> (_IR, reads h): skips the source
+# bounded (a compiled mask keeps its own _IR; a dropped entry compiles again): ~50-100 KB each
+_IR_CACHE = LRU(256)  # canonical key -> _IR
+_SPEC_CACHE = LRU(1024)  # what the rule functions read -> (_IR, reads h): skips the source
 _LOCK = threading.Lock()
 # (semantic key, head param) -> (column view or None, why not): compiled on first request, once
 # (a column view can cost more than the mask's own compile, and the default pipeline reads none)

@@ -136,11 +136,17 @@ def pack_bitmap(states: torch.Tensor) -> torch.Tensor:
     """uint8 ``[B, R, T]`` states -> int32 ``bitmap_shape(B, R, T)`` words, 2 bits per tile."""
     B, R, T = states.shape
     W = bitmap_words(T)
-    padded = torch.nn.functional.pad(states.to(torch.int64), (0, W * TILES_PER_WORD - T))
     shifts = TILE_BITS * torch.arange(TILES_PER_WORD, device=states.device, dtype=torch.int64)
-    words = (padded.view(B, R, W, TILES_PER_WORD) << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
+    # in pieces of rows: the int64 temporaries stay ~32 MB at any length (a 2**20-token
+    # backward grid is 8x that as int64)
+    rows = max(1, (1 << 22) // max(1, B * W * TILES_PER_WORD))
+    out = torch.empty(B, R, W, dtype=torch.int32, device=states.device)
+    for r0 in range(0, R, rows):
+        part = states[:, r0:r0 + rows]
+        padded = torch.nn.functional.pad(part.to(torch.int64), (0, W * TILES_PER_WORD - T))
+        words = (padded.view(B, part.shape[1], W, TILES_PER_WORD) << shifts).sum(dim=-1)
+        out[:, r0:r0 + rows] = torch.where(words >= 2**31, words - 2**32, words)
+    return out
 
 
 def unpack_bitmap(words: torch.Tensor, num_tiles: int) -> torch.Tensor:

@@ -23,6 +23,8 @@ import types
 
 import torch
 
+from compilemask.lru import LRU
+
 __all__ = ["Walk", "Uncacheable", "function_key"]
 
 
@@ -41,7 +43,7 @@ _CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})  # and every LOAD_FAS
 _BUILTIN_METHODS = (types.BuiltinMethodType, types.MethodWrapperType)
 # keyed by what they hold or read, never as objects with state
 _KEYED_BY_VALUE = frozenset({types.FunctionType, types.MethodType, tuple, list, dict})
-_USES: dict = {}
+_USES = LRU(4096)  # code object -> _Uses; bounded: exec'd or rebuilt code is new code
 
 
 class _Uses:

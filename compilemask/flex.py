@@ -53,7 +53,6 @@ import inspect
 import itertools
 import linecache
 import os
-import threading
 import types
 from dataclasses import dataclass
 
@@ -73,6 +72,8 @@ from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.log import say_once
+from compilemask.lru import LRU
 from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["from_mask_mod", "from_mask_mod_heads"]
@@ -84,7 +85,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
 _TRACING = os.path.abspath(tracing.__file__)
 _COUNTER = itertools.count()
-_LOCK = threading.Lock()
 
 
 _CAPTURE_IT = ("make it a variable outside the mask_mod (t = module.t, or build it there) and "
@@ -995,7 +995,7 @@ class _Entry:
     shape_deps: tuple = ()  # ((leaf, dim), size): sizes the rules were converted for
 
 
-_CACHE: dict = {}
+_CACHE = LRU(1024)  # conversion key -> _Entry; bounded: a new captured int is a new key
 
 
 def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None,
@@ -1073,11 +1073,29 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
     if entry is None:
         entry, leaves = _convert_mask_mod(mask_mod, name, head)
         if key is not None:
-            with _LOCK:
-                if len(_CACHE) > 1024:
-                    _CACHE.clear()
-                _CACHE[key] = entry
+            _CACHE[key] = entry
+            _count_variants(mask_mod, key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
+
+
+# code object -> the conversion keys seen for it (up to _VARIANTS_SAID): a mask_mod converted
+# again and again for new captured values compiles a new mask each time (~50 ms, ~50 KB)
+_VARIANTS = LRU(256)
+_VARIANTS_SAID = 8
+
+
+def _count_variants(mask_mod, key) -> None:
+    fn = getattr(mask_mod, "__func__", mask_mod)
+    seen = _VARIANTS.setdefault(fn.__code__, set())
+    if len(seen) >= _VARIANTS_SAID:
+        return
+    seen.add(key[:2])  # the values read and the name: one conversion per head is no variant
+    if len(seen) == _VARIANTS_SAID:
+        say_once(f"from_mask_mod: mask_mod {mask_mod.__name__!r} was converted for "
+                 f"{_VARIANTS_SAID} different captured values, each a new compiled mask (a "
+                 "compile and its memory); capture a value that changes per batch as a 0-d "
+                 "tensor (torch.tensor(v)): it is then a param of one compiled mask, read at "
+                 "each preprocess")
 
 
 def _check_signature(mask_mod):
@@ -1228,7 +1246,7 @@ def _values(entry: _Entry, leaves, batch_size, seqlen=None):
 
 
 _TORCH_NS: dict = {}
-_GATHER_CODE: dict = {}  # index expression -> (compiled torch code, arrays, scalars it reads)
+_GATHER_CODE = LRU(1024)  # index expression -> (compiled torch code, arrays, scalars it reads)
 
 
 def _gather_code(index):

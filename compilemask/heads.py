@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from compilemask.descriptor import ExecutionDescriptor
+from compilemask.lru import LRU
 from compilemask.pipeline import DEFAULT_CONFIG, with_lists
 from compilemask.reference import descriptor_dense_mask
 
@@ -85,7 +86,7 @@ def per_head_meta(mask, meta, heads: int) -> list[dict]:
     return metas
 
 
-_INDICES: dict = {}  # (groups' heads, G, device) -> index tensors, shared by HeadGroups
+_INDICES = LRU(256)  # (groups' heads, G, device) -> index tensors, shared by HeadGroups
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,6 @@ class HeadGroups:
             for pos, h in enumerate(order):
                 inv[h] = pos
             got = (per, torch.tensor(inv, device=device))
-            if len(_INDICES) > 256:
-                _INDICES.clear()
             _INDICES[key] = got
         return got
 

@@ -6,12 +6,15 @@ import logging
 
 import torch
 
+from compilemask.lru import LRUSet
+
 __all__ = ["log", "say_once", "said"]
 
 log = logging.getLogger("compilemask")
 
-# the messages already logged; clearing it makes them heard again (as in a fresh process)
-said: set[str] = set()
+# the messages already logged; clearing it makes them heard again (as in a fresh process);
+# bounded: a message naming a mask or a length is new in a loop of them (the 1024 most recent)
+said = LRUSet(1024)
 
 
 def say_once(msg: str) -> None:

@@ -57,8 +57,10 @@ from compilemask.descriptor import (
     pack_table,
 )
 from compilemask.env import configure_compile_caches
+from compilemask.lru import LRU, LRUSet
 from compilemask.native import segments
 from compilemask.segments import derive_run_arrays
+from compilemask.sizes import check_descriptor_fits
 from compilemask.tiles import bitmaps, visibility_only_slots
 
 __all__ = ["PipelineConfig", "DEFAULT_CONFIG", "DEFAULT_COLUMN_VIEW", "LIST_KINDS_FA4",
@@ -122,7 +124,7 @@ def has_tilelang() -> bool:
     return True
 
 
-_FIRST_USES: set = set()
+_FIRST_USES = LRUSet(1024)  # (mask key, device, dtype, config) prebuilt; again: a disk lookup
 
 
 def first_use_programs(mask, device_type: str, meta_dtype: str = "int64",
@@ -165,6 +167,8 @@ def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, dev
         raise ValueError(f"preprocess: backend must be auto, torch or tilelang, got {backend!r}")
     B, scal, arrs, dev = mask.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
                                              check_values=None if not check else True)
+    check_descriptor_fits(mask, B, seqlen_q, seqlen_k, config.fwd_tiles, config.bwd_tiles,
+                          dev.type)
     if mask.derived_arrays:
         arrs = {**arrs, **derive_run_arrays(mask.derived_arrays, arrs,
                                             check or dev.type == "cpu")}
@@ -362,7 +366,7 @@ class Preprocessor:
         # a table's words are packed by the general path
         self.fast = self.fast and not mask.table_params
         self._launches = {}  # metadata dtype -> launch function
-        self._shapes = {}  # (seqlen_q, seqlen_k) -> output shapes
+        self._shapes = LRU(64)  # (seqlen_q, seqlen_k) -> output shapes: a loop of new lengths
         self._keys = set(mask.spec.params)
         self._derived = mask.derived_arrays  # run bounds of compared ids, derived in torch
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
@@ -379,6 +383,8 @@ class Preprocessor:
                                     (B, seqlen_q, 1) if p in mask.table_params else (B,),
                                     dtype=torch.int64) for p in mask.spec.params}
             mask.normalize_meta(probe, seqlen_q, seqlen_k, B, self.device, check_values=False)
+            check_descriptor_fits(mask, B, seqlen_q, seqlen_k, self.fwd_tiles, self.bwd_tiles,
+                                  self.device.type)
             K, P, R = mask.num_intervals, len(mask.scalar_params), len(mask.array_params)
             shapes = descriptor_shapes(B, seqlen_q, seqlen_k, K, P, R, self.fwd_tiles,
                                        self.bwd_tiles)

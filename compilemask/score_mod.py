@@ -38,6 +38,7 @@ import torch
 
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
+from compilemask.lru import LRU
 from compilemask.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
@@ -575,7 +576,7 @@ class _Tab(_Ops):
 # --------------------------------------------------------------------------------------------
 # compile
 # --------------------------------------------------------------------------------------------
-_CACHE: dict = {}
+_CACHE = LRU(1024)  # conversion key -> ScoreMod; bounded: a new captured value is a new key
 
 
 def _check_signature(score_mod):
@@ -622,10 +623,7 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
                 "number); compare their difference with a constant instead "
                 "((3 * kv_idx - 2 * q_idx > 0).float())") from None
         if key is not None:
-            with _LOCK:
-                if len(_CACHE) > 1024:
-                    _CACHE.clear()
-                _CACHE[key] = sm
+            _CACHE[key] = sm
     used = sm.used_leaves
     return sm, [leaves[k] for k in used]
 
@@ -841,13 +839,11 @@ def _as_table(t, spec: Table, device, fname):
             raise ValueError(f"score_mod {fname!r}: captured tensor {label!r} holds values "
                              f"outside int32 ([{lo}, {hi}]), which the kernels read")
     out = out.to(want).contiguous()
-    if len(_CONVERTED) > 256:  # it keeps the originals alive: a few tables, not every batch's
-        _CONVERTED.clear()
     _CONVERTED[id(t)] = (t, t._version, out)
     return out
 
 
-_CONVERTED: dict = {}
+_CONVERTED = LRU(256)  # it keeps the originals alive: a few tables, not every batch's
 
 
 # --------------------------------------------------------------------------------------------

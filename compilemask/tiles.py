@@ -114,12 +114,38 @@ def _tile_states(overlap, masked, tile_m: int):
     return vis.to(torch.uint8) * TILE_VISIBLE + msk.to(torch.uint8) * TILE_MASKED
 
 
+# elements of one chunk's [b, rows, K, n_n] row states: 2**22 (int64 temporaries of ~32 MB), so
+# the working set grows with the descriptor (Sq x K and the tile grid), never with Sq x n_n
+_STATE_CHUNK = 1 << 22
+
+
 def bitmaps(starts, lens, always_masked, fwd: TileConfig, bwd: TileConfig, seqlen_q, seqlen_k):
     """Both bitmaps: forward ``[B, n_m, W]`` (n_block packed), backward ``[B, n_n, W]``. The
-    row states are computed once where the tilings' columns agree (FA4's: 128 keys both)."""
-    rows = _row_states(starts, lens, always_masked, fwd.tile_n, seqlen_k)
-    f = _tile_states(*rows, fwd.tile_m)
-    if bwd.tile_n != fwd.tile_n:
-        rows = _row_states(starts, lens, always_masked, bwd.tile_n, seqlen_k)
-    b = _tile_states(*rows, bwd.tile_m)
+    row states are computed once where the tilings' columns agree (FA4's: 128 keys both), in
+    chunks of whole row tiles of both tilings (and of sequences), each reduced to its tiles
+    before the next."""
+    B, Sq, K = starts.shape
+    step = max(fwd.tile_m, bwd.tile_m)  # powers of two: a multiple of both
+    n_n = -(-seqlen_k // min(fwd.tile_n, bwd.tile_n))
+    per_row = K * n_n
+    rows = max(step, _STATE_CHUNK // max(1, B * per_row) // step * step)
+    seqs = max(1, min(B, _STATE_CHUNK // max(1, rows * per_row)))
+    # written in place: a chunk leaves nothing behind (small results kept between the chunks'
+    # temporaries would fragment the heap, which then grows with every chunk)
+    f = torch.empty(B, -(-Sq // fwd.tile_m), -(-seqlen_k // fwd.tile_n), dtype=torch.uint8,
+                    device=starts.device)
+    b = torch.empty(B, -(-Sq // bwd.tile_m), -(-seqlen_k // bwd.tile_n), dtype=torch.uint8,
+                    device=starts.device)
+    for b0 in range(0, B, seqs):
+        for r0 in range(0, Sq, rows):
+            part = (starts[b0:b0 + seqs, r0:r0 + rows], lens[b0:b0 + seqs, r0:r0 + rows],
+                    always_masked[b0:b0 + seqs, r0:r0 + rows])
+            states = _row_states(*part, fwd.tile_n, seqlen_k)
+            f_part = _tile_states(*states, fwd.tile_m)
+            f[b0:b0 + seqs, r0 // fwd.tile_m:r0 // fwd.tile_m + f_part.shape[1]] = f_part
+            if bwd.tile_n != fwd.tile_n:
+                states = _row_states(*part, bwd.tile_n, seqlen_k)
+            b_part = _tile_states(*states, bwd.tile_m)
+            b[b0:b0 + seqs, r0 // bwd.tile_m:r0 // bwd.tile_m + b_part.shape[1]] = b_part
+            del states, f_part, b_part
     return pack_bitmap(f), pack_bitmap(b.transpose(1, 2).contiguous())

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
+from compilemask.lru import LRU
+
 __all__ = [
     "HEAD_INDEX",
     "HeadIndexRead",
@@ -201,7 +203,7 @@ class SourceMatchError(ValueError):
     """A rule function whose source cannot be matched to its code object unambiguously."""
 
 
-_TREES: dict = {}  # (filename, source text) -> parsed module: one parse per file version
+_TREES = LRU(256)  # (filename, source text) -> parsed module: one parse per file version
 
 
 def _parsed(filename, text):
@@ -209,8 +211,6 @@ def _parsed(filename, text):
     tree = _TREES.get(key)
     if tree is None:
         tree = ast.parse(text)
-        if len(_TREES) > 256:
-            _TREES.clear()
         _TREES[key] = tree
     return tree
 

@@ -250,7 +250,7 @@ def compile_flash_bwd(
     return _BWD_CACHE.get(compile_cache_key(cfg, gpu_arch, options), build, use_cache)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # (tile_m, head_dim, device): a few per process
 def _dq_fragment_order(tile_m: int, head_dim: int, device):
     """For the ``bulk`` dQ: ``order[row * D + col]`` = where a dq_accum tile keeps (row, col).
 

@@ -25,6 +25,7 @@ LAYERS = {
     "compilemask.cache": 0,
     "compilemask.options": 0,
     "compilemask.log": 0,
+    "compilemask.lru": 0,
     # 1: the front end
     "compilemask.dsl": 1,
     "compilemask.dsl.*": 1,
@@ -44,6 +45,7 @@ LAYERS = {
     "compilemask.score_mod": 2,
     "compilemask.score_mods": 2,
     "compilemask.tracing": 2,
+    "compilemask.sizes": 2,
     # 3: code generation
     "compilemask.codegen": 3,
     "compilemask.codegen.*": 3,

@@ -58,6 +58,7 @@ from compilemask.distributed import CPPlan, cp_attention, shard
 from compilemask.dsl import MaskSpec, Region
 from compilemask.dsl.frontend import rule_symbols
 from compilemask.heads import HeadGroups
+from compilemask.lru import LRU
 from compilemask.native import _run_axioms
 from compilemask.prover import Prover
 from compilemask.reference import attention_reference
@@ -166,7 +167,7 @@ def layer_type(module) -> str:
 
 
 # (id(mask), id(meta), batch, device) -> (mask, meta, DecodeState): the current generation
-_DECODE: dict = {}
+_DECODE = LRU(1)  # one generation at a time (cleared before each store)
 
 
 def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:

@@ -8,6 +8,7 @@ from typing import Callable
 
 from compilemask.compiled import compile_mask
 from compilemask.dsl import MaskSpec
+from compilemask.lru import LRU
 
 __all__ = ["Recipes", "register", "recipes_for", "show"]
 
@@ -26,7 +27,7 @@ class Recipes:
 
 # keyed by name, not by object: a spec that was copied or rebuilt under the same name (the
 # name encodes the factory's arguments) still finds its recipes
-_BY_NAME: dict[str, Recipes] = {}
+_BY_NAME = LRU(4096)  # name -> Recipes (a few hundred bytes): a factory's arguments make new names
 
 
 def register(spec: MaskSpec, recipes: Recipes) -> MaskSpec:
