@@ -35,6 +35,7 @@ from typing import Iterable, Sequence
 
 import sympy
 
+from compilemask.cache import exec_verified, verified_source_file
 from compilemask.dsl.frontend import IntBitOp
 
 # on a generated mask_mod / score_mod(_bwd) whose reads are clamped (a mask_mod: which is also
@@ -321,8 +322,6 @@ def compile_predicate(src: str, name: str = "fallback_predicate"):
 
     (A real file, not a bare ``exec``: the DSL's AST preprocessor reads the function's source.)
     """
-    from compilemask.cache import exec_verified, verified_source_file
-
     mod_name = f"cm_pred_{source_hash(src)}"
     path = verified_source_file("predicates", mod_name + ".py", src)
     mod = exec_verified(src, path, mod_name)

@@ -33,6 +33,11 @@ ALLOWED = {
     "compilemask/pipeline.py:has_tilelang": "no arguments: one entry",
     "kernels/fa4.py:_fa4_importable": "no arguments: one entry",
     "kernels/fa4.py:_install": "no arguments: one entry",
+    "compilemask/env.py:_FALLBACK": "one entry: this process's private fallback folder",
+    "compilemask/integrations/torchtitan/__init__.py:_WHERE": "constant table of lazy names",
+    "compilemask/integrations/torchtitan/_compat.py:_legacy_attention_cls": "no arguments",
+    "compilemask/integrations/torchtitan/_compat.py:_plan_balancer_cls": "no arguments: one entry",
+    "compilemask/integrations/torchtitan/_compat.py:legacy": "no arguments: one entry",
     # constant tables, written once at import (or, _TORCH_NS, by one exec of a fixed prelude)
     "compilemask/descriptor.py:LIST_KINDS": "constant table",
     "compilemask/flex.py:_REL": "constant table",

@@ -79,8 +79,6 @@ class hide_cp:
 def wrap_parallelize(parallelize_fn):
     """The model's parallelize function, with CompileMask's CP set up first: every
     ``CompileMaskAttention`` gets the CP group, and ``apply_cp_to_forward`` is skipped."""
-    from .attention import CompileMaskAttention
-
     if getattr(parallelize_fn, "_compilemask", False):
         return parallelize_fn
 
@@ -89,7 +87,7 @@ def wrap_parallelize(parallelize_fn):
         if parallel_dims.cp_enabled:
             group = parallel_dims.get_mesh("cp").get_group()
             for m in model.modules():
-                if isinstance(m, CompileMaskAttention):
+                if getattr(m, "is_compilemask_attention", False):  # no import: attention imports us
                     m.cp_group = group
             parallel_dims = hide_cp(parallel_dims)
         return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
@@ -375,7 +373,7 @@ def apply_sac(model, *, save_compilemask: bool, compiled: bool) -> None:
     if not legacy():
         from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
-        from .sac import CompileMaskSelectiveAC
+        from .sac import CompileMaskSelectiveAC  # 0.3.0 only: sac subclasses its SelectiveAC
 
         policy = CompileMaskSelectiveAC if save_compilemask else SelectiveAC
         policy(policy.Config()).apply(model)

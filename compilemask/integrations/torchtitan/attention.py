@@ -38,6 +38,8 @@ class CompileMaskBatch:
 class CompileMaskAttention(Module):
     """Masked attention driven by the batch's CompileMask descriptor."""
 
+    is_compilemask_attention = True  # how _compat.wrap_parallelize finds these modules
+
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         mask: str = "block_causal"

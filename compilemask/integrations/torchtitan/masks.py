@@ -39,6 +39,7 @@ import torch
 
 from compilemask import masks as cm_masks
 from compilemask.dsl import MaskSpec
+from compilemask.flex import from_mask_mod
 from compilemask.masks.shared_prompt_rm import ENDS as RM_ENDS
 from compilemask.packing import packed_hstu_spec
 
@@ -251,8 +252,6 @@ def _from_path(path: str, options: Mapping) -> MaskSource:
     if isinstance(obj, MaskSpec):
         return _spec_source(path, obj)
     if callable(obj) and _positional_arity(obj) == 4:
-        from compilemask.flex import from_mask_mod
-
         spec, const = from_mask_mod(obj)
         # the tensors it captured are the metadata of every batch (expanded to its size)
         return MaskSource(path, spec, _const_meta(const), lambda p, f, mm=obj: mm)
@@ -293,7 +292,7 @@ def _spec_source(name: str, spec: MaskSpec) -> MaskSource:
     return MaskSource(name, spec, meta, None, fields=required)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # a job names a few masks; each entry holds its compiled spec
 def _resolve(name: str, options: tuple) -> MaskSource:
     if name in MASK_NAMES:
         return _builtin(name, dict(options))
