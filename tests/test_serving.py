@@ -680,6 +680,7 @@ def test_gpu_varlen_batch_vs_float32_reference(name):
     """A packed batch on FA4's varlen kernels (native for causal / window, the interval
     mask_mod otherwise), contiguous and paged keys, within twice PyTorch's bf16 error per
     request; a request with no queries, one with a single key."""
+    from compilemask.kernels.dispatch import select_served_engine
     from compilemask.serving import paged_attention, varlen_attention
 
     from helpers import check_output_vs_reference
@@ -690,7 +691,7 @@ def test_gpu_varlen_batch_vs_float32_reference(name):
     meta, d, q, k, v = _packed_batch(mask, gen, used_k, used_q, D=128, dtype=torch.bfloat16,
                                      device="cuda")
     engine = "native" if mask.native_pattern is not None else "fa4"
-    assert cm.serving._engine("t", q, d, "auto") == engine
+    assert select_served_engine("t", q, d, "auto") == engine
     k_cache, v_cache, table = _paged(tuple(_unpack(t, used_k) for t in (k, v)), 128, gen)
     dense = d.dense_mask()
     for out in (varlen_attention(q, k, v, d), paged_attention(q, k_cache, v_cache, table, d)):
@@ -737,7 +738,7 @@ def test_request_batches_run_native_only_where_fa4_aligns_them():
     of a mask with keys to the right (full, two-sided window) stay on the mask_mod, since rows
     before a short request's first key see nothing in the mask and keys in FA4's; packed
     queries have no such rows."""
-    from compilemask.serving import _runs_native
+    from compilemask.kernels.dispatch import runs_native_served as _runs_native
 
     used, used_q = torch.tensor([9, 2]), torch.tensor([3, 2])
     for spec, rows_before in ((masks.causal(), True), (masks.sliding_window(4), True),
