@@ -82,32 +82,44 @@ class KeyedRegistry:
         self.what, self.keep = what, keep
         self._weak: dict = {}  # key -> {id(obj): weakref}
         self._recent: dict = {}  # key -> obj, oldest first (the strong LRU)
+        # keys whose objects died: a weakref callback runs inside whatever collected them
+        # (here too, under the lock), so it only records the key; the next call sweeps
+        self._dead: list = []
         self._lock = threading.Lock()
 
     def register(self, key: str, obj) -> str:
         key = str(key)
         with self._lock:
+            self._sweep()
             refs = self._weak.setdefault(key, {})
-            if id(obj) not in refs:
-                refs[id(obj)] = weakref.ref(obj, functools.partial(self._drop, key, id(obj)))
+            if id(obj) not in refs or refs[id(obj)]() is not obj:
+                refs[id(obj)] = weakref.ref(obj, functools.partial(self._died, key))
             self._recent.pop(key, None)
             self._recent[key] = obj
             while len(self._recent) > self.keep:
                 self._recent.pop(next(iter(self._recent)))
         return key
 
-    def _drop(self, key: str, ident: int, _ref) -> None:
-        with self._lock:
+    def _died(self, key: str, _ref) -> None:
+        self._dead.append(key)  # atomic; no lock (see __init__)
+
+    def _sweep(self) -> None:
+        """Drop the dead references of the keys recorded dead (under the lock)."""
+        while self._dead:
+            key = self._dead.pop()
             refs = self._weak.get(key)
-            if refs is not None and refs.get(ident) is _ref:
+            if refs is None:
+                continue
+            for ident in [i for i, r in refs.items() if r() is None]:
                 del refs[ident]
-                if not refs:
-                    del self._weak[key]
+            if not refs:
+                del self._weak[key]
 
     def find(self, key: str):
         """The live object of ``key``, or None."""
         with self._lock:
-            for ref in self._weak.get(key, {}).values():
+            self._sweep()
+            for ref in list(self._weak.get(key, {}).values()):
                 obj = ref()
                 if obj is not None:
                     return obj
@@ -126,6 +138,7 @@ class KeyedRegistry:
 
     def __len__(self) -> int:
         with self._lock:
+            self._sweep()
             return len(self._weak)
 
 

@@ -25,11 +25,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compilemask.cache import MASKS, SCORE_MODS
+from compilemask.cache import SCORE_MODS, mask_for_key, register_mask
 from compilemask.descriptor import BlockSparseLists, DescriptorArgs
 
-__all__ = ["OpSlots", "OpSettings", "schema_of", "register_mask", "mask_for_key",
-           "register_score_mod", "score_mod_for_key", "LIST_SLOTS"]
+__all__ = ["OpSlots", "OpSettings", "schema_of", "args_schema", "op_args", "unpack",
+           "register_mask", "mask_for_key", "score_mod_for_key", "fake_outputs", "LIST_SLOTS"]
 
 # a field's annotation (text: this module postpones them) -> its schema type
 _SCHEMA_TYPES = {"Optional[Tensor]": "Tensor?", "list[Tensor]": "Tensor[]", "SymInt": "SymInt",
@@ -199,20 +199,8 @@ def args_schema() -> str:
     return ", ".join((DescriptorArgs.schema(), schema_of(OpSlots), schema_of(OpSettings)))
 
 
-def register_mask(mask) -> str:
-    """Keep ``mask`` reachable from its key for the ops; returns the key."""
-    return MASKS.register(str(mask.key), mask)
-
-
-def mask_for_key(key: str):
-    return MASKS.get(key)
-
-
-def register_score_mod(sm) -> str:
-    return SCORE_MODS.register(sm.key, sm)
-
-
 def score_mod_for_key(key: str):
+    """The converted score_mod of a key (``SCORE_MODS``; the conversion registers it)."""
     return SCORE_MODS.get(key)
 
 

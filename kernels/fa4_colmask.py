@@ -9,8 +9,8 @@ once, and a score is one subtraction, an unsigned compare and a select against t
 flagged as overflowing (more runs than the table's slots) takes the Interval Table test for its
 rows instead, so the mask stays exact for every input.
 
-The class is ``flash_bwd_sm90.AttentionMask`` during this package's calls (``PATCHES``). It
-takes a call
+The class is ``flash_bwd_sm90.AttentionMask`` during this package's calls into FA4
+(``PATCHES``, applied by ``fa4_lib.patched``). It takes a call
 only for a mask_mod carrying ``COLUMNS_ATTR``, on the transposed tile, without causal / local
 or PackGQA; everything else (FA4's own masks, a non-transposed tile) runs FA4's code with the
 same mask_mod, which is the exact per-score interval test (without FA4's index wrap:

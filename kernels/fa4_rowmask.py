@@ -9,10 +9,10 @@ it: per row K * a few operations instead of per score. The mask_mod itself stays
 test (the same function, so any call this class does not take keeps the exact per-score path:
 the transposed backward, PackGQA, causal / local).
 
-The class is ``flash_fwd_sm90.AttentionMask`` during this package's calls (``PATCHES``);
-every mask_mod
-without the attribute runs FA4's own code (a generated one without FA4's index wrap:
-``fa4_unwrap.UnwrappedMask``, the base class). ``tests/test_fa4_rowmask.py`` pins the
+The class is ``flash_fwd_sm90.AttentionMask`` during this package's calls into FA4
+(``PATCHES``, applied by ``fa4_lib.patched``); every mask_mod without the attribute runs FA4's
+own code (a generated one without FA4's index wrap: ``fa4_unwrap.UnwrappedMask``, the base
+class). ``tests/test_fa4_rowmask.py`` pins the
 FA4 internals relied on (the module global, ``apply_mask``'s parameters, the R2P helpers).
 """
 
