@@ -361,7 +361,9 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     (fa4 / reference); ``served``: a served batch's slots by name (``OpSlots``: ``seqused_k``,
     ``seqused_q``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``page_table``; fa4 / native, forward
     only: ``compilemask.serving``)."""
-    key = register_mask(desc.mask)
+    # every CompiledMask is registered when made (``compile_mask``), weakly while it lives: a
+    # traced call needs only its key (the registry's lock is no graph op)
+    key = str(desc.mask.key) if torch.compiler.is_compiling() else register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
                          "(cm.attention moves it once: compilemask.pipeline.on_device)")

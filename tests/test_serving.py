@@ -773,15 +773,18 @@ _TWO_SIDED = cm.MaskSpec("two_sided", regions=[cm.Region("all", _every, _two_sid
 def test_fa4_length_arguments_are_made_once_per_descriptor():
     """cu_seqlens / seqused_k for FA4 come from the descriptor's counts, made once per
     descriptor (a layer loop launches nothing for them)."""
+    from compilemask.kernels.contract import OpSlots
     from compilemask.serving import _lengths
 
     mask = cm.compile_mask(masks.causal())
     d = query_descriptor(mask, None, 9, 4, batch_size=2, seqused_k=torch.tensor([9, 4]),
                          seqused_q=torch.tensor([2, 4]))
-    got = _lengths(d, paged=False)
+    got = _lengths(d, paged=False)  # the op's served slots
     assert got is _lengths(d, paged=False)
     assert got["cu_seqlens_q"].tolist() == [0, 2, 6] and got["cu_seqlens_k"].tolist() == [0, 9, 13]
-    assert (got["max_seqlen_q"], got["max_seqlen_k"]) == (4, 9)
+    fa4_args = OpSlots(**got).served_lengths(d.seqlen_q, d.seqlen_k)
+    assert (fa4_args["max_seqlen_q"], fa4_args["max_seqlen_k"]) == (4, 9)
+    assert "seqused_k" not in fa4_args and "page_table" not in fa4_args
     assert _lengths(d, paged=True)["seqused_k"].tolist() == [9, 4]
     square = query_descriptor(mask, None, 9, 1, batch_size=2)
     assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]
