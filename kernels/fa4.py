@@ -132,7 +132,18 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         kw["aux_tensors"] = [_leading_dim(t) for t in aux]
     if sink is not None:
         kw["learnable_sink"] = sink
+    kw["patches"] = patches()
     return kw
+
+
+def patches() -> tuple:
+    """The FA4 globals this package's calls replace (``fa4_lib.patched``): the forward's row
+    mask, the backward's column view, neither index wrap for the generated functions; every
+    other mask_mod and score_mod runs FA4's code unchanged."""
+    # the mask classes extend FA4's kernel modules (and the CUTLASS DSL): on the first call
+    from . import fa4_colmask, fa4_rowmask, fa4_unwrap
+
+    return (*fa4_rowmask.PATCHES, *fa4_colmask.PATCHES, *fa4_unwrap.PATCHES)
 
 
 def _leading_dim(t):

@@ -15,12 +15,13 @@ the forward under autograd would cost a third of a train step, so the backward c
 ``TESTED_VERSIONS`` and tested on the GPU.
 
 This package's masks and score_mod calls enter FA4's sm90 kernels by replacing a few of its
-module globals (``fa4_rowmask``, ``fa4_colmask``, ``fa4_unwrap``: each module's ``PATCHES``).
-:func:`patched` is the one entry point: it checks that each global is still FA4's own, sets
-them for the duration of this package's calls into FA4 (which trace its kernels then) and
-puts FA4's back after, so other FA4 users in the process run FA4's code. A call of another
-thread that overlaps one of ours sees the replacements, which act only on the functions this
-package generates (marked by attribute) and run FA4's own code for every other.
+module globals (``fa4_rowmask``, ``fa4_colmask``, ``fa4_unwrap``: each module's ``PATCHES``,
+which ``kernels.fa4`` hands to every call here). :func:`patched` is the one entry point: it
+checks that each global is still FA4's own, sets them for the duration of this package's calls
+into FA4 (which trace its kernels then) and puts FA4's back after, so other FA4 users in the
+process run FA4's code. A call of another thread that overlaps one of ours sees the
+replacements, which act only on the functions this package generates (marked by attribute)
+and run FA4's own code for every other.
 """
 
 from __future__ import annotations
@@ -77,25 +78,25 @@ def block_sparse_tensors(lists, block_size):
         full_block_cnt=lists.full_cnt, full_block_idx=lists.full_idx, block_size=block_size)
 
 
-def fwd(q, k, v, *, window_size=(None, None), **kwargs):
+def fwd(q, k, v, *, patches=(), window_size=(None, None), **kwargs):
     """FA4's forward below its autograd.Function (``flash_attn_func``'s own call, same kernels),
-    with this package's patches. Returns (out, lse)."""
-    with patched():
+    with ``patches`` (see :func:`patched`). Returns (out, lse)."""
+    with patched(patches):
         out, lse, *_ = module("interface")._flash_attn_fwd(
             q, k, v, window_size_left=window_size[0], window_size_right=window_size[1],
             return_lse=True, **kwargs)
     return out, lse
 
 
-def bwd(*args, **kwargs):
-    """FA4's backward (``interface._flash_attn_bwd``), with this package's patches."""
-    with patched():
+def bwd(*args, patches=(), **kwargs):
+    """FA4's backward (``interface._flash_attn_bwd``), with ``patches``."""
+    with patched(patches):
         return module("interface")._flash_attn_bwd(*args, **kwargs)
 
 
-def varlen_fwd(*args, **kwargs):
-    """FA4's ``flash_attn_varlen_func``, with this package's patches."""
-    with patched():
+def varlen_fwd(*args, patches=(), **kwargs):
+    """FA4's ``flash_attn_varlen_func``, with ``patches``."""
+    with patched(patches):
         return importlib.import_module("flash_attn.cute").flash_attn_varlen_func(*args, **kwargs)
 
 
@@ -107,18 +108,9 @@ _DEPTH = 0  # calls into FA4 under way (all threads): the globals are ours while
 _SAVED: list = []  # (module, name, FA4's value) while they are
 
 
-def _patches() -> tuple:
-    """``(FA4 module, global, (FA4 module, name) of its own value, replacement)`` of every
-    patch, read from the modules that define them (each module's ``PATCHES``)."""
-    # the mask classes extend FA4's kernel modules: imported on the first call into FA4
-    from . import fa4_colmask, fa4_rowmask, fa4_unwrap
-
-    return (*fa4_rowmask.PATCHES, *fa4_colmask.PATCHES, *fa4_unwrap.PATCHES)
-
-
-def _apply() -> None:
+def _apply(patches) -> None:
     saved = []
-    for target, name, (home, own), new in _patches():
+    for target, name, (home, own), new in patches:
         mod = module(target)
         expected = getattr(module(home), own)
         now = getattr(mod, name, None)
@@ -142,13 +134,16 @@ def _restore() -> None:
 
 
 @contextlib.contextmanager
-def patched():
-    """FA4's globals replaced by this package's (checked first) while the block runs, FA4's
-    own again after the last overlapping call ends."""
+def patched(patches=()):
+    """FA4's globals replaced by ``patches`` (``(FA4 module, global, (FA4 module, name) of
+    FA4's own value, replacement)`` each: the ``PATCHES`` of ``fa4_rowmask``, ``fa4_colmask``,
+    ``fa4_unwrap``, which ``kernels.fa4`` passes on every call), each checked to be FA4's own
+    first, while the block runs; FA4's own again after the last overlapping call ends (the
+    first call's patches serve the calls that overlap it: the engine passes the same ones)."""
     global _DEPTH
     with _LOCK:
         if _DEPTH == 0:
-            _apply()
+            _apply(patches)
         _DEPTH += 1
     try:
         yield

@@ -325,7 +325,7 @@ def test_fa4_internals_the_column_mask_relies_on():
     from flash_attn.cute import mask as fa4_mask
     from quack import layout_utils
 
-    from compilemask.kernels import fa4_lib
+    from compilemask.kernels import fa4_colmask, fa4_lib
     from compilemask.kernels.fa4_colmask import ColumnIntervalMask
 
     assert bwd_mod.AttentionMask is fa4_mask.AttentionMask  # FA4's own outside our calls
@@ -337,9 +337,9 @@ def test_fa4_internals_the_column_mask_relies_on():
     params = list(inspect.signature(fa4_mask.AttentionMask.apply_mask).parameters)
     assert params == list(inspect.signature(ColumnIntervalMask.apply_mask).parameters)
     assert "transpose" in inspect.signature(layout_utils.reshape_acc_to_mn).parameters
-    with fa4_lib.patched():
+    with fa4_lib.patched(fa4_colmask.PATCHES):
         assert bwd_mod.AttentionMask is ColumnIntervalMask
-        with fa4_lib.patched():  # nested (or another thread's call): still ours
+        with fa4_lib.patched(fa4_colmask.PATCHES):  # nested (or another thread's call): still ours
             assert bwd_mod.AttentionMask is ColumnIntervalMask
         assert bwd_mod.AttentionMask is ColumnIntervalMask
     assert bwd_mod.AttentionMask is fa4_mask.AttentionMask

@@ -35,7 +35,7 @@ def test_fa4_internals_the_row_mask_relies_on():
     fwd_mod = _fa4()
     from flash_attn.cute import mask as fa4_mask
 
-    from compilemask.kernels import fa4_lib
+    from compilemask.kernels import fa4_lib, fa4_rowmask
     from compilemask.kernels.fa4_rowmask import RowIntervalMask
 
     assert fwd_mod.AttentionMask is fa4_mask.AttentionMask  # FA4's own outside our calls
@@ -47,7 +47,7 @@ def test_fa4_internals_the_row_mask_relies_on():
     for name in ("mask_r2p_lambda", "r2p_bitmask_above", "r2p_bitmask_below",
                  "sm90_col_to_r2p_idx"):
         assert callable(getattr(fa4_mask, name)), name
-    with fa4_lib.patched():
+    with fa4_lib.patched(fa4_rowmask.PATCHES):
         assert fwd_mod.AttentionMask is RowIntervalMask
     assert fwd_mod.AttentionMask is fa4_mask.AttentionMask
 

@@ -40,7 +40,7 @@ def test_fa4_score_mod_wrap_as_relied_on():
         src = inspect.getsource(mod)
         for n in names:
             assert f"        {n}(" in src  # called through the module global
-    with fa4_lib.patched():
+    with fa4_lib.patched(fa4_unwrap.PATCHES):
         assert flash_fwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
         assert flash_bwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
         assert flash_bwd_sm90.apply_score_mod_bwd_inner is fa4_unwrap.apply_score_mod_bwd_inner

@@ -231,29 +231,27 @@ def _fake_fa4(monkeypatch):
     mods = {"kernel": types.SimpleNamespace(Mask=theirs),
             "mask": types.SimpleNamespace(Mask=theirs)}
     monkeypatch.setattr(fa4_lib, "module", mods.__getitem__)
-    monkeypatch.setattr(fa4_lib, "_patches", lambda: (("kernel", "Mask", ("mask", "Mask"),
-                                                        ours),))
-    return mods["kernel"], theirs, ours
+    return mods["kernel"], theirs, ours, (("kernel", "Mask", ("mask", "Mask"), ours),)
 
 
 def test_patches_apply_only_around_our_calls(monkeypatch):
-    kernel, theirs, ours = _fake_fa4(monkeypatch)
-    with fa4_lib.patched():
+    kernel, theirs, ours, patches = _fake_fa4(monkeypatch)
+    with fa4_lib.patched(patches):
         assert kernel.Mask is ours
-        with fa4_lib.patched():  # an overlapping call
+        with fa4_lib.patched(patches):  # an overlapping call
             assert kernel.Mask is ours
         assert kernel.Mask is ours  # the outer call still runs
     assert kernel.Mask is theirs
-    with pytest.raises(RuntimeError, match="a call that fails"), fa4_lib.patched():
+    with pytest.raises(RuntimeError, match="a call that fails"), fa4_lib.patched(patches):
         raise RuntimeError("a call that fails")
     assert kernel.Mask is theirs  # restored on an error too
 
 
 def test_patches_refuse_a_global_that_is_not_fa4s(monkeypatch):
-    kernel, theirs, ours = _fake_fa4(monkeypatch)
+    kernel, theirs, ours, patches = _fake_fa4(monkeypatch)
     kernel.Mask = other = object()  # someone else's replacement (or a moved name)
     with pytest.raises(RuntimeError, match=r"flash_attn.cute.kernel.Mask is not FA4's own"):
-        with fa4_lib.patched():
+        with fa4_lib.patched(patches):
             pass
     assert kernel.Mask is other and fa4_lib._DEPTH == 0
 
@@ -261,9 +259,11 @@ def test_patches_refuse_a_global_that_is_not_fa4s(monkeypatch):
 def test_real_fa4_patches_are_scoped():
     """With flash-attn-4 installed: its globals are its own outside this package's calls."""
     pytest.importorskip("flash_attn.cute")
+    from compilemask.kernels import fa4
+
     fwd, bwd, mask = (fa4_lib.module(n) for n in ("flash_fwd_sm90", "flash_bwd_sm90", "mask"))
     assert fwd.AttentionMask is mask.AttentionMask is bwd.AttentionMask
-    with fa4_lib.patched():
+    with fa4_lib.patched(fa4.patches()):
         assert fwd.AttentionMask is not mask.AttentionMask
         assert issubclass(fwd.AttentionMask, mask.AttentionMask)
     assert fwd.AttentionMask is mask.AttentionMask

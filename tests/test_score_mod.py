@@ -780,7 +780,7 @@ def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
     seen = []
     monkeypatch.setattr(fa4, "score_mod_fns",
                         lambda sm, offset, gqa, bits: seen.append(bits) or (None, None))
-    monkeypatch.setattr(fa4, "_install", lambda: None)
+    monkeypatch.setattr(fa4, "patches", lambda: ())
     for S in (64, INDEX_BOUND - 256, INDEX_BOUND - 255):
         desc = types.SimpleNamespace(seqlen_q=S, seqlen_k=S)  # what the native engine reads
         fa4._mods(desc, "native", None, (sm, tables), backward=False)
