@@ -47,8 +47,8 @@ def _child(name: str, variant: str) -> None:
         class CommonPath(fa4_colmask.ColumnIntervalMask):
             OVERFLOW_PATH = False
 
-        fa4_colmask.install()
-        fa4_colmask.flash_bwd_sm90.AttentionMask = CommonPath
+        # the patch fa4_lib.patched applies around the compile
+        fa4_colmask.PATCHES = tuple((*p[:3], CommonPath) for p in fa4_colmask.PATCHES)
     if variant == "true":
         _CeilingMaskMod().__enter__()
     fake_fa4(cm.compile_mask(spec), meta,

@@ -42,7 +42,8 @@ from compilemask.codegen.cute_predicate import (
 from compilemask.compiler import first_match_rule
 from compilemask.lru import LRU
 
-__all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "whole_mask_predicate",
+__all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "aux_layout", "whole_mask_predicate",
+           "variant_for_call",
            "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "metadata_matters",
            "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
 
@@ -207,11 +208,12 @@ def _whole_source(mask, expr, heads: int = 1) -> list[str]:
            "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
            "    col = kv_idx[0]",
            "    max_row = seqlen_info.seqlen_q - 1"]
-    # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
-    if P:
-        out.append("    params = aux_tensors[0]")
-    out.append(f"    row_params = aux_tensors[{1 if P else 0}]" if R or mask.table_params
-               else "    row_params = None  # no per-row arrays: never read")
+    layout = aux_layout(mask, "rules")  # the predicate forms read the same aux tensors
+    if "params" in layout:
+        out.append(f"    params = aux_tensors[{layout.index('params')}]")
+    out.append(f"    row_params = aux_tensors[{layout.index('row_params')}]"
+               if "row_params" in layout else
+               "    row_params = None  # no per-row arrays: never read")
     args = ([f"params[b, {p}]" for p in range(P)]
             + [f"row_params[b, row, {r}]" for r in range(R)])
     call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
@@ -234,6 +236,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         return "\n".join(out + _select())
     K = max(mask.num_intervals, 1)
     fbs = _fallback_sources(mask)
+    layout = aux_layout(mask, variant)
     out = [
         f"# mask_mod for {mask.name!r} (key {mask.key}), K = {K}",
         "import cutlass",
@@ -254,7 +257,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         "",
         "@cute.jit",
         "def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):",
-        "    intervals = aux_tensors[0]",
+        f"    intervals = aux_tensors[{layout.index('intervals')}]",
         _batch_line(heads),
         "    row = cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1)",
         "    col = kv_idx[0]",
@@ -264,13 +267,13 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         out.append(f"    vis = {hit}" if m == 0 else f"    vis = vis | ({hit})")
     if fbs:
         P, R = len(mask.scalar_params), len(mask.array_params)
-        out += ["    row_region = aux_tensors[1]", "    region = row_region[b, row]",
-                "    max_row = seqlen_info.seqlen_q - 1"]
-        # aux tensors of zero width are not passed (FA4 needs a stride-1 dimension)
-        if P:
-            out.append("    params = aux_tensors[2]")
-        out.append(f"    row_params = aux_tensors[{3 if P else 2}]" if R or mask.table_params
-                   else "    row_params = intervals  # no per-row arrays: never read")
+        out += [f"    row_region = aux_tensors[{layout.index('row_region')}]",
+                "    region = row_region[b, row]", "    max_row = seqlen_info.seqlen_q - 1"]
+        if "params" in layout:
+            out.append(f"    params = aux_tensors[{layout.index('params')}]")
+        out.append(f"    row_params = aux_tensors[{layout.index('row_params')}]"
+                   if "row_params" in layout else
+                   "    row_params = intervals  # no per-row arrays: never read")
         args = ([f"params[b, {p}]" for p in range(P)] + [f"row_params[b, row, {r}]"
                                                          for r in range(R)])
         for idx, _ in fbs:
@@ -366,17 +369,54 @@ def forward_variant(mask, variant: str | None, backward: bool, columns: bool = F
     return call_variant(mask, variant, length, meta_max)
 
 
-def aux_tensors(desc, variant: str | None = None) -> list:
-    """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies)."""
-    B, Sq, K, _ = desc.intervals.shape
-    variant = _check_variant(desc.mask, variant)
-    if variant not in ("intervals", "rows", "columns"):
-        return [t for t in (desc.params, desc.row_params) if t.shape[-1]] or None
-    tensors = [desc.intervals.view(B, Sq, 2 * K)]
+def variant_for_call(desc, requested: str | None, backward: bool, heads: int = 1,
+                     served: bool = False) -> str:
+    """The mask_mod variant of one FA4 call of the fa4 engine: the policy's one entry point.
+    ``requested``: ``KernelOptions.mask_mod`` (None: the policy's choice). Rows elsewhere in
+    the sequence (``q_offset != 0``) are known to the table only: ``"intervals"`` (or the
+    forward's ``"rows"``, asked for). A served batch (paged or packed keys, no lists) tests
+    every score: ``call_variant``'s choice. Otherwise ``forward_variant``: the forward's row
+    mask, the backward's column view where the descriptor has it (one sequence per batch row),
+    rules that fit int32 at the call's length."""
+    length = max(desc.seqlen_q, desc.seqlen_k)
+    if desc.q_offset:
+        if requested not in (None, "intervals", "rows"):
+            raise ValueError(f"mask_mod variant {requested!r}: this descriptor's rows are not "
+                             "0.. of the sequence (q_offset != 0); only 'intervals' and "
+                             "'rows' read them right")
+        return "rows" if requested == "rows" and not backward and not served else "intervals"
+    if served:  # the row mask is measured and tested on the block-sparse forward only
+        return call_variant(desc.mask, None, length, desc.meta_max)
+    columns = desc.columns is not None and heads == 1
+    return forward_variant(desc.mask, requested, backward, columns, length, desc.meta_max)
+
+
+def aux_layout(mask, variant: str) -> tuple[str, ...]:
+    """The mask_mod's ``aux_tensors`` by name, in order: the one description of the layout,
+    which the generated source reads (``aux_tensors[i]``) and :func:`aux_tensors` passes.
+    Tensors of zero width are not passed (FA4 needs a stride-1 dimension of size > 1)."""
+    meta = (("params",) if mask.scalar_params else ()) + (
+        ("row_params",) if mask.array_params or mask.table_params else ())
+    if variant not in ("intervals", "rows", "columns"):  # the predicate forms
+        return meta
     if variant == "columns":  # the view's masks have no fallback region
-        _, Sk, slots, _ = desc.columns.shape
-        return tensors + [desc.columns.view(B, Sk, 2 * slots)]
-    if desc.mask.has_fallback:
-        tensors.append(desc.row_region)
-        tensors += [t for t in (desc.params, desc.row_params) if t.shape[-1]]
-    return tensors
+        return ("intervals", "columns")
+    return ("intervals", "row_region", *meta) if mask.has_fallback else ("intervals",)
+
+
+def _aux_tensor(desc, name: str):
+    """A descriptor's tensor as the mask_mod reads it (a view: one row's pairs contiguous)."""
+    if name == "intervals":
+        B, Sq, K, _ = desc.intervals.shape
+        return desc.intervals.view(B, Sq, 2 * K)
+    if name == "columns":
+        B, Sk, slots, _ = desc.columns.shape
+        return desc.columns.view(B, Sk, 2 * slots)
+    return getattr(desc, name)
+
+
+def aux_tensors(desc, variant: str | None = None) -> list | None:
+    """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies; ``aux_layout``), or
+    None for none."""
+    variant = _check_variant(desc.mask, variant)
+    return [_aux_tensor(desc, n) for n in aux_layout(desc.mask, variant)] or None

@@ -1,4 +1,4 @@
-"""cm.attention: validate, then dispatch to the CuTe kernel (CUDA, sm_90) or the reference path."""
+"""cm.attention: validate, select the engine once (``kernels.dispatch``), run it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import torch
 
 from compilemask.descriptor import ExecutionDescriptor
 from compilemask.heads import HeadGroups, attention_heads
-from compilemask.kernels import kernel_available
 from compilemask.kernels.autograd import attention_op
-from compilemask.kernels.fa4 import why_unavailable
-from compilemask.log import said, say_once
+from compilemask.kernels.dispatch import BACKENDS, select_engine
+from compilemask.log import said
 from compilemask.options import KernelOptions
 from compilemask.pipeline import on_device
 from compilemask.reference import attention_reference, descriptor_dense_mask
@@ -93,63 +92,6 @@ def check_arguments(q, k, v, softmax_scale, who: str = "cm.attention") -> None:
                          + "; move them with .to(q.device)")
 
 
-BACKENDS = ("auto", "fa4", "native", "cute", "reference")
-
-
-def _cute_reason(q, desc):
-    if desc.mask.table_params:
-        return "a table param's predicate runs on the fa4 engine only"
-    return None if kernel_available(q, desc) else "no CuTe kernel for this device/dtype/head dim"
-
-
-def _engine_reason(q, desc, engine: str, deterministic: bool, heads: int = 1):
-    if heads > 1 and engine in ("native", "cute"):
-        return ("folded heads (a sequence per batch and head) run on the fa4 engine; "
-                "preprocess_heads(..., fold=False) keeps a descriptor per head group")
-    if engine == "cute":
-        return _cute_reason(q, desc)
-    if deterministic and engine == "fa4":
-        return "FA4's deterministic block-sparse backward needs dQ write orders (not built)"
-    return why_unavailable(q, desc, engine)
-
-
-def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
-                  heads: int = 1) -> str:
-    """The engine ``attention`` runs for these tensors (see ``docs/decisions/engine.md``).
-
-    ``auto`` on CUDA: ``native`` when the compiler proved the mask a native FA4 pattern for this
-    shape, else ``fa4`` (FA4's block-sparse kernels with the interval mask_mod); with
-    ``deterministic=True`` the ``cute`` kernels (FA4's block-sparse backward has no
-    deterministic mode here). On CPU: ``reference``. A CUDA call that no engine can run raises
-    ``NotImplementedError`` with each engine's reason, unless ``backend="reference"``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference":
-        return "reference"
-    if not q.is_cuda:
-        if backend != "auto":
-            raise NotImplementedError(f"backend={backend!r} needs CUDA tensors, got "
-                                      f"{q.device.type}; use backend='reference' or 'auto'")
-        say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
-                 "GPU engines need CUDA)")
-        return "reference"
-    if backend != "auto":
-        why = _engine_reason(q, desc, backend, deterministic, heads)
-        if why:
-            raise NotImplementedError(f"cm.attention: backend={backend!r} cannot run this call: "
-                                      f"{why}")
-        return backend
-    order = ("cute",) if deterministic else ("native", "fa4", "cute")
-    reasons = []
-    for engine in order:
-        why = _engine_reason(q, desc, engine, deterministic, heads)
-        if why is None:
-            return engine
-        reasons.append(f"{engine}: {why}")
-    raise NotImplementedError("cm.attention: no GPU engine runs this call (" + "; ".join(reasons)
-                              + "); pass backend='reference' for the dense O(S^2) path")
-
-
 def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
     """A score_mod sees q_idx from 0 in every engine; a descriptor of queries elsewhere in the
     sequence (serving, context-parallel shards) runs only a score_mod that does not read q_idx,
@@ -214,8 +156,15 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
         raise TypeError(f"options must be a compilemask.KernelOptions or None, got "
                         f"{type(options).__name__}")
     _validate(q, k, v, desc, heads)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
+                        f"kv_idx), got {type(score_mod).__name__}")
+    if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a [H] tensor, got "
+                        f"{type(learnable_sink).__name__}")
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
-    engine = select_engine(q, desc, backend, deterministic, heads)
+    engine = select_engine(q, desc, backend, deterministic, heads,
+                           score_mod=score_mod is not None, sink=learnable_sink is not None)
     score = None
     if score_mod is not None and engine == "reference" and desc.q_offset:
         try:
@@ -227,21 +176,11 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                 f"does not convert ({e})") from None
         _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
     if score_mod is not None or learnable_sink is not None:
-        if score_mod is not None and not callable(score_mod):
-            raise TypeError(f"score_mod must be a callable score_mod(score, b, h, q_idx, "
-                            f"kv_idx), got {type(score_mod).__name__}")
-        if learnable_sink is not None and not isinstance(learnable_sink, torch.Tensor):
-            raise TypeError(f"learnable_sink must be a [H] tensor, got "
-                            f"{type(learnable_sink).__name__}")
         if engine == "reference":
             return attention_reference(q, k, v, descriptor_dense_mask(desc, heads),
                                        softmax_scale=softmax_scale, return_lse=return_lse,
                                        score_mod=score_mod, learnable_sink=learnable_sink)
         if learnable_sink is not None:
-            if engine == "cute":
-                raise NotImplementedError(
-                    "cm.attention: the cute engine has no learnable_sink; backend='fa4' or "
-                    "'native' (sm90) or 'reference' run it")
             H = q.shape[2]
             if learnable_sink.shape != (H,) or learnable_sink.device != q.device:
                 raise ValueError(f"learnable_sink must be [H] = [{H}] on {q.device}, got "
@@ -249,19 +188,6 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             if learnable_sink.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise TypeError(f"learnable_sink must be float32, bfloat16 or float16 on the "
                                 f"{engine} engine, got {learnable_sink.dtype}")
-        if score_mod is not None and engine == "cute":
-            raise NotImplementedError(
-                "cm.attention: the cute engine has no score_mod; backend='fa4' or 'native' "
-                "(sm90) or 'reference' run it")
-        if score_mod is not None and engine == "native" and desc.native.kind == "segments":
-            # FA4's varlen path numbers rows, keys and sequences per segment, not as the
-            # score_mod's b, q_idx, kv_idx: the lists run it
-            if backend != "auto":
-                raise NotImplementedError(
-                    "cm.attention: backend='native' runs this mask as FA4 varlen segments, "
-                    "whose indices are not the score_mod's b, q_idx, kv_idx; backend='fa4' or "
-                    "'auto' runs it")
-            engine = select_engine(q, desc, "fa4", deterministic)
         if score_mod is None:
             pass
         elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it

@@ -6,6 +6,7 @@ text (never through the import system)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import linecache
 import os
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import threading
 import types
+import weakref
 from typing import Callable, Hashable
 
 from compilemask.env import cache_dir, ensure_dir
@@ -24,8 +26,8 @@ try:
 except ImportError:  # not POSIX: no cross-process lock (each process may compile)
     fcntl = None
 
-__all__ = ["CompileCache", "register_mask", "mask_for_key", "file_lock", "write_atomic",
-           "verified_source_file", "exec_verified"]
+__all__ = ["CompileCache", "KeyedRegistry", "MASKS", "SCORE_MODS", "register_mask",
+           "mask_for_key", "file_lock", "write_atomic", "verified_source_file", "exec_verified"]
 
 
 class CompileCache:
@@ -86,25 +88,96 @@ class CompileCache:
         return f"CompileCache({self.name!r}, {len(self)} entries, {self.builds} builds)"
 
 
-# The one registry of compiled masks: semantic key -> the first CompiledMask compiled with it
-# (equal keys compile to equal code). ``compile_mask`` registers; the custom ops, which carry
-# the key (a string), find the mask here, also when a traced graph replays them.
-_MASKS: dict = {}
+class KeyedRegistry:
+    """Objects by semantic key, for the ``compilemask::attention_*`` ops, which carry a key (a
+    string) and find the object here, also when a traced graph replays them.
+
+    Lifetime (bounded): an entry is held weakly while its object lives elsewhere (a
+    ``CompiledMask`` held by its descriptors, a ``ScoreMod`` by its conversion cache), and
+    strongly for the last ``keep`` registrations (an LRU of ``keep`` objects): so memory holds
+    the live objects plus at most ``keep`` others. Equal keys name equal objects (their code
+    is the same), so any live object of a key answers for it. A key whose every object is
+    gone raises a ``KeyError`` naming the fix. Thread-safe."""
+
+    def __init__(self, what: str, keep: int = 256):
+        self.what, self.keep = what, keep
+        self._weak: dict = {}  # key -> {id(obj): weakref}
+        self._recent: dict = {}  # key -> obj, oldest first (the strong LRU)
+        # keys whose objects died: a weakref callback runs inside whatever collected them
+        # (here too, under the lock), so it only records the key; the next call sweeps
+        self._dead: list = []
+        self._lock = threading.Lock()
+
+    def register(self, key: str, obj) -> str:
+        key = str(key)
+        with self._lock:
+            self._sweep()
+            refs = self._weak.setdefault(key, {})
+            if id(obj) not in refs or refs[id(obj)]() is not obj:
+                refs[id(obj)] = weakref.ref(obj, functools.partial(self._died, key))
+            self._recent.pop(key, None)
+            self._recent[key] = obj
+            while len(self._recent) > self.keep:
+                self._recent.pop(next(iter(self._recent)))
+        return key
+
+    def _died(self, key: str, _ref) -> None:
+        self._dead.append(key)  # atomic; no lock (see __init__)
+
+    def _sweep(self) -> None:
+        """Drop the dead references of the keys recorded dead (under the lock)."""
+        while self._dead:
+            key = self._dead.pop()
+            refs = self._weak.get(key)
+            if refs is None:
+                continue
+            for ident in [i for i, r in refs.items() if r() is None]:
+                del refs[ident]
+            if not refs:
+                del self._weak[key]
+
+    def find(self, key: str):
+        """The live object of ``key``, or None."""
+        with self._lock:
+            self._sweep()
+            for ref in list(self._weak.get(key, {}).values()):
+                obj = ref()
+                if obj is not None:
+                    return obj
+        return None
+
+    def get(self, key: str):
+        obj = self.find(key)
+        if obj is not None:
+            return obj
+        raise KeyError(f"no {self.what} with key {key!r} alive in this process (the ops find "
+                       f"the objects their callers hold, and the last {self.keep} registered): "
+                       f"keep the {self.what} referenced while a graph that uses it runs")
+
+    def __contains__(self, key: str) -> bool:
+        return self.find(key) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._sweep()
+            return len(self._weak)
+
+
+# Compiled masks by semantic key (equal keys compile to equal code): ``compile_mask`` registers
+# each mask it makes, and the op's entry point the mask of every call.
+MASKS = KeyedRegistry("compiled mask")
+# Converted score_mods by key (``compilemask.score_mod``): the conversion registers each.
+SCORE_MODS = KeyedRegistry("score_mod")
 
 
 def register_mask(mask) -> str:
-    """Keep ``mask`` reachable from its semantic key; returns the key."""
-    key = str(mask.key)
-    _MASKS.setdefault(key, mask)
-    return key
+    """Keep ``mask`` reachable from its semantic key (``MASKS``); returns the key."""
+    return MASKS.register(str(mask.key), mask)
 
 
 def mask_for_key(key: str):
-    """The compiled mask of a semantic key."""
-    try:
-        return _MASKS[key]
-    except KeyError:
-        raise KeyError(f"no compiled mask with key {key!r} in this process") from None
+    """The compiled mask of a semantic key (``MASKS``)."""
+    return MASKS.get(key)
 
 
 # ---- on-disk artefacts ---------------------------------------------------------------------------

@@ -357,13 +357,16 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     fwd_bitmap: torch.Tensor, bwd_bitmap: torch.Tensor, params: torch.Tensor,
                     row_params: torch.Tensor, segments: tuple | None = None,
                     lists: PackedLists | None = None, q_offset: int = 0,
-                    meta_max: int = 0) -> ExecutionDescriptor:
+                    meta_max: int = 0, seqused_k: torch.Tensor | None = None,
+                    seqused_q: torch.Tensor | None = None,
+                    columns: torch.Tensor | None = None) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
-        lists=lists, q_offset=q_offset, meta_max=meta_max)
+        lists=lists, q_offset=q_offset, meta_max=meta_max, seqused_k=seqused_k,
+        seqused_q=seqused_q, columns=columns)
 
 
 def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,
@@ -437,10 +440,13 @@ class DescriptorArgs(NamedTuple):
         """These fields as a ``torch.library`` schema fragment."""
         return ", ".join(f"{_kind(cls.__annotations__[f])} {f}" for f in cls._fields)
 
-    def descriptor(self, mask: Any, segments: tuple | None = None) -> ExecutionDescriptor:
+    def descriptor(self, mask: Any, segments: tuple | None = None,
+                   **optional) -> ExecutionDescriptor:
+        """The descriptor of these fields; ``optional``: its optional tensors by name
+        (``columns``, ``seqused_k``, ``seqused_q``)."""
         return make_descriptor(
             mask, self.seqlen_q, self.seqlen_k, TileConfig(self.fwd_tile_m, self.fwd_tile_n),
             TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,
             row_region=self.row_region, fwd_bitmap=self.fwd_bitmap, bwd_bitmap=self.bwd_bitmap,
             params=self.params, row_params=self.row_params, segments=segments,
-            q_offset=self.q_offset, meta_max=self.meta_max)
+            q_offset=self.q_offset, meta_max=self.meta_max, **optional)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 import torch
 
+from compilemask.cache import SCORE_MODS
 from compilemask.fingerprint import Uncacheable as _Uncacheable
 from compilemask.fingerprint import Walk as _Walk
 from compilemask.lru import LRU
@@ -172,11 +173,9 @@ class ScoreMod:
             score.dtype)
 
 
-_REGISTRY: dict = {}
-
-
 def score_mod_for_key(key: str) -> ScoreMod:
-    return _REGISTRY[key]
+    """The converted score_mod of a key (``compilemask.cache.SCORE_MODS``: bounded, see there)."""
+    return SCORE_MODS.get(key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,9 +653,10 @@ def _convert(score_mod, name):
     sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr))
     sm.used_leaves = tuple(used)
     sm.row_shift = _row_shift(expr)
-    with _LOCK:
-        _REGISTRY.setdefault(sm.key, sm)
-    return _REGISTRY[sm.key] if _same(_REGISTRY[sm.key], sm) else sm, walk.leaves
+    known = SCORE_MODS.find(sm.key)
+    sm = known if known is not None and _same(known, sm) else sm
+    SCORE_MODS.register(sm.key, sm)
+    return sm, walk.leaves
 
 
 @torch.compiler.assume_constant_result

@@ -33,11 +33,12 @@ import weakref
 
 import torch
 
-from compilemask.api import BACKENDS, attention, check_arguments, select_engine
+from compilemask.api import attention, check_arguments
 from compilemask.compiled import CompiledMask, check_device
 from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, ExecutionDescriptor
 from compilemask.distributed import rows_descriptor
-from compilemask.kernels import fa4
+from compilemask.kernels.autograd import attention_op
+from compilemask.kernels.dispatch import select_served_engine
 from compilemask.pipeline import on_device
 
 __all__ = ["query_descriptor", "paged_attention", "varlen_attention", "DecodeState"]
@@ -250,42 +251,6 @@ def _gathered(cache, page_table, seqlen_k: int, used=None):
     return torch.where(own.view(B, seqlen_k, *(1,) * (rows.dim() - 2)), rows, 0)
 
 
-def _runs_native(desc) -> bool:
-    """Whether FA4's own causal / window / full kernel, given each request's lengths
-    (``seqused_k`` / ``cu_seqlens``), computes this descriptor's mask."""
-    pat = desc.native
-    if desc.q_offset != -1:
-        return desc.native_applies() and pat.kind != "segments"
-    # the proof is over positions (a served rule reads the whole sequence), and FA4 puts each
-    # request's rows at its last positions, as the descriptor does; [B, Sq]
-    # queries of a request shorter than Sq have rows before its first key, which see nothing
-    # only under a pattern with no keys to the right (FA4 would show them keys of a full or
-    # two-sided window); packed queries have no such rows
-    return (pat is not None and pat.kind != "segments"
-            and (desc.seqused_q is not None
-                 or (pat.kind == "window" and pat.window_right == 0)))
-
-
-def _engine(who, q, desc, backend: str) -> str:
-    """``reference`` (CPU, or asked), ``native`` (a mask proven causal / windowed / full: FA4's
-    own kernel with each request's lengths, bottom-right as the rows are) or ``fa4`` (the
-    interval mask_mod on every tile)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{who}: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cute":
-        raise NotImplementedError(f"{who}: the cute engine has no paged or varlen keys; "
-                                  "backend='auto', 'fa4', 'native' or 'reference'")
-    if backend == "reference" or (backend == "auto" and not q.is_cuda):
-        return select_engine(q, desc, backend)
-    native = _runs_native(desc)
-    if backend == "native" and not native:
-        raise NotImplementedError(f"{who}: backend='native' needs a mask proven causal, "
-                                  "windowed or full (FA4 does not page varlen segments); "
-                                  "backend='fa4' runs it")
-    select_engine(q, desc, "fa4")  # CUDA, sm90, dtype, head dim: else the reason, raised
-    return "native" if native and backend in ("auto", "native") else "fa4"
-
-
 def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, *,
                     softmax_scale: float | None = None, backend: str = "auto"):
     """The forward of ``cm.attention(q, k, v, desc)`` with keys and values in a paged KV cache:
@@ -306,7 +271,7 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     (the pages gathered, then the dense float32 path; the CPU's: it reads no row past a
     request's length and no page past its last, so those may hold anything, NaN included)."""
     _checks("paged_attention", q, k_cache, v_cache, page_table, desc, softmax_scale)
-    engine = _engine("paged_attention", q, desc, backend)
+    engine = select_served_engine("paged_attention", q, desc, backend)
     if engine == "reference":
         k = _gathered(k_cache, page_table, desc.seqlen_k, desc.seqused_k)
         v = _gathered(v_cache, page_table, desc.seqlen_k, desc.seqused_k)
@@ -324,7 +289,7 @@ def varlen_attention(q, k, v, desc: ExecutionDescriptor, *, softmax_scale: float
     The offsets (FA4's ``cu_seqlens``) are the descriptor's counts summed on the device, so a
     batch's packing can never disagree with its mask. Engines as ``paged_attention``."""
     _checks("varlen_attention", q, k, v, None, desc, softmax_scale)
-    engine = _engine("varlen_attention", q, desc, backend)
+    engine = select_served_engine("varlen_attention", q, desc, backend)
     if engine == "reference":
         used = desc.seqused_k
         if used is not None and used.device.type == "cpu" and int(used.sum()) > k.shape[0]:
@@ -352,32 +317,32 @@ _LENGTHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _lengths(desc, paged: bool) -> dict:
-    """FA4's length arguments for a descriptor (already on its device), made once per
-    descriptor: a layer loop launches nothing for them, and a captured graph reads fixed
-    buffers."""
+    """The op's served slots for a descriptor (already on its device; FA4's length
+    arguments), made once per descriptor: a layer loop launches nothing for them, and a
+    captured graph reads fixed buffers."""
     per = _LENGTHS.setdefault(desc, {})
     got = per.get(paged)
     if got is None:
-        got = {}
+        got = {"seqused_q": desc.seqused_q}
         if desc.seqused_q is not None:
-            got.update(cu_seqlens_q=_cu(desc.seqused_q), max_seqlen_q=desc.seqlen_q)
+            got["cu_seqlens_q"] = _cu(desc.seqused_q)
         if paged:
             got["seqused_k"] = desc.seqused_k if desc.seqused_k is not None else torch.full(
                 (desc.batch_size,), desc.seqlen_k, dtype=torch.int32, device=desc.device)
         else:
-            got.update(cu_seqlens_k=_cu(desc.seqused_k), max_seqlen_k=desc.seqlen_k)
+            got.update(seqused_k=desc.seqused_k, cu_seqlens_k=_cu(desc.seqused_k))
         per[paged] = got
     return got
 
 
 def _fa4(q, k, v, desc, softmax_scale, engine, page_table=None):
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    """The forward of a served batch through the attention op (its served slots)."""
     desc = on_device(desc, q.device)
-    kw = dict(_lengths(desc, page_table is not None))
+    served = dict(_lengths(desc, page_table is not None))
     if page_table is not None:
-        kw["page_table"] = page_table
-    out, _ = fa4.fwd_served(q, k, v, desc, scale, engine, **kw)
-    return out
+        served["page_table"] = page_table
+    return attention_op(q, k, v, desc, softmax_scale=softmax_scale, engine=engine,
+                        served=served)
 
 
 class DecodeState:

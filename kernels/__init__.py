@@ -1,8 +1,8 @@
 """The attention engines driven by the Execution Descriptor.
 
-A call goes ``cm.attention`` -> ``compilemask.api.select_engine`` (which asks
-:func:`kernel_available` for the ``cute`` engine) -> ``autograd.attention_op`` -> the
-``compilemask::attention_fwd`` custom op (autograd: ``compilemask::attention_bwd``, so
+A call goes ``cm.attention`` -> ``dispatch.select_engine`` (every engine's capability check,
+one place) -> ``autograd.attention_op`` -> the ``compilemask::attention_fwd`` custom op
+(its arguments: ``contract``) (autograd: ``compilemask::attention_bwd``, so
 ``torch.compile`` traces both without graph breaks) -> ``fa4`` for the ``native`` and ``fa4``
 engines, ``interface`` (this package's CuTe kernels) for ``cute``, or the dense reference.
 
@@ -14,8 +14,9 @@ and postprocess kernels); ``interface`` (compile cache and launch: ``compile_fla
 ``fallback`` (the fallback predicates), and the pieces the kernels share:
 ``descriptor_tensors`` (the descriptor as one kernel argument), ``block_info`` (bitmap-row tile
 scans), ``mask`` (the interval mask of a score tile), ``named_barrier`` (barrier ids),
-``common`` (layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the custom ops)
-and ``fa4`` (the flash-attn-4 engines).
+``common`` (layouts, copies, wgmma helpers, compile plumbing); ``autograd`` (the custom ops),
+``contract`` (their typed arguments), ``dispatch`` (which engine runs a call), ``fa4`` (the
+flash-attn-4 engines) and ``fa4_lib`` (flash-attn-4 itself: the one module that imports it).
 """
 
 from __future__ import annotations
@@ -59,32 +60,8 @@ __all__ = [
 
 
 def kernel_available(q, desc, k=None, v=None) -> bool:
-    """True when the CuTe forward kernel can run this call (CUDA sm80+, bf16/fp16, D 64/128)."""
-    import torch
+    """True when the CuTe forward kernel can run this call (CUDA sm80+, bf16/fp16, D 64/128);
+    ``dispatch`` holds every engine's checks."""
+    from .dispatch import kernel_available as available  # (its import reads fa4: on first use)
 
-    try:
-        import cutlass  # noqa: F401
-    except ImportError:
-        return False
-    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if q.shape[-1] not in (64, 128):
-        return False
-    major, _ = torch.cuda.get_device_capability(q.device)
-    if major < 8:
-        return False
-    # the CuTe kernels need the CUTLASS DSL (checked above)
-    from .config import FlashFwdConfig
-    from .flash_fwd import FlashFwd  # (as the line above)
-
-    tiles = desc.fwd_tiles
-    arch = 90 if major == 9 else 80
-    cfg = FlashFwdConfig(
-        dtype="bf16" if q.dtype == torch.bfloat16 else "fp16",
-        head_dim=q.shape[-1],
-        tile_m=tiles.tile_m,
-        tile_n=tiles.tile_n,
-        num_intervals=max(desc.num_intervals, 1),
-        arch=arch,
-    )
-    return FlashFwd.can_implement(cfg)
+    return available(q, desc)

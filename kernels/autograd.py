@@ -1,22 +1,24 @@
 """Masked attention as a ``torch.library`` custom-op pair with autograd.
 
-``compilemask::attention_fwd(q, k, v, *DescriptorArgs, *_Call) -> (out, lse)`` and
-``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, *DescriptorArgs, *_Call)
--> (dq, dk, dv)`` are opaque to ``torch.compile`` (fake implementations give the
-shapes), so a compiled model traces through them without graph breaks; the forward's autograd
-formula (``torch.library.register_autograd``) saves ``q, k, v, out, lse`` and calls the backward
-op, so activation checkpointing just re-runs the forward op.
+``compilemask::attention_fwd(q, k, v, *DescriptorArgs, *OpSlots, *OpSettings) -> (out, lse)``
+and ``compilemask::attention_bwd(dout, dlse, q, k, v, out, lse, *DescriptorArgs, *OpSlots,
+*OpSettings) -> (dq, dk, dv, dsink)`` are opaque to ``torch.compile`` (fake implementations
+give the shapes), so a compiled model traces through them without graph breaks; the forward's
+autograd formula (``torch.library.register_autograd``) saves ``q, k, v, out, lse`` and calls
+the backward op, so activation checkpointing just re-runs the forward op.
 
-The descriptor enters as ``compilemask.descriptor.DescriptorArgs`` (its non-differentiable
-tensors, then its ints; the schemas are generated from its fields) and the compiled mask's
-semantic key (a string: the
-``CompiledMask`` object itself is kept in a registry here, needed for fallback predicates and the
-dense reference); the ``KernelOptions`` of the cute kernels enter as their string
-(``KernelOptions.to_str``).
+What crosses the boundary is ``kernels.contract``'s: the descriptor's core
+(``DescriptorArgs``), every optional per-batch tensor in a named slot (``OpSlots``: the fa4
+engine's lists and column view, a segments pattern's offsets, a served batch's lengths and
+page table, the score_mod's tables, the learnable sink) and the call's frozen settings
+(``OpSettings``: the mask's and score_mod's keys, found in ``compilemask.cache``'s bounded
+registries, the scale, the engine, the kernels' ``KernelOptions`` as their string); the
+schemas are generated from those three. Which engine runs a call is ``kernels.dispatch``'s.
 
 Implementations
-* CUDA: the CuTe forward (``flash_fwd``) and backward (``flash_bwd``); a configuration either
-  kernel cannot handle falls back to the dense reference, said once in the log.
+* CUDA: FA4 (``kernels.fa4``) for the fa4 and native engines, a served batch's forward
+  included; the CuTe forward (``flash_fwd``) and backward (``flash_bwd``) for cute, where a
+  configuration either kernel cannot handle falls back to the dense reference, said once.
 * CPU (and anything else): the dense float32 reference; forward = ``attention_reference``,
   backward = the explicit formulas ``dS = P * (dP - rowsum(dO * O) + dLSE)``,
   ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P^T dO`` (GQA: summed over the group).
@@ -26,87 +28,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from compilemask.blocksparse import BlockSparseLists
 from compilemask.bounds import check_kernel_predicates, fits_int32, kernel_predicates
-from compilemask.cache import mask_for_key, register_mask
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
 from compilemask.log import say_once
 from compilemask.options import DEFAULT_SCORE_INDEX, DEFAULT_SOFTCAP, KernelOptions
 from compilemask.reference import attention_reference, descriptor_dense_mask
-from compilemask.score_mod import score_mod_for_key
 
 from . import fa4
+from .contract import (
+    OpSettings,
+    OpSlots,
+    args_schema,
+    fake_outputs,
+    mask_for_key,
+    op_args,
+    register_mask,
+    score_mod_for_key,
+    unpack,
+)
+from .dispatch import cute_kernel_reason, op_refusal
 
 __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attention_bwd_reference"]
 
 _FALLBACKS: dict = {}  # CompiledMask.key -> kernels.fallback.Fallback | None
 
 
-class _Call(NamedTuple):
-    """The ops' arguments after the descriptor's (``DescriptorArgs``): the call's settings and
-    the engine's per-batch tensors (``op_extra``)."""
-
-    mask_key: str
-    softmax_scale: float
-    deterministic: bool
-    engine: str
-    extra: list
-    max_seqlen: int
-    options: str
-    score_mod: str  # a compiled score_mod's key ("" for none)
-    score_aux: list  # its tables, as the kernels read them
-    sink: Optional[Tensor]  # a per-head learnable sink logit [H] (gpt-oss), or None
-    heads: int  # > 1: the descriptor's sequences are (batch, head) pairs, head-major per batch
-
-
-_CALL_SCHEMA = ("str mask_key, float softmax_scale, bool deterministic, str engine, "
-                "Tensor[] extra, SymInt max_seqlen, str options, str score_mod, "
-                "Tensor[] score_aux, Tensor? sink, int heads")
-_LISTS = ("extra", "score_aux")  # the fields that are lists of tensors
-
-
-def _unpack(args) -> tuple[DescriptorArgs, _Call]:
-    """An op's arguments past its own tensors: the descriptor fields, then the call's."""
-    d = DescriptorArgs.from_op_args(args)
-    return d, _Call(*args[len(d):])
-
-
-def _descriptor(d: DescriptorArgs, call: _Call):
-    # a single extra tensor is a segments pattern's cu_seqlens (see op_extra)
-    segments = (call.extra[0], call.max_seqlen) if len(call.extra) == 1 else None
-    desc = d.descriptor(mask_for_key(call.mask_key), segments)
-    n = len(BlockSparseLists._fields)
-    if len(call.extra) == 2 * n + 1:  # the lists, then the column view
-        desc = dataclasses.replace(desc, columns=call.extra[2 * n])
-    return desc
-
-
-def _lists(extra, backward: bool):
-    """The forward or backward BlockSparseLists of the fa4 engine's ``extra`` (``op_extra``),
-    else None."""
-    n = len(BlockSparseLists._fields)
-    if len(extra) not in (2 * n, 2 * n + 1):
-        return None
-    return BlockSparseLists(*extra[n:2 * n] if backward else extra[:n])
-
-
-def op_extra(desc, engine: str, head_dim: int) -> tuple[list, int]:
-    """The engine's per-batch tensors beyond the descriptor core, as op inputs: the forward
-    and backward block-sparse lists (fa4) and the column view where the descriptor has it, or
-    a segments pattern's cu_seqlens (native)."""
-    if engine == "fa4":
-        bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
-        cols = [] if desc.columns is None else [desc.columns]
-        return [*desc.block_sparse("fwd"), *bwd, *cols], 0
-    if engine == "native" and desc.segments is not None:
-        return [desc.segments[0]], int(desc.segments[1])
-    return [], 0
+def _descriptor(d: DescriptorArgs, slots: OpSlots, settings: OpSettings):
+    """The descriptor an op reads, rebuilt from its arguments."""
+    return slots.descriptor(d, mask_for_key(settings.mask_key))
 
 
 def _fallback(mask_key):
@@ -177,36 +132,27 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
 # ----------------------------------------------------------------------------------------------
 # CUDA kernels (with reference fallback)
 # ----------------------------------------------------------------------------------------------
-def _score(call: _Call):
-    """``(ScoreMod, tables)`` of the call's score_mod, or None."""
-    if not call.score_mod:
-        return None
-    return score_mod_for_key(call.score_mod), list(call.score_aux)
-
-
-def _kernel_dtype_ok(q) -> bool:
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
-
-
 def _kernel_options(options: str):
     return KernelOptions.from_str(options) if options else None
 
 
 def _mask_mod_variant(options: str):
+    """The mask_mod variant the options ask for (None: ``variant_for_call`` chooses)."""
     return getattr(_kernel_options(options), "mask_mod", None)
 
 
-def _score_of(call: _Call):
-    """The call's score_mod as the FA4 engines take it: a recognized softcap is FA4's own only
-    where ``KernelOptions.softcap`` says ``"fa4"`` (the default: ``DEFAULT_SOFTCAP``); index
-    expressions convert by bits unless ``KernelOptions.score_index`` says ``"cvt"``."""
-    score = _score(call)
-    if score is None:
+def _score_of(settings: OpSettings, tables):
+    """The call's score_mod as the FA4 engines take it, with its tables, or None: a recognized
+    softcap is FA4's own only where ``KernelOptions.softcap`` says ``"fa4"`` (the default:
+    ``DEFAULT_SOFTCAP``); index expressions convert by bits unless ``KernelOptions.score_index``
+    says ``"cvt"``."""
+    if not settings.score_mod:
         return None
-    opts = _kernel_options(call.options)
+    opts = _kernel_options(settings.options)
     softcap = getattr(opts, "softcap", None) or DEFAULT_SOFTCAP
     index = getattr(opts, "score_index", None) or DEFAULT_SCORE_INDEX
-    return _score_variant(call.score_mod, softcap == "score_mod", index == "bits"), score[1]
+    return (_score_variant(settings.score_mod, softcap == "score_mod", index == "bits"),
+            list(tables))
 
 
 @functools.lru_cache(maxsize=256)
@@ -222,7 +168,8 @@ def _score_variant(key: str, softcap_as_score_mod: bool, index_bits: bool):
 
 
 def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
-    if _kernel_dtype_ok(q):
+    why = cute_kernel_reason(q)
+    if why is None:
         try:
             from .interface import flash_fwd  # the CuTe kernels: need the CUTLASS DSL
 
@@ -236,14 +183,14 @@ def _cuda_fwd(q, k, v, desc, mask_key, scale, options=""):
             say_once(f"compilemask::attention_fwd: CuTe forward unavailable ({e}); using the "
                      f"dense reference")
     else:
-        say_once(f"compilemask::attention_fwd: no CuTe forward for {q.dtype}, head dim "
-                 f"{q.shape[-1]}; using the dense reference")
+        say_once(f"compilemask::attention_fwd: {why} (forward); using the dense reference")
     return attention_fwd_reference(q, k, v, descriptor_dense_mask(desc), scale)
 
 
 def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministic=False,
               options=""):
-    if _kernel_dtype_ok(q):
+    why = cute_kernel_reason(q)
+    if why is None:
         try:
             from .interface import flash_bwd  # the CuTe kernels: need the CUTLASS DSL
 
@@ -258,8 +205,7 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
             say_once(f"compilemask::attention_bwd: CuTe backward unavailable ({e}); using the "
                      f"dense reference")
     else:
-        say_once(f"compilemask::attention_bwd: no CuTe backward for {q.dtype}, head dim "
-                 f"{q.shape[-1]}; using the dense reference")
+        say_once(f"compilemask::attention_bwd: {why} (backward); using the dense reference")
     return attention_bwd_reference(dout, dlse, q, k, v, out, lse, descriptor_dense_mask(desc),
                                    scale)
 
@@ -267,13 +213,12 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
 # ----------------------------------------------------------------------------------------------
 # The custom ops
 # ----------------------------------------------------------------------------------------------
-# The schemas list the descriptor's fields from ``DescriptorArgs`` (a field added there reaches
-# both ops); the implementations take them as ``*args`` and unpack them by name.
-_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {DescriptorArgs.schema()}, {_CALL_SCHEMA}) "
-               "-> (Tensor, Tensor)")
+# The schemas are generated from kernels.contract's groups (a field added there reaches both
+# ops); the implementations take them as ``*args`` and unpack them by name.
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {args_schema()}) -> (Tensor, Tensor)"
 # the backward's fourth output is the sink's gradient (empty without a sink)
 _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-               f"{DescriptorArgs.schema()}, {_CALL_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
+               f"{args_schema()}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 _READ: set = set()  # mask keys whose fallback rules the GPU code generator reads
@@ -300,64 +245,71 @@ def _check_predicates(mask, length: int, meta_max: int = 0) -> None:
 
 @torch.library.custom_op("compilemask::attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor]:
-    d, call = _unpack(args)
-    return _fwd_impl(q, k, v, _descriptor(d, call), call)
+    d, slots, settings = unpack(args)
+    return _fwd_impl(q, k, v, _descriptor(d, slots, settings), slots, settings)
 
 
-def _fwd_impl(q, k, v, desc, call: _Call) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q, k, v, desc, slots: OpSlots, settings: OpSettings) -> tuple[Tensor, Tensor]:
     """The forward op's body, on the descriptor itself (the op rebuilds it from its args)."""
-    scale, engine = call.softmax_scale, call.engine
+    scale, engine = settings.softmax_scale, settings.engine
+    why = op_refusal(engine, bool(settings.score_mod), slots.sink is not None, slots.served)
+    if why:
+        raise NotImplementedError(f"compilemask::attention_fwd: {why}")
+    if slots.served:  # a served batch: paged or packed keys, forward only
+        out, lse = fa4.fwd_served(q, k, v, desc, scale, engine,
+                                  **slots.served_lengths(desc.seqlen_q, desc.seqlen_k))
+        return out.contiguous(), lse.contiguous()
     if engine in ("fa4", "cute") and desc.mask.has_fallback:
         # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
         _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
     if engine in ("fa4", "native"):
-        lists = _lists(call.extra, backward=False)
-        out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=lists,
-                           variant=_mask_mod_variant(call.options), score=_score_of(call),
-                           sink=call.sink, heads=call.heads)
+        out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=slots.lists(backward=False),
+                           variant=_mask_mod_variant(settings.options),
+                           score=_score_of(settings, slots.score_aux), sink=slots.sink,
+                           heads=settings.heads)
         return out.contiguous(), lse.contiguous()
-    if call.sink is not None and engine != "reference":
-        raise NotImplementedError(f"compilemask::attention_fwd: no learnable sink on the "
-                                  f"{engine} engine")
     if q.is_cuda and engine == "cute":
-        return _cuda_fwd(q, k, v, desc, call.mask_key, scale, call.options)
-    dense = descriptor_dense_mask(desc, call.heads)
-    return attention_fwd_reference(q, k, v, dense, scale, call.sink)
+        return _cuda_fwd(q, k, v, desc, settings.mask_key, scale, settings.options)
+    dense = descriptor_dense_mask(desc, settings.heads)
+    return attention_fwd_reference(q, k, v, dense, scale, slots.sink)
 
 
 @attention_fwd.register_fake
 def _(q, k, v, *args):
-    B, Sq, H, _ = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
-        (B, H, Sq), dtype=acc)
+    return fake_outputs(q, unpack(args)[1])
 
 
 @torch.library.custom_op("compilemask::attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                   out: Tensor, lse: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
-    d, call = _unpack(args)
-    desc = _descriptor(d, call)
-    scale, engine = call.softmax_scale, call.engine
+    d, slots, settings = unpack(args)
+    desc = _descriptor(d, slots, settings)
+    scale, engine = settings.softmax_scale, settings.engine
     no_sink = q.new_empty(0)
+    if slots.served:
+        raise NotImplementedError("compilemask::attention_bwd: a served batch (paged or packed "
+                                  "keys) runs forward only")
     if engine in ("fa4", "native"):
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
-                        deterministic=call.deterministic, lists=_lists(call.extra, backward=True),
-                        variant=_mask_mod_variant(call.options), score=_score_of(call),
-                        sink=call.sink, heads=call.heads)
+                        deterministic=settings.deterministic,
+                        lists=slots.lists(backward=True),
+                        variant=_mask_mod_variant(settings.options),
+                        score=_score_of(settings, slots.score_aux), sink=slots.sink,
+                        heads=settings.heads)
         grads = tuple(g.contiguous() for g in grads)
         return grads if len(grads) == 4 else (*grads, no_sink)
     if q.is_cuda and engine == "cute":
-        return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, call.mask_key, scale,
-                           call.deterministic, call.options), no_sink)
+        return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, settings.mask_key, scale,
+                           settings.deterministic, settings.options), no_sink)
     grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse,
-                                    descriptor_dense_mask(desc, call.heads), scale, call.sink)
-    return grads if call.sink is not None else (*grads, no_sink)
+                                    descriptor_dense_mask(desc, settings.heads), scale,
+                                    slots.sink)
+    return grads if slots.sink is not None else (*grads, no_sink)
 
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, out, lse, *args):
-    sink = _unpack(args)[1].sink
+    sink = unpack(args)[1].sink
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
@@ -370,30 +322,23 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     q, k, v, *args = inputs
     out, lse = output
-    d, call = _unpack(args)
-    sink = [] if call.sink is None else [call.sink]
-    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *call.extra, *call.score_aux, *sink)
-    ctx.desc_scalars = d.scalars()
-    ctx.call = call._replace(extra=len(call.extra), score_aux=len(call.score_aux),
-                             sink=len(sink))
+    d, slots, settings = unpack(args)
+    ctx.save_for_backward(q, k, v, out, lse, *d.tensors(), *slots.tensors())
+    ctx.desc_scalars, ctx.slots, ctx.settings = d.scalars(), slots.structure(), settings
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *saved = ctx.saved_tensors
     n = len(DescriptorArgs.tensor_fields())
     d = DescriptorArgs(*saved[:n], *ctx.desc_scalars)
-    ne, na = ctx.call.extra, ctx.call.score_aux
-    call = ctx.call._replace(extra=list(saved[n:n + ne]), score_aux=list(saved[n + ne:n + ne + na]),
-                             sink=saved[n + ne + na] if ctx.call.sink else None)
+    slots = OpSlots.rebuild(ctx.slots, saved[n:])
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dsink = torch.ops.compilemask.attention_bwd(
-        dout.contiguous(), dlse, q, k, v, out, lse, *d.to_op_args(), *call)
-    # one None per input; a list of tensors' slot is a list of them; the sink its gradient
-    rest = tuple([None] * len(getattr(call, f)) if f in _LISTS
-                 else (dsink if f == "sink" and call.sink is not None else None)
-                 for f in _Call._fields)
-    return (dq, dk, dv) + (None,) * len(d) + rest
+        dout.contiguous(), dlse, q, k, v, out, lse, *op_args(d, slots, ctx.settings))
+    # one gradient per input: None but the sink's; a list of tensors' slot a list of them
+    return ((dq, dk, dv) + (None,) * len(d) + slots.no_grads(dsink)
+            + (None,) * len(OpSettings._fields))
 
 
 torch.library.register_autograd("compilemask::attention_fwd", _backward,
@@ -405,32 +350,37 @@ torch.library.register_autograd("compilemask::attention_fwd", _backward,
 # ----------------------------------------------------------------------------------------------
 def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_lse: bool = False,
                  deterministic: bool = False, engine: str = "cute", options=None, score=None,
-                 sink=None, heads: int = 1):
+                 sink=None, heads: int = 1, served: dict | None = None):
     """``cm.attention`` through the custom op: ``out`` (and float32 ``lse [B, H, Sq]``).
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
-    "reference" (the dense path on any device); ``options``: the cute kernels'
-    ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the kernels
-    read them)`` (``compilemask.score_mod``; fa4 / native engines); ``sink``: a learnable sink
-    logit per head ``[H]`` (fa4 / native / reference; differentiable); ``heads > 1``: the
-    descriptor holds one sequence per (batch, head), ``b * heads + h`` (fa4 / reference)."""
-    key = register_mask(desc.mask)
+    "reference" (the dense path on any device), as ``kernels.dispatch`` chose; ``options``: the
+    kernels' ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the
+    kernels read them)`` (``compilemask.score_mod``; fa4 / native engines); ``sink``: a
+    learnable sink logit per head ``[H]`` (fa4 / native / reference; differentiable);
+    ``heads > 1``: the descriptor holds one sequence per (batch, head), ``b * heads + h``
+    (fa4 / reference); ``served``: a served batch's slots by name (``OpSlots``: ``seqused_k``,
+    ``seqused_q``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``page_table``; fa4 / native, forward
+    only: ``compilemask.serving``)."""
+    # every CompiledMask is registered when made (``compile_mask``), weakly while it lives: a
+    # traced call needs only its key (the registry's lock is no graph op)
+    key = str(desc.mask.key) if torch.compiler.is_compiling() else register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
                          "(cm.attention moves it once: compilemask.pipeline.on_device)")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
-    extra, max_seqlen = op_extra(desc, engine, q.shape[-1])
-    if score is not None and engine not in ("fa4", "native"):
-        raise NotImplementedError(f"attention_op: a score_mod runs on the fa4 and native "
-                                  f"engines, not {engine!r}")
-    call = _Call(key, scale, bool(deterministic), engine, extra, max_seqlen,
-                 options.to_str() if options is not None else "",
-                 score[0] if score is not None else "",
-                 list(score[1]) if score is not None else [], sink, int(heads))
+    why = op_refusal(engine, score is not None, sink is not None, bool(served))
+    if why:
+        raise NotImplementedError(f"attention_op: {why}")
+    slots = OpSlots.of(desc, engine, q.shape[-1], score_aux=score[1] if score else (),
+                       sink=sink, **(served or {}))
+    settings = OpSettings(key, scale, bool(deterministic), engine,
+                          options.to_str() if options is not None else "",
+                          score[0] if score is not None else "", int(heads))
     if _needs_op(q, k, v, sink):
         out, lse = torch.ops.compilemask.attention_fwd(
-            q, k, v, *DescriptorArgs.of(desc).to_op_args(), *call)
+            q, k, v, *op_args(DescriptorArgs.of(desc), slots, settings))
     else:  # the op's own body: a decode step's host time is mostly the op's dispatch
-        out, lse = _fwd_impl(q, k, v, desc, call)
+        out, lse = _fwd_impl(q, k, v, desc, slots, settings)
     return (out, lse) if return_lse else out
 
 

@@ -10,13 +10,9 @@ Two engines share this module:
   attention (``compilemask.native``) run FA4's own ``causal`` / ``window_size`` / varlen paths,
   with no lists and no mask_mod.
 
-The forward calls ``interface._flash_attn_fwd``, the function FA4's ``flash_attn_func`` runs
-below its autograd.Function (whose bookkeeping is about a tenth of the host time of one
-generated token; these calls never need it), and the varlen path ``flash_attn_varlen_func``.
-FA4 has no public backward entry point besides its autograd functions, and re-running the
-forward under autograd would cost a third of a train step, so the backward calls
-``interface._flash_attn_bwd``; the private calls are confined to :func:`_fa4_fwd` and
-:func:`_fa4_bwd` and tested on the GPU.
+FA4 itself is reached through ``fa4_lib``, the one module that imports it (its entry points,
+version check and scoped patches); which engine may run a call is ``dispatch``'s to say, and
+which mask_mod variant ``codegen.cute_mask_mod.variant_for_call``'s.
 """
 
 from __future__ import annotations
@@ -26,71 +22,16 @@ import time
 
 import torch
 
-from compilemask.codegen.cute_mask_mod import (
-    aux_tensors,
-    call_variant,
-    forward_variant,
-    mask_mod,
-)
+from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod, variant_for_call
 from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
-from compilemask.env import configure_compile_caches
 from compilemask.log import say_once
 
-__all__ = ["why_unavailable", "fwd", "fwd_served", "bwd", "BWD_TILE_M", "FWD_TILES"]
+from . import fa4_lib
+
+__all__ = ["fwd", "fwd_served", "bwd", "BWD_TILE_M", "FWD_TILES"]
 
 FWD_TILES = (128, 128)  # FA4 sm90 forward tile for head dim 64 and 128 with 128-row sparse blocks
 BWD_TILE_M = {64: 128, 128: 64}  # FA4 sm90 backward q tile per head dim (kv tile 128)
-
-
-@functools.lru_cache(maxsize=None)
-def _fa4_importable() -> str | None:
-    configure_compile_caches()  # before FA4's first import: its kernel cache is set up then
-    try:
-        import flash_attn.cute  # noqa: F401
-    except Exception as e:  # ImportError, or a CUDA/cutlass mismatch at import time
-        return f"flash-attn-4 is not importable ({type(e).__name__}: {e})"
-    return None
-
-
-def why_unavailable(q, desc, engine: str) -> str | None:
-    """None when ``engine`` can run this call, else the reason (for the error message)."""
-    if not q.is_cuda:
-        return "the tensors are not on a CUDA device"
-    err = _fa4_importable()
-    if err:
-        return err
-    major, _ = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"FA4's block-sparse sm90 path needs compute capability 9.x, got {major}.x"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"FA4 runs bf16/fp16, got {q.dtype}"
-    if q.shape[-1] not in BWD_TILE_M:
-        return f"head dim {q.shape[-1]} (FA4 here: 64 or 128)"
-    if engine == "native":
-        pat = desc.native
-        if pat is None:
-            return "the compiler did not prove this mask a native pattern"
-        if not desc.native_applies():
-            return f"the proof ({pat.describe()}) does not cover seqlen_q != seqlen_k"
-        if pat.kind == "segments" and desc.segments is None:
-            return (f"{pat.segment_param} is not a segmentation for this batch (each row's "
-                    f"start must be itself or its predecessor's start)")
-    elif engine == "fa4":
-        if desc.fwd_tiles.tile_m != 128 or desc.fwd_tiles.tile_n != 128:
-            return f"fwd_tiles must be 128x128 for FA4's lists, got {desc.fwd_tiles}"
-        if q.shape[-1] == 128 and (desc.bwd_tiles.tile_m, desc.bwd_tiles.tile_n) != (64, 128):
-            return f"bwd_tiles must be 64x128 for FA4's head-dim-128 backward, got {desc.bwd_tiles}"
-    else:
-        return f"unknown engine {engine!r}"
-    return None
-
-
-def _bs_torch(lists, block_size):
-    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
-
-    return BlockSparseTensorsTorch(
-        mask_block_cnt=lists.mask_cnt, mask_block_idx=lists.mask_idx,
-        full_block_cnt=lists.full_cnt, full_block_idx=lists.full_idx, block_size=block_size)
 
 
 def _window(pat, seqlen_q: int, seqlen_k: int) -> tuple:
@@ -163,23 +104,14 @@ def _per_head(lists, heads: int):
 
 
 def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=None,
-          heads: int = 1) -> dict:
+          heads: int = 1, served: bool = False) -> dict:
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
     tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
-    query heads per kv head (the backward's score_mod indices come packed by it)."""
-    _install()  # before FA4 traces a kernel with these functions
+    query heads per kv head (the backward's score_mod indices come packed by it); ``variant``:
+    the one asked for (``variant_for_call`` decides)."""
     kw, aux = {}, []
     if engine == "fa4":
-        if desc.q_offset:  # rows elsewhere in the sequence: only the table knows their positions
-            if variant not in (None, "intervals", "rows"):
-                raise ValueError(f"mask_mod variant {variant!r}: this descriptor's rows are not "
-                                 "0.. of the sequence (q_offset != 0); only 'intervals' and "
-                                 "'rows' read them right")
-            variant = "rows" if variant == "rows" and not backward else "intervals"
-        else:
-            columns = desc.columns is not None and heads == 1
-            variant = forward_variant(desc.mask, variant, backward, columns,
-                                      max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
+        variant = variant_for_call(desc, variant, backward, heads, served)
         kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
@@ -200,19 +132,18 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
         kw["aux_tensors"] = [_leading_dim(t) for t in aux]
     if sink is not None:
         kw["learnable_sink"] = sink
+    kw["patches"] = patches()
     return kw
 
 
-@functools.lru_cache(maxsize=None)
-def _install() -> None:
-    """FA4's sm90 kernels with this package's masks and score_mod calls: the forward's row mask,
-    the backward's column view, neither index wrap for the generated functions; every other
-    mask_mod and score_mod runs FA4's code unchanged."""
-    from . import fa4_colmask, fa4_rowmask, fa4_unwrap  # import FA4's kernel modules
+def patches() -> tuple:
+    """The FA4 globals this package's calls replace (``fa4_lib.patched``): the forward's row
+    mask, the backward's column view, neither index wrap for the generated functions; every
+    other mask_mod and score_mod runs FA4's code unchanged."""
+    # the mask classes extend FA4's kernel modules (and the CUTLASS DSL): on the first call
+    from . import fa4_colmask, fa4_rowmask, fa4_unwrap
 
-    fa4_rowmask.install()
-    fa4_colmask.install()
-    fa4_unwrap.install()
+    return (*fa4_rowmask.PATCHES, *fa4_colmask.PATCHES, *fa4_unwrap.PATCHES)
 
 
 def _leading_dim(t):
@@ -226,8 +157,6 @@ def _leading_dim(t):
 
 def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=None,
          score=None, sink=None, heads: int = 1):
-    from flash_attn.cute import flash_attn_varlen_func
-
     mods = _mods(desc, engine, variant, score, backward=False, sink=sink, heads=heads)
     if engine == "native":
         pat = desc.native
@@ -235,18 +164,19 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
             B, S, H, D = q.shape
             cu, max_len = desc.segments
             window = _window(pat, max_len, max_len)
-            out, lse = flash_attn_varlen_func(
+            out, lse = fa4_lib.varlen_fwd(
                 q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
                 v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
                 causal=window[0] is None, window_size=window, return_lse=True, **mods)
             return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
-        return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
-                        **_native_kwargs(pat, q.shape[1], k.shape[1]), **mods)
+        return fa4_lib.fwd(q, k, v, softmax_scale=softmax_scale,
+                           **_native_kwargs(pat, q.shape[1], k.shape[1]), **mods)
 
     lists = _per_head(desc.block_sparse("fwd") if lists is None else lists, heads)
-    return _fa4_fwd(q, k, v, softmax_scale=softmax_scale,
-                    block_sparse_tensors=_bs_torch(lists, FWD_TILES), **mods)
+    return fa4_lib.fwd(q, k, v, softmax_scale=softmax_scale,
+                       block_sparse_tensors=fa4_lib.block_sparse_tensors(lists, FWD_TILES),
+                       **mods)
 
 
 def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
@@ -256,30 +186,9 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
     runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""
     native = (_native_kwargs(desc.native, desc.seqlen_q, desc.seqlen_k) if engine == "native"
               else {})
-    # the per-score test: the row mask is measured and tested on the block-sparse forward only
-    per_score = ("intervals" if desc.q_offset
-                 else call_variant(desc.mask, None, max(desc.seqlen_q, desc.seqlen_k),
-                                   desc.meta_max))
-    mods = _mods(desc, engine, per_score, None, backward=False)
-    return _timed("serving forward", desc, engine, q)(_fa4_fwd)(
+    mods = _mods(desc, engine, None, None, backward=False, served=True)
+    return _timed("serving forward", desc, engine, q)(fa4_lib.fwd)(
         q, k, v, softmax_scale=softmax_scale, **lengths, **native, **mods)
-
-
-def _fa4_fwd(q, k, v, *, window_size=(None, None), **kwargs):
-    """FA4's forward below its autograd.Function (``flash_attn_func``'s own call, same kernels):
-    these calls run inside this package's op or without grad, and a decode step's host time is
-    most of its cost. Returns (out, lse)."""
-    from flash_attn.cute.interface import _flash_attn_fwd
-
-    out, lse, *_ = _flash_attn_fwd(q, k, v, window_size_left=window_size[0],
-                                   window_size_right=window_size[1], return_lse=True, **kwargs)
-    return out, lse
-
-
-def _fa4_bwd(*args, **kwargs):
-    from flash_attn.cute.interface import _flash_attn_bwd
-
-    return _flash_attn_bwd(*args, **kwargs)
 
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
@@ -297,7 +206,7 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
             flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
             lse_flat = lse.permute(1, 0, 2).reshape(H, B * S)
             dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
-            dq, dk, dv, *dsink = _fa4_bwd(
+            dq, dk, dv, *dsink = fa4_lib.bwd(
                 *flat[:3], flat[3], flat[4], lse_flat.contiguous(), softmax_scale,
                 causal=window[0] is None, window_size_left=window[0],
                 window_size_right=window[1],
@@ -308,12 +217,12 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
         kw = _native_kwargs(pat, q.shape[1], k.shape[1])
         causal = kw.get("causal", False)
         wl, wr = kw.get("window_size", (None, None))
-        return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,
-                        window_size_left=wl, window_size_right=wr, deterministic=deterministic,
-                        dlse=dlse, **mods)
+        return fa4_lib.bwd(q, k, v, out, dout, lse, softmax_scale, causal=causal,
+                           window_size_left=wl, window_size_right=wr,
+                           deterministic=deterministic, dlse=dlse, **mods)
 
     kind = "bwd64" if D == 128 else "bwd128"
     lists = _per_head(desc.block_sparse(kind) if lists is None else lists, heads)
-    return _fa4_bwd(q, k, v, out, dout, lse, softmax_scale,
-                    block_sparse_tensors=_bs_torch(lists, (BWD_TILE_M[D], 128)),
-                    deterministic=deterministic, dlse=dlse, **mods)
+    bs = fa4_lib.block_sparse_tensors(lists, (BWD_TILE_M[D], 128))
+    return fa4_lib.bwd(q, k, v, out, dout, lse, softmax_scale, block_sparse_tensors=bs,
+                       deterministic=deterministic, dlse=dlse, **mods)

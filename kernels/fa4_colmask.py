@@ -9,7 +9,8 @@ once, and a score is one subtraction, an unsigned compare and a select against t
 flagged as overflowing (more runs than the table's slots) takes the Interval Table test for its
 rows instead, so the mask stays exact for every input.
 
-The class is installed as ``flash_bwd_sm90.AttentionMask`` (:func:`install`). It takes a call
+The class is ``flash_bwd_sm90.AttentionMask`` during this package's calls into FA4
+(``PATCHES``, applied by ``fa4_lib.patched``). It takes a call
 only for a mask_mod carrying ``COLUMNS_ATTR``, on the transposed tile, without causal / local
 or PackGQA; everything else (FA4's own masks, a non-transposed tile) runs FA4's code with the
 same mask_mod, which is the exact per-score interval test (without FA4's index wrap:
@@ -25,15 +26,16 @@ from typing import ClassVar
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Uint32, const_expr
-from flash_attn.cute import flash_bwd_sm90, utils
-from flash_attn.cute.mask import AttentionMask
-from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
 from compilemask.codegen.cute_mask_mod import COLUMNS_ATTR
+from compilemask.kernels import fa4_lib
 from compilemask.kernels.fa4_unwrap import UnwrappedMask
 
-__all__ = ["ColumnIntervalMask", "install"]
+__all__ = ["ColumnIntervalMask", "PATCHES"]
+
+utils = fa4_lib.module("utils")
+AuxData = utils.AuxData
 
 # COLUMNS_ATTR on a generated mask_mod: (K, slots, whether a key can overflow them);
 # aux_tensors[0] is the Interval Table, int32 [B, Sq, 2K], aux_tensors[1] the column table,
@@ -124,7 +126,6 @@ def _plain(v):
     return utils.ssa_to_scalar(utils.scalar_to_ssa(v, Int32))
 
 
-def install() -> None:
-    """Make the backward kernel build its masks with :class:`ColumnIntervalMask` (idempotent)."""
-    if flash_bwd_sm90.AttentionMask is AttentionMask:
-        flash_bwd_sm90.AttentionMask = ColumnIntervalMask
+# the backward kernel builds its masks with ColumnIntervalMask during this package's calls
+# (``fa4_lib.patched``: FA4 module, global, FA4's own value, ours)
+PATCHES = (("flash_bwd_sm90", "AttentionMask", ("mask", "AttentionMask"), ColumnIntervalMask),)

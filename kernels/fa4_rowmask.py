@@ -9,9 +9,10 @@ it: per row K * a few operations instead of per score. The mask_mod itself stays
 test (the same function, so any call this class does not take keeps the exact per-score path:
 the transposed backward, PackGQA, causal / local).
 
-The class is installed as ``flash_fwd_sm90.AttentionMask`` (:func:`install`); every mask_mod
-without the attribute runs FA4's own code (a generated one without FA4's index wrap:
-``fa4_unwrap.UnwrappedMask``, the base class). ``tests/test_fa4_rowmask.py`` pins the
+The class is ``flash_fwd_sm90.AttentionMask`` during this package's calls into FA4
+(``PATCHES``, applied by ``fa4_lib.patched``); every mask_mod without the attribute runs FA4's
+own code (a generated one without FA4's index wrap: ``fa4_unwrap.UnwrappedMask``, the base
+class). ``tests/test_fa4_rowmask.py`` pins the
 FA4 internals relied on (the module global, ``apply_mask``'s parameters, the R2P helpers).
 """
 
@@ -22,21 +23,19 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
-from flash_attn.cute import flash_fwd_sm90
-from flash_attn.cute.mask import (
-    AttentionMask,
-    mask_r2p_lambda,
-    r2p_bitmask_above,
-    r2p_bitmask_below,
-    sm90_col_to_r2p_idx,
-)
-from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
 from compilemask.codegen.cute_mask_mod import ROWS_ATTR
+from compilemask.kernels import fa4_lib
 from compilemask.kernels.fa4_unwrap import UnwrappedMask
 
-__all__ = ["RowIntervalMask", "install"]
+__all__ = ["RowIntervalMask", "PATCHES"]
+
+_mask = fa4_lib.module("mask")
+AuxData = fa4_lib.module("utils").AuxData
+mask_r2p_lambda, r2p_bitmask_above, r2p_bitmask_below, sm90_col_to_r2p_idx = (
+    _mask.mask_r2p_lambda, _mask.r2p_bitmask_above, _mask.r2p_bitmask_below,
+    _mask.sm90_col_to_r2p_idx)
 
 # ROWS_ATTR on a generated mask_mod: (K, heads), the Interval Table's slots per row and the
 # heads folded into its batch (row b * heads + h); aux_tensors[0] is the table, int32
@@ -91,7 +90,6 @@ class RowIntervalMask(UnwrappedMask):
             mask_r2p_lambda(acc_S_mn[r, None], keep, rank1=True)
 
 
-def install() -> None:
-    """Make the forward kernel build its masks with :class:`RowIntervalMask` (idempotent)."""
-    if flash_fwd_sm90.AttentionMask is AttentionMask:
-        flash_fwd_sm90.AttentionMask = RowIntervalMask
+# the forward kernel builds its masks with RowIntervalMask during this package's calls
+# (``fa4_lib.patched``: FA4 module, global, FA4's own value, ours)
+PATCHES = (("flash_fwd_sm90", "AttentionMask", ("mask", "AttentionMask"), RowIntervalMask),)

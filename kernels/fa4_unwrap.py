@@ -10,7 +10,7 @@ The generated functions clamp their reads themselves, so they carry ``UNWRAPPED_
 - a score_mod where it is finite at any index (``codegen.cute_score_mod.index_total``): the
   padded positions' scores are then masked (forward columns), discarded (forward rows) or
   multiplied by a zero probability (backward rows, whose LSE is +inf).
-For those, :class:`UnwrappedMask` and the two functions installed here call FA4's own code
+For those, :class:`UnwrappedMask` and the two functions patched in here call FA4's own code
 with no divisors, its unwrapped path. The backward's mask also drops FA4's seqlen test for a
 generated mask_mod, which masks the keys past seqlen_k itself (the clipped table, or a
 compare): keys only, as FA4's own masks test. Static SASS of the sm90 kernels, D = 128
@@ -30,13 +30,15 @@ from typing import ClassVar
 
 import cutlass
 import cutlass.cute as cute
-from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
-from flash_attn.cute.mask import AttentionMask
-from flash_attn.cute.utils import AuxData
 
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR
+from compilemask.kernels import fa4_lib
 
-__all__ = ["UnwrappedMask", "install"]
+__all__ = ["UnwrappedMask", "PATCHES"]
+
+softmax = fa4_lib.module("softmax")
+AttentionMask = fa4_lib.module("mask").AttentionMask
+AuxData = fa4_lib.module("utils").AuxData
 
 _FWD = softmax.apply_score_mod_inner
 _BWD = softmax.apply_score_mod_bwd_inner
@@ -123,9 +125,14 @@ def apply_score_mod_bwd_inner(grad_tensor, score_tensor, index_tensor, score_mod
                 constant_q_idx, qhead_per_kvhead, transpose_indices)
 
 
-def install() -> None:
-    """Make FA4's sm90 kernels call the score_mod functions above (idempotent); the masks
-    install with ``fa4_rowmask`` / ``fa4_colmask``."""
-    flash_fwd_sm90.apply_score_mod_inner = apply_score_mod_inner
-    flash_bwd_sm90.apply_score_mod_inner = apply_score_mod_inner
-    flash_bwd_sm90.apply_score_mod_bwd_inner = apply_score_mod_bwd_inner
+# FA4's sm90 kernels call the score_mod functions above during this package's calls
+# (``fa4_lib.patched``: FA4 module, global, FA4's own value, ours); the masks are
+# ``fa4_rowmask``'s and ``fa4_colmask``'s
+PATCHES = (
+    ("flash_fwd_sm90", "apply_score_mod_inner", ("softmax", "apply_score_mod_inner"),
+     apply_score_mod_inner),
+    ("flash_bwd_sm90", "apply_score_mod_inner", ("softmax", "apply_score_mod_inner"),
+     apply_score_mod_inner),
+    ("flash_bwd_sm90", "apply_score_mod_bwd_inner", ("softmax", "apply_score_mod_bwd_inner"),
+     apply_score_mod_bwd_inner),
+)

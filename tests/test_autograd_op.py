@@ -160,9 +160,13 @@ def test_fake_shapes_and_opcheck():
     assert lse.shape == (2, 4, 21) and lse.dtype == torch.float32
     from compilemask.descriptor import DescriptorArgs
     from compilemask.kernels.autograd import register_mask
+    from compilemask.kernels.contract import OpSettings, OpSlots, op_args
 
-    args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(desc).to_op_args(),
-            register_mask(desc.mask), 0.25, False, "reference", [], 0, "", "", [], None, 1)
+    def settings(mask, heads):
+        return OpSettings(register_mask(mask), 0.25, False, "reference", "", "", heads)
+
+    args = (q.detach(), k.detach(), v.detach(),
+            *op_args(DescriptorArgs.of(desc), OpSlots(), settings(desc.mask, 1)))
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     # folded heads: a descriptor of batch x heads sequences, the head count an op argument
@@ -176,8 +180,8 @@ def test_fake_shapes_and_opcheck():
     specs, metas = cm.from_mask_mod_heads(mm, num_heads=4, batch_size=2)
     folded = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, 21, batch_size=2,
                                  fold=True).groups[0][0]
-    args = (q.detach(), k.detach(), v.detach(), *DescriptorArgs.of(folded).to_op_args(),
-            register_mask(folded.mask), 0.25, False, "reference", [], 0, "", "", [], None, 4)
+    args = (q.detach(), k.detach(), v.detach(),
+            *op_args(DescriptorArgs.of(folded), OpSlots(), settings(folded.mask, 4)))
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

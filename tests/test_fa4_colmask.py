@@ -272,25 +272,23 @@ def test_a_first_batch_builds_the_column_program_with_the_others():
 
 
 def test_columns_travel_with_the_op_for_head_dim_128():
-    from compilemask.blocksparse import BlockSparseLists
     from compilemask.descriptor import DescriptorArgs
-    from compilemask.kernels import autograd
+    from compilemask.kernels.contract import LIST_SLOTS, OpSlots, mask_for_key
 
     mask = cm.compile_mask(masks.shared_prompt_rm())
     meta = masks.random_meta(mask.spec, 2, 100, torch.Generator().manual_seed(1))
     desc = mask.preprocess(meta, 100, config=COLUMNS)
-    n = len(BlockSparseLists._fields)
-    extra, _ = autograd.op_extra(desc, "fa4", 128)
-    assert len(extra) == 2 * n + 1 and extra[-1] is desc.columns
+    slots = OpSlots.of(desc, "fa4", 128)
+    assert slots.columns is desc.columns
     # head dim 64 (a tile FA4 does not transpose): carried, and its mask_mod's own test runs
-    assert len(autograd.op_extra(desc, "fa4", 64)[0]) == 2 * n + 1
-    call = autograd._Call(mask.key, 1.0, False, "fa4", extra, 0, "", "", [], None, 1)
-    back = autograd._descriptor(DescriptorArgs.of(desc), call)
+    assert OpSlots.of(desc, "fa4", 64).columns is desc.columns
+    back = slots.descriptor(DescriptorArgs.of(desc), mask_for_key(mask.key))
     assert back.columns is desc.columns
-    bwd = autograd._lists(extra, backward=True)
-    assert all(a is b for a, b in zip(bwd, extra[n:2 * n]))
+    bwd = slots.lists(backward=True)
+    assert all(a is getattr(slots, f) for a, f in zip(bwd, LIST_SLOTS["bwd"]))
+    assert all(a.equal(b) for a, b in zip(bwd, desc.block_sparse("bwd64")))
     plain = dataclasses.replace(desc, columns=None)
-    assert len(autograd.op_extra(plain, "fa4", 128)[0]) == 2 * n
+    assert OpSlots.of(plain, "fa4", 128).columns is None
 
 
 def test_columns_variant_key_marker_and_refusals():
@@ -327,9 +325,10 @@ def test_fa4_internals_the_column_mask_relies_on():
     from flash_attn.cute import mask as fa4_mask
     from quack import layout_utils
 
-    from compilemask.kernels.fa4_colmask import ColumnIntervalMask, install
+    from compilemask.kernels import fa4_colmask, fa4_lib
+    from compilemask.kernels.fa4_colmask import ColumnIntervalMask
 
-    assert bwd_mod.AttentionMask in (fa4_mask.AttentionMask, ColumnIntervalMask)
+    assert bwd_mod.AttentionMask is fa4_mask.AttentionMask  # FA4's own outside our calls
     src = inspect.getsource(bwd_mod.FlashAttentionBackwardSm90)
     assert "AttentionMaskCls = partial(\n            AttentionMask," in src
     assert "swap_AB=self.SdP_swapAB," in src
@@ -338,10 +337,12 @@ def test_fa4_internals_the_column_mask_relies_on():
     params = list(inspect.signature(fa4_mask.AttentionMask.apply_mask).parameters)
     assert params == list(inspect.signature(ColumnIntervalMask.apply_mask).parameters)
     assert "transpose" in inspect.signature(layout_utils.reshape_acc_to_mn).parameters
-    install()
-    assert bwd_mod.AttentionMask is ColumnIntervalMask
-    install()  # idempotent
-    assert bwd_mod.AttentionMask is ColumnIntervalMask
+    with fa4_lib.patched(fa4_colmask.PATCHES):
+        assert bwd_mod.AttentionMask is ColumnIntervalMask
+        with fa4_lib.patched(fa4_colmask.PATCHES):  # nested (or another thread's call): still ours
+            assert bwd_mod.AttentionMask is ColumnIntervalMask
+        assert bwd_mod.AttentionMask is ColumnIntervalMask
+    assert bwd_mod.AttentionMask is fa4_mask.AttentionMask
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")

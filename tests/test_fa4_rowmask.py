@@ -35,9 +35,10 @@ def test_fa4_internals_the_row_mask_relies_on():
     fwd_mod = _fa4()
     from flash_attn.cute import mask as fa4_mask
 
-    from compilemask.kernels.fa4_rowmask import RowIntervalMask, install
+    from compilemask.kernels import fa4_lib, fa4_rowmask
+    from compilemask.kernels.fa4_rowmask import RowIntervalMask
 
-    assert fwd_mod.AttentionMask in (fa4_mask.AttentionMask, RowIntervalMask)
+    assert fwd_mod.AttentionMask is fa4_mask.AttentionMask  # FA4's own outside our calls
     assert "AttentionMaskCls = partial(\n            AttentionMask," in inspect.getsource(
         fwd_mod.FlashAttentionForwardSm90)
     params = list(inspect.signature(fa4_mask.AttentionMask.apply_mask).parameters)
@@ -46,10 +47,9 @@ def test_fa4_internals_the_row_mask_relies_on():
     for name in ("mask_r2p_lambda", "r2p_bitmask_above", "r2p_bitmask_below",
                  "sm90_col_to_r2p_idx"):
         assert callable(getattr(fa4_mask, name)), name
-    install()
-    assert fwd_mod.AttentionMask is RowIntervalMask
-    install()  # idempotent
-    assert fwd_mod.AttentionMask is RowIntervalMask
+    with fa4_lib.patched(fa4_rowmask.PATCHES):
+        assert fwd_mod.AttentionMask is RowIntervalMask
+    assert fwd_mod.AttentionMask is fa4_mask.AttentionMask
 
 
 def test_rows_variant_key_marker_and_refusals():

@@ -24,7 +24,7 @@ def test_fa4_score_mod_wrap_as_relied_on():
     pytest.importorskip("flash_attn.cute")
     from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, softmax
 
-    from compilemask.kernels import fa4_unwrap
+    from compilemask.kernels import fa4_lib, fa4_unwrap
 
     for theirs, ours in ((softmax.apply_score_mod_inner, fa4_unwrap.apply_score_mod_inner),
                          (softmax.apply_score_mod_bwd_inner,
@@ -40,10 +40,13 @@ def test_fa4_score_mod_wrap_as_relied_on():
         src = inspect.getsource(mod)
         for n in names:
             assert f"        {n}(" in src  # called through the module global
-    fa4_unwrap.install()
-    assert flash_fwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
-    assert flash_bwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
-    assert flash_bwd_sm90.apply_score_mod_bwd_inner is fa4_unwrap.apply_score_mod_bwd_inner
+    with fa4_lib.patched(fa4_unwrap.PATCHES):
+        assert flash_fwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
+        assert flash_bwd_sm90.apply_score_mod_inner is fa4_unwrap.apply_score_mod_inner
+        assert flash_bwd_sm90.apply_score_mod_bwd_inner is fa4_unwrap.apply_score_mod_bwd_inner
+    # FA4's own again outside this package's calls
+    assert flash_fwd_sm90.apply_score_mod_inner is softmax.apply_score_mod_inner
+    assert flash_bwd_sm90.apply_score_mod_bwd_inner is softmax.apply_score_mod_bwd_inner
 
 
 def test_fa4_mask_wrap_as_relied_on():

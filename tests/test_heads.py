@@ -358,7 +358,7 @@ def test_folded_heads_equal_flex_and_dense_attention(case):
 def test_fold_needs_one_compiled_mask_and_runs_on_fa4_only():
     """Heads of different masks stay groups; folded heads refuse the native and cute engines
     by name."""
-    from compilemask.api import _engine_reason
+    from compilemask.kernels.dispatch import why_not
 
     per_head = CASES["per_head_windows"]()  # four compiled windows, three masks
     groups = cm.preprocess_heads(per_head, None, S, batch_size=B, fold=True)
@@ -366,7 +366,7 @@ def test_fold_needs_one_compiled_mask_and_runs_on_fa4_only():
     desc = _folded(_windows_mm).groups[0][0]
     q = torch.empty(B, S, H, D)
     for engine in ("native", "cute"):
-        assert "fa4 engine" in _engine_reason(q, desc, engine, False, heads=H)
+        assert "fa4 engine" in why_not(q, desc, engine, False, heads=H)
     with pytest.raises(ValueError, match="q has 3 heads, the HeadGroups 4"):
         cm.attention(torch.randn(B, S, 3, D), torch.randn(B, S, 1, D),
                      torch.randn(B, S, 1, D), _folded(_windows_mm))

@@ -78,6 +78,8 @@ def test_attention_passes_options_through_the_op():
     torch.compile(fullgraph=True); a wrong type is refused."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from compilemask.kernels.contract import unpack
+
     desc = _desc()
     q, k, v = (torch.randn(2, 24, 2, 16) for _ in range(3))
     opts = KernelOptions(fwd_mask="compare", bwd_meta="async")
@@ -86,7 +88,7 @@ def test_attention_passes_options_through_the_op():
     class Spy(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.compilemask.attention_fwd.default:
-                seen.append(args[-5])  # options, then the score_mod key, tables, sink, heads
+                seen.append(unpack(args[3:])[2].options)  # the settings' options, by name
             return func(*args, **(kwargs or {}))
 
     with Spy():

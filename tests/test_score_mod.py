@@ -384,17 +384,17 @@ def test_softcap_option_runs_the_generated_score_mod():
     derivative; ``softcap="fa4"`` keeps FA4's own."""
     from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.kernels import autograd
+    from compilemask.kernels.contract import OpSettings
     from compilemask.score_mod import compile_score_mod
 
     sm, tables = compile_score_mod(_cases()["softcap_sliding_window"][0])
-    call = autograd._Call("k", 1.0, False, "native", [], 0, "softcap=score_mod", sm.key, [], None,
-                          1)
-    got, _ = autograd._score_of(call)
+    call = OpSettings("k", 1.0, False, "native", "softcap=score_mod", sm.key, 1)
+    got, _ = autograd._score_of(call, [])
     assert sm.softcap == 50.0 and got.softcap is None and got.key != sm.key
     assert got.expr == sm.expr and "cute.math.tanh" in score_mod_source(got)
-    default, _ = autograd._score_of(call._replace(options=""))
+    default, _ = autograd._score_of(call._replace(options=""), [])
     assert default.softcap is None and default.key == got.key
-    own, _ = autograd._score_of(call._replace(options="softcap=fa4"))
+    own, _ = autograd._score_of(call._replace(options="softcap=fa4"), [])
     assert own.softcap == 50.0 and own.key == sm.key
     with pytest.raises(ValueError, match="softcap"):
         cm.KernelOptions(softcap="precise")
@@ -754,12 +754,13 @@ def test_score_index_option_reaches_the_generated_code():
     ``score_index="cvt"`` keeps I2F; lengths past INDEX_BOUND fall back to I2F."""
     from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.kernels import autograd
+    from compilemask.kernels.contract import OpSettings
     from compilemask.score_mod import compile_score_mod
 
     sm, _ = compile_score_mod(_cases()["alibi_causal"][0])
-    call = autograd._Call("k", 1.0, False, "native", [], 0, "", sm.key, [], None, 1)
-    bits, _ = autograd._score_of(call)
-    cvt, _ = autograd._score_of(call._replace(options="score_index=cvt"))
+    call = OpSettings("k", 1.0, False, "native", "", sm.key, 1)
+    bits, _ = autograd._score_of(call, [])
+    cvt, _ = autograd._score_of(call._replace(options="score_index=cvt"), [])
     assert bits.index_bits and not cvt.index_bits and bits.key != cvt.key == sm.key
     assert "_i2f(" in score_mod_source(bits, index_bits=True)
     assert "_i2f(" not in score_mod_source(cvt) and ".to(Float32)" in score_mod_source(cvt)
@@ -779,7 +780,7 @@ def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
     seen = []
     monkeypatch.setattr(fa4, "score_mod_fns",
                         lambda sm, offset, gqa, bits: seen.append(bits) or (None, None))
-    monkeypatch.setattr(fa4, "_install", lambda: None)
+    monkeypatch.setattr(fa4, "patches", lambda: ())
     for S in (64, INDEX_BOUND - 256, INDEX_BOUND - 255):
         desc = types.SimpleNamespace(seqlen_q=S, seqlen_k=S)  # what the native engine reads
         fa4._mods(desc, "native", None, (sm, tables), backward=False)

@@ -679,6 +679,7 @@ def test_gpu_varlen_batch_vs_float32_reference(name):
     """A packed batch on FA4's varlen kernels (native for causal / window, the interval
     mask_mod otherwise), contiguous and paged keys, within twice PyTorch's bf16 error per
     request; a request with no queries, one with a single key."""
+    from compilemask.kernels.dispatch import select_served_engine
     from compilemask.serving import paged_attention, varlen_attention
 
     from helpers import check_output_vs_reference
@@ -689,7 +690,7 @@ def test_gpu_varlen_batch_vs_float32_reference(name):
     meta, d, q, k, v = _packed_batch(mask, gen, used_k, used_q, D=128, dtype=torch.bfloat16,
                                      device="cuda")
     engine = "native" if mask.native_pattern is not None else "fa4"
-    assert cm.serving._engine("t", q, d, "auto") == engine
+    assert select_served_engine("t", q, d, "auto") == engine
     k_cache, v_cache, table = _paged(tuple(_unpack(t, used_k) for t in (k, v)), 128, gen)
     dense = d.dense_mask()
     for out in (varlen_attention(q, k, v, d), paged_attention(q, k_cache, v_cache, table, d)):
@@ -736,7 +737,7 @@ def test_request_batches_run_native_only_where_fa4_aligns_them():
     of a mask with keys to the right (full, two-sided window) stay on the mask_mod, since rows
     before a short request's first key see nothing in the mask and keys in FA4's; packed
     queries have no such rows."""
-    from compilemask.serving import _runs_native
+    from compilemask.kernels.dispatch import runs_native_served as _runs_native
 
     used, used_q = torch.tensor([9, 2]), torch.tensor([3, 2])
     for spec, rows_before in ((masks.causal(), True), (masks.sliding_window(4), True),
@@ -771,15 +772,18 @@ _TWO_SIDED = cm.MaskSpec("two_sided", regions=[cm.Region("all", _every, _two_sid
 def test_fa4_length_arguments_are_made_once_per_descriptor():
     """cu_seqlens / seqused_k for FA4 come from the descriptor's counts, made once per
     descriptor (a layer loop launches nothing for them)."""
+    from compilemask.kernels.contract import OpSlots
     from compilemask.serving import _lengths
 
     mask = cm.compile_mask(masks.causal())
     d = query_descriptor(mask, None, 9, 4, batch_size=2, seqused_k=torch.tensor([9, 4]),
                          seqused_q=torch.tensor([2, 4]))
-    got = _lengths(d, paged=False)
+    got = _lengths(d, paged=False)  # the op's served slots
     assert got is _lengths(d, paged=False)
     assert got["cu_seqlens_q"].tolist() == [0, 2, 6] and got["cu_seqlens_k"].tolist() == [0, 9, 13]
-    assert (got["max_seqlen_q"], got["max_seqlen_k"]) == (4, 9)
+    fa4_args = OpSlots(**got).served_lengths(d.seqlen_q, d.seqlen_k)
+    assert (fa4_args["max_seqlen_q"], fa4_args["max_seqlen_k"]) == (4, 9)
+    assert "seqused_k" not in fa4_args and "page_table" not in fa4_args
     assert _lengths(d, paged=True)["seqused_k"].tolist() == [9, 4]
     square = query_descriptor(mask, None, 9, 1, batch_size=2)
     assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]

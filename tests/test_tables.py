@@ -142,11 +142,11 @@ def test_table_reads_are_refused_where_they_cannot_be_read():
 
 
 def test_table_masks_are_refused_by_the_cute_engine():
-    from compilemask.api import _cute_reason
+    from compilemask.kernels.dispatch import why_not
 
     mask = cm.compile_mask(_tree_spec())
     desc = mask.preprocess({"p": 1, "n": 2, "anc": torch.ones(1, 8, 2, dtype=torch.bool)}, 8)
-    assert "fa4 engine only" in _cute_reason(torch.empty(1, 8, 1, 64), desc)
+    assert "fa4 engine only" in why_not(torch.empty(1, 8, 1, 64), desc, "cute")
 
 
 def test_table_mask_attention_on_cpu_equals_dense():
