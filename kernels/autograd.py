@@ -37,6 +37,7 @@ from compilemask.bounds import check_kernel_predicates, fits_int32, kernel_predi
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
 from compilemask.descriptor import DescriptorArgs
 from compilemask.log import say_once
+from compilemask.lru import LRU, LRUSet
 from compilemask.options import DEFAULT_SCORE_INDEX, DEFAULT_SOFTCAP, KernelOptions
 from compilemask.reference import attention_reference, descriptor_dense_mask
 
@@ -56,7 +57,8 @@ from .dispatch import cute_kernel_reason, op_refusal
 
 __all__ = ["attention_op", "register_mask", "attention_fwd_reference", "attention_bwd_reference"]
 
-_FALLBACKS: dict = {}  # CompiledMask.key -> kernels.fallback.Fallback | None
+_MISSING = object()
+_FALLBACKS = LRU(256)  # CompiledMask.key -> kernels.fallback.Fallback | None
 
 
 def _descriptor(d: DescriptorArgs, slots: OpSlots, settings: OpSettings):
@@ -65,7 +67,8 @@ def _descriptor(d: DescriptorArgs, slots: OpSlots, settings: OpSettings):
 
 
 def _fallback(mask_key):
-    if mask_key not in _FALLBACKS:
+    fb = _FALLBACKS.get(mask_key, _MISSING)
+    if fb is _MISSING:
         mask = mask_for_key(mask_key)
         fb = None
         if mask.has_fallback:
@@ -73,7 +76,7 @@ def _fallback(mask_key):
 
             fb = Fallback.from_mask(mask)
         _FALLBACKS[mask_key] = fb
-    return _FALLBACKS[mask_key]
+    return fb
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor
                f"{args_schema()}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-_READ: set = set()  # mask keys whose fallback rules the GPU code generator reads
+_READ = LRUSet(1024)  # mask keys whose fallback rules the GPU code generator reads
 
 
 def _check_predicates(mask, length: int, meta_max: int = 0) -> None:

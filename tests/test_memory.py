@@ -120,19 +120,12 @@ def _new_mask_loop(tmp_path, steps: int, full: int, timeout: int) -> dict:
     ''', tmp_path, timeout)
 
 
-def _registry_unbounded() -> bool:
-    from compilemask import cache
-    return type(cache._MASKS) is dict
-
-
 # every cache a new mask reaches is bounded (compilemask.lru): what they hold at their bounds,
 # ~1024 compiled forms of ~35 KB and the smaller tables, stays under this (measured: 51 MB over
 # 1,500 new masks); past the bounds a new mask adds nothing
 NEW_MASKS_MB = 96
 
 
-@pytest.mark.skipif(_registry_unbounded(), reason="the compiled-mask registry (owned by the op "
-                    "module) keeps every mask until it is bounded")
 @pytest.mark.slow
 def test_steps_with_a_new_mask_every_step_stay_bounded(tmp_path):
     # 1,500 new masks (a compile and a z3 proof each, ~0.1 s): past the largest cache's bound

@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import compilemask.kernels.autograd  # noqa: F401  (registers the ops the SAC policy names)
+from compilemask.kernels import fa4_lib
+
 __all__ = ["SPMD_BACKEND", "check_parallelism", "hide_cp", "wrap_parallelize",
            "context_parallel_shard", "plan_load_balancer", "replace_inner_attention",
            "legacy", "module_base", "qwen3_config", "build_qwen3", "split_head", "apply_sac",
@@ -384,8 +387,6 @@ def apply_sac(model, *, save_compilemask: bool, compiled: bool) -> None:
 
     save = set(_op_sac_save_list)
     if save_compilemask:
-        import compilemask.kernels.autograd  # noqa: F401  (registers the ops)
-
         save.add(torch.ops.compilemask.attention_fwd.default)
     apply_ac(model, ActivationCheckpoint(mode="selective", selective_ac_option="op"),
              model_compile_enabled=compiled, op_sac_save_list=save)
@@ -461,12 +462,9 @@ def method_unavailable(backend: str) -> str | None:
     if backend == "varlen" and importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if backend == "flex_flash":
-        try:
-            found = importlib.util.find_spec("flash_attn.cute") is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return "FlexAttention's FLASH backend needs flash-attn-4 (flash_attn.cute)"
+        why = fa4_lib.unavailable_reason()
+        if why is not None:
+            return f"FlexAttention's FLASH backend needs flash-attn-4: {why}"
         if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
             return "FlexAttention's FLASH backend needs Hopper or Blackwell"
     return None
