@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 import compilemask as cm  # noqa: E402
-from compilemask import masks, score_mods  # noqa: E402
-from compilemask.pipeline import with_lists  # noqa: E402
+from compilemask import masks
+from compilemask.dsl import score_mods  # noqa: E402
+from compilemask.pipeline.pipeline import with_lists  # noqa: E402
 
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 B, H, D, dev = max(1, 131072 // S), 8, 128, "cuda"

@@ -346,7 +346,7 @@ def main(argv=None):
         ["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
         cwd=ROOT).stdout.strip() or "unknown"
     # the kernel variants, so that a table says which ones it measured
-    from compilemask.options import device_arch
+    from compilemask.contract.options import device_arch
 
     knobs = {"kernel options": args.options.describe(device_arch(torch.device("cuda"))),
              "deterministic": str(args.deterministic)}

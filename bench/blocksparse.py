@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* as a scr
 import compilemask as cm  # noqa: E402
 from bench import workloads as W  # noqa: E402
 from bench.preprocess import time_graph, time_host  # noqa: E402
-from compilemask.blocksparse import lists_from_bitmap  # noqa: E402
 from compilemask.codegen import blocksparse as tlb  # noqa: E402
-from compilemask.descriptor import (  # noqa: E402
+from compilemask.compiler.blocksparse import lists_from_bitmap  # noqa: E402
+from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
     PackedLists,

@@ -19,9 +19,9 @@ if ROOT not in sys.path:
 
 import compilemask as cm
 from compilemask import masks
+from compilemask.contract.options import KernelOptions
 from compilemask.kernels.fallback import Fallback
 from compilemask.kernels.interface import flash_bwd, flash_fwd
-from compilemask.options import KernelOptions
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compilemask as cm  # noqa: E402
 from bench.workloads import WORKLOADS, batch_for, make_meta  # noqa: E402
-from compilemask import distributed as cp  # noqa: E402
+from compilemask.api import distributed as cp  # noqa: E402
 
 
 def visible_tiles(mask, meta, plan, batch) -> torch.Tensor:

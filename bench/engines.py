@@ -34,9 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from bench.workloads import flex_mask_mod, make_meta  # noqa: E402
-from compilemask import masks, score_mods  # noqa: E402
-from compilemask.options import device_arch  # noqa: E402
-from compilemask.pipeline import PipelineConfig, with_lists  # noqa: E402
+from compilemask import masks
+from compilemask.contract.options import device_arch  # noqa: E402
+from compilemask.dsl import score_mods  # noqa: E402
+from compilemask.pipeline.pipeline import PipelineConfig, with_lists  # noqa: E402
 
 H, D, DTYPE = 8, 128, torch.bfloat16
 TOKENS = 128 * 1024
@@ -279,7 +280,7 @@ def run_point(name, S, mode, methods, rep, rows, options=None, score_mod=None):
         try:
             if method in ("native", "fa4", "cute"):
                 try:
-                    cm.api.select_engine(q, desc, method)
+                    cm.api.api.select_engine(q, desc, method)
                 except NotImplementedError as e:
                     rec(method, None, f"n/a ({str(e)[:60]})")
                     continue

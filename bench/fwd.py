@@ -29,8 +29,8 @@ def _bench(fn, warmup=10, rep=50):
 
 
 def causal_descriptor(B, S, tile_m, tile_n, dev):
-    from compilemask.descriptor import TileConfig
-    from compilemask.tiles import pack_bitmap, tile_states
+    from compilemask.compiler.tiles import pack_bitmap, tile_states
+    from compilemask.contract.descriptor import TileConfig
 
     i = torch.arange(S, device=dev)
     starts = torch.zeros(B, S, 1, dtype=torch.int64, device=dev)

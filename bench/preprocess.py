@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* as a scr
 import compilemask as cm  # noqa: E402
 from bench import workloads as W  # noqa: E402
 from compilemask import masks as M  # noqa: E402
-from compilemask.blocksparse import descriptor_lists  # noqa: E402
 from compilemask.codegen.blocksparse import packed_lists  # noqa: E402
 from compilemask.codegen.preprocess import (  # noqa: E402
     DEFAULT_PREPROCESS_CONFIG,
     PreprocessConfig,
 )
-from compilemask.pipeline import LIST_KINDS_FA4, PipelineConfig  # noqa: E402
+from compilemask.compiler.blocksparse import descriptor_lists  # noqa: E402
+from compilemask.pipeline.pipeline import LIST_KINDS_FA4, PipelineConfig  # noqa: E402
 
 TOKENS = 128 * 1024
 SEQLENS = [1024, 2048, 4096, 8192, 16384, 32768]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compilemask as cm  # noqa: E402
 from bench import engines as E  # noqa: E402
-from compilemask.pipeline import with_lists  # noqa: E402
+from compilemask.pipeline.pipeline import with_lists  # noqa: E402
 
 STATE = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 

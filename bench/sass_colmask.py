@@ -33,7 +33,7 @@ def _child(name: str, variant: str) -> None:
     import compilemask as cm
     from bench.engines import _CeilingMaskMod
     from compilemask import masks
-    from compilemask.pipeline import PipelineConfig
+    from compilemask.pipeline.pipeline import PipelineConfig
 
     if variant == "default (wrapped)":  # FA4's wrap of the mask_mod's indices kept
         from compilemask.kernels import fa4_unwrap

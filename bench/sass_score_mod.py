@@ -55,8 +55,8 @@ def _spills_child(item: str) -> None:
     import compilemask as cm
     from bench.engines import SPECS, make_score_mod
     from compilemask import masks
+    from compilemask.dsl.score_mod import compile_score_mod
     from compilemask.kernels.autograd import _score_variant
-    from compilemask.score_mod import compile_score_mod
 
     # further parts: "cvt" (the index by I2F, not bits), a mask_mod variant ("rules", "rows")
     name, smod, engine, *rest = item.split("/")
@@ -84,8 +84,9 @@ def _child(kind: str) -> None:
     import torch
 
     import compilemask as cm
-    from compilemask import masks, score_mods
-    from compilemask.score_mod import compile_score_mod
+    from compilemask import masks
+    from compilemask.dsl import score_mods
+    from compilemask.dsl.score_mod import compile_score_mod
 
     def softcap(score, b, h, q_idx, kv_idx):
         return 50.0 * torch.tanh(score / 50.0)

@@ -4,13 +4,13 @@
 
 Per cache length: one query per sequence (``--queries`` for chunked prefill or draft
 verification), B=8, H=32 query heads over 8 kv heads, D=128, bf16. ``cm`` is ``cm.attention``
-with the step's descriptor made (``compilemask.serving.query_descriptor``: the causal mask's
+with the step's descriptor made (``compilemask.api.serving.query_descriptor``: the causal mask's
 last rows, FA4's own bottom-right causal kernel); ``cm+desc`` makes the descriptor too (once
 per step, shared by every layer); ``fa4`` is ``flash_attn_func(..., causal=True)``. Prefill with
 the per-request mask build is ``bench/engines.py --modes fwd`` (``bash bench/h200.sh serving``
 runs both). ``--page-size N`` adds decode steps over a paged KV cache (a shuffled pool of
 N-key pages): ``fa4`` is ``flash_attn_varlen_func(..., page_table=, seqused_k=, causal=True)``,
-``cm`` is ``compilemask.serving.paged_attention`` for the causal mask (FA4's own paged kernel)
+``cm`` is ``compilemask.api.serving.paged_attention`` for the causal mask (FA4's own paged kernel)
 and for prefix-LM (FA4's paged kernel with the interval mask_mod on every tile). Median of
 triton's do_bench.
 """
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from compilemask import masks  # noqa: E402
-from compilemask.serving import query_descriptor  # noqa: E402
+from compilemask.api.serving import query_descriptor  # noqa: E402
 
 B, H, HKV, D = 8, 32, 8, 128
 
@@ -106,7 +106,7 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
     k, v = (torch.randn(B, Sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
             for _ in range(2))
     desc = query_descriptor(mask, None, Sk, Sq, batch_size=B, device="cuda")
-    row = {"Sk": Sk, "Sq": Sq, "engine": cm.api.select_engine(q, desc)}
+    row = {"Sk": Sk, "Sq": Sq, "engine": cm.api.api.select_engine(q, desc)}
     row["fa4"] = _bench(lambda: flash_attn_func(q, k, v, causal=True), rep)
     row["cm"] = _bench(lambda: cm.attention(q, k, v, desc), rep)
     row["desc"] = _bench(lambda: query_descriptor(mask, None, Sk, Sq, batch_size=B,
@@ -137,7 +137,7 @@ def decode_point(Sk: int, Sq: int, rep: int) -> dict:
 def paged_point(Sk: int, Sq: int, page_size: int, rep: int) -> dict:
     from flash_attn.cute import flash_attn_varlen_func
 
-    from compilemask.serving import paged_attention
+    from compilemask.api.serving import paged_attention
 
     g = torch.Generator(device="cuda").manual_seed(Sk)
     per = (Sk + page_size - 1) // page_size

@@ -53,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 import compilemask as cm  # noqa: E402
 from bench.engines import SPECS, _cbm, _flex, doc_meta, workload_mask_mod  # noqa: E402
 from bench.workloads import make_meta  # noqa: E402
-from compilemask import masks, packing  # noqa: E402
+from compilemask import masks
+from compilemask.dsl import packing  # noqa: E402
 
 MASKS = ("hstu", "hstu_packed", "shared_prompt_rm", "clear", "causal", "docs")
 BACKENDS = ("compilemask", "flex_fa4", "fa4_native", "sdpa")

@@ -1,9 +1,9 @@
 """Generated TileLang kernel: block-sparse tile lists (flash-attn-4 format) from the bitmaps.
 
 ``block_sparse_multi(bitmaps, mp, dims)`` writes, in one launch on the bitmaps' device, the lists
-of several kinds (``compilemask.blocksparse.BlockSparseLists`` each: partial and full column
+of several kinds (``compiler.blocksparse.BlockSparseLists`` each: partial and full column
 tiles per row, compacted) into one flat buffer, bit for bit as the torch reference
-``compilemask.blocksparse.lists_from_bitmap`` does on the counts and the first ``cnt`` entries of
+``compiler.blocksparse.lists_from_bitmap`` does on the counts and the first ``cnt`` entries of
 every row; ``block_sparse_lists`` is the one-kind case. ``multi_source`` is the program text,
 ``multi_kernel`` the compiled kernel.
 
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from compilemask.blocksparse import BlockSparseLists, PackedLists, list_pass
-from compilemask.cache import CompileCache
-from compilemask.descriptor import (
+from compilemask.compiler.blocksparse import BlockSparseLists, PackedLists, list_pass
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
     TILE_BITS,
@@ -60,7 +60,7 @@ from compilemask.descriptor import (
     TILE_STATE_MASK,
     TILES_PER_WORD,
 )
-from compilemask.lru import LRU
+from compilemask.contract.lru import LRU
 
 from .tilelang_build import (
     Program,
@@ -577,7 +577,7 @@ def block_sparse_multi(bitmaps, mp: MultiPlan, dims, out: torch.Tensor | None = 
                        ) -> torch.Tensor:
     """Run ``mp`` on ``bitmaps`` (int32 ``[B, rows, words]`` each, on one device) for ``dims``
     (list rows, column tiles) per part: the flat output buffer (``MultiPlan`` layout;
-    ``compilemask.blocksparse.PackedLists`` views it), allocated unless ``out`` (a contiguous
+    ``compiler.blocksparse.PackedLists`` views it), allocated unless ``out`` (a contiguous
     int32 tensor of that size) is given. One launch, no host sync."""
     dims = tuple((int(r), int(c)) for r, c in dims)
     if len(dims) != len(mp.parts) or any(r < 1 or c < 1 for r, c in dims):
@@ -608,7 +608,7 @@ def block_sparse_lists(bitmap: torch.Tensor, packed_tiles: int, transpose: bool 
                        fill: bool = False):
     """Block-sparse lists of one kind from a Tile-State Bitmap in one TileLang launch on its
     device (CUDA target for a CUDA tensor, the C target on CPU); the arguments are those of
-    ``compilemask.blocksparse.lists_from_bitmap``. Entries past a row's count are left as they
+    ``compiler.blocksparse.lists_from_bitmap``. Entries past a row's count are left as they
     were allocated unless ``fill`` (then 0, as the torch reference). No host sync."""
     if bitmap.dim() != 3 or bitmap.dtype != torch.int32:
         raise ValueError(f"bitmap must be int32 [B, rows, words], got {bitmap.dtype} "

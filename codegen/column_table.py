@@ -1,4 +1,4 @@
-"""Generated TileLang program: a batch's column table (``compilemask.columns``) in one launch.
+"""Generated TileLang program: a batch's column table (``compiler.columns``) in one launch.
 
 Grid ``(ceil(S / THREADS), B)``, a thread per key. A key evaluates the column view's N
 intervals of query rows (the compiled endpoints, in int64, as the preprocess evaluates a row's),
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sympy as sp
 import torch
 
-from compilemask.cache import CompileCache
-from compilemask.columns import OVERFLOW
+from compilemask.compiler.columns import OVERFLOW
+from compilemask.contract.cache import CompileCache
 
 from .tilelang_build import Program, ProgramEmitter, check_target, compile_program, raw_launch
 from .tl_printer import TileLangPrinter

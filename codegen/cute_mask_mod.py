@@ -32,15 +32,15 @@ from __future__ import annotations
 
 from sympy.core.function import AppliedUndef
 
-from compilemask.bounds import fits_int32, fits_metadata, kernel_predicates
-from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import (
     UNWRAPPED_ATTR,
     compile_predicate,
     predicate_source,
 )
-from compilemask.compiler import first_match_rule
-from compilemask.lru import LRU
+from compilemask.compiler.bounds import fits_int32, fits_metadata, kernel_predicates
+from compilemask.compiler.compiler import first_match_rule
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.lru import LRU
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "aux_layout", "whole_mask_predicate",
            "variant_for_call",
@@ -117,7 +117,7 @@ PAD = 256
 def rules_fit(mask, length: int, meta_max: int = 0) -> bool:
     """Whether the ``"rules"`` mask_mod, which evaluates the whole first-match rule (guards
     included) in int32, computes it exactly at this length: indices up to the padded length
-    and, as for the kernels' predicates (``compilemask.bounds.check_kernel_predicates``),
+    and, as for the kernels' predicates (``compilemask.compiler.bounds.check_kernel_predicates``),
     metadata up to ``max(length, meta_max)`` (``ExecutionDescriptor.meta_max``). The Interval
     Table's endpoints are int64 in the preprocess, so where the rules may wrap the table test
     runs instead."""

@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 
 import sympy
 
-from compilemask.cache import exec_verified, verified_source_file
+from compilemask.contract.cache import exec_verified, verified_source_file
 from compilemask.dsl.frontend import IntBitOp
 
 # on a generated mask_mod / score_mod(_bwd) whose reads are clamped (a mask_mod: which is also

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import sympy as sp
 
-from compilemask.cache import CompileCache
 from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, compile_predicate
-from compilemask.score_mod import SCORE, ScoreMod, fdiv, log2, tofloat, trunc
+from compilemask.contract.cache import CompileCache
+from compilemask.dsl.score_mod import SCORE, ScoreMod, fdiv, log2, tofloat, trunc
 
 __all__ = ["score_mod_source", "score_mod_fns", "index_total"]
 

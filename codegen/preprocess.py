@@ -46,7 +46,7 @@ Stages of a block (``T.sync_threads()`` between them on CUDA):
 
 This is O(rows * K^2 + tiles) per block instead of the O(rows * tiles * K^2) of testing every
 (row, tile) pair, and bit-identical to the reference: a tile is covered by a row iff it lies in
-one component of the row's interval union (``compilemask.tiles`` finds the same components by a
+one component of the row's interval union (``compiler.tiles`` finds the same components by a
 reach iteration; both merge slots that overlap or touch).
 
 Targets
@@ -67,8 +67,8 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.cache import CompileCache
-from compilemask.descriptor import (
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
     TILE_BITS,
@@ -79,7 +79,7 @@ from compilemask.descriptor import (
     TileConfig,
     descriptor_shapes,
 )
-from compilemask.lru import LRU
+from compilemask.contract.lru import LRU
 
 from .tilelang_build import (
     Program,

@@ -1,6 +1,6 @@
 """What every generated TileLang program shares: the text emitter's skeleton, loading the text as
 a module (its file in the cache folder checked against the text, which is what runs:
-``compilemask.cache``), compiling it (logged, one process at a time per program, cached on disk
+``contract.cache``), compiling it (logged, one process at a time per program, cached on disk
 by TileLang under the compilemask cache folder), compiling several first-use programs at once in
 worker processes (:func:`prebuild`), and calling the compiled function without TileLang's
 per-call wrapper."""
@@ -14,9 +14,9 @@ import sys
 import time
 from typing import NamedTuple
 
-from compilemask.cache import exec_verified, file_lock, verified_source_file, write_atomic
-from compilemask.env import cache_dir, configure_compile_caches, in_private_fallback
-from compilemask.log import log
+from compilemask.contract.cache import exec_verified, file_lock, verified_source_file, write_atomic
+from compilemask.contract.env import cache_dir, configure_compile_caches, in_private_fallback
+from compilemask.contract.log import log
 
 __all__ = ["CUDA_TARGET", "check_target", "ProgramEmitter", "Program", "load_prim_func",
            "compile_program", "prebuild", "raw_launch"]

@@ -11,7 +11,7 @@ the CUDA and the C code generators lower them with the sign correction, never as
 
 from __future__ import annotations
 
-from compilemask.exprprint import ExprPrinter
+from compilemask.dsl.exprprint import ExprPrinter
 
 __all__ = ["TileLangPrinter"]
 

@@ -9,7 +9,7 @@ import linecache
 
 import sympy as sp
 
-from compilemask.exprprint import TORCH_PRELUDE, TorchPrinter
+from compilemask.dsl.exprprint import TORCH_PRELUDE, TorchPrinter
 
 __all__ = ["torch_source", "exec_source"]
 

@@ -4,17 +4,17 @@ Declare a ``MaskSpec`` once, ``compile_mask`` it (offline), ``preprocess`` each 
 into an ``ExecutionDescriptor`` (online), and call ``attention`` per layer.
 """
 
-from compilemask import distributed, packing
-from compilemask.api import attention
-from compilemask.compiled import CompiledMask, compile_mask
-from compilemask.descriptor import ExecutionDescriptor, TileConfig
-from compilemask.dsl import MaskSpec, Region
-from compilemask.flex import from_mask_mod, from_mask_mod_heads
-from compilemask.heads import HeadGroups, preprocess_heads
-from compilemask.options import KernelOptions, default_options
-from compilemask.pipeline import PipelineConfig
-from compilemask.score_mod import compile_score_mod
-from compilemask.warmup import warmup
+from compilemask.api import distributed
+from compilemask.api.api import attention
+from compilemask.api.warmup import warmup
+from compilemask.contract.descriptor import ExecutionDescriptor, TileConfig
+from compilemask.contract.options import KernelOptions, default_options
+from compilemask.dsl import MaskSpec, Region, packing
+from compilemask.dsl.flex import from_mask_mod, from_mask_mod_heads
+from compilemask.dsl.score_mod import compile_score_mod
+from compilemask.pipeline.compiled import CompiledMask, compile_mask
+from compilemask.pipeline.heads import HeadGroups, preprocess_heads
+from compilemask.pipeline.pipeline import PipelineConfig
 
 __all__ = [
     "MaskSpec",
@@ -43,6 +43,6 @@ __version__ = "0.1.0"
 
 def visualize(desc, batch: int = 0, path: str = "mask.png", **kw):
     """Picture one sequence's mask with its tile states (needs matplotlib: the [viz] extra)."""
-    from compilemask.viz import visualize as _visualize  # needs matplotlib (the [viz] extra)
+    from compilemask.api.viz import visualize as _visualize  # needs matplotlib (the [viz] extra)
 
     return _visualize(desc, batch=batch, path=path, **kw)

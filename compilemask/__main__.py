@@ -7,7 +7,7 @@ import sys
 import torch
 
 import compilemask as cm
-from compilemask.cli import run
+from compilemask.api.cli import run
 from compilemask.masks import hstu, random_meta
 
 __all__ = ["main"]

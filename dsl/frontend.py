@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from compilemask.lru import LRU
+from compilemask.contract.lru import LRU
 
 __all__ = [
     "HEAD_INDEX",

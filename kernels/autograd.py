@@ -11,7 +11,7 @@ What crosses the boundary is ``kernels.contract``'s: the descriptor's core
 (``DescriptorArgs``), every optional per-batch tensor in a named slot (``OpSlots``: the fa4
 engine's lists and column view, a segments pattern's offsets, a served batch's lengths and
 page table, the score_mod's tables, the learnable sink) and the call's frozen settings
-(``OpSettings``: the mask's and score_mod's keys, found in ``compilemask.cache``'s bounded
+(``OpSettings``: the mask's and score_mod's keys, found in ``compilemask.contract.cache``'s bounded
 registries, the scale, the engine, the kernels' ``KernelOptions`` as their string); the
 schemas are generated from those three. Which engine runs a call is ``kernels.dispatch``'s.
 
@@ -33,13 +33,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from compilemask.bounds import check_kernel_predicates, fits_int32, kernel_predicates
 from compilemask.codegen.cute_predicate import UnsupportedExpression, predicate_source
-from compilemask.descriptor import DescriptorArgs
-from compilemask.log import say_once
-from compilemask.lru import LRU, LRUSet
-from compilemask.options import DEFAULT_SCORE_INDEX, DEFAULT_SOFTCAP, KernelOptions
-from compilemask.reference import attention_reference, descriptor_dense_mask
+from compilemask.compiler.bounds import check_kernel_predicates, fits_int32, kernel_predicates
+from compilemask.compiler.reference import attention_reference, descriptor_dense_mask
+from compilemask.contract.descriptor import DescriptorArgs
+from compilemask.contract.log import say_once
+from compilemask.contract.lru import LRU, LRUSet
+from compilemask.contract.options import DEFAULT_SCORE_INDEX, DEFAULT_SOFTCAP, KernelOptions
 
 from . import fa4
 from .contract import (
@@ -358,18 +358,18 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     ``engine``: "cute" (this package's kernels), "fa4" / "native" (``kernels.fa4``) or
     "reference" (the dense path on any device), as ``kernels.dispatch`` chose; ``options``: the
     kernels' ``KernelOptions`` (None: the defaults); ``score``: ``(score_mod key, tables as the
-    kernels read them)`` (``compilemask.score_mod``; fa4 / native engines); ``sink``: a
+    kernels read them)`` (``compilemask.dsl.score_mod``; fa4 / native engines); ``sink``: a
     learnable sink logit per head ``[H]`` (fa4 / native / reference; differentiable);
     ``heads > 1``: the descriptor holds one sequence per (batch, head), ``b * heads + h``
     (fa4 / reference); ``served``: a served batch's slots by name (``OpSlots``: ``seqused_k``,
     ``seqused_q``, ``cu_seqlens_q``, ``cu_seqlens_k``, ``page_table``; fa4 / native, forward
-    only: ``compilemask.serving``)."""
+    only: ``compilemask.api.serving``)."""
     # every CompiledMask is registered when made (``compile_mask``), weakly while it lives: a
     # traced call needs only its key (the registry's lock is no graph op)
     key = str(desc.mask.key) if torch.compiler.is_compiling() else register_mask(desc.mask)
     if desc.device != q.device:
         raise ValueError(f"attention_op: the descriptor is on {desc.device} and q on {q.device} "
-                         "(cm.attention moves it once: compilemask.pipeline.on_device)")
+                         "(cm.attention moves it once: compilemask.pipeline.pipeline.on_device)")
     scale = float(q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale)
     why = op_refusal(engine, score is not None, sink is not None, bool(served))
     if why:

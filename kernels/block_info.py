@@ -12,7 +12,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
-from compilemask.descriptor import state_in_word, tile_word
+from compilemask.contract.descriptor import state_in_word, tile_word
 
 __all__ = ["tile_state", "next_tile_state", "next_tile_state_cached", "next_tile"]
 

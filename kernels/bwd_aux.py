@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from compilemask.cache import CompileCache
+from compilemask.contract.cache import CompileCache
 
 from .common import compile_cache_key, compile_kernel, fake_tensor
 

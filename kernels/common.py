@@ -26,8 +26,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-from compilemask.env import cute_dsl_arch
-from compilemask.options import KernelOptions
+from compilemask.contract.env import cute_dsl_arch
+from compilemask.contract.options import KernelOptions
 
 from .mask import IntervalMask
 

@@ -4,7 +4,7 @@ A call crosses as three typed groups, each one ``NamedTuple`` whose fields gener
 schemas (:func:`schema_of`), so a field added to a group reaches both ops, their fake
 implementations, the autograd formula and every reader:
 
-* ``compilemask.descriptor.DescriptorArgs``: the descriptor's core tensors and static ints;
+* ``compilemask.contract.descriptor.DescriptorArgs``: the descriptor's core tensors and static ints;
 * :class:`OpSlots`: every optional per-batch tensor as a named slot (``None`` where the call
   has none): a segments pattern's ``cu_seqlens``, the forward and backward block-sparse lists,
   the column table, a served batch's ``seqused_k`` / ``seqused_q`` / ``cu_seqlens_q`` /
@@ -14,7 +14,7 @@ implementations, the autograd formula and every reader:
   scale, the engine, the kernels' options.
 
 Masks and score_mods cross as their semantic keys (custom ops take tensors and scalars only);
-the ops find them in ``compilemask.cache.MASKS`` / ``SCORE_MODS``, whose lifetime is
+the ops find them in ``compilemask.contract.cache.MASKS`` / ``SCORE_MODS``, whose lifetime is
 documented there (weak references plus an LRU of the last 256 registered).
 """
 
@@ -25,8 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from compilemask.cache import SCORE_MODS, mask_for_key, register_mask
-from compilemask.descriptor import BlockSparseLists, DescriptorArgs
+from compilemask.contract.cache import SCORE_MODS, mask_for_key, register_mask
+from compilemask.contract.descriptor import BlockSparseLists, DescriptorArgs
 
 __all__ = ["OpSlots", "OpSettings", "schema_of", "args_schema", "op_args", "unpack",
            "register_mask", "mask_for_key", "score_mod_for_key", "fake_outputs", "LIST_SLOTS"]
@@ -77,7 +77,7 @@ class OpSlots(NamedTuple):
     bwd_full_idx: Optional[Tensor] = None
     # the column view (``ExecutionDescriptor.columns``), which FA4's backward reads
     columns: Optional[Tensor] = None
-    # a served batch (``compilemask.serving``), FA4's length arguments: keys per request (a
+    # a served batch (``compilemask.api.serving``), FA4's length arguments: keys per request (a
     # paged cache's), queries per request (the descriptor's), the packed queries' and keys'
     # offsets, the page table
     seqused_k: Optional[Tensor] = None

@@ -5,7 +5,7 @@ of those), ``fa4`` (FA4's block-sparse kernels with the interval mask_mod), ``cu
 package's CuTe kernels) and ``reference`` (dense float32, any device). :func:`why_not` says why
 an engine cannot run a call (None: it can); :func:`select_engine` picks one for
 ``cm.attention`` (see ``docs/decisions/engine.md``) and :func:`select_served_engine` for a
-served batch (``compilemask.serving``); :func:`op_refusal` is the op's own check of a call
+served batch (``compilemask.api.serving``); :func:`op_refusal` is the op's own check of a call
 made without them. The engines trust the choice: none checks again.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from compilemask.log import say_once
+from compilemask.contract.log import say_once
 
 from . import fa4_lib
 from .fa4 import BWD_TILE_M

@@ -7,7 +7,7 @@ Two engines share this module:
   evaluate the compiled interval test as a ``mask_mod`` (``codegen.cute_mask_mod``) over the
   Interval Table passed as an aux tensor.
 * ``native``: masks the compiler proved equal to full, causal, windowed or causal-within-segments
-  attention (``compilemask.native``) run FA4's own ``causal`` / ``window_size`` / varlen paths,
+  attention (``compiler.native``) run FA4's own ``causal`` / ``window_size`` / varlen paths,
   with no lists and no mask_mod.
 
 FA4 itself is reached through ``fa4_lib``, the one module that imports it (its entry points,
@@ -24,7 +24,7 @@ import torch
 
 from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod, variant_for_call
 from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
-from compilemask.log import say_once
+from compilemask.contract.log import say_once
 
 from . import fa4_lib
 
@@ -180,7 +180,7 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
 
 
 def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
-    """(out, lse) of a serving forward (``compilemask.serving``): ``lengths`` are FA4's
+    """(out, lse) of a serving forward (``compilemask.api.serving``): ``lengths`` are FA4's
     ``page_table`` / ``seqused_k`` / ``cu_seqlens_q/k`` / ``max_seqlen_q/k`` for the batch.
     FA4's paged and varlen loads take no block-sparse lists here, so the fa4 engine's mask_mod
     runs on every tile (its q_idx / kv_idx are each request's own, as the table's rows)."""

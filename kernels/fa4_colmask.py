@@ -3,7 +3,7 @@
 FA4's sm90 backward computes the score tile transposed (``SdP_swapAB``, head dims 64 and 128):
 a thread holds 2 keys x 16 query rows (32 at head dim 64). Its per-score mask_mod reads, for
 each of those rows, the row's K Interval Table slots (64 loads per thread and tile for K = 2
-at head dim 128). With the column view (``compilemask.columns``,
+at head dim 128). With the column view (``compilemask.compiler.columns``,
 ``ExecutionDescriptor.columns``) each of the thread's 2 keys reads its few merged row runs
 once, and a score is one subtraction, an unsigned compare and a select against them. A key
 flagged as overflowing (more runs than the table's slots) takes the Interval Table test for its

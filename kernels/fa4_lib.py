@@ -32,7 +32,7 @@ import importlib
 import importlib.metadata
 import threading
 
-from compilemask.env import configure_compile_caches
+from compilemask.contract.env import configure_compile_caches
 
 __all__ = ["TESTED_VERSIONS", "unavailable_reason", "version", "module", "fwd", "bwd",
            "varlen_fwd", "block_sparse_tensors", "patched"]

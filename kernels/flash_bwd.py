@@ -57,7 +57,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp
 
-from compilemask.descriptor import is_partial
+from compilemask.contract.descriptor import is_partial
 
 from .block_info import next_tile, tile_state
 from .common import (

@@ -25,8 +25,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
-from compilemask.descriptor import bitmap_words, is_partial
-from compilemask.options import BITMAP_SMEM_WORDS
+from compilemask.contract.descriptor import bitmap_words, is_partial
+from compilemask.contract.options import BITMAP_SMEM_WORDS
 
 from .block_info import next_tile, tile_state
 from .common import (

@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warp, warpgroup
 from cutlass.utils import LayoutEnum
 
-from compilemask.descriptor import is_partial
+from compilemask.contract.descriptor import is_partial
 
 from .block_info import next_tile, tile_state
 from .common import (

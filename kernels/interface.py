@@ -12,10 +12,10 @@ from typing import Optional
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from compilemask.cache import CompileCache
-from compilemask.descriptor import bitmap_shape, unpack_bitmap
-from compilemask.env import cute_dsl_arch
-from compilemask.options import KernelOptions, bitmap_fits_smem, device_arch
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.descriptor import bitmap_shape, unpack_bitmap
+from compilemask.contract.env import cute_dsl_arch
+from compilemask.contract.options import KernelOptions, bitmap_fits_smem, device_arch
 
 from .bwd_aux import AuxConfig, compile_aux
 from .common import (

@@ -1,7 +1,7 @@
 """The interval mask of a score tile (CuTe DSL): the descriptor's element test in one place.
 
 A score ``(q_idx, kv_idx)`` is visible iff ``OR_k uint32(kv_idx - start_k) < uint32(len_k)`` over
-the row's K interval slots (``compilemask.descriptor.in_interval``), AND-ed with the fallback
+the row's K interval slots (``contract.descriptor.in_interval``), AND-ed with the fallback
 predicate of the row's fallback region. :class:`IntervalMask` applies it to a tile, with q along
 the rows (forward, mma.sync backward) or along the columns (the sm90 backward's transposed
 ``S^T``); the row sources say where a q row's slots live (registers or shared memory).

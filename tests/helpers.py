@@ -4,7 +4,7 @@ reference within PyTorch's own bf16 error."""
 import pytest
 import torch
 
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE, BlockSparseLists
+from compilemask.contract.descriptor import TILE_MASKED, TILE_VISIBLE, BlockSparseLists
 
 
 def dense_tile_states(dense: torch.Tensor, tile_m: int, tile_n: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
     ``[B, H, Sq, Sk]`` for ``HeadGroups``. ``score_mod``: FlexAttention's, on
     every path (PyTorch's bf16 rounds its result to bf16)."""
     import compilemask as cm
-    from compilemask.reference import apply_score_mod, attention_reference
+    from compilemask.compiler.reference import apply_score_mod, attention_reference
 
     B, Sq, H, D = q.shape
     G = H // k.shape[2]
@@ -74,7 +74,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
 def check_output_vs_reference(out, q, k, v, dense):
     """A forward's ``out`` against a float32 reference on the same q, k, v (``[B, S, H, D]``),
     within twice PyTorch's own bf16 error; rows that see nothing give exact zeros."""
-    from compilemask.reference import attention_reference
+    from compilemask.compiler.reference import attention_reference
 
     D, G = q.shape[-1], q.shape[2] // k.shape[2]
     dense = dense.to(q.device)

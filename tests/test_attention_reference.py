@@ -73,7 +73,7 @@ def test_bf16_error_within_twice_torch_bf16_error():
 
 
 def test_reference_path_is_announced_once(caplog):
-    from compilemask import api
+    from compilemask.api import api
 
     api._SAID.clear()
     mask = cm.compile_mask(masks.causal())

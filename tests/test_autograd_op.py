@@ -9,8 +9,8 @@ from torch.utils.checkpoint import checkpoint
 
 import compilemask as cm
 from compilemask import masks
+from compilemask.compiler.reference import attention_reference
 from compilemask.kernels.autograd import attention_op
-from compilemask.reference import attention_reference
 
 
 def _desc(spec, B, S, seed=0):
@@ -158,7 +158,7 @@ def test_fake_shapes_and_opcheck():
     out, lse = attention_op(q, k, v, desc, return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (2, 4, 21) and lse.dtype == torch.float32
-    from compilemask.descriptor import DescriptorArgs
+    from compilemask.contract.descriptor import DescriptorArgs
     from compilemask.kernels.autograd import register_mask
     from compilemask.kernels.contract import OpSettings, OpSlots, op_args
 
@@ -190,7 +190,7 @@ def test_learnable_sink_through_the_op():
     """The ops carry a learnable sink (the fa4 and native engines' path): on the reference
     implementation the output, LSE and every gradient, the sink's too, equal the dense
     reference's autograd (float64), with the LSE's gradient and on rows that see nothing."""
-    from compilemask.reference import attention_reference
+    from compilemask.compiler.reference import attention_reference
 
     desc = _desc(masks.hstu(), 2, 21, seed=4)
     q, k, v = (t.double().detach().requires_grad_() for t in _qkv(2, 21, 4, 2, 8))

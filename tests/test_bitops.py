@@ -71,7 +71,7 @@ def test_bit_operations_on_tilelang_c_target():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 def test_bit_operations_compile_for_cuda():
     from compilemask.codegen.preprocess import tilelang_kernel
-    from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+    from compilemask.contract.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
 
     mask = cm.compile_mask(_bits_spec())
     src = tilelang_kernel(mask, DEFAULT_FWD_TILES, DEFAULT_BWD_TILES, "cuda").get_kernel_source()

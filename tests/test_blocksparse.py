@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import pipeline
-from compilemask.blocksparse import (
+from compilemask.compiler.blocksparse import (
     TILE_FULL,
     TILE_PARTIAL,
     BlockSparseLists,
@@ -26,7 +25,7 @@ from compilemask.blocksparse import (
     lists_from_states,
     to_dense_states,
 )
-from compilemask.descriptor import (
+from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
     PackedLists,
@@ -35,6 +34,7 @@ from compilemask.descriptor import (
     unpack_bitmap,
 )
 from compilemask.masks import EXAMPLES, random_meta
+from compilemask.pipeline import pipeline
 
 from helpers import assert_lists_equal, dense_tile_states, sweep
 
@@ -539,7 +539,7 @@ def test_gpu_descriptor_packed_lists(masks, name):
 def test_interval_coverage_equals_the_reach_iteration():
     """The union-measure coverage (sorted slots, cummax of ends) decides as the TileLang
     program's reach iteration does, on random overlapping and empty slots and partial tiles."""
-    from compilemask.tiles import _covered
+    from compilemask.compiler.tiles import _covered
 
     def reach(starts, ends, col0, col1):
         B, Sq, K = starts.shape

@@ -1,5 +1,5 @@
 """Process-wide state stays bounded: every module-level store of the package is a bounded cache
-(``compilemask.lru.LRU`` / ``LRUSet``, ``CompileCache``, ``functools.lru_cache`` with a finite
+(``contract.lru.LRU`` / ``LRUSet``, ``CompileCache``, ``functools.lru_cache`` with a finite
 ``maxsize``), a weak table, or on the allow-list below with the reason it cannot grow (a
 constant table, a function of no arguments). A long job whose masks, lengths or captured values
 change meets new keys every step; an unbounded store would keep every one."""
@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from compilemask import bounds
-from compilemask.cache import CompileCache
-from compilemask.lru import LRU, LRUSet
+from compilemask.compiler import bounds
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.lru import LRU, LRUSet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("compilemask", "dsl", "codegen", "kernels")
@@ -136,7 +136,7 @@ def test_every_module_level_store_is_bounded_weak_or_allowed():
                        and k not in ALLOWED)
     assert not unbounded, (
         f"module-level stores that may grow without limit: {unbounded}; make each a "
-        "compilemask.lru.LRU(n) / LRUSet(n) (or functools.lru_cache(maxsize=n)) with its size "
+        "compilemask.contract.lru.LRU(n) / LRUSet(n) (or functools.lru_cache(maxsize=n)) with its size "
         "in a comment, or add it to ALLOWED with why it cannot grow")
     stale = sorted(k for k in ALLOWED if stores.get(k) != "unbounded")
     assert not stale, f"ALLOWED names stores that are gone or bounded now: {stale}"

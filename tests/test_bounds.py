@@ -6,7 +6,7 @@ import sympy as sp
 import torch
 
 import compilemask as cm
-from compilemask.bounds import INT32_MAX, META_MAX, check_kernel_predicates, magnitude
+from compilemask.compiler.bounds import INT32_MAX, META_MAX, check_kernel_predicates, magnitude
 from compilemask.masks import EXAMPLES
 
 
@@ -60,7 +60,7 @@ def test_kernel_predicates_are_checked_at_the_call_length():
 
 def test_longest_fit_is_the_check_s_boundary():
     """The longest length found once per mask is where the per-length check starts to refuse."""
-    from compilemask.bounds import kernel_predicates, longest_fit
+    from compilemask.compiler.bounds import kernel_predicates, longest_fit
 
     sq = cm.compile_mask(_spec(lambda i, j: j * j + a <= i, params=("a",)))  # noqa: F821
     n = longest_fit(e for _, _, e in kernel_predicates(sq))

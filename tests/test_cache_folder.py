@@ -17,8 +17,8 @@ import textwrap
 
 import pytest
 
-from compilemask import env
 from compilemask.codegen import tilelang_build as tb
+from compilemask.contract import env
 
 _SOURCE = "ANSWER = 42\n\n\ndef answer():\n    return ANSWER\n"
 
@@ -168,7 +168,7 @@ def test_the_private_folder_is_removed_at_exit(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     run = subprocess.run(
-        [sys.executable, "-c", "from compilemask.env import cache_dir; print(cache_dir('fa4'))"],
+        [sys.executable, "-c", "from compilemask.contract.env import cache_dir; print(cache_dir('fa4'))"],
         env={**os.environ, env.CACHE_DIR_VAR: str(blocker / "cache")}, capture_output=True,
         text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -13,10 +13,10 @@ import z3
 from torch.nn.attention.flex_attention import create_mask, or_masks
 
 import compilemask as cm
-from compilemask import compiler
-from compilemask.compiler import canonicalize, extract_intervals, normalize, to_dnf_terms
+from compilemask.compiler import compiler
+from compilemask.compiler.compiler import canonicalize, extract_intervals, normalize, to_dnf_terms
+from compilemask.compiler.prover import Prover
 from compilemask.dsl.frontend import array_function, rule_symbols
-from compilemask.prover import Prover
 
 S = rule_symbols(["a", "b", "w"])
 i, j, a, b, w = S["i"], S["j"], S["a"], S["b"], S["w"]

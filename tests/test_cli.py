@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from compilemask.cli import parse_meta, run
+from compilemask.api.cli import parse_meta, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HSTU = os.path.join(ROOT, "compilemask", "masks", "hstu.py")  # its factory hstu() is NAME

@@ -14,9 +14,10 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 import compilemask as cm
-from compilemask import compiler, flex
-from compilemask import log as log_module
-from compilemask.prover import Prover
+from compilemask.compiler import compiler
+from compilemask.compiler.prover import Prover
+from compilemask.contract import log as log_module
+from compilemask.dsl import flex
 
 S = 48
 SCAL = torch.tensor([30, 40])

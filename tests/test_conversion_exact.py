@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import and_masks, create_mask, noop_mask,
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.reference import attention_reference
+from compilemask.compiler.reference import attention_reference
 
 # ---- helpers -----------------------------------------------------------------------------------
 

@@ -260,7 +260,7 @@ def test_rules_give_way_to_the_table_where_host_metadata_reach_past_the_length()
         metadata_matters,
         whole_mask_predicate,
     )
-    from compilemask.descriptor import DescriptorArgs
+    from compilemask.contract.descriptor import DescriptorArgs
 
     mask = cm.compile_mask(masks.clear(2, 64))
     assert metadata_matters(mask)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import blocksparse, masks, tiles
-from compilemask.blocksparse import descriptor_lists, list_pass
-from compilemask.descriptor import (
+from compilemask import masks
+from compilemask.compiler import blocksparse, tiles
+from compilemask.compiler.blocksparse import descriptor_lists, list_pass
+from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
     LIST_KINDS,
@@ -87,7 +88,7 @@ def test_contract_homes():
     """The default tilings (FA4's) and the bitmap packing live in the contract; the modules that
     use them re-export the same objects."""
     assert (DEFAULT_FWD_TILES, DEFAULT_BWD_TILES) == (TileConfig(128, 128), TileConfig(64, 128))
-    from compilemask import compiled
+    from compilemask.pipeline import compiled
 
     assert (compiled.DEFAULT_FWD_TILES, compiled.DEFAULT_BWD_TILES) == (DEFAULT_FWD_TILES,
                                                                         DEFAULT_BWD_TILES)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import distributed as cp
 from compilemask import masks
+from compilemask.api import distributed as cp
 
 from helpers import dense_tile_states
 
@@ -77,8 +77,8 @@ def test_shard_descriptor_is_the_global_mask_at_the_rows(name):
 def test_gpu_shard_descriptor_writes_the_lists(name):
     """On CUDA a rank's descriptor carries FA4's tile lists of its rows (one TileLang launch),
     equal to the torch reference from its bitmaps, which equal the CPU shard's."""
-    from compilemask.blocksparse import descriptor_lists
-    from compilemask.pipeline import LIST_KINDS_FA4
+    from compilemask.compiler.blocksparse import descriptor_lists
+    from compilemask.pipeline.pipeline import LIST_KINDS_FA4
 
     mask = cm.compile_mask(_spec(name))
     S, B, W = 1000, 2, 4
@@ -179,7 +179,7 @@ def _check_scores(group):
     not (the sink's logit does not move with the row) and is refused."""
     import torch.distributed as dist
 
-    from compilemask import score_mods
+    from compilemask.dsl import score_mods
 
     rank, W = dist.get_rank(group), dist.get_world_size(group)
     B, S, H, Hkv, D = 2, 100, 2, 1, 8

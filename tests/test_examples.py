@@ -90,7 +90,7 @@ def test_transformers_model_matches_sdpa(capsys):
 
 # ---- the show command of docs/inspection.md ----------------------------------------------------
 def test_docs_show_command_runs(tmp_path, capsys):
-    from compilemask.cli import run
+    from compilemask.api.cli import run
 
     guide = open(os.path.join(ROOT, "docs", "inspection.md")).read()
     line = re.search(r"`python -m compilemask (show [^`]*\.py:\w+ [^`]*)`", guide).group(1)

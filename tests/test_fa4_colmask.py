@@ -1,4 +1,4 @@
-"""The column view (``compilemask.columns``) and the ``"columns"`` mask_mod variant that masks
+"""The column view (``compiler.columns``) and the ``"columns"`` mask_mod variant that masks
 FA4's transposed sm90 backward with it (``kernels/fa4_colmask.py``).
 
 CPU: the compiled column view of every example mask against the brute-force mask, key by key,
@@ -26,8 +26,8 @@ from compilemask.codegen.cute_mask_mod import (
     mask_mod_source,
     mask_mod_variant,
 )
-from compilemask.columns import OVERFLOW, column_table, merge_runs
-from compilemask.pipeline import PipelineConfig
+from compilemask.compiler.columns import OVERFLOW, column_table, merge_runs
+from compilemask.pipeline.pipeline import PipelineConfig
 
 from helpers import check_attention_vs_reference
 
@@ -213,7 +213,7 @@ def test_column_view_by_default_only_where_a_batch_can_use_it(monkeypatch):
     """``column_view=None`` follows ``DEFAULT_COLUMN_VIEW`` for CUDA descriptors of square
     attention on the block-sparse engine; the CPU, native masks, rectangles and masks without a
     view get none, and nothing raises."""
-    from compilemask import pipeline
+    from compilemask.pipeline import pipeline
 
     wants = pipeline._wants_columns
     rm = cm.compile_mask(masks.shared_prompt_rm())
@@ -262,7 +262,7 @@ def test_column_table_program_compiles_for_cuda():
 
 
 def test_a_first_batch_builds_the_column_program_with_the_others():
-    from compilemask.pipeline import first_use_programs
+    from compilemask.pipeline.pipeline import first_use_programs
 
     mask = cm.compile_mask(masks.shared_prompt_rm())
     with_view = [p.attr for p in first_use_programs(mask, "cuda", config=COLUMNS)]
@@ -272,7 +272,7 @@ def test_a_first_batch_builds_the_column_program_with_the_others():
 
 
 def test_columns_travel_with_the_op_for_head_dim_128():
-    from compilemask.descriptor import DescriptorArgs
+    from compilemask.contract.descriptor import DescriptorArgs
     from compilemask.kernels.contract import LIST_SLOTS, OpSlots, mask_for_key
 
     mask = cm.compile_mask(masks.shared_prompt_rm())

@@ -10,7 +10,7 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.native import native_pattern
+from compilemask.compiler.native import native_pattern
 
 from helpers import check_attention_vs_reference, fake_on_cuda, sweep
 
@@ -181,7 +181,7 @@ def test_cpu_runs_the_reference_and_refuses_gpu_backends():
     mask = cm.compile_mask(masks.causal())
     desc = mask.preprocess({}, seqlen_q=33, batch_size=1)
     q = torch.randn(1, 33, 2, 16)
-    assert cm.api.select_engine(q, desc) == "reference"
+    assert cm.api.api.select_engine(q, desc) == "reference"
     for backend in ("fa4", "native", "cute"):
         with pytest.raises(NotImplementedError, match=backend):
             cm.attention(q, q, q, desc, backend=backend)
@@ -209,7 +209,7 @@ def test_top_level_kernels_import_is_inert(monkeypatch):
         desc = mask.preprocess(meta, seqlen_q=40)
         q = torch.randn(2, 40, 2, 8, dtype=torch.float64)
         out = cm.attention(q, q, q, desc)
-        from compilemask.reference import attention_reference
+        from compilemask.compiler.reference import attention_reference
 
         torch.testing.assert_close(out, attention_reference(q, q, q, desc.dense_mask()))
     finally:
@@ -346,7 +346,7 @@ def test_gpu_engines_vs_float32_reference(name, D):
     mask, desc, q, k, v = _gpu_case(name, 2, 1000, 4, 2, D, seed=7)
     dense = desc.dense_mask()
     engines = ["fa4"] + (["native"] if desc.native is not None else [])
-    assert cm.api.select_engine(q, desc) == ("native" if "native" in engines else "fa4")
+    assert cm.api.api.select_engine(q, desc) == ("native" if "native" in engines else "fa4")
     for engine in engines:
         check_attention_vs_reference(desc, q, k, v, engine, dense)
 
@@ -386,15 +386,15 @@ def test_gpu_fa4_rectangular_and_mha(name):
     # Sq != Sk (top-left causal is then not native), no GQA, seqlen not a multiple of 128
     mask, desc, q, k, v = _gpu_case(name, 1, 700, 2, 2, 128, seed=3, Sk=900)
     check_attention_vs_reference(desc, q, k, v, "fa4", desc.dense_mask())
-    assert cm.api.select_engine(q, desc) == "fa4"
+    assert cm.api.api.select_engine(q, desc) == "fa4"
 
 
 @pytest.mark.gpu
 def test_gpu_lists_tilelang_equal_torch():
     """The lists a CUDA preprocess writes (one TileLang launch, ``desc.lists``) equal the torch
     reference of every kind; ``block_sparse`` views them."""
-    from compilemask.blocksparse import descriptor_lists
-    from compilemask.pipeline import LIST_KINDS_FA4
+    from compilemask.compiler.blocksparse import descriptor_lists
+    from compilemask.pipeline.pipeline import LIST_KINDS_FA4
 
     for name in ("hstu", "clear", "dilated_causal"):
         _, desc, *_ = _gpu_case(name, 3, 3000, 1, 1, 64, seed=5)
@@ -414,7 +414,7 @@ def test_gpu_lists_tilelang_equal_torch():
 def test_gpu_cpu_descriptor_on_device_gets_lists():
     """A descriptor made on the CPU (no lists there) gets, on the GPU attention runs on, one copy
     with the device's lists, made once and kept; attention on either gives the same output."""
-    from compilemask import pipeline
+    from compilemask.pipeline import pipeline
 
     mask = cm.compile_mask(masks.hstu())
     meta = masks.random_meta(mask.spec, 2, 1000, torch.Generator().manual_seed(4))

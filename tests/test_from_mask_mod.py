@@ -239,7 +239,7 @@ def test_rebuilt_mask_mod_reads_the_new_tensors():
 def test_repeat_call_does_not_convert_again(monkeypatch):
     """A mask_mod rebuilt per batch from the same code and values is served from the cache: the
     conversion (trace, sympy, DNF) runs once; the repeat cost is a key walk (bench, not here)."""
-    from compilemask import flex
+    from compilemask.dsl import flex
     offsets = length_to_offsets([100, 200, 212], "cpu")
     cm.from_mask_mod(generate_doc_mask_mod(causal_mask, offsets))  # converts once
     hstu = [generate_hstu(torch.tensor([10, 20]), torch.tensor([50, 60]), 4) for _ in range(2)]

@@ -18,7 +18,7 @@ def _dense(q, k, v, mask4, score_mod=None):
     kk, vv = (t.repeat_interleave(G, dim=2) for t in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
     if score_mod is not None:
-        from compilemask.reference import apply_score_mod
+        from compilemask.compiler.reference import apply_score_mod
 
         s = apply_score_mod(s, score_mod)
     s = s.masked_fill(~mask4, float("-inf"))
@@ -446,7 +446,7 @@ def _duo_spec():
 
 
 def _brute(mask, meta):
-    from compilemask.reference import brute_force_mask
+    from compilemask.compiler.reference import brute_force_mask
 
     B_, scal, arrs, _ = mask.normalize_meta(meta, S, S, B, None)
     return brute_force_mask(mask, B_, scal, arrs, S, S)

@@ -14,12 +14,12 @@ cute = pytest.importorskip("cutlass.cute")
 
 import compilemask as cm  # noqa: E402
 from compilemask import masks  # noqa: E402
+from compilemask.compiler.reference import attention_reference  # noqa: E402
 from compilemask.kernels.config import FlashBwdConfig  # noqa: E402
 from compilemask.kernels.fallback import Fallback  # noqa: E402
 from compilemask.kernels.flash_bwd import FlashBwd  # noqa: E402
 from compilemask.kernels.flash_bwd_sm90 import FlashBwdSm90  # noqa: E402
 from compilemask.kernels.interface import compile_flash_bwd  # noqa: E402
-from compilemask.reference import attention_reference  # noqa: E402
 
 from helpers import sweep  # noqa: E402
 
@@ -40,7 +40,7 @@ def _ptx(cfg, dump_dir):
 def test_default_arch(monkeypatch):
     """wgmma (90) on sm_90 devices, mma.sync (80) otherwise; KernelOptions.bwd_arch
     overrides."""
-    from compilemask.options import KernelOptions, device_arch
+    from compilemask.contract.options import KernelOptions, device_arch
 
     def default_arch(device=None, options=None):
         return (options or KernelOptions()).resolve(device_arch(device), 1).bwd_arch
@@ -269,7 +269,7 @@ def test_bitmap_smem_ptx(tmp_path):
     reads."""
     from dataclasses import replace
 
-    from compilemask.options import BITMAP_SMEM_WORDS, bitmap_fits_smem
+    from compilemask.contract.options import BITMAP_SMEM_WORDS, bitmap_fits_smem
 
     cfg = FlashBwdConfig("bf16", 128, 64, 128, 1, arch=90)
     assert cfg.bitmap_smem
@@ -336,9 +336,9 @@ def _attn_lowp(q, k, v, dense, scale):
 
 def _check_case(spec, B, S, H, Hkv, D, dtype=torch.bfloat16, seed=0, arch=None,
                 deterministic=False, **options):
+    from compilemask.contract.options import KernelOptions
     from compilemask.kernels.autograd import _fallback, register_mask
     from compilemask.kernels.interface import flash_bwd
-    from compilemask.options import KernelOptions
 
     mask = cm.compile_mask(spec)
     meta = masks.random_meta(spec, B, S, gen=torch.Generator().manual_seed(seed))

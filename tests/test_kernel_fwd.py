@@ -18,11 +18,11 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 cute = pytest.importorskip("cutlass.cute")
 
-from compilemask.descriptor import TileConfig  # noqa: E402
+from compilemask.compiler.tiles import pack_bitmap, tile_states  # noqa: E402
+from compilemask.contract.descriptor import TileConfig  # noqa: E402
 from compilemask.kernels import Fallback, FlashFwdConfig, compile_flash_fwd  # noqa: E402
 from compilemask.kernels.config import default_tiles  # noqa: E402
 from compilemask.kernels.interface import flash_fwd  # noqa: E402
-from compilemask.tiles import pack_bitmap, tile_states  # noqa: E402
 
 from helpers import sweep  # noqa: E402
 
@@ -243,7 +243,7 @@ def test_mask_bits_sass(sm90_env, tmp_path, monkeypatch):
 def test_mask_bits_knob():
     """KernelOptions.fwd_mask picks the partial-tile test; a wrong value is a clear error before
     any kernel is built."""
-    from compilemask.options import KernelOptions
+    from compilemask.contract.options import KernelOptions
 
     q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
     iv = torch.zeros(1, 8, 1, 2, dtype=torch.int32)
@@ -436,7 +436,7 @@ def _build_case(mask_kind, B, Sq, Sk, gen):
     ids=lambda c: f"{c[0]}-B{c[1]}-{c[2]}x{c[3]}-h{c[4]}/{c[5]}-d{c[6]}-{str(c[7])[6:]}",
 )
 def test_fwd_numerics(case, variant):
-    from compilemask.options import KernelOptions
+    from compilemask.contract.options import KernelOptions
 
     mask_kind, B, Sq, Sk, H, Hkv, D, dtype = case
     variant, *opts = variant.split("-")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+from compilemask.contract.descriptor import TILE_MASKED, TILE_VISIBLE
 from compilemask.masks import EXAMPLES, random_meta
 
 from helpers import dense_tile_states

@@ -120,7 +120,7 @@ def _new_mask_loop(tmp_path, steps: int, full: int, timeout: int) -> dict:
     ''', tmp_path, timeout)
 
 
-# every cache a new mask reaches is bounded (compilemask.lru): what they hold at their bounds,
+# every cache a new mask reaches is bounded (contract.lru): what they hold at their bounds,
 # ~1024 compiled forms of ~35 KB and the smaller tables, stays under this (measured: 51 MB over
 # 1,500 new masks); past the bounds a new mask adds nothing
 NEW_MASKS_MB = 96
@@ -181,7 +181,8 @@ def test_cpu_preprocess_at_256k_tokens_stays_under_1_5_gb(tmp_path):
 
 def test_a_length_past_int32_indexing_or_memory_is_refused(monkeypatch):
     import compilemask as cm
-    from compilemask import masks, sizes
+    from compilemask import masks
+    from compilemask.compiler import sizes
 
     m = cm.compile_mask(masks.causal())
     with pytest.raises(ValueError, match=r"batch_size=4096: the descriptor's intervals .* past "
@@ -197,13 +198,14 @@ def test_a_length_past_int32_indexing_or_memory_is_refused(monkeypatch):
 
 
 def _tilings():
-    from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+    from compilemask.contract.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
     return DEFAULT_FWD_TILES, DEFAULT_BWD_TILES
 
 
 def test_bound_preprocessor_keeps_a_bounded_table_of_lengths():
     import compilemask as cm
-    from compilemask import masks, pipeline
+    from compilemask import masks
+    from compilemask.pipeline import pipeline
 
     m = cm.compile_mask(masks.prefix_lm())  # has params: nothing compiles until a call
     pre = pipeline.Preprocessor(m, 64, 64, 2, "cpu")
@@ -215,8 +217,8 @@ def test_bound_preprocessor_keeps_a_bounded_table_of_lengths():
 def test_bitmaps_in_chunks_equal_one_piece(monkeypatch):
     import torch
 
-    from compilemask import tiles
-    from compilemask.descriptor import TileConfig
+    from compilemask.compiler import tiles
+    from compilemask.contract.descriptor import TileConfig
 
     gen = torch.Generator().manual_seed(0)
     B, Sq, Sk, K = 3, 1000, 700, 3
@@ -258,8 +260,8 @@ def test_a_captured_0d_tensor_is_one_compiled_mask_for_every_value():
 
 
 def test_a_mask_mod_converted_for_many_ints_says_how_to_make_one_mask(caplog):
-    from compilemask import flex
-    from compilemask.log import said
+    from compilemask.contract.log import said
+    from compilemask.dsl import flex
 
     def make(p):
         def prefix_for_hint(b, h, q_idx, kv_idx):

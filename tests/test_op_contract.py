@@ -15,8 +15,8 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.cache import KeyedRegistry
-from compilemask.descriptor import BlockSparseLists, DescriptorArgs
+from compilemask.contract.cache import KeyedRegistry
+from compilemask.contract.descriptor import BlockSparseLists, DescriptorArgs
 from compilemask.kernels import fa4_lib
 from compilemask.kernels.contract import (
     LIST_SLOTS,
@@ -147,7 +147,7 @@ def test_registry_is_bounded_and_weak():
 
 
 def test_mask_and_score_mod_registries_are_bounded():
-    from compilemask.cache import MASKS, SCORE_MODS
+    from compilemask.contract.cache import MASKS, SCORE_MODS
 
     assert MASKS.keep == 256 and SCORE_MODS.keep == 256
     mask = cm.compile_mask(masks.causal())
@@ -179,7 +179,7 @@ def test_aux_layout_agrees_with_the_generated_source(name):
         aux_tensors,
         mask_mod_source,
     )
-    from compilemask.pipeline import PipelineConfig
+    from compilemask.pipeline.pipeline import PipelineConfig
 
     spec = masks.EXAMPLES[name]()
     mask = cm.compile_mask(spec)
@@ -296,7 +296,7 @@ def test_served_batches_go_through_the_op(monkeypatch, paged):
     length arguments as before, and the fake implementation the packed layout's shapes."""
     from test_serving import _packed_batch, _paged, _unpack
 
-    from compilemask import serving
+    from compilemask.api import serving
     from compilemask.kernels import fa4
 
     mask = cm.compile_mask(masks.prefix_lm())

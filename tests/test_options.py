@@ -9,8 +9,8 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.cache import CompileCache
-from compilemask.options import KernelOptions, default_options
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.options import KernelOptions, default_options
 
 
 def test_values_are_checked():
@@ -140,7 +140,7 @@ def test_one_cache_dir_for_generated_sources(monkeypatch):
     import os
 
     from compilemask.codegen import cute_predicate
-    from compilemask.env import cache_dir, cache_root, configure_compile_caches
+    from compilemask.contract.env import cache_dir, cache_root, configure_compile_caches
 
     assert os.path.dirname(cache_dir("tilelang")) == os.path.dirname(cache_dir("predicates"))
     # the compilers' own caches (TileLang builds, FA4 kernels) live there too, unless the user

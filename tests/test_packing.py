@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import native, packing
+from compilemask.compiler import native
+from compilemask.dsl import packing
 from compilemask.masks import hstu, packed_documents, packed_prefix_lm, random_meta
 
 HSTU = cm.compile_mask(hstu())

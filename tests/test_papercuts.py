@@ -96,7 +96,7 @@ def test_compile_cache_never_shares_across_constants():
 
 def test_compile_cache_serves_a_rebuilt_spec(monkeypatch):
     """A spec rebuilt from the same code and constants skips the symbolic compile entirely."""
-    from compilemask import compiled
+    from compilemask.pipeline import compiled
     calls = []
     real = compiled._compile_spec
     monkeypatch.setattr(compiled, "_compile_spec", lambda spec: calls.append(spec) or real(spec))

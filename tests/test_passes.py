@@ -2,9 +2,9 @@
 
 import sympy as sp
 
-from compilemask.compiler import canonicalize, extract_intervals, normalize, to_dnf_terms
+from compilemask.compiler.compiler import canonicalize, extract_intervals, normalize, to_dnf_terms
+from compilemask.compiler.prover import Prover
 from compilemask.dsl.frontend import RuleContext, rule_symbols, translate_rule
-from compilemask.prover import Prover
 
 S = rule_symbols(["a", "b", "w"])
 i, j, a, b, w = S["i"], S["j"], S["a"], S["b"], S["w"]
@@ -90,7 +90,7 @@ def test_prover_is_sound():
 
 def test_exact_quotients_without_floor_print_and_prove():
     # sympy drops floor() from min(2, 2*i) // 2 (it proves the quotient integral)
-    from compilemask.exprprint import TorchPrinter
+    from compilemask.dsl.exprprint import TorchPrinter
 
     e = sp.floor(sp.Min(2, 2 * i) / 2)
     assert not isinstance(e, sp.floor)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import pipeline
 from compilemask.codegen import blocksparse as tlb
 from compilemask.codegen import preprocess as tlp
 from compilemask.masks import EXAMPLES, packed_documents, random_meta
+from compilemask.pipeline import pipeline
 
 NAMES = sorted(EXAMPLES)
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,7 +54,7 @@ def test_bound_preprocessor_takes_new_lengths_without_compiling():
 _PREBUILD = """
 import os, sys, torch
 from compilemask.codegen import blocksparse as tlb, tilelang_build as tb
-from compilemask.blocksparse import lists_from_bitmap
+from compilemask.compiler.blocksparse import lists_from_bitmap
 progs = tlb.list_programs(target="c", config=tlb.ListsConfig(threads=32, tpr=8,
                                                              tpr_transposed=8))
 assert len(progs) == 2 and len({p.source for p in progs}) == 2  # by rows, by columns

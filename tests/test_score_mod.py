@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import masks, score_mods
+from compilemask import masks
+from compilemask.dsl import score_mods
 
 B, H, D = 2, 4, 16
 
@@ -195,7 +196,7 @@ def _all_score_mods():
 def test_compiled_score_mod_equals_the_score_mod(name):
     """The expression the kernels evaluate equals the score_mod as written, score by score, and
     its derivative equals autograd's (float32, the kernels' arithmetic)."""
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     fn = _all_score_mods()[name]
     sm, tables = compile_score_mod(fn)
@@ -212,7 +213,7 @@ def test_compiled_score_mod_equals_the_score_mod(name):
 
 
 def test_score_mod_softcap_recognized_and_cache():
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     assert compile_score_mod(_cases()["softcap_sliding_window"][0])[0].softcap == 50.0
     assert compile_score_mod(lambda s, b, h, i, j: 50 * torch.tanh(s / 40))[0].softcap is None
@@ -234,7 +235,7 @@ def test_score_mod_softcap_recognized_and_cache():
 
 
 def test_score_mod_refusals_name_the_construct():
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     t = torch.ones(4, 4)
 
@@ -261,7 +262,7 @@ def test_score_mod_refusals_name_the_construct():
 
 
 def test_score_mod_tables_as_the_kernels_read_them():
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     slopes = torch.rand(H, dtype=torch.float64, requires_grad=True)
     ids = torch.arange(6)
@@ -309,8 +310,8 @@ def test_score_mod_compiles_in_fa4_forward_and_backward(name, engine):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.dsl.score_mod import compile_score_mod
     from compilemask.kernels import fa4
-    from compilemask.score_mod import compile_score_mod
 
     from helpers import fake_on_cuda
 
@@ -383,9 +384,9 @@ def test_softcap_option_runs_the_generated_score_mod():
     call (a new key: never FA4's softcap kernel's entry) and runs as the generated tanh and its
     derivative; ``softcap="fa4"`` keeps FA4's own."""
     from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.dsl.score_mod import compile_score_mod
     from compilemask.kernels import autograd
     from compilemask.kernels.contract import OpSettings
-    from compilemask.score_mod import compile_score_mod
 
     sm, tables = compile_score_mod(_cases()["softcap_sliding_window"][0])
     call = OpSettings("k", 1.0, False, "native", "softcap=score_mod", sm.key, 1)
@@ -482,7 +483,7 @@ def test_score_mod_tables_reach_a_compiled_graph(name):
     """Under torch.compile (fullgraph) the GPU engines' score_mod arguments come from a
     conversion outside the graph (its key and the paths to the captured tensors) and reads the
     graph records: the same tables as eager, read again when a captured tensor is rebound."""
-    from compilemask.score_mod import compile_score_mod, static_score_args, traced_score_args
+    from compilemask.dsl.score_mod import compile_score_mod, static_score_args, traced_score_args
 
     fn = _cases()[name][0]
 
@@ -507,7 +508,7 @@ def test_score_mod_values_read_are_guarded_in_a_compiled_graph():
     Python values the score_mod reads (a global, a closure's constant), so a changed value
     compiles again and the call runs the score_mod as it is now, never the old one."""
     global SCALE
-    from compilemask.score_mod import SCORE, compile_score_mod, traced_score_args
+    from compilemask.dsl.score_mod import SCORE, compile_score_mod, traced_score_args
 
     def make():
         shift = [0.5]
@@ -537,7 +538,7 @@ def test_score_mod_values_read_are_guarded_in_a_compiled_graph():
 def test_score_mod_made_inside_a_compiled_graph_is_refused_saying_so():
     """A score_mod whose closure is made inside the compiled region cannot be read by the
     graph (fullgraph); the error says to make it once outside, which then compiles."""
-    from compilemask.score_mod import traced_score_args
+    from compilemask.dsl.score_mod import traced_score_args
 
     def inside(x, cap):
         return x + 1, traced_score_args(score_mods.softcap(cap))[0]
@@ -553,7 +554,7 @@ def test_score_mod_made_inside_a_compiled_graph_is_refused_saying_so():
 def test_score_mod_gradients_into_captures_are_refused_in_a_compiled_graph():
     """A captured tensor that requires grad is refused on the GPU engines in a compiled graph
     as in eager (the kernels build no gradient for it), not dropped; without grad it runs."""
-    from compilemask.score_mod import traced_score_args
+    from compilemask.dsl.score_mod import traced_score_args
 
     slopes = torch.nn.Parameter(torch.rand(4))
 
@@ -571,7 +572,7 @@ def test_score_mod_gradients_into_captures_are_refused_in_a_compiled_graph():
 def test_score_mod_tensors_read_as_attributes_are_refused():
     """A tensor read through an object's attribute is not a captured table (its reads cannot
     be keyed or followed by a compiled graph): refused, naming it."""
-    from compilemask.score_mod import static_score_args
+    from compilemask.dsl.score_mod import static_score_args
 
     class Holder:
         slopes = torch.ones(4)
@@ -649,7 +650,7 @@ def test_gpu_learnable_sink_vs_float32_reference(name, engine):
     """gpt-oss's sinks on FA4 (its learnable_sink): output, dq, dk, dv and dsink within twice
     PyTorch's own bf16 error of the float32 reference; dsink's from the bf16 output, as a flash
     backward forms it (FA4's, PyTorch's flash SDPA's: rowsum(dO * O) over the stored O)."""
-    from compilemask.reference import attention_reference
+    from compilemask.compiler.reference import attention_reference
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     meta = {k: v.cuda() for k, v in masks.random_meta(
@@ -753,9 +754,9 @@ def test_score_index_option_reaches_the_generated_code():
     """The default converts ALiBi's ``kv_idx - q_idx`` by bits (a new key, its own kernels);
     ``score_index="cvt"`` keeps I2F; lengths past INDEX_BOUND fall back to I2F."""
     from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.dsl.score_mod import compile_score_mod
     from compilemask.kernels import autograd
     from compilemask.kernels.contract import OpSettings
-    from compilemask.score_mod import compile_score_mod
 
     sm, _ = compile_score_mod(_cases()["alibi_causal"][0])
     call = OpSettings("k", 1.0, False, "native", "", sm.key, 1)
@@ -772,8 +773,8 @@ def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
     """The bit conversion goes to FA4's forward and backward (with the index wrap gone, the
     backward no longer spills with it), and to neither past INDEX_BOUND."""
     from compilemask.codegen.cute_score_mod import INDEX_BOUND
+    from compilemask.dsl.score_mod import compile_score_mod
     from compilemask.kernels import fa4
-    from compilemask.score_mod import compile_score_mod
 
     sm, tables = compile_score_mod(_cases()["alibi_causal"][0])
     sm = dataclasses.replace(sm, index_bits=True, key="")
@@ -792,7 +793,7 @@ def test_generated_score_mod_works_on_whole_vectors():
     """Arithmetic on FA4's vectors (TensorSSA), not a loop of scalar operations (which made
     ptxas spill in FA4's backward); only a table read walks the vector's elements."""
     from compilemask.codegen.cute_score_mod import score_mod_source
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     for name in ("alibi_causal", "t5_prefix_lm", "softcap_sliding_window"):
         sm, _ = compile_score_mod(_cases()[name][0])
@@ -808,7 +809,7 @@ def test_uniform_divisor_is_one_reciprocal():
     takes its reciprocal once and multiplies per score (forward and derivative); a divisor that
     reads q_idx / kv_idx keeps the IEEE division, and so does exact (rounded) arithmetic."""
     from compilemask.codegen.cute_score_mod import score_mod_source
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     temps = torch.linspace(0.5, 1.5, H)
     sm, _ = compile_score_mod(score_mods.temperature(temps))
@@ -922,7 +923,7 @@ def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, 
     differences."""
     monkeypatch.setattr(_Vec, "python_rounding", python_rounding)
     from compilemask.codegen.cute_score_mod import score_mod_source
-    from compilemask.score_mod import compile_score_mod, kernel_table
+    from compilemask.dsl.score_mod import compile_score_mod, kernel_table
 
     fn = _all_score_mods()[name]
     sm, tables = compile_score_mod(fn)
@@ -949,7 +950,7 @@ def _run_vectors(fn, score, b, h, q_idx, kv_idx, grad: bool = False):
     import warnings
 
     from compilemask.codegen.cute_score_mod import score_mod_source
-    from compilemask.score_mod import compile_score_mod, kernel_table
+    from compilemask.dsl.score_mod import compile_score_mod, kernel_table
 
     sm, tables = compile_score_mod(fn)
     aux = [np.asarray(kernel_table(t.detach(), spec.is_float))
@@ -990,7 +991,7 @@ def test_index_total_score_mods_are_finite_past_the_sequence(name):
     rows and columns of edge tiles: the generated code at indices past the sequence, up to the
     bound the kernels allow, with finite scores and tables; the source says which it is."""
     from compilemask.codegen.cute_score_mod import INDEX_BOUND, index_total, score_mod_source
-    from compilemask.score_mod import compile_score_mod, kernel_table
+    from compilemask.dsl.score_mod import compile_score_mod, kernel_table
 
     fn = _all_score_mods()[name]
     sm, tables = compile_score_mod(fn)
@@ -1012,7 +1013,7 @@ def test_index_total_score_mods_are_finite_past_the_sequence(name):
 
 def test_index_total_refuses_what_can_overflow():
     from compilemask.codegen.cute_score_mod import index_total
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     slopes = torch.rand(H)
 
@@ -1077,7 +1078,7 @@ def test_narrow_integer_arithmetic_and_bool_negation_are_refused():
     compute in int32); a conversion to one wraps; ``-`` of a boolean raises in torch. Each is
     refused naming the tensor or the operation; a narrow table compared, or added to an index,
     reads exactly."""
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     u8 = torch.tensor([0, 200, 3, 9], dtype=torch.uint8)
     i8 = torch.tensor([100, 120, -3, 1], dtype=torch.int8)
@@ -1101,7 +1102,7 @@ def test_narrow_integer_arithmetic_and_bool_negation_are_refused():
 def test_unsupported_score_mods_are_refused_with_the_construct_named():
     """A rounding mode the kernels do not reproduce, and a comparison sympy cannot fold, are
     refused naming what to write instead (not an operator '?' or a RecursionError)."""
-    from compilemask.score_mod import compile_score_mod
+    from compilemask.dsl.score_mod import compile_score_mod
 
     with pytest.raises(NotImplementedError, match="rounding_mode='trunc'.*floor division"):
         compile_score_mod(lambda s, b, h, q, kv: s + torch.div(kv - q, 3, rounding_mode="trunc"))

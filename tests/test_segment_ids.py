@@ -9,9 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compilemask as cm
-from compilemask.descriptor import TileConfig
-from compilemask.segments import derive_run_arrays, run_bounds, span_bounds
-from compilemask.tiles import bitmaps, unpack_bitmap, visibility_only_slots
+from compilemask.compiler.segments import derive_run_arrays, run_bounds, span_bounds
+from compilemask.compiler.tiles import bitmaps, unpack_bitmap, visibility_only_slots
+from compilemask.contract.descriptor import TileConfig
 
 from helpers import dense_tile_states
 

@@ -12,7 +12,7 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.serving import DecodeState, query_descriptor
+from compilemask.api.serving import DecodeState, query_descriptor
 
 from helpers import assert_lists_equal
 
@@ -242,7 +242,7 @@ def test_native_patterns_apply_to_queries_at_the_end():
         assert d.q_offset == 37 and d.native_applies() is expect, spec.name
         full = query_descriptor(mask, meta, 40, 40, batch_size=1)
         assert full.q_offset == 0 and full.native_applies() is (mask.native_pattern is not None)
-    from compilemask.descriptor import DescriptorArgs
+    from compilemask.contract.descriptor import DescriptorArgs
 
     d = query_descriptor(cm.compile_mask(masks.causal()), None, 40, 3, batch_size=1)
     back = DescriptorArgs.of(d).descriptor(d.mask)
@@ -266,7 +266,7 @@ def test_gpu_decode_and_chunked_prefill_vs_float32_reference(name):
         q = torch.randn(2, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(2, Sk, 2, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        engine = cm.api.select_engine(q, d)
+        engine = cm.api.api.select_engine(q, d)
         assert engine == ("native" if mask.native_pattern is not None else "fa4"), engine
         check_attention_vs_reference(d, q, k, v, engine, d.dense_mask())
 
@@ -347,7 +347,7 @@ def test_gpu_batch_of_requests_vs_float32_reference():
         q = torch.randn(4, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(4, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
                 for _ in range(2))
-        assert cm.api.select_engine(q, d) == "fa4"
+        assert cm.api.api.select_engine(q, d) == "fa4"
         check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
 
 
@@ -374,7 +374,7 @@ def test_row_descriptor_program_equals_the_reference(name):
     the torch reference's descriptor field by field: the last rows, random positions with
     padding on both sides, leading rows, with and without per-request key limits."""
     pytest.importorskip("tilelang")
-    from compilemask.distributed import rows_descriptor
+    from compilemask.api.distributed import rows_descriptor
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     S, B = 700, 3
@@ -395,7 +395,7 @@ def test_row_descriptor_program_equals_the_reference(name):
 def test_gpu_row_descriptor_program_equals_the_reference(name):
     """On CUDA the rows program (``backend="tilelang"``) equals the torch reference, the lists
     too; and a query descriptor made by it serves a decode step as the reference's does."""
-    from compilemask.distributed import rows_descriptor
+    from compilemask.api.distributed import rows_descriptor
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     S, B = 2000, 4
@@ -450,7 +450,7 @@ def test_score_mods_on_served_rows():
     one that it does not (a T5 bucket) is refused, as are the LSE of a shifted one and a shifted
     one next to a learnable sink (whose logit does not move with the row); one that does not
     read q_idx (a softcap) runs with both."""
-    from compilemask import score_mods
+    from compilemask.dsl import score_mods
 
     mask = cm.compile_mask(masks.causal())
     Sk, Sq = 40, 3
@@ -493,7 +493,7 @@ def test_rows_elsewhere_read_the_table_on_fa4(seqused):
     instead on rows that are not 0.. of the sequence (served rows, request batches, context-
     parallel shards): the rules would take the local row for the position."""
     pytest.importorskip("cutlass")
-    from compilemask import distributed as cp
+    from compilemask.api import distributed as cp
     from compilemask.codegen.cute_mask_mod import mask_mod, mask_mod_variant
     from compilemask.kernels import fa4
 
@@ -539,7 +539,7 @@ def _paged(kv, page_size: int, gen):
 def test_paged_kv_equals_contiguous_keys(name):
     """Keys and values read through a shuffled page table give the contiguous call's output, for
     decode steps and chunks, with and without per-request lengths."""
-    from compilemask.serving import paged_attention
+    from compilemask.api.serving import paged_attention
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     gen = torch.Generator().manual_seed(3)
@@ -558,7 +558,7 @@ def test_paged_kv_equals_contiguous_keys(name):
 
 
 def test_paged_kv_refusals_name_the_argument():
-    from compilemask.serving import paged_attention
+    from compilemask.api.serving import paged_attention
 
     mask = cm.compile_mask(masks.causal())
     d = query_descriptor(mask, None, 100, 1, batch_size=2)
@@ -617,7 +617,7 @@ def test_varlen_batch_equals_each_request_alone(name):
     """A packed batch (each request's queries its last positions, FA4's varlen layout) gives
     each request's own output: its query_descriptor alone on its contiguous keys; with paged
     keys too."""
-    from compilemask.serving import paged_attention, varlen_attention
+    from compilemask.api.serving import paged_attention, varlen_attention
 
     mask = cm.compile_mask(masks.EXAMPLES[name]())
     gen = torch.Generator().manual_seed(4)
@@ -651,7 +651,7 @@ def _unpack(t, used):
 
 
 def test_varlen_refusals_name_the_argument():
-    from compilemask.serving import varlen_attention
+    from compilemask.api.serving import varlen_attention
 
     mask = cm.compile_mask(masks.causal())
     _, d, q, k, v = _packed_batch(mask, torch.Generator().manual_seed(0), [9, 4], [2, 4])
@@ -679,8 +679,8 @@ def test_gpu_varlen_batch_vs_float32_reference(name):
     """A packed batch on FA4's varlen kernels (native for causal / window, the interval
     mask_mod otherwise), contiguous and paged keys, within twice PyTorch's bf16 error per
     request; a request with no queries, one with a single key."""
+    from compilemask.api.serving import paged_attention, varlen_attention
     from compilemask.kernels.dispatch import select_served_engine
-    from compilemask.serving import paged_attention, varlen_attention
 
     from helpers import check_output_vs_reference
 
@@ -710,7 +710,7 @@ def test_gpu_paged_kv_vs_float32_reference(name):
     """FA4's paged kernels (native for masks proven causal / windowed, the interval mask_mod on
     every tile otherwise) within twice PyTorch's bf16 error, at FA4's TMA page size (128) and a
     smaller one (64, cp.async loads), decode steps and chunks, with per-request lengths."""
-    from compilemask.serving import paged_attention
+    from compilemask.api.serving import paged_attention
 
     from helpers import check_output_vs_reference
 
@@ -772,8 +772,8 @@ _TWO_SIDED = cm.MaskSpec("two_sided", regions=[cm.Region("all", _every, _two_sid
 def test_fa4_length_arguments_are_made_once_per_descriptor():
     """cu_seqlens / seqused_k for FA4 come from the descriptor's counts, made once per
     descriptor (a layer loop launches nothing for them)."""
+    from compilemask.api.serving import _lengths
     from compilemask.kernels.contract import OpSlots
-    from compilemask.serving import _lengths
 
     mask = cm.compile_mask(masks.causal())
     d = query_descriptor(mask, None, 9, 4, batch_size=2, seqused_k=torch.tensor([9, 4]),
@@ -792,7 +792,7 @@ def test_fa4_length_arguments_are_made_once_per_descriptor():
 def test_reference_on_served_rows_names_why_a_score_mod_is_refused():
     """Served rows run a score_mod only where its reading of q_idx is known; one the converter
     does not read (a -inf constant) is refused saying so, on the reference engine too."""
-    from compilemask.serving import query_descriptor
+    from compilemask.api.serving import query_descriptor
 
     desc = query_descriptor(cm.compile_mask(masks.causal()), None, 16, 4, batch_size=1)
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 16, 2, 8)

@@ -13,7 +13,7 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.serving import paged_attention, query_descriptor, varlen_attention
+from compilemask.api.serving import paged_attention, query_descriptor, varlen_attention
 
 NAMES = ["causal", "prefix_lm", "sliding_window", "packed_documents", "tree_verify", "hstu"]
 JUNK = (float("nan"), float("inf"), float("-inf"))

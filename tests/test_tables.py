@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask.descriptor import pack_table, unpack_table
+from compilemask.contract.descriptor import pack_table, unpack_table
 
 
 def _tree_spec():
@@ -103,8 +103,8 @@ def test_table_mask_through_the_bound_preprocessor_and_the_inspection_tools(tmp_
 def test_table_mask_under_a_layer_window_and_warmup_metadata():
     """A model layer's window combined with a table mask (its metadata read back from the
     descriptor's words), and the metadata ``warmup`` builds for a table param."""
+    from compilemask.api.warmup import zero_meta
     from compilemask.integrations.transformers import windowed_descriptor
-    from compilemask.warmup import zero_meta
 
     mask = cm.compile_mask(_tree_spec())
     meta = _meta(mask.name, 2, 50, 50, torch.Generator().manual_seed(1), M=70)
@@ -150,7 +150,7 @@ def test_table_masks_are_refused_by_the_cute_engine():
 
 
 def test_table_mask_attention_on_cpu_equals_dense():
-    from compilemask.reference import attention_reference
+    from compilemask.compiler.reference import attention_reference
 
     mask = cm.compile_mask(_tree_spec())
     meta = _meta(mask.name, 2, 40, 60, torch.Generator().manual_seed(5), M=30)

@@ -16,13 +16,13 @@ import torch
 tilelang = pytest.importorskip("tilelang")
 
 import compilemask as cm  # noqa: E402
-from compilemask.blocksparse import descriptor_lists  # noqa: E402
 from compilemask.codegen import blocksparse as tlb  # noqa: E402
 from compilemask.codegen import preprocess as tlp  # noqa: E402
 from compilemask.codegen.preprocess import PreprocessConfig  # noqa: E402
-from compilemask.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, TileConfig  # noqa: E402
+from compilemask.compiler.blocksparse import descriptor_lists  # noqa: E402
+from compilemask.contract.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, TileConfig  # noqa: E402
 from compilemask.masks import EXAMPLES, random_meta  # noqa: E402
-from compilemask.pipeline import LIST_KINDS_FA4, PipelineConfig, Preprocessor  # noqa: E402
+from compilemask.pipeline.pipeline import LIST_KINDS_FA4, PipelineConfig, Preprocessor  # noqa: E402
 
 from helpers import compile_in_range, sweep  # noqa: E402
 

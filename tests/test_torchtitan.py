@@ -338,7 +338,7 @@ def _cp_worker(rank, world, out_dir, mask):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from compilemask.distributed import unshard
+    from compilemask.api.distributed import unshard
 
     # a rendezvous file, not a TCP port another process on the machine could take first
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import compilemask as cm  # noqa: E402
-from compilemask import packing  # noqa: E402
+from compilemask.dsl import packing  # noqa: E402
 from compilemask.integrations import transformers as cm_hf  # noqa: E402
 from compilemask.masks import causal, hstu, sliding_window  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_torch_compile_fullgraph(name):
 
 
 def test_torch_compile_fullgraph_cold(name, monkeypatch):
-    from compilemask import api
+    from compilemask.api import api
 
     monkeypatch.setattr(api, "_SAID", set())  # as in a fresh process
     torch._dynamo.reset()
@@ -248,7 +248,7 @@ def test_docs_transformers_lines_run(tmp_path):
 def test_context_parallel_arguments_are_checked(name):
     """compilemask_cp needs the rank's shard_descriptor and the plan's local length (the
     checks come before any collective, so no process group is needed here)."""
-    from compilemask import distributed as cp
+    from compilemask.api import distributed as cp
 
     _, mod = _models(name)
     mask = cm.compile_mask(hstu())

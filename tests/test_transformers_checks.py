@@ -171,7 +171,7 @@ def test_padding_mask_is_refused_where_the_engine_cannot_apply_it(name, monkeypa
 
 
 def test_padding_mask_with_context_parallelism_is_refused(name):
-    from compilemask import distributed as cp
+    from compilemask.api import distributed as cp
 
     _, mod = _models(name, FAMILIES["llama"]())
     mask = cm.compile_mask(causal())

@@ -9,8 +9,8 @@ import torch
 
 import compilemask as cm
 from compilemask import masks
-from compilemask.cli import run
-from compilemask.serving import paged_attention, query_descriptor
+from compilemask.api.cli import run
+from compilemask.api.serving import paged_attention, query_descriptor
 
 
 def _causal_desc(S=8, B=1):

@@ -1,4 +1,4 @@
-"""Pictures (compilemask.viz) and the terminal rendering (ExecutionDescriptor.to_string)."""
+"""Pictures (compilemask.api.viz) and the terminal rendering (ExecutionDescriptor.to_string)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import compilemask as cm
-from compilemask import viz
-from compilemask.descriptor import TILE_MASKED, TILE_VISIBLE
+from compilemask.api import viz
+from compilemask.contract.descriptor import TILE_MASKED, TILE_VISIBLE
 from compilemask.masks import EXAMPLES, random_meta
 
 pytest.importorskip("matplotlib")
@@ -238,7 +238,7 @@ LONG = textwrap.dedent("""
     mask = cm.compile_mask(hstu())
     desc = mask.preprocess({"ctx_end": 4000, "hist_end": 20000, "seq_end": 30000,
                             "group_size": 1500}, seqlen_q=S, seqlen_k=S)
-    import compilemask.viz, matplotlib.figure, matplotlib.backends.backend_agg  # imported
+    import compilemask.api.viz, matplotlib.figure, matplotlib.backends.backend_agg  # imported
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t = time.time()
     path = cm.visualize(desc, path=sys.argv[1])
@@ -315,7 +315,7 @@ def test_to_string_causal_picture():
 
 
 def test_to_string_blocks_for_large_grids():
-    from compilemask.render import descriptor_to_string
+    from compilemask.pipeline.render import descriptor_to_string
 
     desc = cm.compile_mask(EXAMPLES["causal"]()).preprocess({}, seqlen_q=1000, seqlen_k=1000,
                                                             fwd_tiles=(16, 16))  # 63 x 63 tiles

@@ -29,7 +29,7 @@ The mask is the descriptor's, with two things the model has a say in:
   with queries and keys of different lengths, an unproven descriptor is refused, naming the
   layer.
 
-Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.distributed``
+Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.api.distributed``
 plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
 rank's shard of the sequence; the descriptor is the rank's ``shard_descriptor``. The rest of the
 model is per token, so feeding it the rank's tokens with their global positions is exact::
@@ -48,21 +48,20 @@ from collections.abc import Mapping
 
 import torch
 
-from compilemask import score_mods
-from compilemask.api import _validate, attention, select_engine
-from compilemask.cache import CompileCache
-from compilemask.compiled import CompiledMask, compile_mask
-from compilemask.compiler import first_match_rule
-from compilemask.descriptor import ExecutionDescriptor, unpack_table
-from compilemask.distributed import CPPlan, cp_attention, shard
-from compilemask.dsl import MaskSpec, Region
+from compilemask.api.api import _validate, attention, select_engine
+from compilemask.api.distributed import CPPlan, cp_attention, shard
+from compilemask.api.serving import DecodeState
+from compilemask.compiler.compiler import first_match_rule
+from compilemask.compiler.native import _run_axioms
+from compilemask.compiler.prover import Prover
+from compilemask.compiler.reference import attention_reference
+from compilemask.contract.cache import CompileCache
+from compilemask.contract.descriptor import ExecutionDescriptor, unpack_table
+from compilemask.contract.lru import LRU
+from compilemask.dsl import MaskSpec, Region, score_mods
 from compilemask.dsl.frontend import rule_symbols
-from compilemask.heads import HeadGroups
-from compilemask.lru import LRU
-from compilemask.native import _run_axioms
-from compilemask.prover import Prover
-from compilemask.reference import attention_reference
-from compilemask.serving import DecodeState
+from compilemask.pipeline.compiled import CompiledMask, compile_mask
+from compilemask.pipeline.heads import HeadGroups
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
            "key_padding_mask", "layer_window", "within_window", "windowed_mask",
@@ -256,7 +255,7 @@ def _cp_arg(cp):
         return cp, None
     if isinstance(cp, tuple) and len(cp) == 2 and isinstance(cp[0], CPPlan):
         return cp
-    raise TypeError(f"{CP_KWARG} must be (plan, group) with a compilemask.distributed.CPPlan "
+    raise TypeError(f"{CP_KWARG} must be (plan, group) with a compilemask.api.distributed.CPPlan "
                     f"(or the plan alone for the default group), got {type(cp).__name__}")
 
 

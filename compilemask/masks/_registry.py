@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from compilemask.compiled import compile_mask
+from compilemask.contract.lru import LRU
 from compilemask.dsl import MaskSpec
-from compilemask.lru import LRU
+from compilemask.pipeline.compiled import compile_mask
 
 __all__ = ["Recipes", "register", "recipes_for", "show"]
 

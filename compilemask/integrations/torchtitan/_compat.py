@@ -114,7 +114,7 @@ def _plan_balancer_cls():
     base = _load_balancer_base()
 
     class PlanLoadBalancer(base):
-        """torch's CP load balancer from a ``compilemask.distributed`` plan: the rearranged
+        """torch's CP load balancer from a ``compilemask.api.distributed`` plan: the rearranged
         sequence is every rank's rows in rank order, so torch's equal chunks are the plan's
         ranks."""
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compilemask.api import BACKENDS, attention
-from compilemask.descriptor import ExecutionDescriptor
-from compilemask.distributed import PLAN_KINDS, CPPlan, cp_attention
+from compilemask.api.api import BACKENDS, attention
+from compilemask.api.distributed import PLAN_KINDS, CPPlan, cp_attention
+from compilemask.contract.descriptor import ExecutionDescriptor
 
 from ._compat import module_base
 

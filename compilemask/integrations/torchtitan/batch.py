@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from compilemask.compiled import compile_mask
-from compilemask.distributed import make_plan, shard_descriptor
+from compilemask.api.distributed import make_plan, shard_descriptor
+from compilemask.pipeline.compiled import compile_mask
 
 from . import _compat
 from .attention import CompileMaskAttention, CompileMaskBatch

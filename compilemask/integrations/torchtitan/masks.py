@@ -39,9 +39,9 @@ import torch
 
 from compilemask import masks as cm_masks
 from compilemask.dsl import MaskSpec
-from compilemask.flex import from_mask_mod
+from compilemask.dsl.flex import from_mask_mod
+from compilemask.dsl.packing import packed_hstu_spec
 from compilemask.masks.shared_prompt_rm import ENDS as RM_ENDS
-from compilemask.packing import packed_hstu_spec
 
 __all__ = ["MaskSource", "resolve_mask", "document_bounds", "MASK_NAMES"]
 

@@ -7,7 +7,7 @@ from extra fields the dataset yields), with tensor ops only (no host synchroniza
 passes it to the model as ``attention_masks``: every layer, and its recomputation under
 activation checkpointing, runs the same descriptor. Under context parallelism the batch is
 sharded with torch's input sharding ordered by the project's CP plan
-(``compilemask.distributed.make_plan``), and the descriptor is the rank's rows.
+(``compilemask.api.distributed.make_plan``), and the descriptor is the rank's rows.
 """
 
 from __future__ import annotations
