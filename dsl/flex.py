@@ -59,7 +59,6 @@ from dataclasses import dataclass
 import sympy as sp
 import torch
 
-from compilemask.compiler.compiler import boolean_basis
 from compilemask.contract.log import say_once
 from compilemask.contract.lru import LRU
 from compilemask.dsl import tracing
@@ -69,6 +68,7 @@ from compilemask.dsl.fingerprint import Walk as _Walk
 from compilemask.dsl.frontend import (
     array_function,
     bool_xor,
+    boolean_basis,
     int_bit_op,
     shift,
     table_function,

@@ -37,6 +37,7 @@ __all__ = [
     "table_function",
     "is_table_read",
     "bool_xor",
+    "boolean_basis",
     "IntBitOp",
     "BitAnd",
     "BitOr",
@@ -52,6 +53,27 @@ def bool_xor(a, b):
     """``a ^ b`` of booleans with And / Or / Not: sympy's Xor breaks inside a Piecewise
     condition, and the printers spell only those three."""
     return sp.Or(sp.And(a, sp.Not(b)), sp.And(sp.Not(a), b))
+
+
+def boolean_basis(e):
+    """Xor, ITE, Implies and Equivalent rewritten with And / Or / Not at every depth (also in a
+    Piecewise condition inside an atom), the connectives every printer spells."""
+    if not isinstance(e, sp.Basic) or not e.args:
+        return e
+    args = [boolean_basis(a) for a in e.args]
+    if isinstance(e, sp.Xor):
+        out = args[0]
+        for b in args[1:]:
+            out = bool_xor(out, b)
+        return out
+    if isinstance(e, sp.ITE):
+        c, a, b = args
+        return sp.Or(sp.And(c, a), sp.And(sp.Not(c), b))
+    if isinstance(e, sp.Implies):
+        return sp.Or(sp.Not(args[0]), args[1])
+    if isinstance(e, sp.Equivalent):
+        return sp.Or(sp.And(*args), sp.And(*[sp.Not(a) for a in args]))
+    return e.func(*args) if any(a is not b for a, b in zip(args, e.args)) else e
 
 
 class IntBitOp(sp.Function):

@@ -136,8 +136,8 @@ def test_every_module_level_store_is_bounded_weak_or_allowed():
                        and k not in ALLOWED)
     assert not unbounded, (
         f"module-level stores that may grow without limit: {unbounded}; make each a "
-        "compilemask.contract.lru.LRU(n) / LRUSet(n) (or functools.lru_cache(maxsize=n)) with its size "
-        "in a comment, or add it to ALLOWED with why it cannot grow")
+        "compilemask.contract.lru.LRU(n) / LRUSet(n) (or functools.lru_cache(maxsize=n)) with its "
+        "size in a comment, or add it to ALLOWED with why it cannot grow")
     stale = sorted(k for k in ALLOWED if stores.get(k) != "unbounded")
     assert not stale, f"ALLOWED names stores that are gone or bounded now: {stale}"
 

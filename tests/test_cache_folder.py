@@ -168,7 +168,8 @@ def test_the_private_folder_is_removed_at_exit(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     run = subprocess.run(
-        [sys.executable, "-c", "from compilemask.contract.env import cache_dir; print(cache_dir('fa4'))"],
+        [sys.executable, "-c",
+         "from compilemask.contract.env import cache_dir; print(cache_dir('fa4'))"],
         env={**os.environ, env.CACHE_DIR_VAR: str(blocker / "cache")}, capture_output=True,
         text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -1,6 +1,7 @@
-"""The package's imports go one way: no cycles, no import of a higher layer, and few
-function-local imports, each with a comment saying why. The sources are parsed with ``ast``,
-never imported.
+"""The package's folders are its layers and its imports go one way: each layer is a folder (a
+subpackage of ``compilemask``), a module's layer is its folder's, no cycles, no import of a
+higher layer, and few function-local imports, each with a comment saying why. The sources are
+parsed with ``ast``, never imported.
 
     python tests/test_layers.py   # print the violations and the function-local imports
 """
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 
 import pytest
 
-# A module may import from its own layer or a lower one. "pkg.*" covers every module under
-# pkg; a module that matches no entry fails the test, so every new module gets a layer here.
+# Folder (package) -> layer. A module may import from its own layer or a lower one. A module's
+# layer is its folder's: a new module goes into the folder of its layer (the package's root
+# folder holds only its face, __init__ and __main__).
 LAYERS = {
     "compilemask.contract": 0,      # compilemask/contract/: descriptor, options, env, cache, log
     "compilemask.dsl": 1,           # dsl/: MaskSpec and the front ends
@@ -174,16 +176,40 @@ def scan(root: pathlib.Path = ROOT, package_dirs=None) -> tuple[dict, list[Impor
 
 
 def layer_of(module: str, layers=None) -> int | None:
-    """The module's layer: its own entry, else the longest ``pkg.*`` entry above it."""
+    """The module's layer: the entry of the module or of the nearest package above it."""
     layers = LAYERS if layers is None else layers
-    if module in layers:
-        return layers[module]
     parts = module.split(".")
-    for n in range(len(parts) - 1, 0, -1):
-        key = ".".join(parts[:n]) + ".*"
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
         if key in layers:
             return layers[key]
     return None
+
+
+# the modules the package's root folder may hold: its face
+ROOT_MODULES = {PACKAGE, f"{PACKAGE}.__main__"}
+
+
+def folder_violations(modules, layers=None) -> list[str]:
+    """Each layer is a folder: every entry of ``layers`` but the root is a package right under
+    it, and every module lives in one of them (the root holds only ``ROOT_MODULES``)."""
+    layers = LAYERS if layers is None else layers
+    out = []
+    for key in layers:
+        if key == PACKAGE:
+            continue
+        path = modules.get(key, "")
+        if key.rpartition(".")[0] != PACKAGE or not path.endswith("__init__.py"):
+            out.append(f"LAYERS entry {key}: not a folder (package) right under {PACKAGE}")
+    for m, path in sorted(modules.items()):
+        if m.rpartition(".")[0] != PACKAGE or m in layers or m in ROOT_MODULES:
+            continue
+        if path.endswith("__init__.py"):
+            out.append(f"{path}: folder {m} has no layer in LAYERS")
+        else:
+            out.append(f"{path}: module {m} lies in the package's root folder; move it into the "
+                       f"folder of its layer (LAYERS)")
+    return out
 
 
 def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -303,6 +329,11 @@ def _fail(title: str, violations: list[str], more: str = ""):
         pytest.fail(f"{title}:\n" + "\n".join(violations) + more, pytrace=False)
 
 
+def test_each_layer_is_a_folder(project):
+    _fail("layers that are no folder, and modules outside the layers' folders",
+          folder_violations(project[0]))
+
+
 def test_no_import_cycles(project):
     _fail("import cycles among the package's modules", cycle_violations(*project))
 
@@ -350,7 +381,7 @@ def test_scan_resolves_imports(tmp_path):
         # a name the package's __init__ defines: that __init__ is imported
         ("compilemask.ext.g", 3): (("compilemask",), (), False, False),
     }
-    layers = {"compilemask": 1, "compilemask.a": 0, ext: 3, "compilemask.ext.*": 2}
+    layers = {"compilemask": 1, "compilemask.a": 0, ext: 3, g: 2}
     assert layer_violations(modules, imports, layers) == [
         "core/a.py:7 imports compilemask.ext (layer 0 -> 3)",
         "core/a.py:7 imports compilemask.ext.g (layer 0 -> 2)",
@@ -364,6 +395,13 @@ def test_scan_resolves_imports(tmp_path):
         "    core/a.py:10 imports compilemask.ext.g\n"
         "    ext/g.py:1 imports compilemask.a\n"
         "    ext/g.py:3 imports compilemask"]
+    assert folder_violations(modules, {"compilemask": 1, ext: 2}) == [
+        "core/a.py: module compilemask.a lies in the package's root folder; move it into the "
+        "folder of its layer (LAYERS)"]
+    assert folder_violations(modules, {"compilemask": 1, "compilemask.a": 0, g: 2}) == [
+        "LAYERS entry compilemask.a: not a folder (package) right under compilemask",
+        "LAYERS entry compilemask.ext.g: not a folder (package) right under compilemask",
+        "ext/__init__.py: folder compilemask.ext has no layer in LAYERS"]
     assert local_violations(imports, limit=1) == [
         "2 function-local project imports, more than 1",
         "core/a.py:10 has no comment saying why: import compilemask.ext.g"]
@@ -378,7 +416,8 @@ def test_package_dirs_match_pyproject():
 
 def main() -> int:
     modules, imports = scan()
-    checks = [("cycles", cycle_violations(modules, imports)),
+    checks = [("folders", folder_violations(modules)),
+              ("cycles", cycle_violations(modules, imports)),
               ("upward imports", layer_violations(modules, imports)),
               ("function-local imports", local_violations(imports))]
     for title, violations in checks:

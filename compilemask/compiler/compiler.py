@@ -32,7 +32,7 @@ from compilemask.compiler.segments import (
     span_names,
 )
 from compilemask.dsl.exprprint import ExprPrinter
-from compilemask.dsl.frontend import array_function, bool_xor
+from compilemask.dsl.frontend import array_function
 
 __all__ = [
     "Interval",
@@ -122,27 +122,6 @@ def _split_rel(rel, j):
         alts.append(sp.And(cond, *[sp.Not(c) for c in prev], case))
         prev.append(cond)
     return sp.Or(*alts)
-
-
-def boolean_basis(e):
-    """Xor, ITE, Implies and Equivalent rewritten with And / Or / Not at every depth (also in a
-    Piecewise condition inside an atom), the connectives every printer spells."""
-    if not isinstance(e, sp.Basic) or not e.args:
-        return e
-    args = [boolean_basis(a) for a in e.args]
-    if isinstance(e, sp.Xor):
-        out = args[0]
-        for b in args[1:]:
-            out = bool_xor(out, b)
-        return out
-    if isinstance(e, sp.ITE):
-        c, a, b = args
-        return sp.Or(sp.And(c, a), sp.And(sp.Not(c), b))
-    if isinstance(e, sp.Implies):
-        return sp.Or(sp.Not(args[0]), args[1])
-    if isinstance(e, sp.Equivalent):
-        return sp.Or(sp.And(*args), sp.And(*[sp.Not(a) for a in args]))
-    return e.func(*args) if any(a is not b for a, b in zip(args, e.args)) else e
 
 
 def normalize(expr, j):

@@ -19,7 +19,6 @@ from compilemask.compiler.columns import COLUMN_SLOTS, ColumnView, transposed_ru
 from compilemask.compiler.compiler import (
     Interval,
     Term,
-    boolean_basis,
     canonicalize,
     extract_intervals,
     normalize,
@@ -44,6 +43,7 @@ from compilemask.dsl.frontend import (
     HEAD_INDEX,
     HeadIndexRead,
     RuleContext,
+    boolean_basis,
     is_table_read,
     rule_symbols,
     translate_rule,
@@ -285,8 +285,8 @@ def _compile_ir(spec, translated, syms, ctx, canonical, key) -> _IR:
         if stopped:  # exact, yet more slots than a full canonicalization may leave: said
             say_once(f"compile_mask: MaskSpec {spec.name!r}, Region {r.name!r}: {stopped[0]} "
                      f"({len(ivs)} interval slots, exact); to merge more, raise "
-                     "compilemask.compiler.compiler.CANONICALIZE_TESTS / CANONICALIZE_BUDGET before "
-                     "compile_mask")
+                     "compilemask.compiler.compiler.CANONICALIZE_TESTS / CANONICALIZE_BUDGET "
+                     "before compile_mask")
         excl = {}
         for (r2, _, _), g2 in zip(translated[:idx], guards[:idx]):
             excl[r2.name] = unconditional.proves(sp.Not(sp.And(guard, g2)))
