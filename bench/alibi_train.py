@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 import compilemask as cm  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from bench.workloads import WORKLOADS, batch_for, flex_mask_mod, make_meta  # noqa: E402

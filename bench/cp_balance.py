@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 import compilemask as cm  # noqa: E402
 from bench.workloads import WORKLOADS, batch_for, make_meta  # noqa: E402
 from compilemask.api import distributed as cp  # noqa: E402

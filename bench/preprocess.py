@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.* as a script
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # bench.* as a script
 
 import compilemask as cm  # noqa: E402
 from bench import workloads as W  # noqa: E402

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 from bench.sass import fake_fa4, opcodes, registers, variant_main  # noqa: E402
 
 # "columns (common path)": the column mask without its overflow path (wrong for overflowing

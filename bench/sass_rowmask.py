@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 from bench.sass import fake_fa4, opcodes, variant_main  # noqa: E402
 
 VARIANTS = ("intervals", "rules", "rows")

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 from bench.sass import compile_in_child, fake_fa4, opcodes, print_table, registers  # noqa: E402
 
 KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from compilemask import masks  # noqa: E402

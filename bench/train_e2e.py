@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 import compilemask as cm  # noqa: E402
 from bench.engines import SPECS, _cbm, _flex, doc_meta, workload_mask_mod  # noqa: E402

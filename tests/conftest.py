@@ -1,7 +1,9 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 # Before compilemask is imported: the tests' cached programs (ours, TileLang's, flash-attn-4's)
 # go to a folder of this run, never to the user's ~/.cache. COMPILEMASK_TEST_CACHE_DIR names a
@@ -25,9 +27,11 @@ if not torch.cuda.is_available():
         os.environ.setdefault(_k, _v)
 
 
-# transformers imports the PyPI package ``kernels``, which this checkout's folder kernels/ hides
-# from ``python -m pytest`` run at its root
-import compilemask.integrations  # noqa: E402,F401
+# ``python -m pytest`` puts the checkout's root first on sys.path, where its folder kernels/
+# would hide the PyPI package ``kernels`` that transformers imports: the root is searched after
+# the installed packages (tests that import bench/ find it there)
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT] + [str(_ROOT)]
 
 
 def pytest_collection_modifyitems(config, items):

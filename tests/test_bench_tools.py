@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the installed packages
 from bench.ncu_source import main, read_kernels, read_samples, stall_lines  # noqa: E402
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)",'

@@ -8,7 +8,7 @@ import torch
 
 import compilemask as cm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the installed packages
 from bench.workloads import WORKLOADS, flex_mask_mod, make_meta  # noqa: E402
 
 

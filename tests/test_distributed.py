@@ -14,7 +14,7 @@ from compilemask.api import distributed as cp
 
 from helpers import dense_tile_states
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the installed packages
 from bench.workloads import WORKLOADS, batch_for, make_meta  # noqa: E402
 
 CP_MASKS = ("hstu", "packed_documents", "clear", "causal")

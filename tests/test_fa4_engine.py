@@ -199,7 +199,7 @@ def test_top_level_kernels_import_is_inert(monkeypatch):
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    # the installed package ``kernels`` (loaded by compilemask.integrations) comes back after
+    # the name ``kernels`` is left as it was
     monkeypatch.delitem(sys.modules, "kernels", raising=False)
     mod = importlib.import_module("kernels")
     try:

@@ -80,7 +80,7 @@ def test_fa4_mask_wrap_as_relied_on():
 def _ptx_counts(script: str, args_by_name: dict, tmp_path, ops=("mul.hi",)) -> dict:
     """How many of each PTX op in ``ops`` per kernel, for each variant (``script --child
     *args``); ``mul.hi`` is the fast division's multiply."""
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after the installed packages
     from bench.sass import compile_in_child
 
     counts = {}

@@ -230,10 +230,10 @@ def test_to_string_prints_the_legend_once():
     assert "'#' full," not in desc.to_string(legend=False)
 
 
-def test_transformers_finds_its_kernels_package_from_the_checkout_root():
-    """``python -m ...`` at the checkout's root puts the root on sys.path, where this project's
-    folder kernels/ would hide the PyPI package ``kernels`` that transformers imports:
-    ``compilemask.integrations`` loads the installed one under its name first."""
+def test_transformers_integration_refuses_a_hidden_kernels_package(tmp_path):
+    """``python -m ...`` at the checkout's root puts the root first on sys.path, where this
+    project's folder kernels/ hides the PyPI package ``kernels`` that transformers imports: the
+    integration refuses, saying what to do; started in another folder, it finds the package."""
     import importlib.metadata
     import os
     import subprocess
@@ -244,12 +244,16 @@ def test_transformers_finds_its_kernels_package_from_the_checkout_root():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("the PyPI package kernels is not installed")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import sys, os; sys.path.insert(0, os.getcwd()); "
-            "import importlib.util as u; before = u.find_spec('kernels').origin; "
-            "import compilemask.integrations, kernels, compilemask.kernels as ck; "
-            "print(before.startswith(os.getcwd()), kernels.__file__.startswith(os.getcwd()), "
-            "ck.__file__.startswith(os.getcwd()))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                         check=True).stdout.split()
-    # shadowed before, the installed package after, and compilemask.kernels still this folder
-    assert out == ["True", "False", "True"], out
+    hidden = subprocess.run(
+        [sys.executable, "-c", "import compilemask.integrations.transformers"], cwd=root,
+        capture_output=True, text=True)
+    assert hidden.returncode != 0
+    assert "ImportError" in hidden.stderr and "python -P" in hidden.stderr, hidden.stderr
+    code = ("import importlib.util as u, compilemask.integrations.transformers, "
+            "compilemask.kernels as ck; "
+            f"print(u.find_spec('kernels').origin.startswith({root!r}), "
+            f"ck.__file__.startswith({root!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, check=True).stdout.split()
+    # the installed package under the name, and compilemask.kernels still this folder
+    assert out == ["False", "True"], out

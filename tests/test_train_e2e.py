@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the installed packages
 from bench import train_e2e  # noqa: E402
 
 SMOKE_MASKS = "hstu,hstu_packed,causal,docs"

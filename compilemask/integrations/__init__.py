@@ -7,41 +7,31 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import sys
 from pathlib import Path
 
-__all__ = ["prefer_installed_kernels"]
+__all__ = ["check_kernels_not_hidden"]
 
 
-def prefer_installed_kernels() -> None:
-    """Make ``import kernels`` the installed PyPI package (which transformers imports), not this
-    project's folder ``kernels/`` (``compilemask.kernels``): in a checkout, a ``sys.path`` entry
-    at its root (``python -m ...`` or a REPL started there) resolves the bare name to that
-    folder. Loads the distribution's package under its name when, and only when, the name
-    would resolve to the folder; a no-op everywhere else."""
-    if "kernels" in sys.modules:
-        return
+def check_kernels_not_hidden() -> None:
+    """Raise ImportError, saying what to do, where ``import kernels`` would load this project's
+    folder ``kernels/`` (``compilemask.kernels``) instead of the installed PyPI package
+    ``kernels`` that transformers imports: a checkout's root ahead of site-packages on
+    ``sys.path`` (Python started there: ``python -m ...``, a REPL, a script) hides it. Without
+    that package installed, transformers reads the folder as no ``kernels`` and goes on."""
     found = importlib.util.find_spec("kernels")
     ours = importlib.util.find_spec("compilemask.kernels")
     if found is None or found.origin is None or ours is None or ours.origin is None:
         return
-    if Path(found.origin).resolve().parent != Path(ours.origin).resolve().parent:
+    folder = Path(ours.origin).resolve().parent
+    if Path(found.origin).resolve().parent != folder:
         return
     try:
-        init = Path(importlib.metadata.distribution("kernels").locate_file("kernels/__init__.py"))
+        importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:
-        return  # transformers then sees no kernels package and imports none
-    if not init.is_file():
         return
-    spec = importlib.util.spec_from_file_location("kernels", init,
-                                                  submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernels"] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["kernels"]
-        raise
-
-
-prefer_installed_kernels()
+    raise ImportError(
+        f"transformers imports the installed package 'kernels', but Python finds this "
+        f"checkout's folder {folder} (CompileMask's engines, compilemask.kernels) under that "
+        f"name first: {folder.parent} is on sys.path ahead of site-packages because Python was "
+        f"started there. Start Python in another folder, or with -P (PYTHONSAFEPATH=1) so the "
+        f"current folder is not searched first: python -P -m ...")

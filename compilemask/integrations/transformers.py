@@ -60,8 +60,12 @@ from compilemask.contract.descriptor import ExecutionDescriptor, unpack_table
 from compilemask.contract.lru import LRU
 from compilemask.dsl import MaskSpec, Region, score_mods
 from compilemask.dsl.frontend import rule_symbols
+from compilemask.integrations import check_kernels_not_hidden
 from compilemask.pipeline.compiled import CompiledMask, compile_mask
 from compilemask.pipeline.heads import HeadGroups
+
+# before transformers loads: its ``import kernels`` must not find this project's folder kernels/
+check_kernels_not_hidden()
 
 __all__ = ["register", "attention_forward", "attention_forward_deterministic", "layer_type",
            "key_padding_mask", "layer_window", "within_window", "windowed_mask",
