@@ -25,9 +25,10 @@ import os
 import sys
 import uuid
 
-import compilemask as cm
+from compilemask.api.viz import image_format, visualize
+from compilemask.api.warmup import warmup
 from compilemask.dsl import MaskSpec
-from compilemask.pipeline.compiled import check_device
+from compilemask.pipeline.compiled import check_device, compile_mask
 from compilemask.pipeline.render import descriptor_to_string
 
 __all__ = ["run", "load_spec", "parse_meta", "CliError"]
@@ -201,7 +202,7 @@ def _warmup(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     mask = _compile(load_spec(args.target))
-    took = cm.warmup(mask, _ints(args.seqlens, "--seqlens"), _ints(args.head_dims, "--head-dims"),
+    took = warmup(mask, _ints(args.seqlens, "--seqlens"), _ints(args.head_dims, "--head-dims"),
                   args.heads, args.kv_heads, backward=not args.no_backward, device=args.device,
                   verbose=True)
     print(f"warmed up {mask.name!r}: {len(took)} step(s), {sum(took.values()):.1f} s")
@@ -237,7 +238,7 @@ def _parser(cmd: str) -> _Parser:
 
 def _compile(spec):
     try:
-        return cm.compile_mask(spec)
+        return compile_mask(spec)
     except (ValueError, TypeError, NotImplementedError, SyntaxError) as e:
         raise CliError(f"cannot compile {spec.name!r}: {type(e).__name__}: {e}") from e
 
@@ -277,8 +278,6 @@ def _show(args) -> int:
         if v < 1:
             raise CliError(f"{nm} must be positive, got {v}")
     try:  # a bad extension is reported before any work, not after the text grid
-        from compilemask.api.viz import image_format
-
         image_format(args.out)
     except ImportError:
         pass  # no matplotlib: the text grid still prints, then visualize says what is missing
@@ -296,7 +295,7 @@ def _show(args) -> int:
                                max_size=args.max_chars if args.max_chars > 0 else None,
                                legend=False))
     try:
-        path = cm.visualize(desc, batch=0, path=args.out, backward=args.backward)
+        path = visualize(desc, batch=0, path=args.out, backward=args.backward)
     except ImportError as e:
         raise CliError(str(e)) from e
     except (OSError, ValueError, RuntimeError) as e:  # e.g. .pgf needs a LaTeX installation
