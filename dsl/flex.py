@@ -74,12 +74,13 @@ from compilemask.dsl.frontend import (
     table_function,
 )
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
+from compilemask.dsl.tracing import KV_INDEX as _J
+from compilemask.dsl.tracing import Q_INDEX as _I
+from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["from_mask_mod", "from_mask_mod_heads"]
 
-_I = sp.Symbol("i", integer=True, nonnegative=True)
-_J = sp.Symbol("j", integer=True, nonnegative=True)
 _X = sp.Symbol("_x", integer=True, nonnegative=True)  # the index variable of a gather's recipe
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _HERE = os.path.abspath(__file__)
@@ -312,9 +313,6 @@ def _arith(tr, op, a, b):
             raise tr.fail(out)
         return out
     raise AssertionError(op)
-
-
-_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
 
 
 def _compare(tr, op, a, b):

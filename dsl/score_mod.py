@@ -40,6 +40,9 @@ from compilemask.contract.cache import SCORE_MODS
 from compilemask.contract.lru import LRU
 from compilemask.dsl.fingerprint import Uncacheable as _Uncacheable
 from compilemask.dsl.fingerprint import Walk as _Walk
+from compilemask.dsl.tracing import KV_INDEX as _J
+from compilemask.dsl.tracing import Q_INDEX as _I
+from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
@@ -48,8 +51,6 @@ __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "stati
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
 _H = sp.Symbol("h", integer=True, nonnegative=True)
-_I = sp.Symbol("i", integer=True, nonnegative=True)
-_J = sp.Symbol("j", integer=True, nonnegative=True)
 _INDEX_SYMBOLS = (_B, _H, _I, _J)
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
@@ -301,9 +302,6 @@ def _check_narrow(tr, op, a, b) -> None:
         raise tr.fail(f"'{op}' on captured tensor {name!r} of dtype "
                       f"{tr.narrow[type(a.e if narrow(a) else b.e).__name__]} keeps its dtype "
                       "in torch, which wraps; convert it first (.long() or .int())")
-
-
-_REL = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
 
 
 def _compare(tr, op, a, b):

@@ -7,11 +7,18 @@ from __future__ import annotations
 import os
 import sys
 
+import sympy as sp
 import torch
 
-__all__ = ["TracedOps", "find_trace", "user_line"]
+__all__ = ["TracedOps", "find_trace", "user_line", "Q_INDEX", "KV_INDEX", "RELATIONS"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+# q_idx and kv_idx as both readers trace them
+Q_INDEX = sp.Symbol("i", integer=True, nonnegative=True)
+KV_INDEX = sp.Symbol("j", integer=True, nonnegative=True)
+# a traced comparison's relation, by its operator
+RELATIONS = {"<": sp.Lt, "<=": sp.Le, ">": sp.Gt, ">=": sp.Ge, "==": sp.Eq, "!=": sp.Ne}
 
 
 def user_line(here: str) -> str:
