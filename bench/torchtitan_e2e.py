@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after the installed packages: kernels/ would hide PyPI kernels
 
 MASKS = ("hstu", "shared_prompt_rm", "clear", "causal", "documents", "packed_hstu")
 METHODS = ("compilemask", "flex_fa4", "flex_triton", "fa4_native", "varlen")
