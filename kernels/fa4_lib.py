@@ -32,6 +32,8 @@ import importlib
 import importlib.metadata
 import threading
 
+import torch
+
 from compilemask.contract.env import configure_compile_caches
 
 __all__ = ["TESTED_VERSIONS", "unavailable_reason", "version", "module", "fwd", "bwd",
@@ -50,9 +52,14 @@ def version() -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # read once by a compiled call: it reads files
 def unavailable_reason() -> str | None:
     """None when FA4 can run this package's calls, else why (for the engines' refusals)."""
+    return _unavailable_reason()
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable_reason() -> str | None:
     configure_compile_caches()  # before FA4's first import: its kernel cache is set up then
     try:
         import flash_attn.cute  # noqa: F401

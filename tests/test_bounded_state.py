@@ -25,7 +25,7 @@ ALLOWED = {
     "kernels/contract.py:LIST_SLOTS": "constant table: the list slots' names",
     "kernels/contract.py:_SCHEMA_TYPES": "constant table: annotation -> schema type",
     "kernels/fa4_lib.py:_SAVED": "FA4's globals while our patches are in: as many as PATCHES",
-    "kernels/fa4_lib.py:unavailable_reason": "no arguments: one entry",
+    "kernels/fa4_lib.py:_unavailable_reason": "no arguments: one entry",
     # functions of no arguments (or of a few fixed folder names): one entry each
     "compilemask/env.py:cache_dir": "keyed by the few fixed folder kinds the package names",
     "compilemask/env.py:cute_dsl_arch": "no arguments: one entry",

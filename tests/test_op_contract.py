@@ -336,3 +336,14 @@ def test_served_batches_go_through_the_op(monkeypatch, paged):
     torch.library.opcheck(torch.ops.compilemask.attention_fwd.default,
                           (q, k, v, *op_args(DescriptorArgs.of(d), slots, settings)),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fa4_check_is_a_constant_under_fullgraph_compile():
+    # the check reads the cache folders (os.stat), which dynamo cannot trace: a compiled
+    # cm.attention on CUDA reaches it through the engine choice
+    def f(x):
+        return x + (1 if fa4_lib.unavailable_reason() is None else 2)
+
+    want = f(torch.zeros(3))
+    got = torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(3))
+    assert torch.equal(got, want)
