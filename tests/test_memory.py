@@ -20,7 +20,7 @@ PRELUDE = '''
 import gc, json, resource, sys
 import torch
 import compilemask as cm
-from compilemask import flex
+from compilemask.dsl import flex
 from compilemask.dsl import MaskSpec, Region
 
 
@@ -137,12 +137,14 @@ def test_steps_with_a_new_mask_every_step_stay_bounded(tmp_path):
 def test_a_new_captured_int_every_step_leaks_no_conversion(tmp_path):
     # the default run's variant: conversions alone (no compile), past the cache's bound
     got = _run('''
+        from compilemask.contract import cache
         flex._CACHE.maxsize = 16
-        for n in range(100):
+        cache.MASKS.keep = 16  # the registry's strong LRU: each conversion compiles a mask
+        for n in range(600):  # the allocator's own growth settles within ~600 conversions
             cm.from_mask_mod(prefix_mod(n))
         gc.collect()
         before = peak_mb()
-        for n in range(100, 600):
+        for n in range(600, 1100):
             cm.from_mask_mod(prefix_mod(n))
         gc.collect()
         print(json.dumps({"growth_mb": peak_mb() - before, "cached": len(flex._CACHE)}))
