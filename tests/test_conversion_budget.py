@@ -153,7 +153,7 @@ def test_canonicalization_stops_at_its_test_budget_exactly_and_says_so(monkeypat
     assert any("stopped at the proof budget (CANONICALIZE_TESTS pair tests)" in x for x in log)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_229_disjoint_windows_compile_within_the_budget(monkeypatch):
     """229 disjoint windows took two minutes of pairwise tests (some 130000); the default
     budget bounds them and the mask stays exact."""

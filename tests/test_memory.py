@@ -1,7 +1,7 @@
 """Memory of long jobs, measured in a fresh process (ru_maxrss: torch's allocations included):
 a loop over new lengths and a fixed set of masks stays flat once its caches are warm, a loop of
 ever new masks stays within the caches' bounds, and the CPU preprocess's peak grows with the
-descriptor, not with Sq x n_tiles. The bounds and the measured growth are in docs/memory.md."""
+descriptor, not with Sq x n_tiles. The bounds and the measured growth are in docs/operations.md."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _new_mask_loop(tmp_path, steps: int, full: int, timeout: int) -> dict:
 NEW_MASKS_MB = 96
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_steps_with_a_new_mask_every_step_stay_bounded(tmp_path):
     # 1,500 new masks (a compile and a z3 proof each, ~0.1 s): past the largest cache's bound
     got = _new_mask_loop(tmp_path, steps=1500, full=1100, timeout=1200)

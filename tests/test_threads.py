@@ -116,6 +116,6 @@ def test_first_preprocess_from_8_threads(tmp_path):
     _run(tmp_path, 2, "each,shared", timeout=300)
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_first_preprocess_from_8_threads_50_rounds(tmp_path):
     _run(tmp_path, 50, "each,shared", timeout=3000)

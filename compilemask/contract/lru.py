@@ -2,7 +2,7 @@
 
 A long job whose masks, lengths or captured values change keeps meeting new keys: every cache
 that lives as long as the process holds at most ``maxsize`` entries, the least recently used
-dropped first (a dropped entry is computed again when asked for). docs/memory.md lists each
+dropped first (a dropped entry is computed again when asked for). docs/operations.md lists each
 cache and its bound; tests/test_bounded_state.py requires every module-level store to be one
 of these (or a weak or constant table)."""
 
