@@ -104,9 +104,15 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
             kf = kf.repeat_interleave(G, dim=1)
             vf = vf.repeat_interleave(G, dim=1)
         lse = lse.to(acc)
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale  # [B, H, Sq, Sk]
-        m = dense_mask.to(s.device)
+        m = dense_mask.to(qf.device)
         m = m if m.dim() == 4 else m.unsqueeze(1)  # [B, H, Sq, Sk]: a mask per head
+        # rows that see nothing and keys no row sees may be memory the call does not own: their
+        # weights are zero, and a zero times a NaN there would still be NaN
+        zero = torch.zeros((), dtype=acc)
+        key_seen, row_seen = m.any(dim=-2).unsqueeze(-1), m.any(dim=-1).unsqueeze(-1)
+        kf, vf = torch.where(key_seen, kf, zero), torch.where(key_seen, vf, zero)
+        qf, dof, of = (torch.where(row_seen, t, zero) for t in (qf, dof, of))
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * softmax_scale  # [B, H, Sq, Sk]
         sees = torch.isfinite(lse).unsqueeze(-1)  # rows that see something
         lse_safe = torch.where(sees, lse.unsqueeze(-1), torch.zeros_like(lse.unsqueeze(-1)))
         p = torch.where(m & sees, torch.exp(s - lse_safe), torch.zeros_like(s))

@@ -116,3 +116,35 @@ def test_packed_batches_ignore_unowned_rows(seed):
             got = paged_attention(q, kd, vd, dirty_table, d)
         assert torch.isfinite(got).all(), case
         assert torch.equal(got, want), case
+
+
+def test_attention_with_a_served_descriptor_ignores_unowned_rows_forward_and_backward():
+    """``cm.attention`` on a ``[B, Sk]`` buffer with a ``query_descriptor(seqused_k=)``: junk in
+    the rows past a request's keys and in query rows before its first position changes neither
+    the output nor the gradients of the rows it owns (the dense path zeroes what no row sees,
+    in the forward and the backward)."""
+    gen = torch.Generator().manual_seed(7)
+    H, Hkv, D = 4, 2, 8
+    for _ in range(40):
+        name, B, Sk, Sq, used, _ = _case(gen)
+        mask = _mask(name)
+        meta = masks.random_meta(mask.spec, B, Sk, gen)
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=B, seqused_k=used)
+        q, k, v = (torch.randn(B, S, h, D, generator=gen) for S, h in ((Sq, H), (Sk, Hkv),
+                                                                       (Sk, Hkv)))
+        past = torch.arange(Sk).view(1, -1) >= used.view(-1, 1)
+        before = (used.view(-1, 1) - Sq + torch.arange(Sq).view(1, -1)) < 0
+        dout = torch.randn(B, Sq, H, D, generator=gen)
+        runs = []
+        for qq, kk, vv in ((q, k, v), (_junk(q, before, gen), _junk(k, past, gen),
+                                       _junk(v, past, gen))):
+            leaves = [t.clone().requires_grad_(True) for t in (qq, kk, vv)]
+            out = cm.attention(*leaves, d)
+            out.backward(dout)
+            runs.append((out.detach(), *(t.grad for t in leaves)))
+        case = (name, B, Sk, Sq, used.tolist())
+        (want, wq, wk, wv), (got, gq, gk, gv) = runs
+        assert torch.isfinite(got).all() and torch.equal(got, want), case
+        for w, g, own in ((wq, gq, ~before), (wk, gk, ~past), (wv, gv, ~past)):
+            assert torch.isfinite(g).all(), case
+            assert torch.allclose(g[own], w[own], rtol=1e-5, atol=1e-6), case

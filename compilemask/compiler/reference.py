@@ -261,6 +261,9 @@ def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=Fals
     m = dense_mask.to(s.device)
     m = m if m.dim() == 4 else m.unsqueeze(1)  # [B, H, Sq, Sk]: a mask per head
     s = s.masked_fill(~m, float("-inf"))
+    # keys no row sees may be memory the call does not own (a served buffer's tail): a zero
+    # weight times a NaN there would still be NaN
+    vf = torch.where(m.any(dim=-2).unsqueeze(-1), vf, torch.zeros((), dtype=acc))
     row_max = s.amax(dim=-1, keepdim=True)
     if learnable_sink is not None:
         if learnable_sink.shape != (H,):
