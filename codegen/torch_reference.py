@@ -5,10 +5,9 @@ the brute-force checks."""
 
 from __future__ import annotations
 
-import linecache
-
 import sympy as sp
 
+from compilemask.contract.lru import register_source
 from compilemask.dsl.exprprint import TORCH_PRELUDE, TorchPrinter
 
 __all__ = ["torch_source", "exec_source"]
@@ -16,7 +15,7 @@ __all__ = ["torch_source", "exec_source"]
 
 def exec_source(source: str, filename: str) -> dict:
     """exec generated code under a linecache entry, so tracebacks show the generated lines."""
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    register_source(filename, source)
     ns: dict = {}
     exec(compile(source, filename, "exec"), ns)
     return ns

@@ -51,7 +51,6 @@ import builtins
 import functools
 import inspect
 import itertools
-import linecache
 import os
 import types
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ import sympy as sp
 import torch
 
 from compilemask.contract.log import say_once
-from compilemask.contract.lru import LRU
+from compilemask.contract.lru import LRU, register_source
 from compilemask.dsl import tracing
 from compilemask.dsl.exprprint import TORCH_PRELUDE, ExprPrinter, TorchPrinter
 from compilemask.dsl.fingerprint import Uncacheable as _Uncacheable
@@ -1475,7 +1474,7 @@ def _generated(role, args, e, fname):
             "the torch.where into separate conditions)") from None
     source = f"def {role}({args}):\n    return {body}\n"
     filename = f"<compilemask-from_mask_mod-{fname}-{next(_COUNTER)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    register_source(filename, source)
     ns: dict = {}
     exec(compile(source, filename, "exec"), ns)
     return ns[role]

@@ -21,6 +21,7 @@ PACKAGE_DIRS = ("compilemask", "dsl", "codegen", "kernels")
 
 # path:name -> why it cannot grow with a job's masks, lengths or values (one line each)
 ALLOWED = {
+    "compilemask/contract/lru.py:_SOURCES": "bounded by register_source: MAX_SOURCES entries",
     "dsl/tracing.py:RELATIONS": "constant table: comparison operator -> relation",
     # the op contract and the flash-attn-4 adapter
     "kernels/contract.py:LIST_SLOTS": "constant table: the list slots' names",
@@ -28,18 +29,17 @@ ALLOWED = {
     "kernels/fa4_lib.py:_SAVED": "FA4's globals while our patches are in: as many as PATCHES",
     "kernels/fa4_lib.py:_unavailable_reason": "no arguments: one entry",
     # functions of no arguments (or of a few fixed folder names): one entry each
+    "compilemask/contract/env.py:cache_dir": "keyed by the few fixed folder kinds of the package",
     "compilemask/integrations/torchtitan/_compat.py:_legacy_attention_cls": "no arguments",
     "compilemask/contract/env.py:cute_dsl_arch": "no arguments: one entry",
     "compilemask/contract/env.py:configure_compile_caches": "no arguments: one entry",
     "compilemask/pipeline/pipeline.py:has_tilelang": "no arguments: one entry",
     "compilemask/contract/env.py:_FALLBACK": "one entry: this process's private fallback folder",
     "compilemask/integrations/torchtitan/__init__.py:_WHERE": "constant table of lazy names",
-    "compilemask/integrations/torchtitan/_compat.py:_legacy_attention_cls": "no arguments",
     "compilemask/integrations/torchtitan/_compat.py:_plan_balancer_cls": "no arguments: one entry",
     "compilemask/integrations/torchtitan/_compat.py:legacy": "no arguments: one entry",
     # constant tables, written once at import (or, _TORCH_NS, by one exec of a fixed prelude)
     "compilemask/contract/descriptor.py:LIST_KINDS": "constant table",
-    "dsl/flex.py:_REL": "constant table",
     "dsl/flex.py:_TORCH_FUNCS": "constant table",
     "dsl/flex.py:_PAIR_TESTS": "constant table",
     "dsl/flex.py:_TORCH_NS": "the namespace of one exec of the fixed torch prelude",
@@ -48,7 +48,6 @@ ALLOWED = {
     "compilemask/masks/shared_prompt_rm.py:ENDS": "constant table",
     "compilemask/contract/options.py:_CHOICES": "constant table",
     "compilemask/pipeline/render.py:_CHARS": "constant table",
-    "dsl/score_mod.py:_REL": "constant table",
     "dsl/score_mod.py:_TORCH_FUNCS": "constant table",
     "dsl/score_mod.py:_METHODS": "constant table",
     "compilemask/api/viz.py:PALETTE": "constant table",
@@ -226,3 +225,15 @@ def test_int32_fit_tables_stay_bounded_over_new_lengths():
         bounds.fits_int32(("bounded-state-test", 0), lambda: [], 1000 + n, 1 << 20)
     assert len(bounds._WIDE) == bounds._WIDE.maxsize
     assert len(bounds._LONGEST) <= bounds._LONGEST.maxsize
+
+
+def test_generated_sources_in_linecache_are_bounded():
+    import linecache
+
+    from compilemask.contract import lru
+
+    names = [f"<compilemask-test-source-{n}>" for n in range(lru.MAX_SOURCES + 100)]
+    for n in names:
+        lru.register_source(n, "x = 1\n")
+    kept = [n for n in names if n in linecache.cache]
+    assert kept == names[-lru.MAX_SOURCES:]

@@ -8,6 +8,7 @@ of these (or a weak or constant table)."""
 
 from __future__ import annotations
 
+import linecache
 import threading
 from collections import OrderedDict
 
@@ -139,3 +140,21 @@ class LRUSet:
 
     def __repr__(self) -> str:
         return f"LRUSet({len(self)}/{self.maxsize})"
+
+
+_SOURCES: OrderedDict = OrderedDict()  # generated files this package put in linecache, oldest first
+_SOURCES_LOCK = threading.Lock()
+MAX_SOURCES = 512
+
+
+def register_source(filename: str, text: str) -> None:
+    """``text`` in ``linecache`` under ``filename``, so that tracebacks show generated lines.
+    Past ``MAX_SOURCES`` such entries the oldest leaves linecache: a job that generates code for
+    every new mask does not grow (an old entry only served tracebacks)."""
+    with _SOURCES_LOCK:
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        _SOURCES[filename] = None
+        _SOURCES.move_to_end(filename)
+        while len(_SOURCES) > MAX_SOURCES:
+            old, _ = _SOURCES.popitem(last=False)
+            linecache.cache.pop(old, None)
