@@ -1,17 +1,21 @@
-import atexit
+import hashlib
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 # Before compilemask is imported: the tests' cached programs (ours, TileLang's, flash-attn-4's)
-# go to a folder of this run, never to the user's ~/.cache. COMPILEMASK_TEST_CACHE_DIR names a
-# folder to keep between runs instead (e.g. on a GPU machine, where builds take minutes).
+# go to a temporary folder, never to the user's ~/.cache. COMPILEMASK_TEST_CACHE_DIR names a
+# folder of your choice instead (e.g. on a GPU machine, where builds take minutes).
 _TEST_CACHE = os.environ.get("COMPILEMASK_TEST_CACHE_DIR")
 if not _TEST_CACHE:
-    _TEST_CACHE = tempfile.mkdtemp(prefix="compilemask-tests-")
-    atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
+    # one folder per user and checkout in the system's temporary folder, shared by the xdist
+    # workers and by later runs (the slow pass after the default one): programs compile once;
+    # every cached artefact is verified before it runs
+    _checkout = hashlib.sha256(str(Path(__file__).resolve().parents[1]).encode()).hexdigest()
+    _TEST_CACHE = os.path.join(tempfile.gettempdir(),
+                               f"compilemask-tests-{os.getuid()}-{_checkout[:12]}")
+    os.makedirs(_TEST_CACHE, mode=0o700, exist_ok=True)
 os.environ["COMPILEMASK_CACHE_DIR"] = _TEST_CACHE
 os.environ["TILELANG_CACHE_DIR"] = os.path.join(_TEST_CACHE, "tilelang-builds")
 os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(_TEST_CACHE, "fa4")
