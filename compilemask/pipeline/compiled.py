@@ -190,6 +190,16 @@ def _one_batch_hint(v, B) -> str:
             f"t.expand({B}, *t.shape[1:])")
 
 
+def _batch_of(p: str, v, B):
+    """The batch size so far, checked against param ``p``'s leading dim (tables and arrays
+    alike)."""
+    if B is None:
+        return v.shape[0]
+    if v.shape[0] != B:
+        raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}" + _one_batch_hint(v, B))
+    return B
+
+
 def check_device(device, who: str) -> None:
     """A ``device=`` argument: refused with the fix where CUDA is named and absent (torch's own
     message is an AssertionError from deep inside the first copy)."""
@@ -671,10 +681,7 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                     raise ValueError(f"param {p!r} is a table: expected a [B, Sq={seqlen_q}, M] "
                                      f"tensor (row i's M entries), got {list(v.shape)} (per "
                                      "head: [B, H, Sq, M] with preprocess(..., num_heads=H))")
-                if B is None:
-                    B = v.shape[0]
-                elif v.shape[0] != B:
-                    raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}")
+                B = _batch_of(p, v, B)
                 dev = v.device if dev is None else dev
                 continue
             want = 2 if p in mask.array_params else 1
@@ -691,11 +698,7 @@ def _normalize_meta(mask, meta, seqlen_q, seqlen_k, batch_size, device, check_va
                 raise ValueError(f"param {p!r}: expected shape {shape}, got {list(v.shape)} (a "
                                  f"value per head is {per_head} with preprocess(..., "
                                  "num_heads=H))")
-            if B is None:
-                B = v.shape[0]
-            elif v.shape[0] != B:
-                raise ValueError(f"param {p!r}: batch size {v.shape[0]} != {B}"
-                                 + _one_batch_hint(v, B))
+            B = _batch_of(p, v, B)
             if want == 2 and v.shape[1] != seqlen_q:
                 raise ValueError(f"param {p!r}: per-row array length {v.shape[1]} != seqlen_q "
                                  f"{seqlen_q}")
