@@ -38,21 +38,17 @@ its backward, traceable by ``torch.compile``), so the same code runs on gloo and
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from compilemask.api.api import attention
-from compilemask.codegen.preprocess import tilelang_preprocess
-from compilemask.compiler.segments import derive_run_arrays
-from compilemask.compiler.tiles import bitmaps
-from compilemask.contract.descriptor import ExecutionDescriptor, make_descriptor
-from compilemask.pipeline import pipeline
-from compilemask.pipeline.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES, _tiles_arg
+from compilemask.contract.descriptor import ExecutionDescriptor
+from compilemask.pipeline.compiled import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
+from compilemask.pipeline.rows import normalized, rows_descriptor, rows_table
 
 __all__ = ["CPPlan", "make_plan", "shard_descriptor", "shard", "unshard", "cp_attention",
-           "PLAN_KINDS"]
+           "PLAN_KINDS", "rows_descriptor"]
 
 PLAN_KINDS = ("balanced", "head_tail")
 
@@ -101,45 +97,6 @@ class CPPlan:
                                                self.tile_work, self.work)))
 
 
-# ---- the interval table at a set of rows ----------------------------------------------------
-
-def _normalized(mask, meta, seqlen, batch_size, check, device=None):
-    """(B, scalars, arrays incl. derived run bounds, device) of the global sequence."""
-    B, scal, arrs, dev = mask.normalize_meta(meta, seqlen, seqlen, batch_size, device,
-                                             check_values=True if check else None)
-    derived = mask.derived_arrays
-    if derived:
-        arrs = {**arrs, **derive_run_arrays(derived, arrs, check or dev.type == "cpu")}
-    return B, scal, arrs, dev
-
-
-def _arrays_at(mask, arrs, seqlen, rows):
-    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``)."""
-    at = rows.clamp(min=0, max=seqlen - 1)
-    if rows.dim() == 1:
-        return at, {a: arrs[a].index_select(1, at) for a in mask.array_params}
-    return at, {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
-
-
-def _rows_table(mask, B, scal, arrs, seqlen, rows):
-    """The generated interval table evaluated at global ``rows`` (int64 [n], or [B, n] per
-    sequence; entries outside [0, seqlen) are padding: empty, region -1). Returns starts, lens,
-    region and the arrays at the rows."""
-    valid = (rows >= 0) & (rows < seqlen)
-    at, arrs_at = _arrays_at(mask, arrs, seqlen, rows)
-    if rows.dim() == 1:
-        at, v = at.unsqueeze(0), valid.view(1, -1)
-    else:
-        v = valid
-    args = [at, seqlen, seqlen] + [scal[p] for p in mask.scalar_params] + [
-        arrs_at[a] for a in mask.array_params]
-    starts, lens, region = mask.torch_function("interval_table")(*args, batch_size=B)
-    lens = torch.where(v.unsqueeze(-1), lens, 0)
-    starts = torch.where(lens > 0, starts, 0)
-    region = torch.where(v, region, -1)
-    return starts, lens, region, arrs_at
-
-
 # ---- plans ------------------------------------------------------------------------------------
 
 def make_plan(mask, meta, seqlen: int, world_size: int, kind: str = "balanced", tile: int = 128,
@@ -151,13 +108,13 @@ def make_plan(mask, meta, seqlen: int, world_size: int, kind: str = "balanced", 
     for name, val in (("seqlen", seqlen), ("world_size", world_size), ("tile", tile)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"make_plan: {name} must be a positive int, got {val!r}")
-    B, scal, arrs, dev = _normalized(mask, meta, seqlen, batch_size, check)
+    B, scal, arrs, dev = normalized(mask, meta, seqlen, batch_size, check)
     n_real = -(-seqlen // tile)
     chunks = world_size if kind == "balanced" else 2 * world_size
     n_tiles = -(-n_real // chunks) * chunks
     per_rank = n_tiles // world_size
     rows_all = torch.arange(n_tiles * tile, device=dev, dtype=torch.int64)
-    _, lens, _, _ = _rows_table(mask, B, scal, arrs, seqlen, rows_all)
+    _, lens, _, _ = rows_table(mask, B, scal, arrs, seqlen, rows_all)
     tile_work = lens.sum(dim=(0, 2)).view(n_tiles, tile).sum(dim=1)
     if kind == "balanced":
         order = torch.argsort(tile_work, descending=True, stable=True)
@@ -185,7 +142,7 @@ def make_plan(mask, meta, seqlen: int, world_size: int, kind: str = "balanced", 
 
 def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | None = None,
                      fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,
-                     check: bool = False) -> ExecutionDescriptor:
+                     check: bool = False, padding=None) -> ExecutionDescriptor:
     """The descriptor of rank ``rank``'s q rows (``plan.rows[rank]``, in that order) against
     all ``plan.seqlen`` keys: the generated torch interval table evaluated at those global rows
     only, per-row metadata gathered at them, and both bitmaps recomputed for the local row set
@@ -194,64 +151,14 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     Built with the torch preprocess on the metadata's device; a TileLang preprocess for a row
     list is not written yet. Masks with fallback regions are refused: their predicates read the
     row index from the descriptor's local row, which is not the global row here. The descriptor
-    carries no segments (FA4's varlen path needs rows in global order)."""
+    carries no segments (FA4's varlen path needs rows in global order). ``padding``: a bool or
+    0/1 ``[B, seqlen]`` mask of the real tokens of the whole sequence, one contiguous run per
+    sequence (``compilemask.pipeline.padding``). Made by ``compilemask.pipeline.rows``."""
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"shard_descriptor: rank {rank} is not in [0, {plan.world_size})")
     return rows_descriptor(mask, meta, plan.seqlen, plan.rows[rank], batch_size=batch_size,
-                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check)
-
-
-def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
-                    batch_size: int | None = None, fwd_tiles=DEFAULT_FWD_TILES,
-                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False,
-                    key_limit: torch.Tensor | None = None, device=None,
-                    who: str = "shard_descriptor", backend: str = "auto") -> ExecutionDescriptor:
-    """The descriptor of a ``seqlen``-token sequence's ``rows`` (global positions, int64 [n]; at
-    or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
-    context-parallel rank, or the last rows of a sequence being served
-    (``compilemask.api.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
-    at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal.
-    ``device``: where it is made (default: the metadata's, else the CPU). Its ``q_offset`` is
-    -1 (rows are not 0.. of the sequence: no rule may read ``q_idx`` as the position).
-    ``backend``: "tilelang" (the preprocess program's rows variant: one launch, equal to the
-    reference field by field on CUDA and TileLang's C target), "torch" (the generated
-    reference: a few dozen small launches), "auto" (the program on CUDA where TileLang is
-    installed, else the reference)."""
-    if backend not in ("auto", "torch", "tilelang"):
-        raise ValueError(f"{who}: backend must be auto, torch or tilelang, got {backend!r}")
-    if mask.has_fallback:
-        raise NotImplementedError(
-            f"{who}: mask {mask.name!r} has fallback region(s) "
-            f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
-            "not the row's position; descriptors of chosen rows support interval-only masks")
-    fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
-    bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
-    S = seqlen
-    B, scal, arrs, dev = _normalized(mask, meta, S, batch_size, check, device)
-    rows = rows.to(dev)
-    n = rows.shape[-1]
-    if backend == "auto":  # a decode step's descriptor: 0.15 ms in one launch vs 1.2 ms (H200)
-        backend = "tilelang" if dev.type == "cuda" and pipeline.has_tilelang() else "torch"
-    if backend == "tilelang":
-        _, arrs_at = _arrays_at(mask, arrs, S, rows)
-        key_end = (torch.full((B,), S, dtype=torch.int32, device=dev) if key_limit is None
-                   else key_limit.to(dev).expand(B))
-        out = tilelang_preprocess(mask, B, scal, arrs_at, n, S, fwd_tiles, bwd_tiles, device=dev,
-                                  rows=(rows.expand(B, n), key_end, S))
-        desc = make_descriptor(mask, n, S, fwd_tiles, bwd_tiles, **out)
-    else:
-        starts, lens, region, arrs_at = _rows_table(mask, B, scal, arrs, S, rows)
-        if key_limit is not None:  # a sequence's keys end at its limit (a KV cache's used part)
-            end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
-            lens = (end - starts).clamp(min=0)
-            starts = torch.where(lens > 0, starts, 0)
-        always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused)
-        fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
-        desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles,
-                                 fwd, bwd_tiles, bwd)
-    # no segments: FA4's varlen needs rows in global order
-    return dataclasses.replace(pipeline.with_lists(desc), q_offset=-1,
-                               meta_max=pipeline.meta_reach(mask, meta, n, S))
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                           padding=padding)
 
 
 # ---- tensors ----------------------------------------------------------------------------------

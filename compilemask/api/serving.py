@@ -28,13 +28,11 @@ position), as for row-sharded context-parallel descriptors.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 
 from compilemask.api.api import attention, check_arguments
-from compilemask.api.distributed import rows_descriptor
 from compilemask.contract.descriptor import (
     DEFAULT_BWD_TILES,
     DEFAULT_FWD_TILES,
@@ -44,6 +42,7 @@ from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.dispatch import select_served_engine
 from compilemask.pipeline.compiled import CompiledMask, check_device
 from compilemask.pipeline.pipeline import on_device
+from compilemask.pipeline.rows import rows_descriptor
 
 __all__ = ["query_descriptor", "paged_attention", "varlen_attention", "DecodeState"]
 
@@ -148,20 +147,19 @@ def query_descriptor(mask, meta, seqlen_k: int, seqlen_q: int, *, batch_size: in
             # padding rows past a request's queries: -1, which sees nothing
             rows = torch.where(local < used_q.view(-1, 1),
                                used.view(-1, 1) - used_q.view(-1, 1) + local, -1)
-        desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
+        # rows at each request's own positions (q_offset -1): never FA4's native
+        return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows,
                                batch_size=used.numel(), fwd_tiles=fwd_tiles,
                                bwd_tiles=bwd_tiles, check=check, key_limit=used, device=dev,
-                               who="query_descriptor", backend=backend)
-        # rows at each request's own positions (q_offset -1): never FA4's native
-        return dataclasses.replace(
-            desc, seqused_k=used.to(torch.int32),
-            seqused_q=None if seqused_q is None else used_q.to(torch.int32))
+                               who="query_descriptor", backend=backend,
+                               seqused_k=used.to(torch.int32),
+                               seqused_q=None if seqused_q is None else used_q.to(torch.int32))
     rows = torch.arange(seqlen_k - seqlen_q, seqlen_k, device=dev, dtype=torch.int64)
-    desc = rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
-                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check, device=dev,
-                           who="query_descriptor", backend=backend)
     # the native engine may run it: FA4's causal and windows align bottom-right as these rows
-    return dataclasses.replace(desc, q_offset=seqlen_k - seqlen_q)
+    return rows_descriptor(mask, _sliced(meta, seqlen_k), seqlen_k, rows, batch_size=batch_size,
+                           fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check, device=dev,
+                           who="query_descriptor", backend=backend,
+                           q_offset=seqlen_k - seqlen_q)
 
 
 def _checks(who, q, k, v, page_table, desc, softmax_scale=None) -> None:

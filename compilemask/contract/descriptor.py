@@ -53,8 +53,9 @@ forward tiling (128x128, FA4's head-dim-64 backward).
 
 The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
-constructor, and ``DescriptorArgs`` is the descriptor as the ``compilemask::attention_*`` custom
-ops carry it (tensors, then static ints).
+constructor, ``with_fields`` the one way to set the fields a producer adds after the tables
+(``POST_FIELDS``), and ``DescriptorArgs`` is the descriptor as the ``compilemask::attention_*``
+custom ops carry it (tensors, then static ints).
 This module is the contract's one home and a leaf: it imports nothing of the project. What
 is computed *from* a descriptor (its dense mask, its picture, lists on demand) belongs to the
 modules that do that work; the descriptor's methods for them ask its mask, which owns them.
@@ -68,8 +69,9 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["TileConfig", "DEFAULT_FWD_TILES", "DEFAULT_BWD_TILES", "ExecutionDescriptor",
-           "DescriptorArgs", "BlockSparseLists", "PackedLists", "make_descriptor",
-           "descriptor_shapes", "LIST_KINDS", "TILE_EMPTY", "TILE_VISIBLE", "TILE_MASKED",
+           "DescriptorArgs", "BlockSparseLists", "PackedLists", "make_descriptor", "with_fields",
+           "POST_FIELDS", "descriptor_shapes", "LIST_KINDS", "TILE_EMPTY", "TILE_VISIBLE",
+           "TILE_MASKED",
            "TILE_FULL", "TILE_PARTIAL", "TILE_BITS", "TILE_STATE_MASK", "TILES_PER_WORD",
            "TILE_WORD_SHIFT", "bitmap_words", "bitmap_shape", "tile_word", "tile_shift",
            "state_in_word", "is_partial", "in_interval", "pack_bitmap", "unpack_bitmap",
@@ -264,7 +266,9 @@ class ExecutionDescriptor:
     lists: PackedLists | None = None
     # > 0: the rows are the positions q_offset.. of a seqlen_k-token sequence (queries at the
     # end of the keys: q_offset == seqlen_k - seqlen_q; ``compilemask.api.serving``); -1: each
-    # sequence's rows start at its own position (a batch of requests), so no native path
+    # sequence's rows start at its own position (a batch of requests, context-parallel rows) or
+    # its keys are clipped to its real tokens (a padded batch): the table alone (with fallback
+    # predicates) is the mask, so no native path
     q_offset: int = 0
     # > 0: the metadata given on the host reach past the longest sequence, up to this power of
     # two; the kernels' int32 arithmetic is checked against it (0: metadata up to the length,
@@ -367,6 +371,28 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
         lists=lists, q_offset=q_offset, meta_max=meta_max, seqused_k=seqused_k,
         seqused_q=seqused_q, columns=columns)
+
+
+# what a producer may set after the tables and bitmaps: the rest is written with them
+POST_FIELDS = ("segments", "lists", "q_offset", "meta_max", "seqused_k", "seqused_q", "columns")
+
+
+def with_fields(desc: ExecutionDescriptor, **fields) -> ExecutionDescriptor:
+    """``desc`` with some of its :data:`POST_FIELDS` set, through :func:`make_descriptor` (a
+    new descriptor; the tensors are shared). The tables, bitmaps and metadata are the
+    producer's: a new batch is a new descriptor."""
+    bad = sorted(set(fields) - set(POST_FIELDS))
+    if bad:
+        raise TypeError(f"with_fields: {bad} are not fields set after construction; those are "
+                        f"{list(POST_FIELDS)} (make the descriptor anew for the others)")
+    if not fields:
+        return desc
+    kept = {f: getattr(desc, f) for f in POST_FIELDS}
+    return make_descriptor(
+        desc.mask, desc.seqlen_q, desc.seqlen_k, desc.fwd_tiles, desc.bwd_tiles,
+        intervals=desc.intervals, row_region=desc.row_region, fwd_bitmap=desc.fwd_bitmap,
+        bwd_bitmap=desc.bwd_bitmap, params=desc.params, row_params=desc.row_params,
+        **{**kept, **fields})
 
 
 def descriptor_shapes(batch: int, seqlen_q: int, seqlen_k: int, num_intervals: int,

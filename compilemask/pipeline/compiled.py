@@ -511,7 +511,7 @@ class CompiledMask:
                    bwd_tiles=DEFAULT_BWD_TILES, check: bool = False, device=None,
                    backend: str = "auto", config: pipeline.PipelineConfig | None = None,
                    max_segments: int | None = None, num_heads: int | None = None,
-                   fold: bool | None = None) -> ExecutionDescriptor | HeadGroups:
+                   fold: bool | None = None, padding=None) -> ExecutionDescriptor | HeadGroups:
         """Metadata of one batch -> Execution Descriptor (forward and backward), with what its
         engines read (``compilemask.pipeline``).
 
@@ -531,13 +531,19 @@ class CompiledMask:
         / ``bwd_tiles``). ``max_segments``: for masks proved causal within segments, an upper
         bound on the segments of a batch, so that FA4's varlen path needs no host
         synchronization (see ``compilemask.compiler.native.segments``). Guards may overlap: a row
-        belongs to the first region whose guard holds."""
+        belongs to the first region whose guard holds. ``padding``: a bool or 0/1 ``[B,
+        seqlen_k]`` mask of the real tokens (a tokenizer's ``attention_mask``), one contiguous
+        run per sequence: each row sees only its sequence's real keys and padded rows see
+        nothing (``compilemask.pipeline.padding``; positions stay the tensor's)."""
         if seqlen_q is None:
             raise ValueError("preprocess: seqlen_q is required")
         heads = head_count(self, meta, num_heads)
         if heads is None and fold is not None:
             raise ValueError("preprocess: fold applies to per-head masks (num_heads=H)")
         if heads is not None:
+            if padding is not None:
+                raise NotImplementedError("preprocess: padding with per-head masks (num_heads) "
+                                          "is not supported; put it in the metadata")
             return preprocess_heads(
                 [self] * heads, per_head_meta(self, meta, heads), seqlen_q, seqlen_k, fold=fold,
                 batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
@@ -546,7 +552,7 @@ class CompiledMask:
         cfg = _config_arg(config, fwd_tiles, bwd_tiles)
         return pipeline.preprocess(self, meta, seqlen_q, seqlen_k, batch_size=batch_size,
                                    device=device, backend=backend, check=check, config=cfg,
-                                   max_segments=max_segments)
+                                   max_segments=max_segments, padding=padding)
 
     def preprocessor(self, seqlen_q: int, seqlen_k: int | None = None, *, batch_size: int,
                      device=None, fwd_tiles=DEFAULT_FWD_TILES, bwd_tiles=DEFAULT_BWD_TILES,

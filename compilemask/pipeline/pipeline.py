@@ -22,7 +22,6 @@ CPU by default) its copy on the device attention runs on, made once and kept wit
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -59,13 +58,16 @@ from compilemask.contract.descriptor import (
     descriptor_shapes,
     make_descriptor,
     pack_table,
+    with_fields,
 )
 from compilemask.contract.env import configure_compile_caches
 from compilemask.contract.lru import LRU, LRUSet
+from compilemask.pipeline.padding import key_range, padded_tables
 
 __all__ = ["PipelineConfig", "DEFAULT_CONFIG", "DEFAULT_COLUMN_VIEW", "LIST_KINDS_FA4",
            "first_use", "first_use_programs", "preprocess", "torch_tables", "assemble",
-           "finish", "with_lists", "with_columns", "on_device", "Preprocessor", "has_tilelang"]
+           "finish", "with_lists", "with_columns", "with_fields", "padded", "on_device",
+           "Preprocessor", "has_tilelang"]
 
 # the list kinds flash-attn-4's kernels read: forward, head-dim-128 backward (64x128 tiles) and
 # head-dim-64 backward (on the forward's 128x128 tiles)
@@ -159,10 +161,13 @@ def first_use(mask, device_type: str, meta_dtype: str = "int64",
 
 def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, device=None,
                backend: str = "auto", check: bool = False, config: PipelineConfig = DEFAULT_CONFIG,
-               max_segments: int | None = None) -> ExecutionDescriptor:
+               max_segments: int | None = None, padding=None) -> ExecutionDescriptor:
     """Metadata of one batch -> Execution Descriptor with what its engines read (see the module
     docstring). ``backend``: "torch", "tilelang" or "auto" (TileLang on CUDA when available, the
-    torch reference on CPU)."""
+    torch reference on CPU). ``padding``: a bool or 0/1 ``[B, seqlen_k]`` mask of the real
+    tokens, one contiguous run per sequence: the descriptor of the mask within each sequence's
+    real tokens (``compilemask.pipeline.padding``; the table clipped and the bitmaps made anew
+    in torch ops on the device after the program, with no host synchronization)."""
     if backend not in ("auto", "torch", "tilelang"):
         raise ValueError(f"preprocess: backend must be auto, torch or tilelang, got {backend!r}")
     B, scal, arrs, dev = mask.normalize_meta(meta, seqlen_q, seqlen_k, batch_size, device,
@@ -186,7 +191,10 @@ def preprocess(mask, meta, seqlen_q: int, seqlen_k: int, *, batch_size=None, dev
         fwd_bm, bwd_bm = bitmaps(starts, lens, always, fwd, bwd, seqlen_q, seqlen_k)
         desc = assemble(mask, B, scal, arrs, seqlen_q, seqlen_k, starts, lens, region, fwd,
                         fwd_bm, bwd, bwd_bm)
-        desc = dataclasses.replace(desc, meta_max=reach) if reach else desc
+        desc = with_fields(desc, meta_max=reach)
+    if padding is not None:
+        lo, hi = key_range(padding, B, seqlen_k, device=dev)
+        desc = padded_tables(desc, lo, hi)
     return finish(desc, config, max_segments)
 
 
@@ -252,8 +260,8 @@ def finish(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG,
     tilings, the tile lists of a non-native mask (one launch; a compiled model then runs no
     kernel for them)."""
     pat = desc.mask.native_pattern
-    if pat is not None and pat.kind == "segments":
-        desc = dataclasses.replace(desc, segments=segments(desc.mask, desc, max_segments))
+    if pat is not None and pat.kind == "segments" and desc.q_offset >= 0:
+        desc = with_fields(desc, segments=segments(desc.mask, desc, max_segments))
     native = (pat is not None and desc.native_applies()
               and (pat.kind != "segments" or desc.segments is not None))
     if _wants_columns(desc.mask, config, desc.device.type, native, _square(desc)):
@@ -281,7 +289,7 @@ def with_columns(desc: ExecutionDescriptor) -> ExecutionDescriptor:
         table = tilelang_column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
     else:  # the torch reference (CI checks the program against it on TileLang's C target)
         table = column_table(mask, desc.params, desc.row_params, desc.seqlen_k)
-    return dataclasses.replace(desc, columns=table.contiguous())
+    return with_fields(desc, columns=table.contiguous())
 
 
 def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFIG
@@ -292,7 +300,17 @@ def with_lists(desc: ExecutionDescriptor, config: PipelineConfig = DEFAULT_CONFI
         return desc
     lists = packed_lists(desc.fwd_bitmap, desc.bwd_bitmap, desc.fwd_tiles, desc.bwd_tiles,
                          desc.seqlen_q, desc.seqlen_k, LIST_KINDS_FA4, config.lists)
-    return dataclasses.replace(desc, lists=lists)
+    return with_fields(desc, lists=lists)
+
+
+def padded(desc: ExecutionDescriptor, padding, config: PipelineConfig = DEFAULT_CONFIG, *,
+           name: str = "padding") -> ExecutionDescriptor:
+    """``desc`` (rows 0.. of the sequence, or its last rows: ``q_offset >= 0``) for a padded
+    batch: ``padding`` a bool or 0/1 ``[B, seqlen_k]`` mask of the real tokens, one
+    contiguous run per sequence (``compilemask.pipeline.padding``), and the lists on CUDA.
+    ``name``: the argument's name in errors."""
+    lo, hi = key_range(padding, desc.batch_size, desc.seqlen_k, device=desc.device, name=name)
+    return with_lists(padded_tables(desc, lo, hi), config)
 
 
 def _config_of(desc, config: PipelineConfig) -> PipelineConfig:
