@@ -160,14 +160,31 @@ def test_padding_mask_under_torch_compile(name):
         torch.testing.assert_close(ones, mod(ids, compilemask_desc=desc).logits, **TOL)
 
 
-def test_padding_mask_is_refused_where_the_engine_cannot_apply_it(name, monkeypatch):
-    """The GPU engines read the mask from the descriptor alone: padding there is an error that
-    says where padding goes, never a silently unpadded result."""
+def test_padding_reaches_every_engine_in_the_descriptor(name, monkeypatch):
+    """The GPU engines read the mask from the descriptor alone: the layers get the descriptor
+    padded (made once per model call and shared by the layers), whose dense mask is the mask
+    within each sequence's real tokens; a padding with a hole is refused naming
+    attention_mask."""
     _, mod = _models(name, FAMILIES["llama"]())
-    monkeypatch.setattr(cm_hf, "select_engine", lambda *a, **k: "native")
-    ids, desc = _ids(5), _desc(causal())
-    with pytest.raises(NotImplementedError, match="attention_mask.*padd.*metadata"):
-        mod(ids, attention_mask=_padding("left"), compilemask_desc=desc)
+    seen = []
+    real_attention = cm_hf.attention
+
+    def spy(q, k, v, desc, **kw):
+        seen.append(desc)
+        return real_attention(q, k, v, desc, **kw)
+
+    monkeypatch.setattr(cm_hf, "attention", spy)
+    ids, desc, am = _ids(5), _desc(causal()), _padding("mixed")
+    with torch.no_grad():
+        mod(ids, attention_mask=am, compilemask_desc=desc)
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].q_offset == -1
+    real = am.bool()
+    assert torch.equal(seen[0].dense_mask(),
+                       desc.dense_mask() & real[:, None, :] & real[:, :, None])
+    holed = am.clone()
+    holed[1, 10] = 0
+    with pytest.raises(ValueError, match="attention_mask: .*one contiguous run"):
+        mod(ids, attention_mask=holed, compilemask_desc=desc)
 
 
 def test_padding_mask_with_context_parallelism_is_refused(name):

@@ -12,9 +12,14 @@ The model's forward passes unknown keyword arguments down to its attention funct
 The mask is the descriptor's, with two things the model has a say in:
 
 * padding: ``register`` also registers a mask function, so a tokenizer's 2-D ``attention_mask``
-  reaches every layer as a ``[B, Sk]`` key validity. The reference path (CPU) hides the padded
-  keys from every row; the GPU engines read the mask from the descriptor alone, so there padding
-  is refused (put it in the mask's metadata, e.g. HSTU's ``seq_end``). An all-ones mask is
+  reaches every layer as a ``[B, Sk]`` key validity. Each sequence's real tokens must be one
+  contiguous run (left or right padding, or both); the layers then run the descriptor padded
+  (``compilemask.pipeline.padding``: every row's keys clipped to its sequence's real tokens,
+  padded rows seeing nothing), made on the device once per model call and descriptor, so
+  every engine runs it. Positions stay the tensor's: the mask's rules and metadata speak of
+  padded positions. Under tracing (torch.compile, CUDA-graph capture) no descriptor is made per
+  call: the reference path combines the padding with the dense mask, and a GPU engine takes a
+  descriptor made with ``preprocess(..., padding=attention_mask)``. An all-ones mask is
   dropped before any layer (one look on the host, as transformers' own masks take; under
   tracing it cannot be looked at and reaches the layers). A 4-D mask is refused.
 * softcapping (Gemma 2's ``attn_logit_softcapping``): the score_mod ``cap * tanh(s / cap)``
@@ -63,6 +68,7 @@ from compilemask.dsl.frontend import rule_symbols
 from compilemask.integrations import check_kernels_not_hidden
 from compilemask.pipeline.compiled import CompiledMask, compile_mask
 from compilemask.pipeline.heads import HeadGroups
+from compilemask.pipeline.pipeline import padded
 
 # before transformers loads: its ``import kernels`` must not find this project's folder kernels/
 check_kernels_not_hidden()
@@ -392,11 +398,41 @@ def _refuse_unproven_window(module, desc, window, seqlen):
                          f"shard a mask that includes the window (e.g. `and j > i - {window}`)")
 
 
+# descriptor -> (the attention_mask it was padded for, its version, the padded descriptor): the
+# layers of one model call share it (a call's mask is one tensor for all layers of a type)
+_PADDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PADDED_LOCK = threading.Lock()
+
+
+def _padded_descriptor(desc, attention_mask):
+    """``desc`` for the call's padding (``pipeline.padded``), made once per (descriptor,
+    attention_mask); a descriptor with ``q_offset`` -1 (made with ``padding=``, or of chosen
+    rows) is the batch's as it is."""
+    if isinstance(desc, HeadGroups):
+        if desc.folded:
+            raise NotImplementedError(
+                "compilemask attention: folded per-head masks (HeadGroups, a sequence per batch "
+                "and head) with a padded attention_mask; preprocess(..., fold=False) runs it")
+        groups = tuple((_padded_descriptor(d, attention_mask), h) for d, h in desc.groups)
+        return HeadGroups(groups, desc.num_heads, folded=False)
+    if desc.q_offset < 0:
+        return desc
+    with _PADDED_LOCK:
+        got = _PADDED.get(desc)
+    if got is not None and got[0]() is attention_mask and got[1] == attention_mask._version:
+        return got[2]
+    made = padded(desc, attention_mask, name="attention_mask")
+    with _PADDED_LOCK:
+        _PADDED[desc] = (weakref.ref(attention_mask), attention_mask._version, made)
+    return made
+
+
 def _padded_reference(query, key, value, desc, keep, scaling, deterministic, score_mod=None,
                       sink=None):
-    """Attention with the padded keys hidden from every row: the descriptor's dense mask and
-    the padding combined, on the reference path only (the GPU engines read the descriptor
-    alone, and a dense mask per layer there is what they exist to avoid)."""
+    """Under tracing, where no descriptor is made per call: attention with the padded keys
+    hidden from every row, the descriptor's dense mask and the padding combined, on the
+    reference path only (the GPU engines read the descriptor alone, and a dense mask per layer
+    there is what they exist to avoid)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     _validate(q, k, v, desc)
     if keep.shape != (q.shape[0], k.shape[1]):
@@ -405,12 +441,13 @@ def _padded_reference(query, key, value, desc, keep, scaling, deterministic, sco
     engine = select_engine(q, desc, "auto", deterministic)
     if engine != "reference":
         raise NotImplementedError(
-            f"compilemask attention: the attention_mask has padding, and the {engine!r} engine "
-            f"reads the mask from {DESC_KWARG} alone. Put the padding in the mask's rules and "
-            "metadata (e.g. HSTU's seq_end, or a per-sequence first real key `start` with "
-            "`start <= j`) and leave attention_mask out. (Without padding an all-ones "
-            "attention_mask is dropped before the layers, except under torch.compile or "
-            "CUDA-graph capture, where it cannot be looked at: leave it out there.)")
+            f"compilemask attention: the attention_mask has padding, and under torch.compile or "
+            f"CUDA-graph capture the {engine!r} engine cannot have its padded descriptor made "
+            f"per call: pass {DESC_KWARG}=mask.preprocess(meta, S, padding=attention_mask) "
+            "(a descriptor made with padding= is taken as it is), or put the padding in the "
+            "mask's metadata and leave attention_mask out. (Without padding an all-ones "
+            "attention_mask is dropped before the layers, except under tracing, where it "
+            "cannot be looked at: leave it out there.)")
     dense = desc.dense_mask()
     dense = dense & keep.to(dense.device)[:, None, :]
     return attention_reference(q, k, v, dense, softmax_scale=scaling, score_mod=score_mod,
@@ -462,15 +499,22 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
                         for d, h in desc.groups)
         if any(a[0] is not b[0] for a, b in zip(checked, desc.groups)):  # a window combined
             desc = HeadGroups(checked, desc.num_heads, folded=desc.folded)
-        if keep is not None:
-            raise NotImplementedError(
-                "compilemask attention: per-head masks (HeadGroups) with a padded "
-                "attention_mask; put the padding in the masks' metadata")
     else:
         desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
-        return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
-                                 score_mod, sink), None
+        if torch.compiler.is_compiling():  # no descriptor is made while tracing
+            if isinstance(desc, HeadGroups):
+                raise NotImplementedError(
+                    "compilemask attention: per-head masks (HeadGroups) with a padded "
+                    "attention_mask under torch.compile; run it eagerly, or put the padding in "
+                    "the masks' metadata")
+            if desc.q_offset < 0:
+                keep = None  # made with padding=: the batch's as it is
+            else:
+                return _padded_reference(query, key, value, desc, keep, scaling,
+                                         deterministic, score_mod, sink), None
+        else:
+            desc = _padded_descriptor(desc, attention_mask)
     # [B, H, S, D] -> [B, S, H, D] as views: the layout cm.attention and FlashAttention take
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), desc,
                     softmax_scale=scaling, deterministic=deterministic, score_mod=score_mod,
