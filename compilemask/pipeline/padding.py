@@ -24,6 +24,7 @@ import torch
 
 from compilemask.compiler.tiles import bitmaps, visibility_only_slots
 from compilemask.contract.descriptor import ExecutionDescriptor, make_descriptor
+from compilemask.contract.lru import LRU
 
 __all__ = ["key_range", "clip_rows", "padded_tables"]
 
@@ -82,6 +83,23 @@ def clip_rows(starts, lens, region, positions, lo, hi):
     return starts, lens, region
 
 
+_SLOTS = LRU(256)  # (mask key, device) -> the over-approximating slots' table there
+
+
+def _visibility_only(mask, region):
+    """``visibility_only_slots`` without a host-to-device copy per call (that would wait for
+    the GPU): the slots' table is copied to each device once per mask."""
+    if not mask.has_fallback:  # every slot exact
+        return torch.zeros(*region.shape, mask.num_intervals, dtype=torch.bool,
+                           device=region.device)
+    key = (mask.key, str(region.device))
+    table = _SLOTS.get(key)
+    if table is None:
+        probe = torch.arange(-1, len(mask.regions), dtype=torch.int64).view(1, -1)
+        table = _SLOTS[key] = visibility_only_slots(mask, probe)[0].to(region.device)
+    return table[region + 1]
+
+
 def padded_tables(desc: ExecutionDescriptor, lo, hi, positions=None) -> ExecutionDescriptor:
     """``desc`` with its rows clipped to the key ranges ``[lo_b, hi_b)`` (module docstring):
     the table clipped, both bitmaps made anew, ``q_offset`` -1; no lists (the caller adds
@@ -101,7 +119,7 @@ def padded_tables(desc: ExecutionDescriptor, lo, hi, positions=None) -> Executio
         raise ValueError(f"padding: {lo.numel()} key ranges for a batch of {desc.batch_size}")
     iv = desc.intervals
     starts, lens, region = clip_rows(iv[..., 0], iv[..., 1], desc.row_region, positions, lo, hi)
-    always = visibility_only_slots(desc.mask, region)
+    always = _visibility_only(desc.mask, region)
     fwd, bwd = bitmaps(starts, lens, always, desc.fwd_tiles, desc.bwd_tiles, Sq, Sk)
     intervals = torch.stack([starts, lens], dim=-1).to(torch.int32).contiguous()
     return make_descriptor(
