@@ -105,3 +105,26 @@ def test_gpu_left_padded_generate_equals_sdpa(family, monkeypatch):
     got, want = _generate_both(ref, mod, ids, am, 8)
     assert engines and set(engines) == {"fa4"}, set(engines)
     assert torch.equal(got, want), (got, want)
+
+
+def test_per_head_groups_are_padded_group_by_group():
+    """Per-head masks (``HeadGroups`` kept as groups): each group's descriptor padded, the
+    heads' dense mask the groups' within the real tokens; folded heads are refused."""
+    B, S, H = 3, 37, 4
+    heads = [cm.compile_mask(masks.causal())] * 2 + [cm.compile_mask(masks.sliding_window(5))] * 2
+    groups = cm.preprocess_heads(heads, [None] * H, seqlen_q=S, batch_size=B, fold=False)
+    am = torch.ones(B, S, dtype=torch.long)
+    am[0, :6] = 0
+    am[2, 30:] = 0
+    got = cm_hf._padded_descriptor(groups, am)
+    real = am.bool()
+    want = groups.dense_mask() & real[:, None, None, :] & real[:, None, :, None]
+    assert torch.equal(got.dense_mask(), want)
+    assert cm_hf._padded_descriptor(groups, am) is not got  # groups are made anew; each
+    assert got.groups[0][0] is cm_hf._padded_descriptor(groups, am).groups[0][0]  # desc kept
+    prefix = cm.compile_mask(masks.prefix_lm())  # one mask, metadata per head: folded
+    folded = cm.preprocess_heads([prefix] * H, [{"prefix_len": torch.full((B,), h)}
+                                                for h in range(H)], seqlen_q=S, batch_size=B)
+    assert folded.folded
+    with pytest.raises(NotImplementedError, match="folded"):
+        cm_hf._padded_descriptor(folded, am)
