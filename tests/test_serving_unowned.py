@@ -148,3 +148,43 @@ def test_attention_with_a_served_descriptor_ignores_unowned_rows_forward_and_bac
         for w, g, own in ((wq, gq, ~before), (wk, gk, ~past), (wv, gv, ~past)):
             assert torch.isfinite(g).all(), case
             assert torch.allclose(g[own], w[own], rtol=1e-5, atol=1e-6), case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["causal", "prefix_lm", "tree_verify", "hstu"])
+def test_gpu_unowned_pages_and_rows_never_reach_the_output(name):
+    """The GPU engines (FA4's paged and varlen kernels): NaN / inf in the tail of a request's
+    last page, in spare pages and in a packed key buffer's rows past the batch's keys give the
+    clean buffers' output, finite, bit for bit."""
+    gen = torch.Generator().manual_seed(11)
+    mask = _mask(name)
+    H, Hkv, D, page = 4, 2, 128, 128
+    used_k, used_q = torch.tensor([300, 17, 1, 129]), torch.tensor([5, 17, 1, 0])
+    B, Sk = len(used_k), int(used_k.max())
+    meta = {k: v.cuda() for k, v in masks.random_meta(mask.spec, B, Sk, gen).items()} or None
+    table, _, caches = _pages(gen, B, Sk, page, used_k, Hkv, D)
+    (kc, kd), (vc, vd) = ((c.to("cuda", torch.bfloat16), d.to("cuda", torch.bfloat16))
+                          for c, d in caches)
+    table = table.cuda()
+    with torch.no_grad():
+        for Sq in (1, 6):  # a decode step and a chunk, [B, Sq] queries
+            d = query_descriptor(mask, meta, Sk, Sq, batch_size=B, seqused_k=used_k.cuda())
+            q = torch.randn(B, Sq, H, D, generator=gen).to("cuda", torch.bfloat16)
+            want = paged_attention(q, kc, vc, table, d)
+            got = paged_attention(q, kd, vd, table, d)
+            assert torch.isfinite(want).all() and torch.isfinite(got).all(), (name, Sq)
+            assert torch.equal(got, want), (name, Sq)
+        d = query_descriptor(mask, meta, Sk, int(used_q.max()), batch_size=B,
+                             seqused_k=used_k.cuda(), seqused_q=used_q.cuda())
+        total = int(used_k.sum())
+        k, v = (torch.randn(total + 7, Hkv, D, generator=gen) for _ in range(2))
+        tail = torch.arange(total + 7) >= total
+        q = torch.randn(int(used_q.sum()), H, D, generator=gen).to("cuda", torch.bfloat16)
+        clean = [t.to("cuda", torch.bfloat16) for t in (k, v)]
+        dirty = [_junk(t, tail, gen).to("cuda", torch.bfloat16) for t in (k, v)]
+        want = varlen_attention(q, *clean, d)
+        got = varlen_attention(q, *dirty, d)
+        assert torch.isfinite(got).all() and torch.equal(got, want), name
+        want = paged_attention(q, kc, vc, table, d)
+        got = paged_attention(q, kd, vd, table, d)
+        assert torch.isfinite(got).all() and torch.equal(got, want), name
