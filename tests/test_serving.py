@@ -802,3 +802,53 @@ def test_reference_on_served_rows_names_why_a_score_mod_is_refused():
 
     with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*-inf"):
         cm.attention(q, k, k, desc, score_mod=no_first_key, backend="reference")
+
+
+def _dense_sdpa(dense):
+    """An attention implementation that is transformers' SDPA given ``dense``'s block for the
+    call's queries (the last ``Sq`` of the ``Sk`` keys), each sequence's rows repeated as
+    generate repeats the sequences for beams: the same mask, not through compilemask."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def forward(module, query, key, value, attention_mask, **kw):
+        n, Sq, Sk = query.shape[0], query.shape[2], key.shape[2]
+        rows = dense.repeat_interleave(n // dense.shape[0], dim=0)[:, Sk - Sq:Sk, :Sk]
+        return sdpa_attention_forward(module, query, key, value, rows[:, None], **kw)
+
+    AttentionInterface.register("dense_sdpa_test", forward)
+    return "dense_sdpa_test"
+
+
+@pytest.mark.parametrize("beams,returned", [(2, 1), (3, 2)])
+def test_beam_search_equals_sdpa_with_the_same_mask(beams, returned):
+    """generate(num_beams=, num_return_sequences=) with per-sequence metadata of the prompts'
+    batch: the metadata follows generate's repeat of every sequence, and beam search's tokens
+    and scores are SDPA's given the same dense mask."""
+    ref, mod = _models()
+    mask = cm.compile_mask(masks.prefix_lm())
+    meta = {"prefix_len": torch.tensor([5, 9])}
+    P, N = 11, 5
+    ids = torch.randint(0, VOCAB, (2, P), generator=torch.Generator().manual_seed(3))
+    dense = mask.preprocess(meta, P + N, batch_size=2).dense_mask()
+    ref.set_attn_implementation(_dense_sdpa(dense))
+    kw = dict(max_new_tokens=N, num_beams=beams, num_return_sequences=returned,
+              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = ref.generate(ids, **kw)
+    got = mod.generate(ids, compilemask_mask=mask, compilemask_meta=meta, **kw)
+    assert got.sequences.shape == (2 * returned, P + N)
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores)
+    # the mask matters here: causal beams score otherwise than prefix-LM's
+    ref.set_attn_implementation(_dense_sdpa(cm.compile_mask(masks.causal()).preprocess(
+        None, P + N, batch_size=2).dense_mask()))
+    causal = ref.generate(ids, **kw)
+    assert not torch.allclose(causal.sequences_scores, want.sequences_scores)
+
+
+def test_metadata_of_another_batch_is_refused():
+    _, mod = _models()
+    ids = torch.zeros(3, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="compilemask_meta.*batch size.*2.*batch is 3"):
+        mod(ids, compilemask_mask=cm.compile_mask(masks.prefix_lm()),
+            compilemask_meta={"prefix_len": torch.tensor([1, 2])})

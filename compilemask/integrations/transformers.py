@@ -50,7 +50,7 @@ import torch
 
 from compilemask.api.api import _validate, attention, select_engine
 from compilemask.api.distributed import CPPlan, cp_attention, shard
-from compilemask.api.serving import DecodeState
+from compilemask.api.serving import DecodeState, _snapshot, query_descriptor
 from compilemask.compiler.compiler import first_match_rule
 from compilemask.compiler.native import _run_axioms
 from compilemask.compiler.prover import Prover
@@ -197,9 +197,51 @@ def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
     entry = _DECODE.get(k)
     if entry is None or entry[0] is not mask or entry[1] is not meta:
         _DECODE.clear()
-        entry = _DECODE[k] = (mask, meta, DecodeState(mask, meta, batch_size=query.shape[0],
-                                                      device=query.device))
+        state = _BeamState(mask, meta, batch_size=query.shape[0], device=query.device,
+                           repeat=_beam_factor(meta, query.shape[0]))
+        entry = _DECODE[k] = (mask, meta, state)
     return entry[2].descriptor(query.shape[2], key.shape[2])
+
+
+def _beam_factor(meta, batch: int) -> int:
+    """How many rows of the model's batch each sequence of ``meta`` has: ``generate`` repeats
+    every sequence ``num_beams * num_return_sequences`` times (``repeat_interleave``, as it
+    expands ``input_ids``); 1 where the metadata is the batch's own or has no batch."""
+    sizes = {v.shape[0] for v in (meta or {}).values()
+             if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    if not sizes or sizes == {batch}:
+        return 1
+    (n,) = sizes if len(sizes) == 1 else (None,)
+    if n is None or batch % n:
+        raise ValueError(f"{META_KWARG}: its tensors have batch size(s) {sorted(sizes)}, the "
+                         f"model's batch is {batch}; give one value per sequence (generate "
+                         "repeats each sequence num_beams * num_return_sequences times, and the "
+                         "metadata with it)")
+    return batch // n
+
+
+class _BeamState(DecodeState):
+    """A ``DecodeState`` whose metadata is per sequence while the model's batch holds each
+    sequence ``repeat`` times in a row (beam search, ``num_return_sequences``): the metadata is
+    repeated likewise when a descriptor is made. Beam search reorders the KV cache each step
+    only among one sequence's beams, whose metadata rows are equal, so nothing follows it."""
+
+    def __init__(self, mask, meta, *, repeat: int = 1, **kw):
+        super().__init__(mask, meta, **kw)
+        self.repeat = repeat
+
+    def descriptor(self, seqlen_q: int, seqlen_k: int):
+        if self.repeat == 1:
+            return super().descriptor(seqlen_q, seqlen_k)
+        desc = self._made_for(seqlen_q, seqlen_k)
+        if desc is None:
+            meta = {n: v.repeat_interleave(self.repeat, dim=0)
+                    if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+                    for n, v in self.meta.items()}
+            desc = query_descriptor(self.mask, meta, seqlen_k, seqlen_q,
+                                    batch_size=self.batch_size, device=self.device)
+            self._last = (self._args(seqlen_q, seqlen_k), _snapshot(self.meta), desc)
+        return desc
 
 
 def _descriptor(module, desc) -> ExecutionDescriptor:
