@@ -288,23 +288,91 @@ def test_docs_generate_lines_run():
     assert torch.equal(env["out"], _greedy_by_recomputation(ref, ids, 3, dense))
 
 
-def test_generate_refuses_past_a_sliding_window():
-    """A sliding layer's cache may hold only the window: generating past it is refused, not
-    run at wrong positions."""
+def _gemma2(window):
+    """A tiny Gemma 2 (sliding and full layers alternate, logits softcapped) under eager and
+    under compilemask, the same weights."""
     from compilemask.integrations import transformers as cm_hf
 
     name = cm_hf.register()
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=1, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=16, sliding_window=8,
-                                     dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
-    mask = cm.compile_mask(masks.causal())
-    ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
-    model.generate(ids, max_new_tokens=2, do_sample=False, compilemask_mask=mask)
-    with pytest.raises(NotImplementedError, match="sliding window of 8 keys"):
-        model.generate(ids, max_new_tokens=6, do_sample=False, compilemask_mask=mask)
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, sliding_window=window,
+                                    dtype=torch.float32)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="eager")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    return ref.eval(), mod.eval()
+
+
+def _dense_eager(dense, window):
+    """Gemma 2's eager attention (its softcap) given ``dense``'s rows of the whole sequence,
+    within ``window`` on sliding layers: for recomputation without a cache (keys = positions)."""
+    from transformers import AttentionInterface
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    def forward(module, query, key, value, attention_mask, **kw):
+        S = key.shape[2]
+        rows = dense[:, :S, :S]
+        if kw.get("sliding_window"):
+            i = torch.arange(S)
+            rows = rows & (i.view(-1, 1) - i.view(1, -1) < window)
+        bias = torch.zeros(rows.shape).masked_fill(~rows, torch.finfo(torch.float32).min)
+        return eager_attention_forward(module, query, key, value, bias[:, None], **kw)
+
+    AttentionInterface.register("dense_eager_test", forward)
+    return "dense_eager_test"
+
+
+@pytest.mark.parametrize("case", ["causal", "prefix_lm", "sliding_window"])
+def test_generate_past_a_sliding_window_equals_recomputation(case):
+    """A sliding layer's cache keeps the last window - 1 keys: generating three windows past it
+    gives greedy decoding's tokens by full recomputation with the mask (and the window on the
+    sliding layers), and for causal those of transformers' own sliding cache under eager."""
+    W, P, N = 8, 10, 16
+    ref, mod = _gemma2(W)
+    mask = cm.compile_mask({"causal": masks.causal, "prefix_lm": masks.prefix_lm,
+                            "sliding_window": lambda: masks.sliding_window(5)}[case]())
+    meta = {"prefix_len": torch.tensor([3, 10])} if case == "prefix_lm" else None
+    ids = torch.randint(0, VOCAB, (2, P), generator=torch.Generator().manual_seed(7))
+    got = mod.generate(ids, max_new_tokens=N, do_sample=False, compilemask_mask=mask,
+                       compilemask_meta=meta, pad_token_id=0)
+    dense = mask.preprocess(meta, P + N, batch_size=2).dense_mask()
+    ref.set_attn_implementation(_dense_eager(dense, W))
+    want = ids
+    for _ in range(N):
+        with torch.no_grad():
+            logits = ref(want, use_cache=False).logits
+        want = torch.cat([want, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(got, want), (got, want)
+    if case == "causal":
+        ref.set_attn_implementation("eager")
+        assert torch.equal(got, ref.generate(ids, max_new_tokens=N, do_sample=False,
+                                             pad_token_id=0))
+
+
+def test_generate_past_a_sliding_window_needs_the_positions():
+    """Where the call does not say the keys' positions (no position_ids, or left padding), a
+    sliding layer past its window is refused, naming the fix, not run at wrong positions."""
+    from compilemask.integrations import transformers as cm_hf
+
+    class Attn(torch.nn.Module):
+        sliding_window, layer_idx = 8, 0
+
+    q, k = torch.zeros(2, 4, 1, 16), torch.zeros(2, 2, 8, 16)
+    kw = {cm_hf.MASK_KWARG: cm.compile_mask(masks.causal())}
+    assert cm_hf._generation_descriptor(Attn(), kw, q, k[:, :, :7])[1] == 0  # all kept
+    with pytest.raises(NotImplementedError, match="window of 8 keys.*position_ids"):
+        cm_hf._generation_descriptor(Attn(), kw, q, k)
+    with pytest.raises(NotImplementedError, match="different positions.*left padding"):
+        cm_hf._generation_descriptor(Attn(), {**kw, "position_ids": torch.tensor([[9], [8]])},
+                                     q, k)
+    desc, dropped = cm_hf._generation_descriptor(
+        Attn(), {**kw, "position_ids": torch.tensor([[11], [11]])}, q, k)
+    assert dropped == 4 and (desc.seqlen_q, desc.seqlen_k) == (1, 12)
 
 
 @pytest.mark.parametrize("name", ["causal", "prefix_lm", "hstu", "packed_documents",

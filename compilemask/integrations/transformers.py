@@ -173,34 +173,75 @@ def layer_type(module) -> str:
 _DECODE = LRU(1)  # one generation at a time (cleared before each store)
 
 
-def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
-    """The descriptor of this call's queries, the last ``Sq`` of the ``Sk`` keys (prefill and
+def _generation_descriptor(module, kwargs, query, key):
+    """The descriptor of this call's queries, the last ``Sq`` of the sequence's keys (prefill and
     each decode step), from ``compilemask_mask`` and ``compilemask_meta``; made once per step
     shape and metadata and shared by the layers (the dict may be updated between calls:
-    ``DecodeState`` sees a changed, replaced, added or removed entry)."""
+    ``DecodeState`` sees a changed, replaced, added or removed entry). Returns it and how many
+    of the sequence's first keys the layer's cache no longer holds (a sliding layer past its
+    window; 0 otherwise): the caller places the keys it got at their positions."""
     mask, meta = kwargs[MASK_KWARG], kwargs.get(META_KWARG)
-    window = layer_window(module, kwargs)
-    if window is not None and key.shape[2] + 1 >= window:
-        # a sliding layer's cache may keep only the last keys, and the call does not say which
-        # positions they are: the keys' count would place the queries wrongly
-        raise NotImplementedError(
-            f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} attends within a "
-            f"sliding window of {window} keys, and generating past it with {MASK_KWARG} is not "
-            f"supported (its KV cache may hold only the window); sequences up to {window - 2} "
-            "tokens run")
     if not isinstance(mask, CompiledMask):
         raise TypeError(f"{MASK_KWARG} must be a compile_mask(...) result, got "
                         f"{type(mask).__name__}")
     if kwargs.get(DESC_KWARG) is not None:
         raise ValueError(f"pass {DESC_KWARG} or {MASK_KWARG}, not both")
-    k = (id(mask), id(meta), query.shape[0], query.device)
+    Sq, Sk = query.shape[2], key.shape[2]
+    window = layer_window(module, kwargs)
+    dropped = 0
+    if window is not None:
+        dropped = _dropped_keys(module, kwargs, window, Sq, Sk)
+        if Sk + dropped > window and not within_window(mask, window, True):  # rows: positions
+            mask = windowed_mask(mask, window)  # the layer's own mask: the rules and its window
+    k = (id(kwargs[MASK_KWARG]), id(meta), query.shape[0], query.device)
     entry = _DECODE.get(k)
-    if entry is None or entry[0] is not mask or entry[1] is not meta:
+    if entry is None or entry[0] is not kwargs[MASK_KWARG] or entry[1] is not meta:
         _DECODE.clear()
-        state = _BeamState(mask, meta, batch_size=query.shape[0], device=query.device,
-                           repeat=_beam_factor(meta, query.shape[0]))
-        entry = _DECODE[k] = (mask, meta, state)
-    return entry[2].descriptor(query.shape[2], key.shape[2])
+        entry = _DECODE[k] = (kwargs[MASK_KWARG], meta, {})
+    state = entry[2].get(mask.key)
+    if state is None:  # one per mask the layers run: the given one, a window's combined
+        state = entry[2][mask.key] = _BeamState(
+            mask, meta, batch_size=query.shape[0], device=query.device,
+            repeat=_beam_factor(meta, query.shape[0]))
+    return state.descriptor(Sq, Sk + dropped), dropped
+
+
+_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # position_ids -> length
+
+
+def _dropped_keys(module, kwargs, window: int, Sq: int, Sk: int) -> int:
+    """How many first keys of the sequence a sliding layer's cache has dropped: transformers'
+    sliding caches keep the last ``window - 1`` keys and give them with the call's new ones, so
+    ``Sk == window - 1 + Sq`` may be a longer sequence's tail. Its length is then read from the
+    call's ``position_ids`` (the last query's position + 1; one host read per step, shared by
+    the layers, as the same tensor reaches each), which must agree across the batch."""
+    if Sk < window - 1 + Sq:
+        return 0  # the cache has kept every key
+    pos = kwargs.get("position_ids")
+    where = (f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} attends within a "
+             f"sliding window of {window} keys and its KV cache holds the last {Sk} keys")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] != Sq:
+        raise NotImplementedError(
+            f"{where}; generating past the window with {MASK_KWARG} places them by the call's "
+            f"position_ids [B, {Sq}], which this model does not pass to its attention (got "
+            f"{type(pos).__name__}): pass position_ids to the layers, or generate at most "
+            f"{window - 1} tokens in all")
+    got = _TOTALS.get(pos)
+    total = got[1] if got is not None and got[0] == pos._version else None
+    if total is None:
+        last = pos[:, -1]
+        if bool((last != last[0]).any()):
+            raise NotImplementedError(
+                f"{where}; the batch's position_ids end at different positions "
+                f"{last.tolist()} (left padding), so the keys' positions are not known: "
+                "generate past the window without padding (a batch of one length, or the "
+                "lengths in the mask's metadata)")
+        total = int(last[0]) + 1
+        _TOTALS[pos] = (pos._version, total)
+    if total < Sk:
+        raise ValueError(f"{where}, but the call's position_ids end at {total - 1}: the "
+                         "positions must be the keys' (0.. from the sequence's first token)")
+    return total - Sk
 
 
 def _beam_factor(meta, batch: int) -> int:
@@ -465,7 +506,13 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
                          f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
     if kwargs.get(MASK_KWARG) is not None:
-        desc = _generation_descriptor(module, kwargs, query, key)
+        desc, dropped = _generation_descriptor(module, kwargs, query, key)
+        if dropped:
+            # the keys a sliding cache holds, at their positions: the descriptor's keys are the
+            # sequence's, and those before the window are hidden from every row (zeros here)
+            key, value = (torch.nn.functional.pad(t, (0, 0, dropped, 0)) for t in (key, value))
+            if attention_mask is not None and attention_mask.dim() == 2:
+                attention_mask = torch.nn.functional.pad(attention_mask, (dropped, 0))
     else:
         desc = _descriptor(module, kwargs.get(DESC_KWARG))
     keep = _key_validity(attention_mask)
@@ -508,7 +555,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
             raise NotImplementedError(
                 "compilemask attention: per-head masks (HeadGroups) with a padded "
                 "attention_mask; put the padding in the masks' metadata")
-    else:
+    elif kwargs.get(MASK_KWARG) is None:  # generation's descriptors include the window
         desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
         return _padded_reference(query, key, value, desc, keep, scaling, deterministic,
