@@ -513,11 +513,13 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
 
 
 def test_score_mods_on_served_rows():
-    """A score_mod sees q_idx from 0 on every engine: on the last rows of a sequence one that a
-    moved q_idx shifts by a per-row constant (ALiBi, a softcap) gives the square mask's rows,
-    one that it does not (a T5 bucket) is refused, as are the LSE of a shifted one and a shifted
-    one next to a learnable sink (whose logit does not move with the row); one that does not
-    read q_idx (a softcap) runs with both."""
+    """On the reference engine a score_mod on the last rows of a sequence reads their positions
+    as q_idx: any score_mod (a T5 bucket of kv_idx - q_idx, ALiBi with its LSE or next to a
+    learnable sink, a softcap) gives the whole sequence's last rows. The GPU engines give it
+    local rows: there one that a moved q_idx shifts by more than a per-row constant is refused
+    (as are the LSE of a shifted one and a shifted one next to a learnable sink), naming the
+    reference engine."""
+    from compilemask.api.api import _check_rows
     from compilemask.dsl import score_mods
 
     mask = cm.compile_mask(masks.causal())
@@ -526,26 +528,64 @@ def test_score_mods_on_served_rows():
     q, k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for n in (Sk, Sk, Sk))
     full = mask.preprocess(None, Sk, batch_size=1)
     last = query_descriptor(mask, None, Sk, Sq, batch_size=1)
-    for fn in (score_mods.alibi(score_mods.alibi_slopes(4).double()), score_mods.softcap(5)):
-        want = cm.attention(q, k, v, full, score_mod=fn)[:, -Sq:]
-        torch.testing.assert_close(cm.attention(q[:, -Sq:], k, v, last, score_mod=fn), want)
-    with pytest.raises(NotImplementedError, match="per-row constant"):
-        cm.attention(q[:, -Sq:], k, v, last,
-                     score_mod=score_mods.t5_bias(torch.randn(32, 4, dtype=torch.float64)))
-    with pytest.raises(NotImplementedError, match="return_lse"):
-        cm.attention(q[:, -Sq:], k, v, last, return_lse=True,
-                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
     sink = torch.randn(4, generator=g, dtype=torch.float64) + 2
+    t5 = score_mods.t5_bias(torch.randn(32, 4, generator=g, dtype=torch.float64), 16)
+    alibi = score_mods.alibi(score_mods.alibi_slopes(4).double())
+    for fn in (t5, alibi, score_mods.softcap(5)):
+        for kw in ({}, {"learnable_sink": sink}):
+            want, want_lse = cm.attention(q, k, v, full, score_mod=fn, return_lse=True, **kw)
+            got, lse = cm.attention(q[:, -Sq:], k, v, last, score_mod=fn, return_lse=True, **kw)
+            torch.testing.assert_close(got, want[:, -Sq:])
+            torch.testing.assert_close(lse, want_lse[..., -Sq:])
+            torch.testing.assert_close(cm.attention(q[:, -Sq:], k, v, last, score_mod=fn, **kw),
+                                       want[:, -Sq:])
+    # the rows' positions matter: at local rows the T5 bias is another one
+    local = cm.attention(q[:, -Sq:], k, v, mask.preprocess(None, Sq, Sk, batch_size=1),
+                         score_mod=t5)
+    assert not torch.allclose(local, want[:, -Sq:])
+    with pytest.raises(NotImplementedError, match="per-row constant.*backend='reference'"):
+        _check_rows(last, "any", False, False)
+    with pytest.raises(NotImplementedError, match="return_lse"):
+        _check_rows(last, "row", True, False)
     with pytest.raises(NotImplementedError, match="learnable_sink"):
-        cm.attention(q[:, -Sq:], k, v, last, learnable_sink=sink,
-                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
-    cap = score_mods.softcap(5)
-    want, want_lse = cm.attention(q, k, v, full, score_mod=cap, learnable_sink=sink,
-                                  return_lse=True)
-    got, lse = cm.attention(q[:, -Sq:], k, v, last, score_mod=cap, learnable_sink=sink,
-                            return_lse=True)
-    torch.testing.assert_close(got, want[:, -Sq:])
-    torch.testing.assert_close(lse, want_lse[..., -Sq:])
+        _check_rows(last, "row", False, True)
+    _check_rows(last, "row", False, False)
+    _check_rows(last, "none", True, True)
+
+
+def test_t5_bias_on_a_batch_of_requests_and_a_packed_batch():
+    """Requests of their own lengths (seqused_k) and a packed batch (seqused_q): each row's
+    T5 bias is at its own position, as each request computed alone."""
+    from compilemask.dsl import score_mods
+
+    mask = cm.compile_mask(masks.causal())
+    g = torch.Generator().manual_seed(1)
+    t5 = score_mods.t5_bias(torch.randn(32, 2, generator=g, dtype=torch.float64), 16)
+    used_k, used_q, Sk, Sq = [30, 9], [3, 2], 30, 3
+    ks = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    vs = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    qs = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    alone = [cm.attention(qq, kk, vv, mask.preprocess(None, n), score_mod=t5)[:, -m:]
+             for qq, kk, vv, n, m in zip(qs, ks, vs, used_k, used_q)]
+    k = torch.zeros(2, Sk, 2, 8, dtype=torch.float64)
+    v, q = k.clone(), torch.zeros(2, Sq, 2, 8, dtype=torch.float64)
+    for b, n in enumerate(used_k):
+        k[b, :n], v[b, :n] = ks[b][0], vs[b][0]
+        q[b] = qs[b][0, n - Sq:]
+    d = query_descriptor(mask, None, Sk, Sq, batch_size=2, seqused_k=torch.tensor(used_k))
+    out = cm.attention(q, k, v, d, score_mod=t5)
+    for b, m in enumerate(used_q):
+        torch.testing.assert_close(out[b, -m:], alone[b][0])
+    # packed: request b's queries are local rows 0.. (the rest padding, seeing nothing)
+    packed = query_descriptor(mask, None, Sk, Sq, seqused_k=torch.tensor(used_k),
+                              seqused_q=torch.tensor(used_q))
+    qp = torch.zeros_like(q)
+    for b, m in enumerate(used_q):
+        qp[b, :m] = qs[b][0, -m:]
+    out = cm.attention(qp, k, v, packed, score_mod=t5)
+    for b, m in enumerate(used_q):
+        torch.testing.assert_close(out[b, :m], alone[b][0])
+        assert not out[b, m:].any()
 
 
 def test_request_batches_never_run_native():
@@ -857,66 +897,29 @@ def test_fa4_length_arguments_are_made_once_per_descriptor():
     assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]
 
 
-def test_reference_on_served_rows_names_why_a_score_mod_is_refused():
-    """Served rows run a score_mod only where its reading of q_idx is known; one the converter
-    does not read (a -inf constant) is refused saying so, on the reference engine too."""
+def test_reference_on_served_rows_runs_any_score_mod():
+    """The reference engine runs any score_mod on served rows at their positions, one the
+    converter does not read (a -inf constant) included; rows whose positions the descriptor
+    does not hold (a context-parallel shard's) run only one whose reading of q_idx is known, and
+    the refusal says why."""
+    import dataclasses
+
     from compilemask.api.serving import query_descriptor
 
-    desc = query_descriptor(cm.compile_mask(masks.causal()), None, 16, 4, batch_size=1)
-    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 16, 2, 8)
+    mask = cm.compile_mask(masks.causal())
+    desc = query_descriptor(mask, None, 16, 4, batch_size=1)
+    q, k = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
 
     def no_first_key(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx == 0, float("-inf"), score)
 
+    def not_before_q(score, b, h, q_idx, kv_idx):  # reads q_idx: a position, not a local row
+        return torch.where(kv_idx + 3 < q_idx, score - 1.0, score)
+
+    for fn in (no_first_key, not_before_q):
+        want = cm.attention(q, k, k, mask.preprocess(None, 16), score_mod=fn)[:, -4:]
+        torch.testing.assert_close(
+            cm.attention(q[:, -4:], k, k, desc, score_mod=fn, backend="reference"), want)
+    shard = dataclasses.replace(desc, q_offset=-1)  # rows elsewhere, positions not recorded
     with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*-inf"):
-        cm.attention(q, k, k, desc, score_mod=no_first_key, backend="reference")
-
-
-def _dense_sdpa(dense):
-    """An attention implementation that is transformers' SDPA given ``dense``'s block for the
-    call's queries (the last ``Sq`` of the ``Sk`` keys), each sequence's rows repeated as
-    generate repeats the sequences for beams: the same mask, not through compilemask."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def forward(module, query, key, value, attention_mask, **kw):
-        n, Sq, Sk = query.shape[0], query.shape[2], key.shape[2]
-        rows = dense.repeat_interleave(n // dense.shape[0], dim=0)[:, Sk - Sq:Sk, :Sk]
-        return sdpa_attention_forward(module, query, key, value, rows[:, None], **kw)
-
-    AttentionInterface.register("dense_sdpa_test", forward)
-    return "dense_sdpa_test"
-
-
-@pytest.mark.parametrize("beams,returned", [(2, 1), (3, 2)])
-def test_beam_search_equals_sdpa_with_the_same_mask(beams, returned):
-    """generate(num_beams=, num_return_sequences=) with per-sequence metadata of the prompts'
-    batch: the metadata follows generate's repeat of every sequence, and beam search's tokens
-    and scores are SDPA's given the same dense mask."""
-    ref, mod = _models()
-    mask = cm.compile_mask(masks.prefix_lm())
-    meta = {"prefix_len": torch.tensor([5, 9])}
-    P, N = 11, 5
-    ids = torch.randint(0, VOCAB, (2, P), generator=torch.Generator().manual_seed(3))
-    dense = mask.preprocess(meta, P + N, batch_size=2).dense_mask()
-    ref.set_attn_implementation(_dense_sdpa(dense))
-    kw = dict(max_new_tokens=N, num_beams=beams, num_return_sequences=returned,
-              do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    want = ref.generate(ids, **kw)
-    got = mod.generate(ids, compilemask_mask=mask, compilemask_meta=meta, **kw)
-    assert got.sequences.shape == (2 * returned, P + N)
-    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
-    torch.testing.assert_close(got.sequences_scores, want.sequences_scores)
-    # the mask matters here: causal beams score otherwise than prefix-LM's
-    ref.set_attn_implementation(_dense_sdpa(cm.compile_mask(masks.causal()).preprocess(
-        None, P + N, batch_size=2).dense_mask()))
-    causal = ref.generate(ids, **kw)
-    assert not torch.allclose(causal.sequences_scores, want.sequences_scores)
-
-
-def test_metadata_of_another_batch_is_refused():
-    _, mod = _models()
-    ids = torch.zeros(3, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="compilemask_meta.*batch size.*2.*batch is 3"):
-        mod(ids, compilemask_mask=cm.compile_mask(masks.prefix_lm()),
-            compilemask_meta={"prefix_len": torch.tensor([1, 2])})
+        cm.attention(q[:, -4:], k, k, shard, score_mod=no_first_key, backend="reference")
