@@ -33,9 +33,9 @@ def _validate(q, k, v, desc, heads: int = 1):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     B, Sq, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and "
-                         f"{list(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:  # v's head dim may differ (MLA: 192 for q/k, 128 for v)
+        raise ValueError(f"k and v must have the same shape but for the head dim, got "
+                         f"{list(k.shape)} and {list(v.shape)}")
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} disagree on batch or head dim")
@@ -188,6 +188,12 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic, heads,
                            score_mod=score_mod is not None, sink=learnable_sink is not None)
+    if v.shape[-1] != q.shape[-1] and engine != "reference":
+        raise NotImplementedError(
+            f"cm.attention: v's head dim ({v.shape[-1]}, v {list(v.shape)}) differs from q and "
+            f"k's ({q.shape[-1]}, q {list(q.shape)}); the {engine} engine runs q, k, v of one "
+            "head dim, 64 or 128 (FA4's own sm90 kernels take head_dim != head_dim_v, (192, 128) "
+            "included, but this engine does not pass them); backend='reference' runs it")
     score = None
     served = _served_rows(desc, heads) if score_mod is not None and engine == "reference" \
         else None
