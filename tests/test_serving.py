@@ -354,6 +354,28 @@ def test_generate_past_a_sliding_window_equals_recomputation(case):
                                              pad_token_id=0))
 
 
+def test_mistral_generates_past_its_window_as_its_sliding_cache():
+    """Mistral slides on every layer and passes position_ids per sequence ([B, Sq]): greedy
+    tokens past the window equal transformers' own sliding cache under eager."""
+    from compilemask.integrations import transformers as cm_hf
+
+    name = cm_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                     dtype=torch.float32)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="eager").eval()
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name).eval()
+    mod.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    got = mod.generate(ids, compilemask_mask=cm.compile_mask(masks.causal()), **kw)
+    assert got.shape == (2, 24) and torch.equal(got, ref.generate(ids, **kw))
+
+
 def test_generate_past_a_sliding_window_needs_the_positions():
     """Where the call does not say the keys' positions (no position_ids, or left padding), a
     sliding layer past its window is refused, naming the fix, not run at wrong positions."""

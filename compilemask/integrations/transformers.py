@@ -27,7 +27,8 @@ The mask is the descriptor's, with two things the model has a say in:
   window combined (``windowed_descriptor``: every rule also ``j > i - window``, preprocessed
   once per batch from the descriptor's own metadata and kept with it). Under torch.compile, or
   with queries and keys of different lengths, an unproven descriptor is refused, naming the
-  layer.
+  layer. ``generate`` (``compilemask_mask``) runs a sliding layer past its window: its cache's
+  keys at their positions (from ``position_ids``), the mask within the window.
 
 Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.api.distributed``
 plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
@@ -206,7 +207,9 @@ def _generation_descriptor(module, kwargs, query, key):
     return state.descriptor(Sq, Sk + dropped), dropped
 
 
-_TOTALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # position_ids -> length
+# the last step's (weakref to position_ids, its version, the sequence's length): the layers of
+# one step share it (tensors are not hashable by identity in a WeakKeyDictionary: == compares)
+_TOTAL = threading.local()
 
 
 def _dropped_keys(module, kwargs, window: int, Sq: int, Sk: int) -> int:
@@ -226,8 +229,8 @@ def _dropped_keys(module, kwargs, window: int, Sq: int, Sk: int) -> int:
             f"position_ids [B, {Sq}], which this model does not pass to its attention (got "
             f"{type(pos).__name__}): pass position_ids to the layers, or generate at most "
             f"{window - 1} tokens in all")
-    got = _TOTALS.get(pos)
-    total = got[1] if got is not None and got[0] == pos._version else None
+    got = getattr(_TOTAL, "last", None)
+    total = got[2] if got is not None and got[0]() is pos and got[1] == pos._version else None
     if total is None:
         last = pos[:, -1]
         if bool((last != last[0]).any()):
@@ -237,7 +240,7 @@ def _dropped_keys(module, kwargs, window: int, Sq: int, Sk: int) -> int:
                 "generate past the window without padding (a batch of one length, or the "
                 "lengths in the mask's metadata)")
         total = int(last[0]) + 1
-        _TOTALS[pos] = (pos._version, total)
+        _TOTAL.last = (weakref.ref(pos), pos._version, total)
     if total < Sk:
         raise ValueError(f"{where}, but the call's position_ids end at {total - 1}: the "
                          "positions must be the keys' (0.. from the sequence's first token)")
