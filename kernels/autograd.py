@@ -131,7 +131,7 @@ def attention_bwd_reference(dout, dlse, q, k, v, out, lse, dense_mask, softmax_s
         if G != 1:
             Sk = k.shape[1]
             dk = dk.view(B, Hkv, G, Sk, D).sum(2)
-            dv = dv.view(B, Hkv, G, Sk, D).sum(2)
+            dv = dv.view(B, Hkv, G, Sk, v.shape[-1]).sum(2)  # v's head dim may differ
         grads = (dq.transpose(1, 2).to(q.dtype).contiguous(),
                  dk.transpose(1, 2).to(k.dtype).contiguous(),
                  dv.transpose(1, 2).to(v.dtype).contiguous())
@@ -285,7 +285,10 @@ def _fwd_impl(q, k, v, desc, slots: OpSlots, settings: OpSettings) -> tuple[Tens
 
 @attention_fwd.register_fake
 def _(q, k, v, *args):
-    return fake_outputs(q, unpack(args)[1])
+    out, lse = fake_outputs(q, unpack(args)[1])
+    if v.shape[-1] != q.shape[-1]:  # out has v's head dim
+        out = out.new_empty((*out.shape[:-1], v.shape[-1]))
+    return out, lse
 
 
 @torch.library.custom_op("compilemask::attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)

@@ -288,23 +288,113 @@ def test_docs_generate_lines_run():
     assert torch.equal(env["out"], _greedy_by_recomputation(ref, ids, 3, dense))
 
 
-def test_generate_refuses_past_a_sliding_window():
-    """A sliding layer's cache may hold only the window: generating past it is refused, not
-    run at wrong positions."""
+def _gemma2(window):
+    """A tiny Gemma 2 (sliding and full layers alternate, logits softcapped) under eager and
+    under compilemask, the same weights."""
+    from compilemask.integrations import transformers as cm_hf
+
+    name = cm_hf.register()
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, sliding_window=window,
+                                    dtype=torch.float32)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="eager")
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name)
+    mod.load_state_dict(ref.state_dict())
+    return ref.eval(), mod.eval()
+
+
+def _dense_eager(dense, window):
+    """Gemma 2's eager attention (its softcap) given ``dense``'s rows of the whole sequence,
+    within ``window`` on sliding layers: for recomputation without a cache (keys = positions)."""
+    from transformers import AttentionInterface
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    def forward(module, query, key, value, attention_mask, **kw):
+        S = key.shape[2]
+        rows = dense[:, :S, :S]
+        if kw.get("sliding_window"):
+            i = torch.arange(S)
+            rows = rows & (i.view(-1, 1) - i.view(1, -1) < window)
+        bias = torch.zeros(rows.shape).masked_fill(~rows, torch.finfo(torch.float32).min)
+        return eager_attention_forward(module, query, key, value, bias[:, None], **kw)
+
+    AttentionInterface.register("dense_eager_test", forward)
+    return "dense_eager_test"
+
+
+@pytest.mark.parametrize("case", ["causal", "prefix_lm", "sliding_window"])
+def test_generate_past_a_sliding_window_equals_recomputation(case):
+    """A sliding layer's cache keeps the last window - 1 keys: generating three windows past it
+    gives greedy decoding's tokens by full recomputation with the mask (and the window on the
+    sliding layers), and for causal those of transformers' own sliding cache under eager."""
+    W, P, N = 8, 10, 16
+    ref, mod = _gemma2(W)
+    mask = cm.compile_mask({"causal": masks.causal, "prefix_lm": masks.prefix_lm,
+                            "sliding_window": lambda: masks.sliding_window(5)}[case]())
+    meta = {"prefix_len": torch.tensor([3, 10])} if case == "prefix_lm" else None
+    ids = torch.randint(0, VOCAB, (2, P), generator=torch.Generator().manual_seed(7))
+    got = mod.generate(ids, max_new_tokens=N, do_sample=False, compilemask_mask=mask,
+                       compilemask_meta=meta, pad_token_id=0)
+    dense = mask.preprocess(meta, P + N, batch_size=2).dense_mask()
+    ref.set_attn_implementation(_dense_eager(dense, W))
+    want = ids
+    for _ in range(N):
+        with torch.no_grad():
+            logits = ref(want, use_cache=False).logits
+        want = torch.cat([want, logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(got, want), (got, want)
+    if case == "causal":
+        ref.set_attn_implementation("eager")
+        assert torch.equal(got, ref.generate(ids, max_new_tokens=N, do_sample=False,
+                                             pad_token_id=0))
+
+
+def test_mistral_generates_past_its_window_as_its_sliding_cache():
+    """Mistral slides on every layer and passes position_ids per sequence ([B, Sq]): greedy
+    tokens past the window equal transformers' own sliding cache under eager."""
     from compilemask.integrations import transformers as cm_hf
 
     name = cm_hf.register()
     torch.manual_seed(0)
     cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=1, num_attention_heads=4,
+                                     num_hidden_layers=2, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=16, sliding_window=8,
                                      dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
-    mask = cm.compile_mask(masks.causal())
-    ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(0))
-    model.generate(ids, max_new_tokens=2, do_sample=False, compilemask_mask=mask)
-    with pytest.raises(NotImplementedError, match="sliding window of 8 keys"):
-        model.generate(ids, max_new_tokens=6, do_sample=False, compilemask_mask=mask)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation="eager").eval()
+    mod = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                        attn_implementation=name).eval()
+    mod.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    got = mod.generate(ids, compilemask_mask=cm.compile_mask(masks.causal()), **kw)
+    assert got.shape == (2, 24) and torch.equal(got, ref.generate(ids, **kw))
+
+
+def test_generate_past_a_sliding_window_needs_the_positions():
+    """Where the call does not say the keys' positions (no position_ids, or left padding), a
+    sliding layer past its window is refused, naming the fix, not run at wrong positions."""
+    from compilemask.integrations import transformers as cm_hf
+
+    class Attn(torch.nn.Module):
+        sliding_window, layer_idx = 8, 0
+
+    q, k = torch.zeros(2, 4, 1, 16), torch.zeros(2, 2, 8, 16)
+    kw = {cm_hf.MASK_KWARG: cm.compile_mask(masks.causal())}
+    assert cm_hf._generation_descriptor(Attn(), kw, q, k[:, :, :7])[1] == 0  # all kept
+    with pytest.raises(NotImplementedError, match="window of 8 keys.*position_ids"):
+        cm_hf._generation_descriptor(Attn(), kw, q, k)
+    with pytest.raises(NotImplementedError, match="different positions.*left padding"):
+        cm_hf._generation_descriptor(Attn(), {**kw, "position_ids": torch.tensor([[9], [8]])},
+                                     q, k)
+    desc, dropped = cm_hf._generation_descriptor(
+        Attn(), {**kw, "position_ids": torch.tensor([[11], [11]])}, q, k)
+    assert dropped == 4 and (desc.seqlen_q, desc.seqlen_k) == (1, 12)
 
 
 @pytest.mark.parametrize("name", ["causal", "prefix_lm", "hstu", "packed_documents",
@@ -445,11 +535,13 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
 
 
 def test_score_mods_on_served_rows():
-    """A score_mod sees q_idx from 0 on every engine: on the last rows of a sequence one that a
-    moved q_idx shifts by a per-row constant (ALiBi, a softcap) gives the square mask's rows,
-    one that it does not (a T5 bucket) is refused, as are the LSE of a shifted one and a shifted
-    one next to a learnable sink (whose logit does not move with the row); one that does not
-    read q_idx (a softcap) runs with both."""
+    """On the reference engine a score_mod on the last rows of a sequence reads their positions
+    as q_idx: any score_mod (a T5 bucket of kv_idx - q_idx, ALiBi with its LSE or next to a
+    learnable sink, a softcap) gives the whole sequence's last rows. The GPU engines give it
+    local rows: there one that a moved q_idx shifts by more than a per-row constant is refused
+    (as are the LSE of a shifted one and a shifted one next to a learnable sink), naming the
+    reference engine."""
+    from compilemask.api.api import _check_rows
     from compilemask.dsl import score_mods
 
     mask = cm.compile_mask(masks.causal())
@@ -458,26 +550,64 @@ def test_score_mods_on_served_rows():
     q, k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for n in (Sk, Sk, Sk))
     full = mask.preprocess(None, Sk, batch_size=1)
     last = query_descriptor(mask, None, Sk, Sq, batch_size=1)
-    for fn in (score_mods.alibi(score_mods.alibi_slopes(4).double()), score_mods.softcap(5)):
-        want = cm.attention(q, k, v, full, score_mod=fn)[:, -Sq:]
-        torch.testing.assert_close(cm.attention(q[:, -Sq:], k, v, last, score_mod=fn), want)
-    with pytest.raises(NotImplementedError, match="per-row constant"):
-        cm.attention(q[:, -Sq:], k, v, last,
-                     score_mod=score_mods.t5_bias(torch.randn(32, 4, dtype=torch.float64)))
-    with pytest.raises(NotImplementedError, match="return_lse"):
-        cm.attention(q[:, -Sq:], k, v, last, return_lse=True,
-                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
     sink = torch.randn(4, generator=g, dtype=torch.float64) + 2
+    t5 = score_mods.t5_bias(torch.randn(32, 4, generator=g, dtype=torch.float64), 16)
+    alibi = score_mods.alibi(score_mods.alibi_slopes(4).double())
+    for fn in (t5, alibi, score_mods.softcap(5)):
+        for kw in ({}, {"learnable_sink": sink}):
+            want, want_lse = cm.attention(q, k, v, full, score_mod=fn, return_lse=True, **kw)
+            got, lse = cm.attention(q[:, -Sq:], k, v, last, score_mod=fn, return_lse=True, **kw)
+            torch.testing.assert_close(got, want[:, -Sq:])
+            torch.testing.assert_close(lse, want_lse[..., -Sq:])
+            torch.testing.assert_close(cm.attention(q[:, -Sq:], k, v, last, score_mod=fn, **kw),
+                                       want[:, -Sq:])
+    # the rows' positions matter: at local rows the T5 bias is another one
+    local = cm.attention(q[:, -Sq:], k, v, mask.preprocess(None, Sq, Sk, batch_size=1),
+                         score_mod=t5)
+    assert not torch.allclose(local, want[:, -Sq:])
+    with pytest.raises(NotImplementedError, match="per-row constant.*backend='reference'"):
+        _check_rows(last, "any", False, False)
+    with pytest.raises(NotImplementedError, match="return_lse"):
+        _check_rows(last, "row", True, False)
     with pytest.raises(NotImplementedError, match="learnable_sink"):
-        cm.attention(q[:, -Sq:], k, v, last, learnable_sink=sink,
-                     score_mod=score_mods.alibi(score_mods.alibi_slopes(4).double()))
-    cap = score_mods.softcap(5)
-    want, want_lse = cm.attention(q, k, v, full, score_mod=cap, learnable_sink=sink,
-                                  return_lse=True)
-    got, lse = cm.attention(q[:, -Sq:], k, v, last, score_mod=cap, learnable_sink=sink,
-                            return_lse=True)
-    torch.testing.assert_close(got, want[:, -Sq:])
-    torch.testing.assert_close(lse, want_lse[..., -Sq:])
+        _check_rows(last, "row", False, True)
+    _check_rows(last, "row", False, False)
+    _check_rows(last, "none", True, True)
+
+
+def test_t5_bias_on_a_batch_of_requests_and_a_packed_batch():
+    """Requests of their own lengths (seqused_k) and a packed batch (seqused_q): each row's
+    T5 bias is at its own position, as each request computed alone."""
+    from compilemask.dsl import score_mods
+
+    mask = cm.compile_mask(masks.causal())
+    g = torch.Generator().manual_seed(1)
+    t5 = score_mods.t5_bias(torch.randn(32, 2, generator=g, dtype=torch.float64), 16)
+    used_k, used_q, Sk, Sq = [30, 9], [3, 2], 30, 3
+    ks = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    vs = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    qs = [torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for n in used_k]
+    alone = [cm.attention(qq, kk, vv, mask.preprocess(None, n), score_mod=t5)[:, -m:]
+             for qq, kk, vv, n, m in zip(qs, ks, vs, used_k, used_q)]
+    k = torch.zeros(2, Sk, 2, 8, dtype=torch.float64)
+    v, q = k.clone(), torch.zeros(2, Sq, 2, 8, dtype=torch.float64)
+    for b, n in enumerate(used_k):
+        k[b, :n], v[b, :n] = ks[b][0], vs[b][0]
+        q[b] = qs[b][0, n - Sq:]
+    d = query_descriptor(mask, None, Sk, Sq, batch_size=2, seqused_k=torch.tensor(used_k))
+    out = cm.attention(q, k, v, d, score_mod=t5)
+    for b, m in enumerate(used_q):
+        torch.testing.assert_close(out[b, -m:], alone[b][0])
+    # packed: request b's queries are local rows 0.. (the rest padding, seeing nothing)
+    packed = query_descriptor(mask, None, Sk, Sq, seqused_k=torch.tensor(used_k),
+                              seqused_q=torch.tensor(used_q))
+    qp = torch.zeros_like(q)
+    for b, m in enumerate(used_q):
+        qp[b, :m] = qs[b][0, -m:]
+    out = cm.attention(qp, k, v, packed, score_mod=t5)
+    for b, m in enumerate(used_q):
+        torch.testing.assert_close(out[b, :m], alone[b][0])
+        assert not out[b, m:].any()
 
 
 def test_request_batches_never_run_native():
@@ -789,16 +919,29 @@ def test_fa4_length_arguments_are_made_once_per_descriptor():
     assert _lengths(square, paged=True)["seqused_k"].tolist() == [9, 9]
 
 
-def test_reference_on_served_rows_names_why_a_score_mod_is_refused():
-    """Served rows run a score_mod only where its reading of q_idx is known; one the converter
-    does not read (a -inf constant) is refused saying so, on the reference engine too."""
+def test_reference_on_served_rows_runs_any_score_mod():
+    """The reference engine runs any score_mod on served rows at their positions, one the
+    converter does not read (a -inf constant) included; rows whose positions the descriptor
+    does not hold (a context-parallel shard's) run only one whose reading of q_idx is known, and
+    the refusal says why."""
+    import dataclasses
+
     from compilemask.api.serving import query_descriptor
 
-    desc = query_descriptor(cm.compile_mask(masks.causal()), None, 16, 4, batch_size=1)
-    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 16, 2, 8)
+    mask = cm.compile_mask(masks.causal())
+    desc = query_descriptor(mask, None, 16, 4, batch_size=1)
+    q, k = torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
 
     def no_first_key(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx == 0, float("-inf"), score)
 
+    def not_before_q(score, b, h, q_idx, kv_idx):  # reads q_idx: a position, not a local row
+        return torch.where(kv_idx + 3 < q_idx, score - 1.0, score)
+
+    for fn in (no_first_key, not_before_q):
+        want = cm.attention(q, k, k, mask.preprocess(None, 16), score_mod=fn)[:, -4:]
+        torch.testing.assert_close(
+            cm.attention(q[:, -4:], k, k, desc, score_mod=fn, backend="reference"), want)
+    shard = dataclasses.replace(desc, q_offset=-1)  # rows elsewhere, positions not recorded
     with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*-inf"):
-        cm.attention(q, k, k, desc, score_mod=no_first_key, backend="reference")
+        cm.attention(q[:, -4:], k, k, shard, score_mod=no_first_key, backend="reference")

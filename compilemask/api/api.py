@@ -33,9 +33,9 @@ def _validate(q, k, v, desc, heads: int = 1):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     B, Sq, H, D = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and "
-                         f"{list(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:  # v's head dim may differ (MLA: 192 for q/k, 128 for v)
+        raise ValueError(f"k and v must have the same shape but for the head dim, got "
+                         f"{list(k.shape)} and {list(v.shape)}")
     Bk, Sk, Hkv, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {list(q.shape)} and k {list(k.shape)} disagree on batch or head dim")
@@ -108,8 +108,31 @@ def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
                   f"constant that {fixed} does not share"}[row_shift]
     raise NotImplementedError(
         "cm.attention: this descriptor's queries are not rows 0.. of the sequence (serving: the "
-        f"last rows of the keys; context-parallel shards), and {why}; score_mods of "
-        "kv_idx - q_idx through tables are not served yet")
+        f"last rows of the keys; context-parallel shards), and {why}; the GPU engines give a "
+        "score_mod local rows (q_idx from 0): backend='reference' runs it at the rows' "
+        "positions (a query_descriptor's), or fold the offset into the score_mod's own tables")
+
+
+def _served_rows(desc, heads: int) -> torch.Tensor | None:
+    """int64 ``[B]`` (or 0-d, one for all): each sequence's position of local row 0 where the
+    descriptor's rows are a served sequence's last positions (``query_descriptor``); None for
+    rows 0.. and where the positions are not in the descriptor (context-parallel shards)."""
+    if desc.q_offset > 0:
+        return torch.tensor(desc.q_offset, dtype=torch.int64, device=desc.device)
+    if desc.q_offset < 0 and desc.seqused_k is not None and heads == 1:
+        used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q.long()
+        return desc.seqused_k.long() - used_q
+    return None
+
+
+def _at_positions(score_mod, first: torch.Tensor):
+    """``score_mod`` given each row's position in the sequence as ``q_idx`` (local row ``r`` of
+    sequence ``b`` is ``first[b] + r``; a packed batch's padding rows, which see nothing, read 0):
+    the reference engine evaluates it as on the whole sequence's rows."""
+    def at_positions(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, ((first[b] if first.dim() else first) + q_idx).clamp(min=0),
+                         kv_idx)
+    return at_positions
 
 
 def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
@@ -165,8 +188,18 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic, heads,
                            score_mod=score_mod is not None, sink=learnable_sink is not None)
+    if v.shape[-1] != q.shape[-1] and engine != "reference":
+        raise NotImplementedError(
+            f"cm.attention: v's head dim ({v.shape[-1]}, v {list(v.shape)}) differs from q and "
+            f"k's ({q.shape[-1]}, q {list(q.shape)}); the {engine} engine runs q, k, v of one "
+            "head dim, 64 or 128 (FA4's own sm90 kernels take head_dim != head_dim_v, (192, 128) "
+            "included, but this engine does not pass them); backend='reference' runs it")
     score = None
-    if score_mod is not None and engine == "reference" and desc.q_offset:
+    served = _served_rows(desc, heads) if score_mod is not None and engine == "reference" \
+        else None
+    if served is not None:  # the score_mod reads the rows' positions: exact for any score_mod
+        score_mod = _at_positions(score_mod, served)
+    elif score_mod is not None and engine == "reference" and desc.q_offset:
         try:
             row_shift = compile_score_mod(score_mod)[0].row_shift
         except (NotImplementedError, TypeError) as e:

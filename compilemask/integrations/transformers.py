@@ -32,7 +32,8 @@ The mask is the descriptor's, with two things the model has a say in:
   window combined (``windowed_descriptor``: every rule also ``j > i - window``, preprocessed
   once per batch from the descriptor's own metadata and kept with it). Under torch.compile, or
   with queries and keys of different lengths, an unproven descriptor is refused, naming the
-  layer.
+  layer. ``generate`` (``compilemask_mask``) runs a sliding layer past its window: its cache's
+  keys at their positions (from ``position_ids``), the mask within the window.
 
 Context parallelism: with ``compilemask_cp=(plan, group)`` (a ``compilemask.api.distributed``
 plan and the process group, ``None`` for the world) every layer runs ``cp_attention`` on the
@@ -55,7 +56,7 @@ import torch
 
 from compilemask.api.api import _validate, attention, select_engine
 from compilemask.api.distributed import CPPlan, cp_attention, shard
-from compilemask.api.serving import DecodeState
+from compilemask.api.serving import DecodeState, _snapshot, query_descriptor
 from compilemask.compiler.compiler import first_match_rule
 from compilemask.compiler.native import _run_axioms
 from compilemask.compiler.prover import Prover
@@ -179,33 +180,118 @@ def layer_type(module) -> str:
 _DECODE = LRU(1)  # one generation at a time (cleared before each store)
 
 
-def _generation_descriptor(module, kwargs, query, key) -> ExecutionDescriptor:
-    """The descriptor of this call's queries, the last ``Sq`` of the ``Sk`` keys (prefill and
+def _generation_descriptor(module, kwargs, query, key):
+    """The descriptor of this call's queries, the last ``Sq`` of the sequence's keys (prefill and
     each decode step), from ``compilemask_mask`` and ``compilemask_meta``; made once per step
     shape and metadata and shared by the layers (the dict may be updated between calls:
-    ``DecodeState`` sees a changed, replaced, added or removed entry)."""
+    ``DecodeState`` sees a changed, replaced, added or removed entry). Returns it and how many
+    of the sequence's first keys the layer's cache no longer holds (a sliding layer past its
+    window; 0 otherwise): the caller places the keys it got at their positions."""
     mask, meta = kwargs[MASK_KWARG], kwargs.get(META_KWARG)
-    window = layer_window(module, kwargs)
-    if window is not None and key.shape[2] + 1 >= window:
-        # a sliding layer's cache may keep only the last keys, and the call does not say which
-        # positions they are: the keys' count would place the queries wrongly
-        raise NotImplementedError(
-            f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} attends within a "
-            f"sliding window of {window} keys, and generating past it with {MASK_KWARG} is not "
-            f"supported (its KV cache may hold only the window); sequences up to {window - 2} "
-            "tokens run")
     if not isinstance(mask, CompiledMask):
         raise TypeError(f"{MASK_KWARG} must be a compile_mask(...) result, got "
                         f"{type(mask).__name__}")
     if kwargs.get(DESC_KWARG) is not None:
         raise ValueError(f"pass {DESC_KWARG} or {MASK_KWARG}, not both")
-    k = (id(mask), id(meta), query.shape[0], query.device)
+    Sq, Sk = query.shape[2], key.shape[2]
+    window = layer_window(module, kwargs)
+    dropped = 0
+    if window is not None:
+        dropped = _dropped_keys(module, kwargs, window, Sq, Sk)
+        if Sk + dropped > window and not within_window(mask, window, True):  # rows: positions
+            mask = windowed_mask(mask, window)  # the layer's own mask: the rules and its window
+    k = (id(kwargs[MASK_KWARG]), id(meta), query.shape[0], query.device)
     entry = _DECODE.get(k)
-    if entry is None or entry[0] is not mask or entry[1] is not meta:
+    if entry is None or entry[0] is not kwargs[MASK_KWARG] or entry[1] is not meta:
         _DECODE.clear()
-        entry = _DECODE[k] = (mask, meta, DecodeState(mask, meta, batch_size=query.shape[0],
-                                                      device=query.device))
-    return entry[2].descriptor(query.shape[2], key.shape[2])
+        entry = _DECODE[k] = (kwargs[MASK_KWARG], meta, {})
+    state = entry[2].get(mask.key)
+    if state is None:  # one per mask the layers run: the given one, a window's combined
+        state = entry[2][mask.key] = _BeamState(
+            mask, meta, batch_size=query.shape[0], device=query.device,
+            repeat=_beam_factor(meta, query.shape[0]))
+    return state.descriptor(Sq, Sk + dropped), dropped
+
+
+# the last step's (weakref to position_ids, its version, the sequence's length): the layers of
+# one step share it (tensors are not hashable by identity in a WeakKeyDictionary: == compares)
+_TOTAL = threading.local()
+
+
+def _dropped_keys(module, kwargs, window: int, Sq: int, Sk: int) -> int:
+    """How many first keys of the sequence a sliding layer's cache has dropped: transformers'
+    sliding caches keep the last ``window - 1`` keys and give them with the call's new ones, so
+    ``Sk == window - 1 + Sq`` may be a longer sequence's tail. Its length is then read from the
+    call's ``position_ids`` (the last query's position + 1; one host read per step, shared by
+    the layers, as the same tensor reaches each), which must agree across the batch."""
+    if Sk < window - 1 + Sq:
+        return 0  # the cache has kept every key
+    pos = kwargs.get("position_ids")
+    where = (f"compilemask attention: layer {getattr(module, 'layer_idx', '?')} attends within a "
+             f"sliding window of {window} keys and its KV cache holds the last {Sk} keys")
+    if not isinstance(pos, torch.Tensor) or pos.dim() != 2 or pos.shape[-1] != Sq:
+        raise NotImplementedError(
+            f"{where}; generating past the window with {MASK_KWARG} places them by the call's "
+            f"position_ids [B, {Sq}], which this model does not pass to its attention (got "
+            f"{type(pos).__name__}): pass position_ids to the layers, or generate at most "
+            f"{window - 1} tokens in all")
+    got = getattr(_TOTAL, "last", None)
+    total = got[2] if got is not None and got[0]() is pos and got[1] == pos._version else None
+    if total is None:
+        last = pos[:, -1]
+        if bool((last != last[0]).any()):
+            raise NotImplementedError(
+                f"{where}; the batch's position_ids end at different positions "
+                f"{last.tolist()} (left padding), so the keys' positions are not known: "
+                "generate past the window without padding (a batch of one length, or the "
+                "lengths in the mask's metadata)")
+        total = int(last[0]) + 1
+        _TOTAL.last = (weakref.ref(pos), pos._version, total)
+    if total < Sk:
+        raise ValueError(f"{where}, but the call's position_ids end at {total - 1}: the "
+                         "positions must be the keys' (0.. from the sequence's first token)")
+    return total - Sk
+
+
+def _beam_factor(meta, batch: int) -> int:
+    """How many rows of the model's batch each sequence of ``meta`` has: ``generate`` repeats
+    every sequence ``num_beams * num_return_sequences`` times (``repeat_interleave``, as it
+    expands ``input_ids``); 1 where the metadata is the batch's own or has no batch."""
+    sizes = {v.shape[0] for v in (meta or {}).values()
+             if isinstance(v, torch.Tensor) and v.dim() >= 1}
+    if not sizes or sizes == {batch}:
+        return 1
+    (n,) = sizes if len(sizes) == 1 else (None,)
+    if n is None or batch % n:
+        raise ValueError(f"{META_KWARG}: its tensors have batch size(s) {sorted(sizes)}, the "
+                         f"model's batch is {batch}; give one value per sequence (generate "
+                         "repeats each sequence num_beams * num_return_sequences times, and the "
+                         "metadata with it)")
+    return batch // n
+
+
+class _BeamState(DecodeState):
+    """A ``DecodeState`` whose metadata is per sequence while the model's batch holds each
+    sequence ``repeat`` times in a row (beam search, ``num_return_sequences``): the metadata is
+    repeated likewise when a descriptor is made. Beam search reorders the KV cache each step
+    only among one sequence's beams, whose metadata rows are equal, so nothing follows it."""
+
+    def __init__(self, mask, meta, *, repeat: int = 1, **kw):
+        super().__init__(mask, meta, **kw)
+        self.repeat = repeat
+
+    def descriptor(self, seqlen_q: int, seqlen_k: int):
+        if self.repeat == 1:
+            return super().descriptor(seqlen_q, seqlen_k)
+        desc = self._made_for(seqlen_q, seqlen_k)
+        if desc is None:
+            meta = {n: v.repeat_interleave(self.repeat, dim=0)
+                    if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+                    for n, v in self.meta.items()}
+            desc = query_descriptor(self.mask, meta, seqlen_k, seqlen_q,
+                                    batch_size=self.batch_size, device=self.device)
+            self._last = (self._args(seqlen_q, seqlen_k), _snapshot(self.meta), desc)
+        return desc
 
 
 def _descriptor(module, desc) -> ExecutionDescriptor:
@@ -460,7 +546,13 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
         raise ValueError(f"{CP_KWARG} needs the rank's row-sharded descriptor as well: call the "
                          f"model with {DESC_KWARG}=shard_descriptor(mask, meta, plan, rank)")
     if kwargs.get(MASK_KWARG) is not None:
-        desc = _generation_descriptor(module, kwargs, query, key)
+        desc, dropped = _generation_descriptor(module, kwargs, query, key)
+        if dropped:
+            # the keys a sliding cache holds, at their positions: the descriptor's keys are the
+            # sequence's, and those before the window are hidden from every row (zeros here)
+            key, value = (torch.nn.functional.pad(t, (0, 0, dropped, 0)) for t in (key, value))
+            if attention_mask is not None and attention_mask.dim() == 2:
+                attention_mask = torch.nn.functional.pad(attention_mask, (dropped, 0))
     else:
         desc = _descriptor(module, kwargs.get(DESC_KWARG))
     keep = _key_validity(attention_mask)
@@ -499,7 +591,7 @@ def _forward(module, query, key, value, attention_mask, dropout, scaling, kwargs
                         for d, h in desc.groups)
         if any(a[0] is not b[0] for a, b in zip(checked, desc.groups)):  # a window combined
             desc = HeadGroups(checked, desc.num_heads, folded=desc.folded)
-    else:
+    elif kwargs.get(MASK_KWARG) is None:  # generation's descriptors include the window
         desc = _check_window(module, desc, window, desc.seqlen_q, desc.seqlen_k)
     if keep is not None:
         if torch.compiler.is_compiling():  # no descriptor is made while tracing
