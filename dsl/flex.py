@@ -320,7 +320,13 @@ def _compare(tr, op, a, b):
         if op in ("==", "!=") and _is_bool(a) and _is_bool(b):
             same = sp.Or(sp.And(a, b), sp.And(sp.Not(a), sp.Not(b)))
             return same if op == "==" else sp.Not(same)
-        raise tr.fail(f"a boolean compared with '{op}'")
+        # torch compares a boolean as the integer 0 or 1 (BD3-LM's ``x0_flag_q == 1``): one
+        # case per value of each boolean side
+        def cases(x):
+            return ((x, sp.Integer(1)), (sp.Not(x), sp.Integer(0))) if _is_bool(x) else (
+                (sp.true, x),)
+        return sp.Or(*(sp.And(ca, cb, _REL[op](va, vb))
+                       for ca, va in cases(a) for cb, vb in cases(b)))
     return _REL[op](a, b)
 
 
@@ -1059,7 +1065,7 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
     walk = _Walk()
     try:
         # the name labels the spec (and its errors): functions of one code may be renamed
-        key = (walk.value(mask_mod, "mask_mod")[0], name, mask_mod.__name__, head)
+        key = (walk.value(mask_mod, "mask_mod")[0], name, _fn_name(mask_mod), head)
         entry = _CACHE.get(key)
     except _Uncacheable:
         key, entry = None, None
@@ -1082,21 +1088,35 @@ _VARIANTS_SAID = 8
 
 
 def _count_variants(mask_mod, key) -> None:
-    fn = getattr(mask_mod, "__func__", mask_mod)
+    fn = mask_mod
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
     seen = _VARIANTS.setdefault(fn.__code__, set())
     if len(seen) >= _VARIANTS_SAID:
         return
     seen.add(key[:2])  # the values read and the name: one conversion per head is no variant
     if len(seen) == _VARIANTS_SAID:
-        say_once(f"from_mask_mod: mask_mod {mask_mod.__name__!r} was converted for "
+        say_once(f"from_mask_mod: mask_mod {_fn_name(mask_mod)!r} was converted for "
                  f"{_VARIANTS_SAID} different captured values, each a new compiled mask (a "
                  "compile and its memory); capture a value that changes per batch as a 0-d "
                  "tensor (torch.tensor(v)): it is then a param of one compiled mask, read at "
                  "each preprocess")
 
 
+def _fn_name(mask_mod) -> str:
+    """A mask_mod's name; a ``functools.partial``'s is its function's (BD3-LM's
+    ``partial(block_diff_mask, block_size=, n=)``)."""
+    while isinstance(mask_mod, functools.partial):
+        mask_mod = mask_mod.func
+    return getattr(mask_mod, "__name__", "mask_mod")
+
+
 def _check_signature(mask_mod):
     """Refuse what FlexAttention could not call as ``mask_mod(b, h, q_idx, kv_idx)``."""
+    if type(mask_mod) is functools.partial:
+        _check_partial(mask_mod)
+        return
     fn, nself = mask_mod, 0
     if type(mask_mod) is types.MethodType and type(mask_mod.__func__) is types.FunctionType:
         fn, nself = mask_mod.__func__, 1
@@ -1113,6 +1133,29 @@ def _check_signature(mask_mod):
                 f"{npos} positional argument(s), {max(required, 0)} without defaults")
         raise TypeError(f"mask_mod {mask_mod.__name__!r} must take (b, h, q_idx, kv_idx) (further "
                         f"arguments need defaults), takes {what}")
+
+
+def _check_partial(mask_mod):
+    inner = mask_mod.func
+    while type(inner) is functools.partial:
+        inner = inner.func
+    if not (type(inner) is types.FunctionType or (type(inner) is types.MethodType and type(
+            inner.__func__) is types.FunctionType)):
+        raise TypeError(f"from_mask_mod expects a Python function (or bound method, or a "
+                        f"functools.partial of one) mask_mod(b, h, q_idx, kv_idx), got a "
+                        f"partial of {type(inner).__name__}")
+    try:
+        params = inspect.signature(mask_mod).parameters.values()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"mask_mod {_fn_name(mask_mod)!r}: {e}") from None
+    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in pos if p.default is p.empty]
+    no_default = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if (len(pos) < 4 and not varargs) or len(required) > 4 or no_default:
+        raise TypeError(f"mask_mod {_fn_name(mask_mod)!r} (a functools.partial) must take (b, "
+                        f"h, q_idx, kv_idx) once its bound arguments are applied (further "
+                        f"arguments need defaults), takes {inspect.signature(mask_mod)}")
 
 
 def _leaf_value(entry: _Entry, leaves, leaf):
@@ -1303,7 +1346,7 @@ def _as_int(t):
 
 
 def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
-    fname = mask_mod.__name__
+    fname = _fn_name(mask_mod)
     tr = _Trace(fname)
     walk = _Walk(tr)
     _, copy = walk.value(mask_mod, "mask_mod")

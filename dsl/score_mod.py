@@ -40,6 +40,7 @@ from compilemask.contract.cache import SCORE_MODS
 from compilemask.contract.lru import LRU
 from compilemask.dsl.fingerprint import Uncacheable as _Uncacheable
 from compilemask.dsl.fingerprint import Walk as _Walk
+from compilemask.dsl.fingerprint import numpy_scalar
 from compilemask.dsl.tracing import KV_INDEX as _J
 from compilemask.dsl.tracing import Q_INDEX as _I
 from compilemask.dsl.tracing import RELATIONS as _REL
@@ -721,7 +722,7 @@ def _constants(obj, path, depth, seen, out) -> None:
         return
     seen.add(id(obj))
     for step, v in _steps(obj):
-        if isinstance(v, _CONSTANTS):
+        if isinstance(v, _CONSTANTS) or numpy_scalar(v) is not None:
             out.append(((*path, step), v))
         elif isinstance(v, (types.FunctionType, tuple, list, dict)):
             _constants(v, (*path, step), depth + 1, seen, out)
