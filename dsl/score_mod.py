@@ -387,8 +387,45 @@ def _fits(n, dtype) -> bool:
     return n.is_Integer and info.min <= int(n) <= info.max
 
 
+def _like(tr, x, value, dtype=None, **kwargs):
+    """``torch.full_like(x, value)`` (``zeros_like`` / ``ones_like``): ``value`` in ``x``'s kind
+    (or ``dtype``'s), as torch converts it; ``x`` only gives that kind."""
+    if isinstance(x, _Tab):
+        raise tr.fail(f"'*_like' of captured tensor {x._label()} (index it: t[h], ...)")
+    x = _v(tr, x)
+    value = numpy_scalar(value) if numpy_scalar(value) is not None else value
+    if isinstance(value, _V) or not isinstance(value, (bool, int, float)):
+        raise tr.fail("torch.full_like with a fill value that is not a Python number")
+    kind = x.kind if dtype is None else (
+        "b" if dtype is torch.bool else "f" if dtype in _FLOAT_DTYPES else
+        "i" if dtype in _INT_DTYPES else None)
+    if kind is None:
+        raise tr.fail(f"torch.full_like with dtype {dtype} (float32, float64, integers, bool)")
+    if kind == "b":
+        return _V(tr, sp.true if value else sp.false, "b")
+    if kind == "i":
+        if isinstance(value, float) and not math.isfinite(value):
+            raise tr.fail(f"torch.full_like of an integer value with {value!r}")
+        return _V(tr, sp.Integer(int(value)), "i")
+    return _to(tr, _v(tr, float(value)), torch.float32)
+
+
+def _reduce_or_min_max(kind):
+    def apply(tr, a, b=None, *rest, **kwargs):
+        if b is None or rest or kwargs or not isinstance(b, _V):  # torch.min(x, dim)
+            raise tr.fail(f"torch.{kind} of one value (a reduction; a score_mod reads "
+                          f"torch.{kind}(a, b) of two values)")
+        return _min_max(tr, kind, a, b)
+    return apply
+
+
 _TORCH_FUNCS = {
     torch.where: _select,
+    torch.full_like: _like,
+    torch.zeros_like: lambda tr, x, dtype=None, **kw: _like(tr, x, 0, dtype),
+    torch.ones_like: lambda tr, x, dtype=None, **kw: _like(tr, x, 1, dtype),
+    torch.min: _reduce_or_min_max("min"),
+    torch.max: _reduce_or_min_max("max"),
     torch.minimum: lambda tr, a, b: _min_max(tr, "min", a, b),
     torch.maximum: lambda tr, a, b: _min_max(tr, "max", a, b),
     torch.abs: _abs,
