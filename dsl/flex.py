@@ -1002,7 +1002,7 @@ _CACHE = LRU(1024)  # conversion key -> _Entry; bounded: a new captured int is a
 
 
 def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None,
-                  seqlen: int | None = None):
+                  seqlen: int | None = None, score_mod=None):
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` as ``(MaskSpec, meta)``.
 
     ``meta`` maps each param to the captured tensor it reads, as it is now: ``[B]`` for
@@ -1024,11 +1024,16 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     it reads as FlexAttention would call it. ``mask = cm.compile_mask(spec); desc =
     mask.preprocess(meta, seqlen_q=S)``. Calls with the same code and the same values read
     (constants, defaults, attributes of captured objects) return the same spec; only the tensors
-    are collected again."""
+    are collected again.
+
+    ``score_mod``: the FlexAttention score_mod the attention runs with, where it gives -inf
+    (``torch.where(cond, score, -float("inf"))``: a masked score): the mask is then
+    ``mask_mod & cond``, on which the GPU engines run the score_mod's finite value
+    (``cm.attention(..., score_mod=)`` refuses such a score_mod on them with any other mask)."""
     _check_signature(mask_mod)
     _check_count("batch_size", batch_size)
     _check_count("seqlen", seqlen)
-    return _converted(mask_mod, batch_size, name, seqlen, None)
+    return _converted(mask_mod, batch_size, name, seqlen, None, score_mod)
 
 
 def _check_count(name, value):
@@ -1040,7 +1045,7 @@ def _check_count(name, value):
 
 
 def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = None,
-                        name: str | None = None, seqlen: int | None = None):
+                        name: str | None = None, seqlen: int | None = None, score_mod=None):
     """A FlexAttention ``mask_mod`` that reads the head index ``h`` as one ``(MaskSpec, meta)``
     per head: ``(specs, metas)``, lists of ``num_heads``, each converted as
     :func:`from_mask_mod` does with ``h`` that head's constant (``h < 2``, ``w[h]``,
@@ -1050,22 +1055,33 @@ def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = No
         specs, metas = cm.from_mask_mod_heads(mask_mod, num_heads=H)
         groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, seqlen_q=S)
         out = cm.attention(q, k, v, groups)
-    """
+
+    ``score_mod``: as in :func:`from_mask_mod` (its -inf condition joins each head's mask)."""
     _check_signature(mask_mod)
     _check_count("batch_size", batch_size)
     _check_count("seqlen", seqlen)
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"from_mask_mod_heads: num_heads must be a positive int, got "
                          f"{num_heads!r}")
-    per = [_converted(mask_mod, batch_size, name, seqlen, h) for h in range(num_heads)]
+    per = [_converted(mask_mod, batch_size, name, seqlen, h, score_mod)
+           for h in range(num_heads)]
     return [spec for spec, _ in per], [meta for _, meta in per]
 
 
-def _converted(mask_mod, batch_size, name, seqlen, head):
+def _converted(mask_mod, batch_size, name, seqlen, head, score_mod=None):
+    sm = None
+    if score_mod is not None:
+        from compilemask.dsl.score_mod import score_mod_mask
+
+        sm = score_mod_mask(score_mod)[0]
+        if sm.mask is None:
+            score_mod = None  # finite everywhere: the mask is the mask_mod's
     walk = _Walk()
     try:
         # the name labels the spec (and its errors): functions of one code may be renamed
-        key = (walk.value(mask_mod, "mask_mod")[0], name, _fn_name(mask_mod), head)
+        key = (walk.value(mask_mod if score_mod is None else (mask_mod, score_mod),
+                          "mask_mod")[0], name, _fn_name(mask_mod), head,
+               None if sm is None else sm.key)
         entry = _CACHE.get(key)
     except _Uncacheable:
         key, entry = None, None
@@ -1074,10 +1090,14 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
             _leaf_value(entry, leaves, leaf).shape[d] != n for (leaf, d), n in entry.shape_deps):
         entry = None  # a row's length changed: its rules do too
     if entry is None:
-        entry, leaves = _convert_mask_mod(mask_mod, name, head)
+        entry, leaves = _convert_mask_mod(mask_mod, name, head, score_mod)
         if key is not None:
             _CACHE[key] = entry
             _count_variants(mask_mod, key)
+    if score_mod is not None:
+        from compilemask.dsl.score_mask import mark_folded
+
+        mark_folded(entry.spec, sm.key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
 
@@ -1345,11 +1365,13 @@ def _as_int(t):
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
-def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
+def _convert_mask_mod(mask_mod, name, head=None, score_mod=None) -> tuple[_Entry, list]:
     fname = _fn_name(mask_mod)
     tr = _Trace(fname)
     walk = _Walk(tr)
-    _, copy = walk.value(mask_mod, "mask_mod")
+    _, copy = walk.value(mask_mod if score_mod is None else (mask_mod, score_mod), "mask_mod")
+    if score_mod is not None:
+        copy = _and_score_mask(tr, walk, copy[0], score_mod)
     # h: refused where read, or one head's constant (``from_mask_mod_heads``)
     b, h = _Sym(tr, None, "b"), (_Sym(tr, None, "h") if head is None else
                                  _Sym(tr, sp.Integer(head)))
@@ -1419,6 +1441,29 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     spec = MaskSpec(label, params=list(params), regions=regions)
     return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params,
                    tuple(tr.shape_deps.items())), walk.leaves)
+
+
+def _and_score_mask(tr, walk, mask_copy, score_mod):
+    """``mask_copy`` (the traced mask_mod) and the score_mod's -inf condition, read with the
+    stand-ins of the tensors that condition reads."""
+    from compilemask.dsl.score_mask import rebuild_condition
+    from compilemask.dsl.score_mod import _B, _H, score_mod_mask
+
+    sm, tensors = score_mod_mask(score_mod)
+    tables = {name: tr.stand_in(walk.by_id[id(t)]) for name, t in tensors.items()}
+    sname = getattr(score_mod, "__name__", "score_mod")
+
+    def fail(what):
+        return NotImplementedError(
+            f"score_mod {sname!r} gives -inf (a masked score), and {what}; compute that "
+            "condition in the mask_mod (with q_idx, kv_idx and captured integer tensors) and "
+            "make the score_mod finite")
+
+    def both(b, h, q_idx, kv_idx):
+        env = {_B: b, _H: h, _I: q_idx, _J: kv_idx}
+        return mask_copy(b, h, q_idx, kv_idx) & rebuild_condition(sm.mask, env, tables, fail)
+
+    return both
 
 
 def _check_table_columns(tr, expr):

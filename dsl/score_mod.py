@@ -47,7 +47,7 @@ from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
-           "traced_score_args", "follow", "kernel_table"]
+           "score_mod_mask", "traced_score_args", "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
@@ -142,11 +142,17 @@ class ScoreMod:
     # the GPU code converts linear index expressions to float by bits where the lengths allow
     # (``codegen.cute_score_mod``; ``KernelOptions.score_index``)
     index_bits: bool = False
+    # where the score_mod's value is finite (a sympy boolean in b, h, i, j and table reads), or
+    # None: everywhere. Elsewhere it is -inf (``torch.where(cond, score, -inf)``): a masked
+    # score, which the GPU engines read from the mask (``from_mask_mod(..., score_mod=)``);
+    # ``expr`` is the value where it is finite
+    mask: object = None
 
     def __post_init__(self):
         if not self.key:
             text = repr((sp.srepr(self.expr), self.tables, self.softcap)
-                        + ((True,) if self.index_bits else ()))
+                        + ((True,) if self.index_bits else ())
+                        + ((sp.srepr(self.mask),) if self.mask is not None else ()))
             self.key = hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def explain(self) -> str:
@@ -155,6 +161,8 @@ class ScoreMod:
                  f"  d/dscore: {sp.sstr(self.grad)}"]
         if self.softcap is not None:
             lines.append(f"  a softcap of {self.softcap:g} (flash-attn-4's own)")
+        if self.mask is not None:
+            lines.append(f"  -inf (a masked score) unless {sp.sstr(self.mask)}")
         for t in self.tables:
             lines.append(f"  table {t.name}: {t.ndim}-D {'float32' if t.is_float else 'int32'}")
         return "\n".join(lines)
@@ -165,14 +173,22 @@ class ScoreMod:
         version counter: write a table through torch, not through ``.data`` or NumPy)."""
         return [_as_table(t, spec, device, self.name) for t, spec in zip(tensors, self.tables)]
 
-    def evaluate(self, score, b, h, q_idx, kv_idx, tensors, grad: bool = False):
+    def evaluate(self, score, b, h, q_idx, kv_idx, tensors, grad: bool = False,
+                 mask_tensors=None):
         """``expr`` (or ``grad``) in torch on broadcastable index tensors, floats in
         ``score``'s dtype (float32: the kernels' arithmetic): what the kernels compute, for
-        tests against the score_mod as written."""
+        tests against the score_mod as written; -inf where ``mask`` is false, whose tables
+        ``mask_tensors`` gives (``score_mod_mask``)."""
         env = {SCORE: score, _B: b, _H: h, _I: q_idx, _J: kv_idx}
         tabs = {t.name: x for t, x in zip(self.tables, tensors)}
-        return _torch_eval(self.grad if grad else self.expr, env, tabs, score.dtype).to(
+        out = _torch_eval(self.grad if grad else self.expr, env, tabs, score.dtype).to(
             score.dtype)
+        if self.mask is None:
+            return out
+        # the masked scores: -inf (their derivative 0), as the mask that holds them gives
+        tabs.update(mask_tensors or {})
+        keep = _torch_eval(self.mask, env, tabs, score.dtype)
+        return torch.where(keep, out, 0.0 if grad else float("-inf")).to(score.dtype)
 
 
 def score_mod_for_key(key: str) -> ScoreMod:
@@ -232,9 +248,11 @@ def _v(tr, x) -> "_V":
     if isinstance(x, int):
         return _V(tr, sp.Integer(x), "i")
     if isinstance(x, float):
+        if x == -math.inf:  # a masked score (its value there: any finite number)
+            return _V(tr, sp.Float(0), "f", sp.false)
         if not math.isfinite(x):
-            raise tr.fail(f"the constant {x!r} (a score_mod's value must be finite; mask "
-                          "with the mask)")
+            raise tr.fail(f"the constant {x!r} (a score_mod's value is finite, or -inf: a "
+                          "masked score)")
         return _V(tr, sp.Float(x, 17), "f")
     if isinstance(x, torch.Tensor):
         raise tr.fail("a tensor made inside the score_mod, or read as an attribute: capture it "
@@ -242,8 +260,44 @@ def _v(tr, x) -> "_V":
     raise tr.fail(f"a value of type {type(x).__name__}")
 
 
+_MASKED_REWRITE = ("a score_mod's -inf is a masked score, read as such where it is chosen or "
+                   "added (torch.where(cond, score, -float('inf')), score + bias with bias "
+                   "-inf somewhere, times a positive constant); compute the finite score first "
+                   "and mask last: torch.where(cond, score_expr, -float('inf'))")
+
+
+def _finite(x) -> "_V":
+    """``x`` where it is finite."""
+    return x if x.fin is None else _V(x.tr, x.e, x.kind)
+
+
+def _fin(x):
+    return sp.true if x.fin is None else x.fin
+
+
+def _masked_arith(tr, op, a, b):
+    """``a op b`` where one side may be -inf: -inf + x and -inf * c (c > 0) stay -inf; what
+    would be +inf or NaN (-inf - -inf, -inf * x of unknown sign) is refused."""
+    def positive(x):
+        return x.fin is None and x.e.is_Number and x.e > 0
+
+    if op == "+" or (op == "-" and b.fin is None):
+        fin = sp.And(_fin(a), _fin(b))
+    elif op in ("*", "/") and a.fin is not None and positive(b):
+        fin = a.fin
+    elif op == "*" and b.fin is not None and positive(a):
+        fin = b.fin
+    else:
+        raise tr.fail(f"'{op}' of a value that may be -inf, which is +inf or NaN there or of "
+                      f"unknown sign; {_MASKED_REWRITE}")
+    out = _arith(tr, op, _finite(a), _finite(b))
+    return _V(tr, out.e, out.kind, fin)
+
+
 def _num(tr, x, what) -> "_V":
     x = _v(tr, x)
+    if x.fin is not None:
+        raise tr.fail(f"a value that may be -inf in '{what}'; {_MASKED_REWRITE}")
     if x.kind == "b":  # torch promotes booleans in arithmetic
         return _V(tr, sp.Piecewise((sp.Integer(1), x.e), (sp.Integer(0), True)), "i")
     return x
@@ -255,6 +309,8 @@ def _kind(*xs) -> str:
 
 def _arith(tr, op, a, b):
     a, b = _v(tr, a), _v(tr, b)
+    if a.fin is not None or b.fin is not None:
+        return _masked_arith(tr, op, a, b)
     if op == "-" and "b" in (a.kind, b.kind):  # torch refuses it
         raise tr.fail("'-' with a boolean (torch refuses it; ~ negates a boolean)")
     if a.kind == "b" and b.kind == "b" and op in ("+", "*"):
@@ -323,6 +379,17 @@ def _select(tr, c, a, b):
     if c.kind != "b":
         raise tr.fail("torch.where's condition is not a boolean")
     a, b = _v(tr, a), _v(tr, b)
+    if a.fin is not None or b.fin is not None:
+        if a.kind == "b" or b.kind == "b":
+            raise tr.fail(f"torch.where of a boolean and a value that may be -inf; "
+                          f"{_MASKED_REWRITE}")
+        # a side that is only -inf needs no value: the other side's is kept everywhere
+        if b.fin is sp.false:
+            return _V(tr, a.e, "f", sp.And(c.e, _fin(a)))
+        if a.fin is sp.false:
+            return _V(tr, b.e, "f", sp.And(sp.Not(c.e), _fin(b)))
+        out = _select(tr, c, _finite(a), _finite(b))
+        return _V(tr, out.e, "f", sp.Or(sp.And(c.e, _fin(a)), sp.And(sp.Not(c.e), _fin(b))))
     if a.kind == "b" and b.kind == "b":
         return _V(tr, sp.Or(sp.And(c.e, a.e), sp.And(sp.Not(c.e), b.e)), "b")
     a, b = _num(tr, a, "where"), _num(tr, b, "where")
@@ -359,12 +426,16 @@ def _float_fn(fn):
     def apply(tr, a, *args, **kwargs):
         if args or kwargs:
             raise tr.fail("extra arguments of a math function")
-        return _V(tr, fn(_num(tr, a, "math").e), "f")
+        return _V(tr, fn(_num(tr, a, "a math function").e), "f")
     return apply
 
 
 def _to(tr, x, dtype):
     x = _v(tr, x)
+    if x.fin is not None and dtype in _FLOAT_DTYPES:
+        return x
+    if x.fin is not None:
+        raise tr.fail(f"a conversion to {dtype} of a value that may be -inf; {_MASKED_REWRITE}")
     if dtype in _FLOAT_DTYPES:
         if x.kind == "b":
             x = _num(tr, x, "float")
@@ -479,12 +550,14 @@ def _binop(op, fn):
 
 
 class _V(_Ops):
-    """A traced value: a sympy expression and its kind ("f" float, "i" integer, "b" bool)."""
+    """A traced value: a sympy expression and its kind ("f" float, "i" integer, "b" bool);
+    ``fin``: where a float that may be -inf is finite (None: everywhere), ``e`` its value
+    there."""
 
-    __slots__ = ("tr", "e", "kind")
+    __slots__ = ("tr", "e", "kind", "fin")
 
-    def __init__(self, tr, e, kind):
-        self.tr, self.e, self.kind = tr, e, kind
+    def __init__(self, tr, e, kind, fin=None):
+        self.tr, self.e, self.kind, self.fin = tr, e, kind, fin
 
     __add__, __radd__ = _binop("+", _arith)
     __sub__, __rsub__ = _binop("-", _arith)
@@ -518,7 +591,7 @@ class _V(_Ops):
         return _V(self.tr, sp.Not(self.e), "b")
 
     def __getattr__(self, name):
-        if name.startswith("_") or name in ("tr", "e", "kind"):
+        if name.startswith("_") or name in ("tr", "e", "kind", "fin"):
             raise AttributeError(name)
         fn = _METHODS.get(name)
         if fn is None:
@@ -637,6 +710,18 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
     """``(ScoreMod, tensors)``: the score_mod's expression and the tensors it captures now (in
     ``ScoreMod.tables`` order). Calls with the same code and values read return the same
     ScoreMod; only the tensors are collected again."""
+    sm, leaves = _compiled(score_mod, name)
+    return sm, [leaves[k] for k in sm.used_leaves]
+
+
+def score_mod_mask(score_mod) -> tuple:
+    """``(ScoreMod, {table name: tensor})``: the compiled score_mod and the tensors its -inf
+    condition (``ScoreMod.mask``) reads, by the names that condition reads them as."""
+    sm, leaves = _compiled(score_mod, None)
+    return sm, {t.name: leaves[k] for t, k in zip(sm.mask_tables, sm.mask_leaves)}
+
+
+def _compiled(score_mod, name):
     if isinstance(score_mod, ScoreMod):
         raise TypeError("compile_score_mod takes the FlexAttention score_mod itself")
     _check_signature(score_mod)
@@ -659,8 +744,7 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
                 "((3 * kv_idx - 2 * q_idx > 0).float())") from None
         if key is not None:
             _CACHE[key] = sm
-    used = sm.used_leaves
-    return sm, [leaves[k] for k in used]
+    return sm, leaves
 
 
 def _convert(score_mod, name):
@@ -677,17 +761,30 @@ def _convert(score_mod, name):
     if not isinstance(out, _V) or out.kind == "b":
         raise TypeError(f"score_mod {fname!r} must return the modified score (a number), got "
                         f"{'a boolean' if isinstance(out, _V) else type(out).__name__}")
-    expr = out.e
+    expr, mask = out.e, out.fin
+    if mask is not None:
+        mask = sp.simplify_logic(mask) if mask.is_Boolean and len(mask.atoms(
+            sp.core.relational.Relational)) <= 6 else mask
+        if mask is sp.false:
+            raise NotImplementedError(f"score_mod {fname!r} is -inf at every score (every score "
+                                      "masked)")
+        if mask is sp.true:
+            mask = None
     # the tables the expression reads, in leaf order (an unused capture is not passed)
     names = {type(f).__name__ for f in expr.atoms(sp.core.function.AppliedUndef)}
     used = [k for k, t in sorted(tr.tables.items()) if t.name in names]
     tables = tuple(tr.tables[k] for k in used)
+    mnames = ({type(f).__name__ for f in mask.atoms(sp.core.function.AppliedUndef)}
+              if mask is not None else set())
     grad = sp.diff(expr, SCORE)
     if grad.has(sp.Derivative) or grad.has(sp.Subs):
         raise NotImplementedError(f"score_mod {fname!r}: no closed-form derivative of "
                                   f"{sp.sstr(expr)} with respect to the score")
-    sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr))
+    sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr), mask=mask)
     sm.used_leaves = tuple(used)
+    # the tables the -inf condition reads: metadata of the mask it joins
+    sm.mask_leaves = tuple(k for k, t in sorted(tr.tables.items()) if t.name in mnames)
+    sm.mask_tables = tuple(tr.tables[k] for k in sm.mask_leaves)
     sm.row_shift = _row_shift(expr)
     known = SCORE_MODS.find(sm.key)
     sm = known if known is not None and _same(known, sm) else sm
@@ -825,7 +922,9 @@ def kernel_table(t, is_float: bool):
 
 
 def _same(a, b) -> bool:
-    return a.expr == b.expr and a.tables == b.tables and a.used_leaves == b.used_leaves
+    return (a.expr == b.expr and a.tables == b.tables and a.used_leaves == b.used_leaves
+            and a.mask == b.mask and getattr(a, "mask_leaves", ()) == getattr(
+                b, "mask_leaves", ()))
 
 
 def _row_shift(expr) -> str:

@@ -52,3 +52,93 @@ def test_min_reduction_refused():
         return score + torch.min(kv_idx - q_idx, 0).values
     with pytest.raises(NotImplementedError, match="reduction"):
         cm.compile_score_mod(sm)
+
+
+# ---- torch.where(cond, score, -inf): a masked score, its condition joins the mask -----------
+
+DOC = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3])
+SLOPES = torch.tensor([0.5, 0.25])
+
+
+def same_doc_alibi(score, b, h, q_idx, kv_idx):
+    return torch.where(DOC[q_idx] == DOC[kv_idx], score + SLOPES[h] * (kv_idx - q_idx),
+                       -float("inf"))
+
+
+def window_bias(score, b, h, q_idx, kv_idx):
+    bias = torch.where(q_idx - kv_idx < 5, 0.0, -math.inf)
+    return score * 0.5 + bias
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _flex(q, k, v, mask_mod, score_mod):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, S, _ = q.shape
+    bm = create_block_mask(mask_mod, B, H, S, S, device="cpu")
+    with warnings.catch_warnings():  # eager (unfused) Flex: the reference semantics here
+        warnings.simplefilter("ignore")
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+
+
+@pytest.mark.parametrize("score_mod", [same_doc_alibi, window_bias])
+def test_minus_inf_score_joins_the_mask(score_mod):
+    from torch.nn.attention.flex_attention import create_mask
+
+    from compilemask.api.api import _check_masked_scores
+    from compilemask.dsl.score_mod import score_mod_mask
+
+    B, H, S, D = 1, 2, 16, 8
+    sm, _ = score_mod_mask(score_mod)
+    assert sm.mask is not None and "-inf" in sm.explain()
+    spec, meta = cm.from_mask_mod(causal, score_mod=score_mod)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=B)
+
+    def finite(b, h, q_idx, kv_idx):  # where the score_mod is finite, in FlexAttention
+        s = score_mod(torch.zeros(()), b, h, q_idx, kv_idx)
+        return s > -float("inf")
+    want = create_mask(causal, B, 1, S, S, device="cpu")[:, 0] & create_mask(
+        finite, B, 1, S, S, device="cpu")[:, 0]
+    assert torch.equal(desc.dense_mask(), want)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, generator=gen) for _ in range(3))
+    ref = _flex(*(t.transpose(1, 2) for t in (q, k, v)), causal, score_mod).transpose(1, 2)
+    out = cm.attention(q, k, v, desc, score_mod=score_mod, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the GPU engines run its finite value on this mask, and refuse it on a mask without it
+    assert _check_masked_scores(score_mod, sm.key, spec)
+    plain, _ = cm.from_mask_mod(causal)
+    with pytest.raises(NotImplementedError, match="from_mask_mod.mask_mod, score_mod="):
+        _check_masked_scores(score_mod, sm.key, plain)
+    # what the kernels compute (the finite value, -inf where masked) is the score_mod's value
+    b_, h_, i_, j_ = _index_grid(H, S, S)
+    s = torch.randn(1, H, S, S, generator=gen)
+    got = sm.evaluate(s, b_, h_, i_, j_, cm.compile_score_mod(score_mod)[1],
+                      mask_tensors=score_mod_mask(score_mod)[1])
+    assert torch.equal(got, score_mod(s, b_, h_, i_, j_))
+
+
+@pytest.mark.parametrize("body,what", [
+    ("-torch.where(q_idx >= kv_idx, score, -float('inf'))", "'-' of a value that may be -inf"),
+    ("torch.exp(torch.where(q_idx >= kv_idx, score, -math.inf))", "may be -inf in"),
+    ("score + float('inf')", "the constant inf"),
+    ("torch.where(q_idx >= kv_idx, score, -math.inf) * (kv_idx - q_idx)", "of unknown sign"),
+])
+def test_minus_inf_refused_where_not_a_mask(body, what):
+    ns = {"torch": torch, "math": math}
+    exec(f"def sm(score, b, h, q_idx, kv_idx):\n    return {body}\n", ns)
+    with pytest.raises(NotImplementedError, match=what) as err:
+        cm.compile_score_mod(ns["sm"])
+    assert "torch.where(cond, score_expr, -float('inf'))" in str(err.value) or "inf" in what
+
+
+def test_minus_inf_condition_on_floats_refused_as_a_mask():
+    temps = torch.tensor([1.0, -1.0])
+
+    def by_temperature(score, b, h, q_idx, kv_idx):
+        return torch.where(temps[h] * (kv_idx - q_idx) > 0.5, score, -float("inf"))
+    with pytest.raises(NotImplementedError, match="by_temperature.*floats"):
+        cm.from_mask_mod_heads(causal, 2, score_mod=by_temperature)
