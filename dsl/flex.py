@@ -72,6 +72,8 @@ from compilemask.dsl.frontend import (
     shift,
     table_function,
 )
+from compilemask.dsl.score_mask import mark_folded, rebuild_condition
+from compilemask.dsl.score_mod import _B, _H, score_mod_mask
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.dsl.tracing import KV_INDEX as _J
 from compilemask.dsl.tracing import Q_INDEX as _I
@@ -1071,8 +1073,6 @@ def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = No
 def _converted(mask_mod, batch_size, name, seqlen, head, score_mod=None):
     sm = None
     if score_mod is not None:
-        from compilemask.dsl.score_mod import score_mod_mask
-
         sm = score_mod_mask(score_mod)[0]
         if sm.mask is None:
             score_mod = None  # finite everywhere: the mask is the mask_mod's
@@ -1095,8 +1095,6 @@ def _converted(mask_mod, batch_size, name, seqlen, head, score_mod=None):
             _CACHE[key] = entry
             _count_variants(mask_mod, key)
     if score_mod is not None:
-        from compilemask.dsl.score_mask import mark_folded
-
         mark_folded(entry.spec, sm.key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
@@ -1446,9 +1444,6 @@ def _convert_mask_mod(mask_mod, name, head=None, score_mod=None) -> tuple[_Entry
 def _and_score_mask(tr, walk, mask_copy, score_mod):
     """``mask_copy`` (the traced mask_mod) and the score_mod's -inf condition, read with the
     stand-ins of the tensors that condition reads."""
-    from compilemask.dsl.score_mask import rebuild_condition
-    from compilemask.dsl.score_mod import _B, _H, score_mod_mask
-
     sm, tensors = score_mod_mask(score_mod)
     tables = {name: tr.stand_in(walk.by_id[id(t)]) for name, t in tensors.items()}
     sname = getattr(score_mod, "__name__", "score_mod")

@@ -47,7 +47,7 @@ from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
-           "score_mod_mask", "traced_score_args", "follow", "kernel_table"]
+           "score_mod_mask", "gpu_refusal", "traced_score_args", "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
@@ -712,6 +712,33 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
     ScoreMod; only the tensors are collected again."""
     sm, leaves = _compiled(score_mod, name)
     return sm, [leaves[k] for k in sm.used_leaves]
+
+
+_REFUSED = LRU(1024)  # conversion key -> the converter's message, for gpu_refusal
+
+
+def gpu_refusal(score_mod) -> str | None:
+    """None where the GPU engines' converter compiles ``score_mod``, else its message (naming
+    the construct and the user's line); a refusal is remembered by the conversion key, so a
+    score_mod that does not convert is traced once, not at every call."""
+    walk = _Walk()
+    try:
+        key = (walk.value(score_mod, "score_mod")[0], None,
+               tuple((tuple(t.shape), t.dtype) for t in walk.leaves))
+        if _CACHE.get(key) is not None:
+            return None
+        why = _REFUSED.get(key)
+        if why is not None:
+            return why
+    except _Uncacheable:
+        key = None
+    try:
+        _compiled(score_mod, None)
+        return None
+    except (NotImplementedError, TypeError) as e:
+        if key is not None:
+            _REFUSED[key] = str(e)
+        return str(e)
 
 
 def score_mod_mask(score_mod) -> tuple:

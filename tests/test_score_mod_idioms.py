@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import compilemask as cm
+from compilemask.dsl import score_mods
 
 T5Attention = pytest.importorskip("transformers.models.t5.modeling_t5").T5Attention
 
@@ -142,3 +143,92 @@ def test_minus_inf_condition_on_floats_refused_as_a_mask():
         return torch.where(temps[h] * (kv_idx - q_idx) > 0.5, score, -float("inf"))
     with pytest.raises(NotImplementedError, match="by_temperature.*floats"):
         cm.from_mask_mod_heads(causal, 2, score_mod=by_temperature)
+
+
+# ---- the reference engine calls a score_mod as FlexAttention does: per score ----------------
+
+
+def _mla_rope(query_rope, key_rope, num_heads, scale):
+    # attention-gym's MLA-RoPE score_mod: rows of query_rope / key_rope read at q_idx, kv_idx
+    def mla_rope_score_mod(score, b, h, q_idx, kv_idx):
+        return score + scale * torch.dot(query_rope[b, h, q_idx], key_rope[b, h // num_heads,
+                                                                            kv_idx])
+    return mla_rope_score_mod
+
+
+def test_per_element_score_mod_runs_as_flex():
+    B, H, S, D, R = 2, 4, 12, 8, 4
+    gen = torch.Generator().manual_seed(1)
+    qr = torch.randn(B, H, S, R, generator=gen, requires_grad=True)
+    kr = torch.randn(B, 1, S, R, generator=gen)
+    sm = _mla_rope(qr, kr, H, 0.5)
+    q, k, v = (torch.randn(B, S, H, D, generator=gen, requires_grad=True) for _ in range(3))
+    spec, meta = cm.from_mask_mod(causal)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=B)
+    with pytest.warns(cm.GpuRefusalWarning, match=r"test_score_mod_idioms.py:\d+.*indexed by"):
+        out = cm.attention(q, k, v, desc, score_mod=sm, backend="reference")
+    with torch.no_grad():
+        ref = _flex(*(t.detach().transpose(1, 2) for t in (q, k, v)), causal, sm).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # gradients reach the captured rows through the per-score call, as a dense computation's
+    out.square().sum().backward()
+    g = qr.grad.clone()
+    qr.grad = None
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5 + 0.5 * torch.einsum(
+        "bhqr,bhkr->bhqk", qr, kr.expand(B, H, S, R))
+    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), -float("inf"))
+    torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v).square().sum().backward()
+    torch.testing.assert_close(g, qr.grad, rtol=1e-4, atol=1e-5)
+    # said once per function
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cm.GpuRefusalWarning)
+        cm.attention(q, k, v, desc, score_mod=_mla_rope(qr, kr, H, 0.25), backend="reference")
+
+
+def test_data_dependent_if_names_the_line():
+    def branchy(score, b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:
+            return score
+        return score * 2
+    S = 8
+    spec, meta = cm.from_mask_mod(causal)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=1)
+    q = torch.randn(1, S, 2, 8)
+    with pytest.raises(RuntimeError, match=r"'branchy' \(.*test_score_mod_idioms.py:\d+\): "
+                                           r"data-dependent.*torch.where"):
+        cm.attention(q, q, q, desc, score_mod=branchy, backend="reference")
+
+
+@pytest.mark.parametrize("body,reason", [
+    ("torch.nn.functional.gelu(score)", "'gelu'"),
+    ("torch.nn.functional.gelu(score, approximate='tanh')", "'gelu'"),
+    ("score + HALF[h]", "float16"),
+    ("score + torch.full_like(score, 1.0).sum()", "'.sum'"),
+])
+def test_gpu_refusal_said_once_on_the_cpu(body, reason):
+    ns = {"torch": torch, "HALF": torch.ones(2, dtype=torch.float16)}
+    exec(f"def refused(score, b, h, q_idx, kv_idx):\n    return {body}\n", ns)
+    S = 8
+    spec, meta = cm.from_mask_mod(causal)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=1)
+    q = torch.randn(1, S, 2, 8)
+    with pytest.warns(cm.GpuRefusalWarning, match=reason):
+        out = cm.attention(q, q, q, desc, score_mod=ns["refused"], backend="reference")
+    with warnings.catch_warnings():  # once per function; silenced by the warnings filter
+        warnings.simplefilter("error", cm.GpuRefusalWarning)
+        again = cm.attention(q, q, q, desc, score_mod=ns["refused"], backend="reference")
+    assert torch.equal(out, again)
+    with torch.no_grad():
+        ref = _flex(*(t.transpose(1, 2) for t in (q, q, q)), causal, ns["refused"])
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_no_warning_for_what_the_gpu_runs():
+    S = 8
+    spec, meta = cm.from_mask_mod(causal, score_mod=window_bias)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=1)
+    q = torch.randn(1, S, 2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cm.GpuRefusalWarning)
+        for sm in (window_bias, same_doc_alibi, score_mods.softcap(20.0)):
+            cm.attention(q, q, q, desc, score_mod=sm, backend="reference")
