@@ -10,9 +10,14 @@ negative index counting from the end as in torch. Python numbers are constants.
 
 Read: ``+ - * / // %`` and ``**``, comparisons, ``& | ~`` of booleans, ``torch.where``,
 ``exp``, ``exp2``, ``log``, ``log2``, ``tanh``, ``sigmoid``, ``sqrt``, ``rsqrt``, ``sin``,
-``cos``, ``abs``, ``minimum``/``maximum``, ``clamp``, ``.float()``/``.long()``/``.to(...)``
-(float to int truncates, as torch). Python control flow on a traced value, a tensor made inside
-the score_mod and anything else are a NotImplementedError naming the construct and the line.
+``cos``, ``abs``, ``minimum``/``maximum`` (and two-argument ``torch.min``/``torch.max``),
+``clamp``, ``full_like``/``zeros_like``/``ones_like``, ``.float()``/``.long()``/``.to(...)``
+(float to int truncates, as torch); NumPy scalars are the Python numbers of their values.
+``-inf`` is a masked score where it is chosen or added (``torch.where(cond, score, -inf)``):
+``ScoreMod.mask`` is where the value is finite, ``expr`` the value there, and the mask holds the
+condition (``compilemask.dsl.score_mask``). Python control flow on a traced value, a tensor made
+inside the score_mod and anything else are a NotImplementedError naming the construct and the
+line.
 
 Arithmetic is float32 (Int32 for integers) in the order sympy normalizes the expression, so a
 float rounded to an integer exactly at a multiple (a log bucket's edge) can land in the
