@@ -8,7 +8,7 @@ from compilemask.api import distributed
 from compilemask.api.api import attention
 from compilemask.api.warmup import warmup
 from compilemask.contract.descriptor import ExecutionDescriptor, TileConfig
-from compilemask.contract.options import KernelOptions, default_options
+from compilemask.contract.options import GpuRefusalWarning, KernelOptions, default_options
 from compilemask.dsl import MaskSpec, Region, packing
 from compilemask.dsl.flex import from_mask_mod, from_mask_mod_heads
 from compilemask.dsl.score_mod import compile_score_mod
@@ -30,6 +30,7 @@ __all__ = [
     "preprocess_heads",
     "attention",
     "KernelOptions",
+    "GpuRefusalWarning",
     "default_options",
     "PipelineConfig",
     "warmup",

@@ -19,13 +19,14 @@ cells, globals, defaults) are the trace's stand-ins.
 from __future__ import annotations
 
 import dis
+import functools
 import types
 
 import torch
 
 from compilemask.contract.lru import LRU
 
-__all__ = ["Walk", "Uncacheable", "function_key"]
+__all__ = ["Walk", "Uncacheable", "function_key", "numpy_scalar"]
 
 
 class Uncacheable(Exception):
@@ -34,6 +35,9 @@ class Uncacheable(Exception):
 
 
 _ATOMS = (int, bool, float, str, complex, type(None), torch.dtype, torch.device)
+# NumPy scalars (np.int64, np.int32, np.bool_, np.float32 ...) read as the Python number of
+# their value, as torch reads them next to a tensor (a weak scalar, not a 0-d tensor)
+_NUMPY_KINDS = frozenset("biuf")
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (its attributes can change)
 _MISSING = object()
 _NO_SELF = object()
@@ -42,7 +46,8 @@ _SKIP_OPS = frozenset({"EXTENDED_ARG", "NOP", "CACHE"})
 _CELL_LOADS = frozenset({"LOAD_DEREF", "LOAD_CLASSDEREF"})  # and every LOAD_FAST* spelling
 _BUILTIN_METHODS = (types.BuiltinMethodType, types.MethodWrapperType)
 # keyed by what they hold or read, never as objects with state
-_KEYED_BY_VALUE = frozenset({types.FunctionType, types.MethodType, tuple, list, dict})
+_KEYED_BY_VALUE = frozenset({types.FunctionType, types.MethodType, tuple, list, dict,
+                             functools.partial})
 _USES = LRU(4096)  # code object -> _Uses; bounded: exec'd or rebuilt code is new code
 
 
@@ -138,6 +143,16 @@ def _stateful(v) -> bool:
     if isinstance(v, type):
         return bool(v.__flags__ & _HEAPTYPE)
     return bool(t.__flags__ & _HEAPTYPE) or t.__dictoffset__ != 0
+
+
+def numpy_scalar(v):
+    """The Python number of a NumPy scalar ``v`` (``np.int64(8)`` -> ``8``), else None."""
+    if type(v).__module__ != "numpy" or getattr(getattr(v, "dtype", None), "kind",
+                                                None) not in _NUMPY_KINDS:
+        return None
+    if getattr(v, "ndim", None) != 0 or not hasattr(v, "item"):
+        return None
+    return v.item()
 
 
 def _lookup(cls, name):
@@ -236,6 +251,9 @@ class Walk:
         t = type(v)
         if t in _ATOMS:
             return (t, v), v
+        py = numpy_scalar(v)
+        if py is not None:
+            return (type(py), py), py
         if isinstance(v, torch.Tensor):
             if self.via_attr:
                 # the trace reads an attribute's tensor as it is (its values, not a stand-in)
@@ -250,6 +268,14 @@ class Walk:
             return ("T", v.dim(), v.dtype), self.trace.new_stand_in(k, name, v)
         if t is types.FunctionType:
             return self.function(v)
+        if t is functools.partial:  # functools.partial(fn, ...): keyed by fn and what it binds
+            fkey, fnew = self.value(v.func, name)
+            args = [self.value(x, f"{name}_{n}") for n, x in enumerate(v.args)]
+            kws = [(k, self.value(x, k)) for k, x in v.keywords.items()]
+            key = ("P", fkey, tuple(a[0] for a in args), tuple((k, p[0]) for k, p in kws))
+            new = (functools.partial(fnew, *(a[1] for a in args), **{k: p[1] for k, p in kws})
+                   if self.trace else None)
+            return key, new
         if t is types.MethodType:
             if type(v.__func__) is not types.FunctionType:
                 if self.trace is None:
@@ -289,6 +315,9 @@ class Walk:
         t = type(v)
         if t in _ATOMS:
             return (t, v), v
+        py = numpy_scalar(v)
+        if py is not None:
+            return (type(py), py), py
         if (self.trace is not None or t in _KEYED_BY_VALUE or isinstance(v, torch.Tensor)
                 or not _stateful(v)):
             return self.value(v, name)

@@ -72,6 +72,8 @@ from compilemask.dsl.frontend import (
     shift,
     table_function,
 )
+from compilemask.dsl.score_mask import mark_folded, rebuild_condition
+from compilemask.dsl.score_mod import _B, _H, score_mod_mask
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.dsl.tracing import KV_INDEX as _J
 from compilemask.dsl.tracing import Q_INDEX as _I
@@ -320,7 +322,13 @@ def _compare(tr, op, a, b):
         if op in ("==", "!=") and _is_bool(a) and _is_bool(b):
             same = sp.Or(sp.And(a, b), sp.And(sp.Not(a), sp.Not(b)))
             return same if op == "==" else sp.Not(same)
-        raise tr.fail(f"a boolean compared with '{op}'")
+        # torch compares a boolean as the integer 0 or 1 (BD3-LM's ``x0_flag_q == 1``): one
+        # case per value of each boolean side
+        def cases(x):
+            return ((x, sp.Integer(1)), (sp.Not(x), sp.Integer(0))) if _is_bool(x) else (
+                (sp.true, x),)
+        return sp.Or(*(sp.And(ca, cb, _REL[op](va, vb))
+                       for ca, va in cases(a) for cb, vb in cases(b)))
     return _REL[op](a, b)
 
 
@@ -996,7 +1004,7 @@ _CACHE = LRU(1024)  # conversion key -> _Entry; bounded: a new captured int is a
 
 
 def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None = None,
-                  seqlen: int | None = None):
+                  seqlen: int | None = None, score_mod=None):
     """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` as ``(MaskSpec, meta)``.
 
     ``meta`` maps each param to the captured tensor it reads, as it is now: ``[B]`` for
@@ -1018,11 +1026,16 @@ def from_mask_mod(mask_mod, *, batch_size: int | None = None, name: str | None =
     it reads as FlexAttention would call it. ``mask = cm.compile_mask(spec); desc =
     mask.preprocess(meta, seqlen_q=S)``. Calls with the same code and the same values read
     (constants, defaults, attributes of captured objects) return the same spec; only the tensors
-    are collected again."""
+    are collected again.
+
+    ``score_mod``: the FlexAttention score_mod the attention runs with, where it gives -inf
+    (``torch.where(cond, score, -float("inf"))``: a masked score): the mask is then
+    ``mask_mod & cond``, on which the GPU engines run the score_mod's finite value
+    (``cm.attention(..., score_mod=)`` refuses such a score_mod on them with any other mask)."""
     _check_signature(mask_mod)
     _check_count("batch_size", batch_size)
     _check_count("seqlen", seqlen)
-    return _converted(mask_mod, batch_size, name, seqlen, None)
+    return _converted(mask_mod, batch_size, name, seqlen, None, score_mod)
 
 
 def _check_count(name, value):
@@ -1034,7 +1047,7 @@ def _check_count(name, value):
 
 
 def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = None,
-                        name: str | None = None, seqlen: int | None = None):
+                        name: str | None = None, seqlen: int | None = None, score_mod=None):
     """A FlexAttention ``mask_mod`` that reads the head index ``h`` as one ``(MaskSpec, meta)``
     per head: ``(specs, metas)``, lists of ``num_heads``, each converted as
     :func:`from_mask_mod` does with ``h`` that head's constant (``h < 2``, ``w[h]``,
@@ -1044,22 +1057,31 @@ def from_mask_mod_heads(mask_mod, num_heads: int, *, batch_size: int | None = No
         specs, metas = cm.from_mask_mod_heads(mask_mod, num_heads=H)
         groups = cm.preprocess_heads([cm.compile_mask(s) for s in specs], metas, seqlen_q=S)
         out = cm.attention(q, k, v, groups)
-    """
+
+    ``score_mod``: as in :func:`from_mask_mod` (its -inf condition joins each head's mask)."""
     _check_signature(mask_mod)
     _check_count("batch_size", batch_size)
     _check_count("seqlen", seqlen)
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"from_mask_mod_heads: num_heads must be a positive int, got "
                          f"{num_heads!r}")
-    per = [_converted(mask_mod, batch_size, name, seqlen, h) for h in range(num_heads)]
+    per = [_converted(mask_mod, batch_size, name, seqlen, h, score_mod)
+           for h in range(num_heads)]
     return [spec for spec, _ in per], [meta for _, meta in per]
 
 
-def _converted(mask_mod, batch_size, name, seqlen, head):
+def _converted(mask_mod, batch_size, name, seqlen, head, score_mod=None):
+    sm = None
+    if score_mod is not None:
+        sm = score_mod_mask(score_mod)[0]
+        if sm.mask is None:
+            score_mod = None  # finite everywhere: the mask is the mask_mod's
     walk = _Walk()
     try:
         # the name labels the spec (and its errors): functions of one code may be renamed
-        key = (walk.value(mask_mod, "mask_mod")[0], name, mask_mod.__name__, head)
+        key = (walk.value(mask_mod if score_mod is None else (mask_mod, score_mod),
+                          "mask_mod")[0], name, _fn_name(mask_mod), head,
+               None if sm is None else sm.key)
         entry = _CACHE.get(key)
     except _Uncacheable:
         key, entry = None, None
@@ -1068,10 +1090,12 @@ def _converted(mask_mod, batch_size, name, seqlen, head):
             _leaf_value(entry, leaves, leaf).shape[d] != n for (leaf, d), n in entry.shape_deps):
         entry = None  # a row's length changed: its rules do too
     if entry is None:
-        entry, leaves = _convert_mask_mod(mask_mod, name, head)
+        entry, leaves = _convert_mask_mod(mask_mod, name, head, score_mod)
         if key is not None:
             _CACHE[key] = entry
             _count_variants(mask_mod, key)
+    if score_mod is not None:
+        mark_folded(entry.spec, sm.key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
 
@@ -1082,21 +1106,35 @@ _VARIANTS_SAID = 8
 
 
 def _count_variants(mask_mod, key) -> None:
-    fn = getattr(mask_mod, "__func__", mask_mod)
+    fn = mask_mod
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
     seen = _VARIANTS.setdefault(fn.__code__, set())
     if len(seen) >= _VARIANTS_SAID:
         return
     seen.add(key[:2])  # the values read and the name: one conversion per head is no variant
     if len(seen) == _VARIANTS_SAID:
-        say_once(f"from_mask_mod: mask_mod {mask_mod.__name__!r} was converted for "
+        say_once(f"from_mask_mod: mask_mod {_fn_name(mask_mod)!r} was converted for "
                  f"{_VARIANTS_SAID} different captured values, each a new compiled mask (a "
                  "compile and its memory); capture a value that changes per batch as a 0-d "
                  "tensor (torch.tensor(v)): it is then a param of one compiled mask, read at "
                  "each preprocess")
 
 
+def _fn_name(mask_mod) -> str:
+    """A mask_mod's name; a ``functools.partial``'s is its function's (BD3-LM's
+    ``partial(block_diff_mask, block_size=, n=)``)."""
+    while isinstance(mask_mod, functools.partial):
+        mask_mod = mask_mod.func
+    return getattr(mask_mod, "__name__", "mask_mod")
+
+
 def _check_signature(mask_mod):
     """Refuse what FlexAttention could not call as ``mask_mod(b, h, q_idx, kv_idx)``."""
+    if type(mask_mod) is functools.partial:
+        _check_partial(mask_mod)
+        return
     fn, nself = mask_mod, 0
     if type(mask_mod) is types.MethodType and type(mask_mod.__func__) is types.FunctionType:
         fn, nself = mask_mod.__func__, 1
@@ -1113,6 +1151,29 @@ def _check_signature(mask_mod):
                 f"{npos} positional argument(s), {max(required, 0)} without defaults")
         raise TypeError(f"mask_mod {mask_mod.__name__!r} must take (b, h, q_idx, kv_idx) (further "
                         f"arguments need defaults), takes {what}")
+
+
+def _check_partial(mask_mod):
+    inner = mask_mod.func
+    while type(inner) is functools.partial:
+        inner = inner.func
+    if not (type(inner) is types.FunctionType or (type(inner) is types.MethodType and type(
+            inner.__func__) is types.FunctionType)):
+        raise TypeError(f"from_mask_mod expects a Python function (or bound method, or a "
+                        f"functools.partial of one) mask_mod(b, h, q_idx, kv_idx), got a "
+                        f"partial of {type(inner).__name__}")
+    try:
+        params = inspect.signature(mask_mod).parameters.values()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"mask_mod {_fn_name(mask_mod)!r}: {e}") from None
+    pos = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    required = [p for p in pos if p.default is p.empty]
+    no_default = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if (len(pos) < 4 and not varargs) or len(required) > 4 or no_default:
+        raise TypeError(f"mask_mod {_fn_name(mask_mod)!r} (a functools.partial) must take (b, "
+                        f"h, q_idx, kv_idx) once its bound arguments are applied (further "
+                        f"arguments need defaults), takes {inspect.signature(mask_mod)}")
 
 
 def _leaf_value(entry: _Entry, leaves, leaf):
@@ -1302,11 +1363,13 @@ def _as_int(t):
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
-def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
-    fname = mask_mod.__name__
+def _convert_mask_mod(mask_mod, name, head=None, score_mod=None) -> tuple[_Entry, list]:
+    fname = _fn_name(mask_mod)
     tr = _Trace(fname)
     walk = _Walk(tr)
-    _, copy = walk.value(mask_mod, "mask_mod")
+    _, copy = walk.value(mask_mod if score_mod is None else (mask_mod, score_mod), "mask_mod")
+    if score_mod is not None:
+        copy = _and_score_mask(tr, walk, copy[0], score_mod)
     # h: refused where read, or one head's constant (``from_mask_mod_heads``)
     b, h = _Sym(tr, None, "b"), (_Sym(tr, None, "h") if head is None else
                                  _Sym(tr, sp.Integer(head)))
@@ -1376,6 +1439,26 @@ def _convert_mask_mod(mask_mod, name, head=None) -> tuple[_Entry, list]:
     spec = MaskSpec(label, params=list(params), regions=regions)
     return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params,
                    tuple(tr.shape_deps.items())), walk.leaves)
+
+
+def _and_score_mask(tr, walk, mask_copy, score_mod):
+    """``mask_copy`` (the traced mask_mod) and the score_mod's -inf condition, read with the
+    stand-ins of the tensors that condition reads."""
+    sm, tensors = score_mod_mask(score_mod)
+    tables = {name: tr.stand_in(walk.by_id[id(t)]) for name, t in tensors.items()}
+    sname = getattr(score_mod, "__name__", "score_mod")
+
+    def fail(what):
+        return NotImplementedError(
+            f"score_mod {sname!r} gives -inf (a masked score), and {what}; compute that "
+            "condition in the mask_mod (with q_idx, kv_idx and captured integer tensors) and "
+            "make the score_mod finite")
+
+    def both(b, h, q_idx, kv_idx):
+        env = {_B: b, _H: h, _I: q_idx, _J: kv_idx}
+        return mask_copy(b, h, q_idx, kv_idx) & rebuild_condition(sm.mask, env, tables, fail)
+
+    return both
 
 
 def _check_table_columns(tr, expr):

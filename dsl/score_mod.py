@@ -10,9 +10,14 @@ negative index counting from the end as in torch. Python numbers are constants.
 
 Read: ``+ - * / // %`` and ``**``, comparisons, ``& | ~`` of booleans, ``torch.where``,
 ``exp``, ``exp2``, ``log``, ``log2``, ``tanh``, ``sigmoid``, ``sqrt``, ``rsqrt``, ``sin``,
-``cos``, ``abs``, ``minimum``/``maximum``, ``clamp``, ``.float()``/``.long()``/``.to(...)``
-(float to int truncates, as torch). Python control flow on a traced value, a tensor made inside
-the score_mod and anything else are a NotImplementedError naming the construct and the line.
+``cos``, ``abs``, ``minimum``/``maximum`` (and two-argument ``torch.min``/``torch.max``),
+``clamp``, ``full_like``/``zeros_like``/``ones_like``, ``.float()``/``.long()``/``.to(...)``
+(float to int truncates, as torch); NumPy scalars are the Python numbers of their values.
+``-inf`` is a masked score where it is chosen or added (``torch.where(cond, score, -inf)``):
+``ScoreMod.mask`` is where the value is finite, ``expr`` the value there, and the mask holds the
+condition (``compilemask.dsl.score_mask``). Python control flow on a traced value, a tensor made
+inside the score_mod and anything else are a NotImplementedError naming the construct and the
+line.
 
 Arithmetic is float32 (Int32 for integers) in the order sympy normalizes the expression, so a
 float rounded to an integer exactly at a multiple (a log bucket's edge) can land in the
@@ -40,13 +45,14 @@ from compilemask.contract.cache import SCORE_MODS
 from compilemask.contract.lru import LRU
 from compilemask.dsl.fingerprint import Uncacheable as _Uncacheable
 from compilemask.dsl.fingerprint import Walk as _Walk
+from compilemask.dsl.fingerprint import numpy_scalar
 from compilemask.dsl.tracing import KV_INDEX as _J
 from compilemask.dsl.tracing import Q_INDEX as _I
 from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
-           "traced_score_args", "follow", "kernel_table"]
+           "score_mod_mask", "gpu_refusal", "traced_score_args", "follow", "kernel_table"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
@@ -141,11 +147,17 @@ class ScoreMod:
     # the GPU code converts linear index expressions to float by bits where the lengths allow
     # (``codegen.cute_score_mod``; ``KernelOptions.score_index``)
     index_bits: bool = False
+    # where the score_mod's value is finite (a sympy boolean in b, h, i, j and table reads), or
+    # None: everywhere. Elsewhere it is -inf (``torch.where(cond, score, -inf)``): a masked
+    # score, which the GPU engines read from the mask (``from_mask_mod(..., score_mod=)``);
+    # ``expr`` is the value where it is finite
+    mask: object = None
 
     def __post_init__(self):
         if not self.key:
             text = repr((sp.srepr(self.expr), self.tables, self.softcap)
-                        + ((True,) if self.index_bits else ()))
+                        + ((True,) if self.index_bits else ())
+                        + ((sp.srepr(self.mask),) if self.mask is not None else ()))
             self.key = hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def explain(self) -> str:
@@ -154,6 +166,8 @@ class ScoreMod:
                  f"  d/dscore: {sp.sstr(self.grad)}"]
         if self.softcap is not None:
             lines.append(f"  a softcap of {self.softcap:g} (flash-attn-4's own)")
+        if self.mask is not None:
+            lines.append(f"  -inf (a masked score) unless {sp.sstr(self.mask)}")
         for t in self.tables:
             lines.append(f"  table {t.name}: {t.ndim}-D {'float32' if t.is_float else 'int32'}")
         return "\n".join(lines)
@@ -164,14 +178,22 @@ class ScoreMod:
         version counter: write a table through torch, not through ``.data`` or NumPy)."""
         return [_as_table(t, spec, device, self.name) for t, spec in zip(tensors, self.tables)]
 
-    def evaluate(self, score, b, h, q_idx, kv_idx, tensors, grad: bool = False):
+    def evaluate(self, score, b, h, q_idx, kv_idx, tensors, grad: bool = False,
+                 mask_tensors=None):
         """``expr`` (or ``grad``) in torch on broadcastable index tensors, floats in
         ``score``'s dtype (float32: the kernels' arithmetic): what the kernels compute, for
-        tests against the score_mod as written."""
+        tests against the score_mod as written; -inf where ``mask`` is false, whose tables
+        ``mask_tensors`` gives (``score_mod_mask``)."""
         env = {SCORE: score, _B: b, _H: h, _I: q_idx, _J: kv_idx}
         tabs = {t.name: x for t, x in zip(self.tables, tensors)}
-        return _torch_eval(self.grad if grad else self.expr, env, tabs, score.dtype).to(
+        out = _torch_eval(self.grad if grad else self.expr, env, tabs, score.dtype).to(
             score.dtype)
+        if self.mask is None:
+            return out
+        # the masked scores: -inf (their derivative 0), as the mask that holds them gives
+        tabs.update(mask_tensors or {})
+        keep = _torch_eval(self.mask, env, tabs, score.dtype)
+        return torch.where(keep, out, 0.0 if grad else float("-inf")).to(score.dtype)
 
 
 def score_mod_for_key(key: str) -> ScoreMod:
@@ -231,9 +253,11 @@ def _v(tr, x) -> "_V":
     if isinstance(x, int):
         return _V(tr, sp.Integer(x), "i")
     if isinstance(x, float):
+        if x == -math.inf:  # a masked score (its value there: any finite number)
+            return _V(tr, sp.Float(0), "f", sp.false)
         if not math.isfinite(x):
-            raise tr.fail(f"the constant {x!r} (a score_mod's value must be finite; mask "
-                          "with the mask)")
+            raise tr.fail(f"the constant {x!r} (a score_mod's value is finite, or -inf: a "
+                          "masked score)")
         return _V(tr, sp.Float(x, 17), "f")
     if isinstance(x, torch.Tensor):
         raise tr.fail("a tensor made inside the score_mod, or read as an attribute: capture it "
@@ -241,8 +265,44 @@ def _v(tr, x) -> "_V":
     raise tr.fail(f"a value of type {type(x).__name__}")
 
 
+_MASKED_REWRITE = ("a score_mod's -inf is a masked score, read as such where it is chosen or "
+                   "added (torch.where(cond, score, -float('inf')), score + bias with bias "
+                   "-inf somewhere, times a positive constant); compute the finite score first "
+                   "and mask last: torch.where(cond, score_expr, -float('inf'))")
+
+
+def _finite(x) -> "_V":
+    """``x`` where it is finite."""
+    return x if x.fin is None else _V(x.tr, x.e, x.kind)
+
+
+def _fin(x):
+    return sp.true if x.fin is None else x.fin
+
+
+def _masked_arith(tr, op, a, b):
+    """``a op b`` where one side may be -inf: -inf + x and -inf * c (c > 0) stay -inf; what
+    would be +inf or NaN (-inf - -inf, -inf * x of unknown sign) is refused."""
+    def positive(x):
+        return x.fin is None and x.e.is_Number and x.e > 0
+
+    if op == "+" or (op == "-" and b.fin is None):
+        fin = sp.And(_fin(a), _fin(b))
+    elif op in ("*", "/") and a.fin is not None and positive(b):
+        fin = a.fin
+    elif op == "*" and b.fin is not None and positive(a):
+        fin = b.fin
+    else:
+        raise tr.fail(f"'{op}' of a value that may be -inf, which is +inf or NaN there or of "
+                      f"unknown sign; {_MASKED_REWRITE}")
+    out = _arith(tr, op, _finite(a), _finite(b))
+    return _V(tr, out.e, out.kind, fin)
+
+
 def _num(tr, x, what) -> "_V":
     x = _v(tr, x)
+    if x.fin is not None:
+        raise tr.fail(f"a value that may be -inf in '{what}'; {_MASKED_REWRITE}")
     if x.kind == "b":  # torch promotes booleans in arithmetic
         return _V(tr, sp.Piecewise((sp.Integer(1), x.e), (sp.Integer(0), True)), "i")
     return x
@@ -254,6 +314,8 @@ def _kind(*xs) -> str:
 
 def _arith(tr, op, a, b):
     a, b = _v(tr, a), _v(tr, b)
+    if a.fin is not None or b.fin is not None:
+        return _masked_arith(tr, op, a, b)
     if op == "-" and "b" in (a.kind, b.kind):  # torch refuses it
         raise tr.fail("'-' with a boolean (torch refuses it; ~ negates a boolean)")
     if a.kind == "b" and b.kind == "b" and op in ("+", "*"):
@@ -322,6 +384,17 @@ def _select(tr, c, a, b):
     if c.kind != "b":
         raise tr.fail("torch.where's condition is not a boolean")
     a, b = _v(tr, a), _v(tr, b)
+    if a.fin is not None or b.fin is not None:
+        if a.kind == "b" or b.kind == "b":
+            raise tr.fail(f"torch.where of a boolean and a value that may be -inf; "
+                          f"{_MASKED_REWRITE}")
+        # a side that is only -inf needs no value: the other side's is kept everywhere
+        if b.fin is sp.false:
+            return _V(tr, a.e, "f", sp.And(c.e, _fin(a)))
+        if a.fin is sp.false:
+            return _V(tr, b.e, "f", sp.And(sp.Not(c.e), _fin(b)))
+        out = _select(tr, c, _finite(a), _finite(b))
+        return _V(tr, out.e, "f", sp.Or(sp.And(c.e, _fin(a)), sp.And(sp.Not(c.e), _fin(b))))
     if a.kind == "b" and b.kind == "b":
         return _V(tr, sp.Or(sp.And(c.e, a.e), sp.And(sp.Not(c.e), b.e)), "b")
     a, b = _num(tr, a, "where"), _num(tr, b, "where")
@@ -358,12 +431,16 @@ def _float_fn(fn):
     def apply(tr, a, *args, **kwargs):
         if args or kwargs:
             raise tr.fail("extra arguments of a math function")
-        return _V(tr, fn(_num(tr, a, "math").e), "f")
+        return _V(tr, fn(_num(tr, a, "a math function").e), "f")
     return apply
 
 
 def _to(tr, x, dtype):
     x = _v(tr, x)
+    if x.fin is not None and dtype in _FLOAT_DTYPES:
+        return x
+    if x.fin is not None:
+        raise tr.fail(f"a conversion to {dtype} of a value that may be -inf; {_MASKED_REWRITE}")
     if dtype in _FLOAT_DTYPES:
         if x.kind == "b":
             x = _num(tr, x, "float")
@@ -386,8 +463,45 @@ def _fits(n, dtype) -> bool:
     return n.is_Integer and info.min <= int(n) <= info.max
 
 
+def _like(tr, x, value, dtype=None, **kwargs):
+    """``torch.full_like(x, value)`` (``zeros_like`` / ``ones_like``): ``value`` in ``x``'s kind
+    (or ``dtype``'s), as torch converts it; ``x`` only gives that kind."""
+    if isinstance(x, _Tab):
+        raise tr.fail(f"'*_like' of captured tensor {x._label()} (index it: t[h], ...)")
+    x = _v(tr, x)
+    value = numpy_scalar(value) if numpy_scalar(value) is not None else value
+    if isinstance(value, _V) or not isinstance(value, (bool, int, float)):
+        raise tr.fail("torch.full_like with a fill value that is not a Python number")
+    kind = x.kind if dtype is None else (
+        "b" if dtype is torch.bool else "f" if dtype in _FLOAT_DTYPES else
+        "i" if dtype in _INT_DTYPES else None)
+    if kind is None:
+        raise tr.fail(f"torch.full_like with dtype {dtype} (float32, float64, integers, bool)")
+    if kind == "b":
+        return _V(tr, sp.true if value else sp.false, "b")
+    if kind == "i":
+        if isinstance(value, float) and not math.isfinite(value):
+            raise tr.fail(f"torch.full_like of an integer value with {value!r}")
+        return _V(tr, sp.Integer(int(value)), "i")
+    return _to(tr, _v(tr, float(value)), torch.float32)
+
+
+def _reduce_or_min_max(kind):
+    def apply(tr, a, b=None, *rest, **kwargs):
+        if b is None or rest or kwargs or not isinstance(b, _V):  # torch.min(x, dim)
+            raise tr.fail(f"torch.{kind} of one value (a reduction; a score_mod reads "
+                          f"torch.{kind}(a, b) of two values)")
+        return _min_max(tr, kind, a, b)
+    return apply
+
+
 _TORCH_FUNCS = {
     torch.where: _select,
+    torch.full_like: _like,
+    torch.zeros_like: lambda tr, x, dtype=None, **kw: _like(tr, x, 0, dtype),
+    torch.ones_like: lambda tr, x, dtype=None, **kw: _like(tr, x, 1, dtype),
+    torch.min: _reduce_or_min_max("min"),
+    torch.max: _reduce_or_min_max("max"),
     torch.minimum: lambda tr, a, b: _min_max(tr, "min", a, b),
     torch.maximum: lambda tr, a, b: _min_max(tr, "max", a, b),
     torch.abs: _abs,
@@ -441,12 +555,14 @@ def _binop(op, fn):
 
 
 class _V(_Ops):
-    """A traced value: a sympy expression and its kind ("f" float, "i" integer, "b" bool)."""
+    """A traced value: a sympy expression and its kind ("f" float, "i" integer, "b" bool);
+    ``fin``: where a float that may be -inf is finite (None: everywhere), ``e`` its value
+    there."""
 
-    __slots__ = ("tr", "e", "kind")
+    __slots__ = ("tr", "e", "kind", "fin")
 
-    def __init__(self, tr, e, kind):
-        self.tr, self.e, self.kind = tr, e, kind
+    def __init__(self, tr, e, kind, fin=None):
+        self.tr, self.e, self.kind, self.fin = tr, e, kind, fin
 
     __add__, __radd__ = _binop("+", _arith)
     __sub__, __rsub__ = _binop("-", _arith)
@@ -480,7 +596,7 @@ class _V(_Ops):
         return _V(self.tr, sp.Not(self.e), "b")
 
     def __getattr__(self, name):
-        if name.startswith("_") or name in ("tr", "e", "kind"):
+        if name.startswith("_") or name in ("tr", "e", "kind", "fin"):
             raise AttributeError(name)
         fn = _METHODS.get(name)
         if fn is None:
@@ -599,6 +715,45 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
     """``(ScoreMod, tensors)``: the score_mod's expression and the tensors it captures now (in
     ``ScoreMod.tables`` order). Calls with the same code and values read return the same
     ScoreMod; only the tensors are collected again."""
+    sm, leaves = _compiled(score_mod, name)
+    return sm, [leaves[k] for k in sm.used_leaves]
+
+
+_REFUSED = LRU(1024)  # conversion key -> the converter's message, for gpu_refusal
+
+
+def gpu_refusal(score_mod) -> str | None:
+    """None where the GPU engines' converter compiles ``score_mod``, else its message (naming
+    the construct and the user's line); a refusal is remembered by the conversion key, so a
+    score_mod that does not convert is traced once, not at every call."""
+    walk = _Walk()
+    try:
+        key = (walk.value(score_mod, "score_mod")[0], None,
+               tuple((tuple(t.shape), t.dtype) for t in walk.leaves))
+        if _CACHE.get(key) is not None:
+            return None
+        why = _REFUSED.get(key)
+        if why is not None:
+            return why
+    except _Uncacheable:
+        key = None
+    try:
+        _compiled(score_mod, None)
+        return None
+    except (NotImplementedError, TypeError) as e:
+        if key is not None:
+            _REFUSED[key] = str(e)
+        return str(e)
+
+
+def score_mod_mask(score_mod) -> tuple:
+    """``(ScoreMod, {table name: tensor})``: the compiled score_mod and the tensors its -inf
+    condition (``ScoreMod.mask``) reads, by the names that condition reads them as."""
+    sm, leaves = _compiled(score_mod, None)
+    return sm, {t.name: leaves[k] for t, k in zip(sm.mask_tables, sm.mask_leaves)}
+
+
+def _compiled(score_mod, name):
     if isinstance(score_mod, ScoreMod):
         raise TypeError("compile_score_mod takes the FlexAttention score_mod itself")
     _check_signature(score_mod)
@@ -621,8 +776,7 @@ def compile_score_mod(score_mod, name: str | None = None) -> tuple[ScoreMod, lis
                 "((3 * kv_idx - 2 * q_idx > 0).float())") from None
         if key is not None:
             _CACHE[key] = sm
-    used = sm.used_leaves
-    return sm, [leaves[k] for k in used]
+    return sm, leaves
 
 
 def _convert(score_mod, name):
@@ -639,17 +793,30 @@ def _convert(score_mod, name):
     if not isinstance(out, _V) or out.kind == "b":
         raise TypeError(f"score_mod {fname!r} must return the modified score (a number), got "
                         f"{'a boolean' if isinstance(out, _V) else type(out).__name__}")
-    expr = out.e
+    expr, mask = out.e, out.fin
+    if mask is not None:
+        mask = sp.simplify_logic(mask) if mask.is_Boolean and len(mask.atoms(
+            sp.core.relational.Relational)) <= 6 else mask
+        if mask is sp.false:
+            raise NotImplementedError(f"score_mod {fname!r} is -inf at every score (every score "
+                                      "masked)")
+        if mask is sp.true:
+            mask = None
     # the tables the expression reads, in leaf order (an unused capture is not passed)
     names = {type(f).__name__ for f in expr.atoms(sp.core.function.AppliedUndef)}
     used = [k for k, t in sorted(tr.tables.items()) if t.name in names]
     tables = tuple(tr.tables[k] for k in used)
+    mnames = ({type(f).__name__ for f in mask.atoms(sp.core.function.AppliedUndef)}
+              if mask is not None else set())
     grad = sp.diff(expr, SCORE)
     if grad.has(sp.Derivative) or grad.has(sp.Subs):
         raise NotImplementedError(f"score_mod {fname!r}: no closed-form derivative of "
                                   f"{sp.sstr(expr)} with respect to the score")
-    sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr))
+    sm = ScoreMod(name or fname, expr, grad, tables, _softcap(expr), mask=mask)
     sm.used_leaves = tuple(used)
+    # the tables the -inf condition reads: metadata of the mask it joins
+    sm.mask_leaves = tuple(k for k, t in sorted(tr.tables.items()) if t.name in mnames)
+    sm.mask_tables = tuple(tr.tables[k] for k in sm.mask_leaves)
     sm.row_shift = _row_shift(expr)
     known = SCORE_MODS.find(sm.key)
     sm = known if known is not None and _same(known, sm) else sm
@@ -721,7 +888,7 @@ def _constants(obj, path, depth, seen, out) -> None:
         return
     seen.add(id(obj))
     for step, v in _steps(obj):
-        if isinstance(v, _CONSTANTS):
+        if isinstance(v, _CONSTANTS) or numpy_scalar(v) is not None:
             out.append(((*path, step), v))
         elif isinstance(v, (types.FunctionType, tuple, list, dict)):
             _constants(v, (*path, step), depth + 1, seen, out)
@@ -787,7 +954,9 @@ def kernel_table(t, is_float: bool):
 
 
 def _same(a, b) -> bool:
-    return a.expr == b.expr and a.tables == b.tables and a.used_leaves == b.used_leaves
+    return (a.expr == b.expr and a.tables == b.tables and a.used_leaves == b.used_leaves
+            and a.mask == b.mask and getattr(a, "mask_leaves", ()) == getattr(
+                b, "mask_leaves", ()))
 
 
 def _row_shift(expr) -> str:

@@ -10,7 +10,8 @@ from compilemask.compiler.reference import attention_reference, descriptor_dense
 from compilemask.contract.descriptor import ExecutionDescriptor
 from compilemask.contract.log import said
 from compilemask.contract.options import KernelOptions
-from compilemask.dsl.score_mod import compile_score_mod, traced_score_args
+from compilemask.dsl.score_mask import folded_keys
+from compilemask.dsl.score_mod import compile_score_mod, score_mod_for_key, traced_score_args
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.dispatch import BACKENDS, select_engine
 from compilemask.pipeline.heads import HeadGroups, attention_heads
@@ -135,6 +136,27 @@ def _at_positions(score_mod, first: torch.Tensor):
     return at_positions
 
 
+def _spec_of(desc):
+    mask = getattr(desc, "mask", None)
+    return getattr(mask, "spec", None)
+
+
+@torch.compiler.assume_constant_result
+def _check_masked_scores(score_mod, key: str, spec) -> bool:
+    """A score_mod that gives -inf (``torch.where(cond, score, -inf)``: a masked score) runs
+    on the GPU engines as its finite value, on a mask that holds ``cond``
+    (``from_mask_mod(..., score_mod=)``); with any other mask it is refused."""
+    sm = score_mod_for_key(key)
+    if sm is None or sm.mask is None or (spec is not None and key in folded_keys(spec)):
+        return True
+    raise NotImplementedError(
+        f"cm.attention: score_mod {getattr(score_mod, '__name__', 'score_mod')!r} gives -inf "
+        f"(a masked score) unless {sm.mask}, which the GPU engines read from the mask: convert "
+        "the mask with that condition, cm.from_mask_mod(mask_mod, score_mod=score_mod) (or "
+        "from_mask_mod_heads), and pass its descriptor; backend='reference' runs the "
+        "score_mod as written")
+
+
 def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
               softmax_scale: float | None = None,
               return_lse: bool = False, deterministic: bool = False, backend: str = "auto",
@@ -225,10 +247,12 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             pass
         elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it
             key, tables, row_shift = traced_score_args(score_mod)
+            _check_masked_scores(score_mod, key, _spec_of(desc))
             score = (key, tables)
             _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
         else:
             sm, tables = compile_score_mod(score_mod)
+            _check_masked_scores(score_mod, sm.key, _spec_of(desc))
             score = (sm.key, sm.aux_tensors(tables, q.device))
             _check_rows(desc, sm.row_shift, return_lse, learnable_sink is not None)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,

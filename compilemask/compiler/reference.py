@@ -4,12 +4,18 @@ user's Python rules, and dense masked attention (the CPU path of ``cm.attention`
 from __future__ import annotations
 
 import dis
+import functools
 import operator
+import os
 import types
+import warnings
 
 import torch
 
 from compilemask.contract.descriptor import in_interval, unpack_table
+from compilemask.contract.lru import LRUSet
+from compilemask.contract.options import GpuRefusalWarning
+from compilemask.dsl.score_mod import gpu_refusal
 
 __all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
 
@@ -227,16 +233,83 @@ def brute_force_mask(mask, B, scal, arrs, seqlen_q, seqlen_k) -> torch.Tensor:
 
 def apply_score_mod(s, score_mod):
     """FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)`` on scaled scores ``s`` [B, H,
-    Sq, Sk]: called once with index tensors broadcast along their own axis (int64), so every
-    elementwise torch expression and gather of it computes what Flex computes per score."""
+    Sq, Sk], as Flex calls it: per score. A score_mod the GPU converter compiles is elementwise
+    by construction (every operation it reads is), so it is called once with index tensors
+    broadcast along their own axis (int64): the fast path, exact. Any other score_mod
+    (``torch.dot`` of rows read at q_idx and kv_idx, a reduction, a function the converter does
+    not read) is called per score through ``torch.vmap`` over the four indices, as Flex's own
+    ``_vmap_for_bhqkv`` does, and said once (``GpuRefusalWarning``): the GPU engines refuse it."""
     B, H, Sq, Sk = s.shape
     dev = s.device
-    idx = [torch.arange(n, device=dev).view(shape) for n, shape in (
-        (B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (Sq, (1, 1, Sq, 1)), (Sk, (1, 1, 1, Sk)))]
-    out = score_mod(s, *idx)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
-    return torch.broadcast_to(out.to(s.dtype), s.shape)
+    why = gpu_refusal(score_mod)
+    if why is None:
+        idx = [torch.arange(n, device=dev).view(shape) for n, shape in (
+            (B, (B, 1, 1, 1)), (H, (1, H, 1, 1)), (Sq, (1, 1, Sq, 1)), (Sk, (1, 1, 1, Sk)))]
+        out = score_mod(s, *idx)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
+        return torch.broadcast_to(out.to(s.dtype), s.shape)
+    fn = _checked_output(score_mod)
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None),
+                 (0, None, None, None)):  # kv_idx innermost, as Flex maps them
+        fn = torch.vmap(fn, in_dims=(0, *dims), out_dims=0)
+    idx = [torch.arange(n, device=dev) for n in (B, H, Sq, Sk)]
+    try:
+        out = fn(s, *idx)
+    except RuntimeError as e:
+        if "data-dependent control flow" not in str(e):
+            raise
+        raise RuntimeError(
+            f"score_mod {getattr(score_mod, '__name__', 'score_mod')!r} "
+            f"({_user_frame(e.__traceback__)}): data-dependent Python control flow on a tensor "
+            "('if', 'and', 'or', 'not', min/max builtins of score, q_idx, kv_idx ...), which "
+            "FlexAttention cannot call either; use torch.where(cond, a, b), & | ~") from None
+    _warn_refused(score_mod, why)
+    return out.to(s.dtype)
+
+
+def _checked_output(score_mod):
+    def call(score, b, h, q_idx, kv_idx):
+        out = score_mod(score, b, h, q_idx, kv_idx)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"score_mod must return a tensor, got {type(out).__name__}")
+        if out.dim() != 0:
+            raise ValueError(f"score_mod {getattr(score_mod, '__name__', 'score_mod')!r} "
+                             f"returned shape {list(out.shape)} for one score (a score_mod "
+                             "returns one value per score)")
+        return out
+    return call
+
+
+def _user_frame(tb) -> str:
+    """file:line of the innermost traceback frame outside torch and this package."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    where = "?"
+    while tb is not None:
+        fn = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not fn.startswith(skip):
+            where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
+
+
+_WARNED = LRUSet(1024)  # the functions (code objects) already warned about
+
+
+def _warn_refused(score_mod, why: str) -> None:
+    """One ``GpuRefusalWarning`` per score_mod function (its code)."""
+    fn = score_mod
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    marker = code if code is not None else id(fn)
+    if marker in _WARNED or torch.compiler.is_compiling():
+        return
+    _WARNED.add(marker)
+    warnings.warn(f"the reference engine runs this score_mod, which the GPU engines refuse "
+                  f"({why}); silence with warnings.filterwarnings('ignore', "
+                  "category=cm.GpuRefusalWarning)", GpuRefusalWarning, stacklevel=5)
 
 
 def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False,

@@ -13,7 +13,14 @@ from typing import Optional
 from compilemask.contract.descriptor import TILES_PER_WORD, bitmap_words
 
 __all__ = ["KernelOptions", "default_options", "device_arch", "bitmap_fits_smem",
-           "BITMAP_SMEM_WORDS"]
+           "BITMAP_SMEM_WORDS", "GpuRefusalWarning"]
+
+
+class GpuRefusalWarning(UserWarning):
+    """The reference (CPU) engine ran a score_mod that the GPU engines' converter refuses
+    (``compilemask.dsl.score_mod``): the same call on a GPU would raise. Said once per function,
+    with the converter's reason and the user's line; silenced with
+    ``warnings.filterwarnings("ignore", category=cm.GpuRefusalWarning)``."""
 
 # the sm90 backward's shared-memory copy of a bitmap row, TILES_PER_WORD q tiles per word (1 KB:
 # q tiles up to 4096, i.e. Sq <= 262144 at tile_m = 64)
