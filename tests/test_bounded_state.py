@@ -22,6 +22,7 @@ PACKAGE_DIRS = ("compilemask", "dsl", "codegen", "kernels")
 # path:name -> why it cannot grow with a job's masks, lengths or values (one line each)
 ALLOWED = {
     "compilemask/contract/lru.py:_SOURCES": "bounded by register_source: MAX_SOURCES entries",
+    "compilemask/contract/cache.py:_REGISTERED": "bounded by exec_verified: MAX_REGISTERED entries",
     "dsl/tracing.py:RELATIONS": "constant table: comparison operator -> relation",
     # the op contract and the flash-attn-4 adapter
     "kernels/contract.py:LIST_SLOTS": "constant table: the list slots' names",
@@ -237,3 +238,29 @@ def test_generated_sources_in_linecache_are_bounded():
         lru.register_source(n, "x = 1\n")
     kept = [n for n in names if n in linecache.cache]
     assert kept == names[-lru.MAX_SOURCES:]
+
+
+def test_verified_programs_leave_linecache_and_sys_modules(monkeypatch):
+    """A program run from its checked text keeps that text in linecache while the module lives
+    and no longer; programs registered in sys.modules stay within MAX_REGISTERED."""
+    import gc
+    import linecache
+    import sys
+
+    from compilemask.contract import cache
+
+    monkeypatch.setattr(cache, "MAX_REGISTERED", 8)
+    paths = [f"/nonexistent/compilemask-test-program-{n}.py" for n in range(20)]
+    mods = [cache.exec_verified(f"X = {n}\n", p, f"_compilemask_test_prog_{n}", register=True)
+            for n, p in enumerate(paths)]
+    assert [m.X for m in mods] == list(range(20))
+    assert all(p in linecache.cache for p in paths)  # alive: readable for a later trace
+    registered = [n for n in range(20) if f"_compilemask_test_prog_{n}" in sys.modules]
+    assert registered == list(range(12, 20))
+    del mods
+    gc.collect()  # the evicted ones lived only here; sys.modules holds the rest
+    assert [n for n, p in enumerate(paths) if p in linecache.cache] == registered
+    for n in registered:
+        sys.modules.pop(f"_compilemask_test_prog_{n}", None)
+    gc.collect()
+    assert not any(p in linecache.cache for p in paths)

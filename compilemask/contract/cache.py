@@ -15,6 +15,7 @@ import tempfile
 import threading
 import types
 import weakref
+from collections import OrderedDict
 from typing import Callable, Hashable
 
 from compilemask.contract.env import cache_dir, ensure_dir
@@ -255,10 +256,33 @@ def exec_verified(text: str, path: str, module_name: str, register: bool = False
     it, checked by time and size only). The text is what ``inspect`` reads back for its
     functions (TileLang's parser, the CuTe DSL's preprocessor read their source).
     ``register``: also in ``sys.modules``."""
-    linecache.cache[path] = (len(text), None, text.splitlines(True), path)  # None: never stale
+    linecache.cache[path] = entry = (len(text), None, text.splitlines(True), path)  # never stale
     mod = types.ModuleType(module_name)
     mod.__file__ = path
+    # the checked text stays readable as long as the module lives (its kernels may be traced
+    # again), and leaves with it: a job that builds a program per new mask does not grow here
+    weakref.finalize(mod, _forget_source, path, entry)
     if register:
-        sys.modules[module_name] = mod
+        with _REGISTERED_LOCK:
+            sys.modules[module_name] = mod
+            _REGISTERED[module_name] = weakref.ref(mod)
+            _REGISTERED.move_to_end(module_name)
+            while len(_REGISTERED) > MAX_REGISTERED:
+                old, old_ref = _REGISTERED.popitem(last=False)
+                if sys.modules.get(old) is old_ref():
+                    del sys.modules[old]
     exec(compile(text, path, "exec", dont_inherit=True), mod.__dict__)
     return mod
+
+
+# programs registered in sys.modules (TileLang reads a kernel's module there while it compiles
+# it), oldest first; past the bound the oldest leave sys.modules, living on in the caches
+# that hold their kernels
+_REGISTERED: OrderedDict = OrderedDict()
+_REGISTERED_LOCK = threading.Lock()
+MAX_REGISTERED = 512
+
+
+def _forget_source(path: str, entry) -> None:
+    if linecache.cache.get(path) is entry:  # not a newer module's text for the same file
+        linecache.cache.pop(path, None)
