@@ -943,5 +943,12 @@ def test_reference_on_served_rows_runs_any_score_mod():
         torch.testing.assert_close(
             cm.attention(q[:, -4:], k, k, desc, score_mod=fn, backend="reference"), want)
     shard = dataclasses.replace(desc, q_offset=-1)  # rows elsewhere, positions not recorded
-    with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*-inf"):
-        cm.attention(q[:, -4:], k, k, shard, score_mod=no_first_key, backend="reference")
+    torch.testing.assert_close(  # a -inf score is a masked one: converted, reads no q_idx
+        cm.attention(q[:, -4:], k, k, shard, score_mod=no_first_key, backend="reference"),
+        cm.attention(q, k, k, mask.preprocess(None, 16), score_mod=no_first_key)[:, -4:])
+
+    def unread(score, b, h, q_idx, kv_idx):  # the converter does not read gelu
+        return torch.nn.functional.gelu(score) + q_idx
+
+    with pytest.raises(NotImplementedError, match="not rows 0.*does not convert.*gelu"):
+        cm.attention(q[:, -4:], k, k, shard, score_mod=unread, backend="reference")
