@@ -1,0 +1,336 @@
+"""Descriptors of chosen rows of masks with fallback regions (a rule kept as a predicate): a
+served request's last rows (decode, chunked prefill, requests of their own lengths, a packed
+batch) and context-parallel shards equal the corresponding rows of the whole sequence's
+square mask, and attention on them the whole recomputation's rows. The predicates read ``i``
+as the row's position and arrays at the keys' positions (``ExecutionDescriptor.positions`` /
+``key_params``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compilemask as cm
+from compilemask import masks
+from compilemask.api import distributed as cp
+from compilemask.api.serving import paged_attention, query_descriptor, varlen_attention
+from compilemask.compiler.reference import attention_reference
+
+SK, B = 40, 4
+
+
+def _mask_mods(gen):
+    """FlexAttention mask_mods whose rules keep predicates, over random metadata of ``B``
+    sequences of ``SK`` tokens: documents by segment id, a DFS-ordered tree (node ``j`` is an
+    ancestor of ``i`` iff ``j <= i < j + size[j]``), Longformer with scattered global tokens,
+    a chat by turn id (a turn sees its own turn and every system token), axial."""
+    seg = torch.randint(0, 3, (B, SK), generator=gen)  # interleaved: spans over-approximate
+    size = torch.randint(1, 7, (B, SK), generator=gen)
+    glob = torch.rand(B, SK, generator=gen) < 0.15
+    turn = torch.sort(torch.randint(0, 4, (B, SK), generator=gen), dim=1).values
+    system = torch.randint(0, 2, (B, SK), generator=gen)
+
+    def packed_by_segment_id(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (kv <= q)
+
+    def dfs_tree(b, h, q, kv):
+        return (kv <= q) & (q < kv + size[b, kv])
+
+    def longformer_globals(b, h, q, kv):
+        return glob[b, q] | glob[b, kv] | ((q - kv).abs() <= 3)
+
+    def chat_by_turn(b, h, q, kv):
+        return (kv <= q) & ((turn[b, kv] == turn[b, q]) | (system[b, kv] == 0))
+
+    def axial(b, h, q, kv):
+        return (kv <= q) & (((q - kv) % 8 == 0) | (q // 8 == kv // 8))
+
+    return [packed_by_segment_id, dfs_tree, longformer_globals, chat_by_turn, axial]
+
+
+def _cases():
+    """(name, compiled mask, metadata of B x SK): every example mask with fallback regions,
+    and the mask_mods above."""
+    out = []
+    for name, f in masks.EXAMPLES.items():
+        mask = cm.compile_mask(f())
+        if mask.has_fallback:
+            meta = masks.random_meta(mask.spec, B, SK, torch.Generator().manual_seed(3))
+            out.append((name, mask, meta or None))
+    for mm in _mask_mods(torch.Generator().manual_seed(7)):
+        spec, meta = cm.from_mask_mod(mm, batch_size=B)
+        out.append((mm.__name__, cm.compile_mask(spec), meta or None))
+    return out
+
+
+CASES = _cases()
+NAMES = [c[0] for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def squares():
+    """name -> the whole sequences' square mask, checked against the rules called on every
+    (i, j) (the oracle)."""
+    out = {}
+    for name, mask, meta in CASES:
+        full = mask.preprocess(meta, SK, batch_size=B).dense_mask()
+        assert torch.equal(full, mask.reference_mask(meta, SK, batch_size=B)), name
+        out[name] = full
+    return out
+
+
+def test_cases_keep_predicates_on_keys():
+    """The cases are what they are meant to be: fallback masks, most reading arrays at j."""
+    assert "dilated_causal" in NAMES and len(CASES) >= 6
+    for name, mask, _ in CASES:
+        assert mask.has_fallback, name
+    keyed = [n for n, m, _ in CASES if m.key_indexed_arrays]
+    assert {"packed_by_segment_id", "dfs_tree", "longformer_globals", "chat_by_turn"} <= set(keyed)
+
+
+def _case(name):
+    return next(c for c in CASES if c[0] == name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_last_rows_equal_the_square_mask(name, squares):
+    """Decode (Sq 1), a prefill chunk (Sq 7) and the whole prompt: the rows of the square."""
+    _, mask, meta = _case(name)
+    full = squares[name]
+    for Sq in (1, 7, SK):
+        d = query_descriptor(mask, meta, SK, Sq, batch_size=B)
+        assert d.positions is not None and d.key_params.shape[:2] == (B, SK)
+        assert torch.equal(d.positions, torch.arange(SK - Sq, SK, dtype=torch.int32).expand(B, -1))
+        assert torch.equal(d.dense_mask(), full[:, SK - Sq:]), (name, Sq)
+    # a shorter sequence of the same metadata: its own square, not the longer one's
+    d = query_descriptor(mask, meta, 23, 7, batch_size=B)
+    assert torch.equal(d.dense_mask(), full[:, 16:23, :23]), name
+
+
+def _expected_rows(full, rows, used):
+    """bool [B, Sq, SK]: request b's rows at positions ``rows[b]`` (-1 or negative: none),
+    keys below ``used[b]`` only."""
+    Bq, Sq = rows.shape
+    out = torch.zeros(Bq, Sq, SK, dtype=torch.bool)
+    for b in range(Bq):
+        u = int(used[b])
+        for r in range(Sq):
+            p = int(rows[b, r])
+            if p >= 0:
+                out[b, r, :u] = full[b, p, :u]
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_requests_of_their_own_lengths(name, squares):
+    """One KV buffer, request b holding seqused_k[b] keys (some 0), queries its last
+    positions; and a packed batch (seqused_q), rows past a request's queries padding."""
+    _, mask, meta = _case(name)
+    full = squares[name]
+    used = torch.tensor([SK, 0, 5, 23])
+    for Sq in (1, 7):
+        d = query_descriptor(mask, meta, SK, Sq, batch_size=B, seqused_k=used)
+        rows = used.view(-1, 1) - Sq + torch.arange(Sq)
+        assert torch.equal(d.dense_mask(), _expected_rows(full, rows, used)), (name, Sq)
+    used_q = torch.tensor([7, 0, 3, 1])
+    d = query_descriptor(mask, meta, SK, 7, batch_size=B, seqused_k=used,
+                         seqused_q=used_q)
+    local = torch.arange(7).view(1, -1)
+    rows = torch.where(local < used_q.view(-1, 1), used.view(-1, 1) - used_q.view(-1, 1) + local,
+                       -1)
+    assert torch.equal(d.dense_mask(), _expected_rows(full, rows, used)), name
+
+
+@pytest.mark.parametrize("name", ["dilated_causal", "packed_by_segment_id", "dfs_tree",
+                                  "longformer_globals", "chat_by_turn"])
+def test_attention_equals_the_whole_recomputation(name, squares):
+    """cm.attention of the last rows (reference engine) equals the whole sequence's
+    attention at those rows; paged_attention and varlen_attention equal each request's rows
+    of its own whole recomputation."""
+    _, mask, meta = _case(name)
+    full = squares[name]
+    gen = torch.Generator().manual_seed(11)
+    H, Hkv, D = 4, 2, 16
+    q_all = torch.randn(B, SK, H, D, generator=gen)
+    k, v = (torch.randn(B, SK, Hkv, D, generator=gen) for _ in range(2))
+    whole = cm.attention(q_all, k, v, mask.preprocess(meta, SK, batch_size=B))
+    for Sq in (1, 7):
+        d = query_descriptor(mask, meta, SK, Sq, batch_size=B)
+        got = cm.attention(q_all[:, SK - Sq:], k, v, d)
+        torch.testing.assert_close(got, whole[:, SK - Sq:], rtol=1e-5, atol=1e-5)
+    # requests of their own lengths: paged keys, then a packed batch
+    from test_serving import _paged
+
+    used, used_q = torch.tensor([SK, 0, 5, 23]), torch.tensor([7, 0, 3, 1])
+    k_cache, v_cache, table = _paged((k, v), 16, gen)
+    d = query_descriptor(mask, meta, SK, 7, batch_size=B, seqused_k=used)
+    q = torch.randn(B, 7, H, D, generator=gen)
+    paged = paged_attention(q, k_cache, v_cache, table, d)
+    dp = query_descriptor(mask, meta, SK, 7, batch_size=B, seqused_k=used, seqused_q=used_q)
+    qp = torch.cat([q[b, 7 - int(n):] for b, n in enumerate(used_q)])
+    kp, vp = (torch.cat([t[b, :int(u)] for b, u in enumerate(used)]) for t in (k, v))
+    packed = varlen_attention(qp, kp, vp, dp)
+    qo = 0
+    for b in range(B):
+        u, n = int(used[b]), int(used_q[b])
+        rows = [u - 7 + r for r in range(7)]
+        if not u:  # no keys: output 0
+            assert torch.equal(paged[b], torch.zeros_like(paged[b])) and not n
+            continue
+        # request b alone: its whole recomputation over its u keys, at its last rows
+        want = attention_reference(q[b:b + 1], k[b:b + 1, :u], v[b:b + 1, :u],
+                                   _expected_rows(full[b:b + 1], torch.tensor([rows]),
+                                                  [u])[..., :u])
+        torch.testing.assert_close(paged[b], want[0], rtol=1e-5, atol=1e-5)
+        if n:
+            torch.testing.assert_close(packed[qo:qo + n], want[0, 7 - n:], rtol=1e-5,
+                                       atol=1e-5)
+        qo += n
+
+
+@pytest.mark.parametrize("name", ["dilated_causal", "dfs_tree", "longformer_globals"])
+def test_context_parallel_shards_equal_the_square_rows(name, squares):
+    _, mask, meta = _case(name)
+    plan = cp.make_plan(mask, meta, SK, 3, tile=8, batch_size=B)
+    for rank in range(3):
+        d = cp.shard_descriptor(mask, meta, plan, rank, batch_size=B)
+        rows = plan.rows[rank]
+        want = torch.zeros(B, len(rows), SK, dtype=torch.bool)
+        real = rows < SK
+        want[:, real] = squares[name][:, rows[real]]
+        assert torch.equal(d.dense_mask(), want), (name, rank)
+
+
+def test_fa4_mask_mod_reads_the_rows_positions():
+    """The generated FA4 mask_mod of such a descriptor: the predicates (the square path's
+    sources) called at the row's position, arrays through the sequence's key_params; the
+    square descriptor's mask_mod does not read them."""
+    from compilemask.codegen.cute_mask_mod import (
+        aux_layout,
+        aux_tensors,
+        mask_mod_source,
+        variant_for_call,
+    )
+
+    _, mask, meta = _case("dfs_tree")
+    d = query_descriptor(mask, meta, SK, 7, batch_size=B)
+    assert variant_for_call(d, None, backward=False) == "intervals"
+    assert variant_for_call(d, None, backward=False, served=True) == "intervals"
+    with pytest.raises(ValueError, match="chosen positions"):
+        variant_for_call(d, "predicate", backward=False)
+    assert aux_layout(mask, "intervals", True) == ("intervals", "row_region", "positions",
+                                                   "key_params")
+    aux = aux_tensors(d, "intervals")
+    assert aux[2] is d.positions and aux[3] is d.key_params
+    src = mask_mod_source(mask, "intervals", positions=True)
+    square = mask_mod_source(mask, "intervals")
+    assert "pos = positions[b, row]" in src and "predicate_0(pos, col, key_params[b, pos, 0]" in src
+    assert "positions" not in square and "key_params" not in square
+    head = square[:square.index("@cute.jit\ndef mask_mod")]
+    assert src.startswith(head)  # the same predicates
+    square_desc = mask.preprocess(meta, SK, batch_size=B)
+    assert square_desc.positions is None and len(aux_tensors(square_desc, "intervals")) == 3
+    with pytest.raises(ValueError, match="'intervals' mask_mod"):
+        mask_mod_source(mask, "predicate", positions=True)
+
+
+def test_cute_engine_refuses_chosen_rows_with_predicates():
+    from compilemask.kernels.dispatch import why_not
+
+    _, mask, meta = _case("dfs_tree")
+    d = query_descriptor(mask, meta, SK, 1, batch_size=B)
+    why = why_not(torch.zeros(B, 1, 2, 64, dtype=torch.bfloat16), d, "cute")
+    assert "fa4 engine runs it" in why
+
+
+def test_descriptor_fields_travel_with_it():
+    """positions and key_params survive the op's slots, a move and with_fields."""
+    from compilemask.contract.descriptor import DescriptorArgs, with_fields
+    from compilemask.kernels.contract import OpSlots
+
+    _, mask, meta = _case("chat_by_turn")
+    d = query_descriptor(mask, meta, SK, 3, batch_size=B)
+    back = OpSlots.of(d, "reference", 16).descriptor(DescriptorArgs.of(d), mask)
+    assert back.positions is d.positions and back.key_params is d.key_params
+    assert torch.equal(back.dense_mask(), d.dense_mask())
+    assert d.to("cpu").positions is not None
+    assert with_fields(d, meta_max=0).key_params is d.key_params
+
+
+# ---- GPU (fa4 engine) ---------------------------------------------------------------------
+def _gpu_case(name, Sk):
+    gen = torch.Generator().manual_seed(5)
+    if name == "dilated_causal":
+        return cm.compile_mask(masks.dilated_causal()), None
+    seg = torch.sort(torch.randint(0, 9, (2, Sk), generator=gen), dim=1).values.cuda()
+    glob = (torch.rand(2, Sk, generator=gen) < 0.02).cuda()
+    size = torch.randint(1, 300, (2, Sk), generator=gen).cuda()
+
+    def packed_by_segment_id(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (kv <= q)
+
+    def longformer_globals(b, h, q, kv):
+        return glob[b, q] | glob[b, kv] | ((q - kv).abs() <= 64)
+
+    def dfs_tree(b, h, q, kv):
+        return (kv <= q) & (q < kv + size[b, kv])
+
+    mm = {"packed_by_segment_id": packed_by_segment_id, "dfs_tree": dfs_tree,
+          "longformer_globals": longformer_globals}[name]
+    spec, meta = cm.from_mask_mod(mm, batch_size=2)
+    return cm.compile_mask(spec), meta
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dilated_causal", "packed_by_segment_id", "dfs_tree",
+                                  "longformer_globals"])
+def test_gpu_fa4_decode_and_chunk_with_predicates(name):
+    """A decode step and a prefill chunk of a fallback mask on the fa4 engine (the mask_mod
+    reads the rows' positions), forward and backward within twice PyTorch's bf16 error; the
+    dense mask is the square's rows."""
+    from helpers import check_attention_vs_reference
+
+    Sk = 1000
+    mask, meta = _gpu_case(name, Sk)
+    square = mask.preprocess(meta, Sk, batch_size=2).dense_mask()
+    for Sq in (1, 77):
+        d = query_descriptor(mask, meta, Sk, Sq, batch_size=2, device="cuda")
+        assert torch.equal(d.dense_mask().cpu(), square[:, Sk - Sq:].cpu())
+        q = torch.randn(2, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, Sk, 2, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        assert cm.api.api.select_engine(q, d) == "fa4"
+        check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["packed_by_segment_id", "dfs_tree"])
+def test_gpu_fa4_served_requests_with_predicates(name):
+    """Requests of their own lengths (paged keys) and a packed batch on the fa4 engine."""
+    from test_serving import _paged
+
+    from helpers import check_output_vs_reference
+
+    Sk = 1000
+    mask, meta = _gpu_case(name, Sk)
+    used, used_q = torch.tensor([1000, 517, 3, 0][:2]), torch.tensor([64, 5])
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(2, Sk, 2, 128, generator=gen).to("cuda", torch.bfloat16)
+            for _ in range(2))
+    k_cache, v_cache, table = _paged((k, v), 128, gen)
+    d = query_descriptor(mask, meta, Sk, 64, batch_size=2, seqused_k=used.cuda())
+    q = torch.randn(2, 64, 4, 128, generator=gen).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        out = paged_attention(q, k_cache, v_cache, table, d, backend="fa4")
+    check_output_vs_reference(out, q, k, v, d.dense_mask())
+    dp = query_descriptor(mask, meta, Sk, 64, batch_size=2, seqused_k=used.cuda(),
+                          seqused_q=used_q.cuda())
+    qp = torch.cat([q[b, 64 - int(n):] for b, n in enumerate(used_q)])
+    kp, vp = (torch.cat([t[b, :int(u)] for b, u in enumerate(used)]) for t in (k, v))
+    with torch.no_grad():
+        packed = varlen_attention(qp, kp, vp, dp, backend="fa4")
+    qo = 0
+    for b, n in enumerate(used_q.tolist()):
+        check_output_vs_reference(packed[None, qo:qo + n], q[b:b + 1, 64 - n:], k[b:b + 1],
+                                  v[b:b + 1], dp.dense_mask()[b:b + 1, :n])
+        qo += n
