@@ -334,3 +334,29 @@ def test_gpu_fa4_served_requests_with_predicates(name):
         check_output_vs_reference(packed[None, qo:qo + n], q[b:b + 1, 64 - n:], k[b:b + 1],
                                   v[b:b + 1], dp.dense_mask()[b:b + 1, :n])
         qo += n
+
+
+def test_generate_with_segment_ids_equals_greedy_by_recomputation():
+    """transformers generate with documents by segment id written as a mask_mod (its rule a
+    predicate): every decode step token-identical to recomputing the whole sequence."""
+    pytest.importorskip("transformers")
+    from test_serving import VOCAB, _greedy_by_recomputation, _models
+
+    ref, mod = _models()
+    Bq, P, N = 2, 11, 4
+    total = P + N
+    gen = torch.Generator().manual_seed(2)
+    # documents of the prompt (the second interleaved), the generated tokens in the last one
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2] + [2] * N,
+                        [0, 1, 0, 1, 1, 0, 2, 2, 0, 2, 2] + [2] * N])  # interleaved
+    spec, meta = cm.from_mask_mod(lambda b, h, q, kv: (seg[b, q] == seg[b, kv]) & (kv <= q),
+                                  batch_size=Bq)
+    mask = cm.compile_mask(spec)
+    assert mask.has_fallback
+    ids = torch.randint(0, VOCAB, (Bq, P), generator=gen)
+    dense = mask.preprocess(meta, total, batch_size=Bq).dense_mask()
+    want = _greedy_by_recomputation(ref, ids, N, dense)
+    got = mod.generate(ids, max_new_tokens=N, do_sample=False, compilemask_mask=mask,
+                       compilemask_meta=meta, attention_mask=torch.ones_like(ids),
+                       pad_token_id=0)
+    assert torch.equal(got, want), (got, want)
