@@ -360,3 +360,24 @@ def test_generate_with_segment_ids_equals_greedy_by_recomputation():
                        compilemask_meta=meta, attention_mask=torch.ones_like(ids),
                        pad_token_id=0)
     assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.slow  # a TileLang C build per mask (~15 s)
+@pytest.mark.parametrize("name", ["dilated_causal", "longformer_globals"])
+def test_row_descriptor_program_equals_the_reference(name):
+    """The preprocess program's rows variant (TileLang's C target here; CUDA on the GPU, where
+    it makes served descriptors) writes the torch reference's descriptor of a fallback mask
+    field by field, its positions and key_params included."""
+    pytest.importorskip("tilelang")
+    from compilemask.pipeline.rows import rows_descriptor
+
+    _, mask, meta = _case(name)
+    gen = torch.Generator().manual_seed(2)
+    for rows in (torch.arange(SK - 5, SK), torch.randint(-3, SK + 4, (B, 9), generator=gen)):
+        for limit in (None, torch.tensor([SK, 0, 3, 23])):
+            want, got = (rows_descriptor(mask, meta, SK, rows, key_limit=limit, batch_size=B,
+                                         backend=b) for b in ("torch", "tilelang"))
+            for f in ("intervals", "row_region", "fwd_bitmap", "bwd_bitmap", "params",
+                      "row_params", "positions", "key_params"):
+                assert torch.equal(getattr(got, f), getattr(want, f)), (f, rows.shape, limit)
+            assert torch.equal(got.dense_mask(), want.dense_mask())
