@@ -381,3 +381,38 @@ def test_row_descriptor_program_equals_the_reference(name):
                       "row_params", "positions", "key_params"):
                 assert torch.equal(getattr(got, f), getattr(want, f)), (f, rows.shape, limit)
             assert torch.equal(got.dense_mask(), want.dense_mask())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+@pytest.mark.parametrize("name", ["dfs_tree", pytest.param("dilated_causal",
+                                                           marks=pytest.mark.slow)])
+def test_positions_mask_mod_compiles_in_fa4(name):
+    """The mask_mod that reads the rows' positions and key_params compiles inside FA4's
+    forward and backward (CPU, fake tensors): a prefill chunk's descriptor of 300 keys."""
+    pytest.importorskip("flash_attn.cute")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+    from helpers import fake_on_cuda
+
+    S, Sq, D = 300, 77, 128
+    gen = torch.Generator().manual_seed(0)
+    size = torch.randint(1, 60, (2, S), generator=gen)
+    if name == "dfs_tree":
+        spec, meta = cm.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q < kv + size[b, kv]),
+                                      batch_size=2)
+    else:
+        spec, meta = masks.dilated_causal(), None
+    mask = cm.compile_mask(spec)
+    desc = query_descriptor(mask, meta, S, Sq, batch_size=2)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(2, Sq, 4, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(2, S, 2, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, _ = fake_on_cuda(desc, lists)
+        assert fdesc.positions is not None
+        out, lse = fa4.fwd(q, kv, kv, fdesc, D**-0.5, "fa4", lists=flists["fwd"])
+        assert out.shape == q.shape and lse.shape == (2, 4, Sq)
+        dq, dk, dv = fa4.bwd(q, q, kv, kv, out, lse, fdesc, D**-0.5, "fa4",
+                             lists=flists["bwd64"])[:3]
+        assert dq.shape == q.shape and dk.shape == kv.shape
