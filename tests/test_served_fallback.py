@@ -393,6 +393,7 @@ def test_positions_mask_mod_compiles_in_fa4(name):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compilemask.kernels import fa4
+
     from helpers import fake_on_cuda
 
     S, Sq, D = 300, 77, 128
@@ -416,3 +417,31 @@ def test_positions_mask_mod_compiles_in_fa4(name):
         dq, dk, dv = fa4.bwd(q, q, kv, kv, out, lse, fdesc, D**-0.5, "fa4",
                              lists=flists["bwd64"])[:3]
         assert dq.shape == q.shape and dk.shape == kv.shape
+
+
+@pytest.mark.slow  # a kernel of its own
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
+def test_positions_mask_mod_compiles_in_fa4_served_forward():
+    """The same mask_mod in FA4's varlen forward of a packed batch (``varlen_attention``'s
+    kernel: every tile masked, each request's own q_idx / kv_idx)."""
+    pytest.importorskip("flash_attn.cute")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.kernels import fa4
+
+    from helpers import fake_on_cuda
+
+    S, Sq, D = 300, 7, 128
+    size = torch.randint(1, 60, (2, S), generator=torch.Generator().manual_seed(0))
+    spec, meta = cm.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q < kv + size[b, kv]),
+                                  batch_size=2)
+    desc = query_descriptor(cm.compile_mask(spec), meta, S, Sq, batch_size=2,
+                            seqused_k=torch.tensor([300, 100]), seqused_q=torch.tensor([7, 3]))
+    with FakeTensorMode():
+        fdesc, _, _ = fake_on_cuda(desc, {})
+        q = torch.empty(10, 4, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(400, 2, D, dtype=torch.bfloat16, device="cuda")
+        cu_q, cu_k = (torch.empty(3, dtype=torch.int32, device="cuda") for _ in range(2))
+        out, lse = fa4.fwd_served(q, kv, kv, fdesc, D**-0.5, "fa4", cu_seqlens_q=cu_q,
+                                  max_seqlen_q=Sq, cu_seqlens_k=cu_k, max_seqlen_k=S)
+        assert out.shape == q.shape and lse.shape == (4, 10)
