@@ -13,6 +13,7 @@ import torch
 import compilemask as cm
 from compilemask import masks
 from compilemask.api import distributed as cp
+from compilemask.api import viz
 from compilemask.api.serving import paged_attention, query_descriptor, varlen_attention
 from compilemask.compiler.reference import attention_reference
 
@@ -102,6 +103,9 @@ def test_last_rows_equal_the_square_mask(name, squares):
         assert d.positions is not None and d.key_params.shape[:2] == (B, SK)
         assert torch.equal(d.positions, torch.arange(SK - Sq, SK, dtype=torch.int32).expand(B, -1))
         assert torch.equal(d.dense_mask(), full[:, SK - Sq:]), (name, Sq)
+    # the pictures' row reader: a window of a chunk's rows and keys of one sequence
+    d = query_descriptor(mask, meta, SK, 7, batch_size=B)
+    assert torch.equal(viz.dense_rows(d, 2, 1, 6, 5, 38), full[2, SK - 6:SK - 1, 5:38]), name
     # a shorter sequence of the same metadata: its own square, not the longer one's
     d = query_descriptor(mask, meta, 23, 7, batch_size=B)
     assert torch.equal(d.dense_mask(), full[:, 16:23, :23]), name
