@@ -7,6 +7,8 @@ as the row's position and arrays at the keys' positions (``ExecutionDescriptor.p
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -58,6 +60,11 @@ def _cases():
         if mask.has_fallback:
             meta = masks.random_meta(mask.spec, B, SK, torch.Generator().manual_seed(3))
             out.append((name, mask, meta or None))
+    # speculative decoding's tree of any depth: an ancestor table read at the row
+    tree = importlib.import_module("compilemask.masks.draft_tree")
+    mask = cm.compile_mask(tree.draft_tree())
+    out.append(("draft_tree", mask, masks.random_meta(mask.spec, B, SK,
+                                                      torch.Generator().manual_seed(5))))
     for mm in _mask_mods(torch.Generator().manual_seed(7)):
         spec, meta = cm.from_mask_mod(mm, batch_size=B)
         out.append((mm.__name__, cm.compile_mask(spec), meta or None))
@@ -82,7 +89,8 @@ def squares():
 
 def test_cases_keep_predicates_on_keys():
     """The cases are what they are meant to be: fallback masks, most reading arrays at j."""
-    assert "dilated_causal" in NAMES and len(CASES) >= 6
+    assert "dilated_causal" in NAMES and len(CASES) >= 7
+    assert _case("draft_tree")[1].table_params
     for name, mask, _ in CASES:
         assert mask.has_fallback, name
     keyed = [n for n, m, _ in CASES if m.key_indexed_arrays]
@@ -146,7 +154,7 @@ def test_requests_of_their_own_lengths(name, squares):
 
 
 @pytest.mark.parametrize("name", ["dilated_causal", "packed_by_segment_id", "dfs_tree",
-                                  "longformer_globals", "chat_by_turn"])
+                                  "longformer_globals", "chat_by_turn", "draft_tree"])
 def test_attention_equals_the_whole_recomputation(name, squares):
     """cm.attention of the last rows (reference engine) equals the whole sequence's
     attention at those rows; paged_attention and varlen_attention equal each request's rows
@@ -266,6 +274,10 @@ def _gpu_case(name, Sk):
     gen = torch.Generator().manual_seed(5)
     if name == "dilated_causal":
         return cm.compile_mask(masks.dilated_causal()), None
+    if name == "draft_tree":
+        spec = importlib.import_module("compilemask.masks.draft_tree").draft_tree()
+        meta = masks.random_meta(spec, 2, Sk, gen)
+        return cm.compile_mask(spec), {k: v.cuda() for k, v in meta.items()}
     seg = torch.sort(torch.randint(0, 9, (2, Sk), generator=gen), dim=1).values.cuda()
     glob = (torch.rand(2, Sk, generator=gen) < 0.02).cuda()
     size = torch.randint(1, 300, (2, Sk), generator=gen).cuda()
@@ -287,7 +299,7 @@ def _gpu_case(name, Sk):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["dilated_causal", "packed_by_segment_id", "dfs_tree",
-                                  "longformer_globals"])
+                                  "longformer_globals", "draft_tree"])
 def test_gpu_fa4_decode_and_chunk_with_predicates(name):
     """A decode step and a prefill chunk of a fallback mask on the fa4 engine (the mask_mod
     reads the rows' positions), forward and backward within twice PyTorch's bf16 error; the
@@ -308,7 +320,7 @@ def test_gpu_fa4_decode_and_chunk_with_predicates(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["packed_by_segment_id", "dfs_tree"])
+@pytest.mark.parametrize("name", ["packed_by_segment_id", "dfs_tree", "draft_tree"])
 def test_gpu_fa4_served_requests_with_predicates(name):
     """Requests of their own lengths (paged keys) and a packed batch on the fa4 engine."""
     from test_serving import _paged
@@ -367,7 +379,8 @@ def test_generate_with_segment_ids_equals_greedy_by_recomputation():
 
 
 @pytest.mark.parametrize("name", ["longformer_globals",  # a TileLang C build per mask
-                                  pytest.param("dilated_causal", marks=pytest.mark.slow)])
+                                  pytest.param("dilated_causal", marks=pytest.mark.slow),
+                                  pytest.param("draft_tree", marks=pytest.mark.slow)])
 def test_row_descriptor_program_equals_the_reference(name):
     """The preprocess program's rows variant (TileLang's C target here; CUDA on the GPU, where
     it makes served descriptors) writes the torch reference's descriptor of a fallback mask
@@ -388,8 +401,9 @@ def test_row_descriptor_program_equals_the_reference(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fake-tensor compile is the CPU check")
-@pytest.mark.parametrize("name", ["dfs_tree", pytest.param("dilated_causal",
-                                                           marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["dfs_tree",
+                                  pytest.param("dilated_causal", marks=pytest.mark.slow),
+                                  pytest.param("draft_tree", marks=pytest.mark.slow)])
 def test_positions_mask_mod_compiles_in_fa4(name):
     """The mask_mod that reads the rows' positions and key_params compiles inside FA4's
     forward and backward (CPU, fake tensors): a prefill chunk's descriptor of 300 keys."""
@@ -406,6 +420,9 @@ def test_positions_mask_mod_compiles_in_fa4(name):
     if name == "dfs_tree":
         spec, meta = cm.from_mask_mod(lambda b, h, q, kv: (kv <= q) & (q < kv + size[b, kv]),
                                       batch_size=2)
+    elif name == "draft_tree":  # a table read through key_params at the row's position
+        spec = importlib.import_module("compilemask.masks.draft_tree").draft_tree()
+        meta = masks.random_meta(spec, 2, S, gen)
     else:
         spec, meta = masks.dilated_causal(), None
     mask = cm.compile_mask(spec)

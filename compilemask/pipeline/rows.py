@@ -41,11 +41,18 @@ def normalized(mask, meta, seqlen, batch_size, check, device=None):
 
 
 def arrays_at(mask, arrs, seqlen, rows):
-    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``)."""
+    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``; a
+    table's rows ``[B, n, M]``)."""
     at = rows.clamp(min=0, max=seqlen - 1)
     if rows.dim() == 1:
-        return at, {a: arrs[a].index_select(1, at) for a in mask.array_params}
-    return at, {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+        return at, {a: arrs[a].index_select(1, at)
+                    for a in (*mask.array_params, *mask.table_params)}
+    got = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+    for t in mask.table_params:
+        table = arrs[t]
+        idx = at.to(table.device).unsqueeze(-1).expand(*at.shape, table.shape[-1])
+        got[t] = torch.gather(table.expand(at.shape[0], *table.shape[1:]), 1, idx)
+    return at, got
 
 
 def rows_table(mask, B, scal, arrs, seqlen, rows):
@@ -110,6 +117,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                    else key_limit.to(dev).expand(B))
         out = tilelang_preprocess(mask, B, scal, arrs_at, n, S, fwd_tiles, bwd_tiles, device=dev,
                                   rows=(rows.expand(B, n), key_end, S))
+        out["row_params"] = pipeline.with_tables(mask, arrs_at, out["row_params"])
         desc = make_descriptor(mask, n, S, fwd_tiles, bwd_tiles, **out)
     else:
         starts, lens, region, arrs_at = rows_table(mask, B, scal, arrs, S, rows)
