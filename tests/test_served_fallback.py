@@ -308,7 +308,7 @@ def test_gpu_fa4_decode_and_chunk_with_predicates(name):
 
     Sk = 1000
     mask, meta = _gpu_case(name, Sk)
-    square = mask.preprocess(meta, Sk, batch_size=2).dense_mask()
+    square = mask.preprocess(meta, Sk, batch_size=2, backend="torch").dense_mask()
     for Sq in (1, 77):
         d = query_descriptor(mask, meta, Sk, Sq, batch_size=2, device="cuda")
         assert torch.equal(d.dense_mask().cpu(), square[:, Sk - Sq:].cpu())
@@ -329,7 +329,7 @@ def test_gpu_fa4_served_requests_with_predicates(name):
 
     Sk = 1000
     mask, meta = _gpu_case(name, Sk)
-    used, used_q = torch.tensor([1000, 517, 3, 0][:2]), torch.tensor([64, 5])
+    used, used_q = torch.tensor([1000, 517]), torch.tensor([64, 5])
     gen = torch.Generator().manual_seed(1)
     k, v = (torch.randn(2, Sk, 2, 128, generator=gen).to("cuda", torch.bfloat16)
             for _ in range(2))
@@ -466,3 +466,23 @@ def test_positions_mask_mod_compiles_in_fa4_served_forward():
         out, lse = fa4.fwd_served(q, kv, kv, fdesc, D**-0.5, "fa4", cu_seqlens_q=cu_q,
                                   max_seqlen_q=Sq, cu_seqlens_k=cu_k, max_seqlen_k=S)
         assert out.shape == q.shape and lse.shape == (4, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dfs_tree", "draft_tree"])
+def test_gpu_fa4_context_parallel_shard_with_predicates(name):
+    """A balanced plan's rank rows (scattered q tiles) of a fallback mask on the fa4 engine,
+    forward and backward within twice PyTorch's bf16 error."""
+    from helpers import check_attention_vs_reference
+
+    S = 1024
+    mask, meta = _gpu_case(name, S)
+    square = mask.preprocess(meta, S, batch_size=2, backend="torch").dense_mask()
+    plan = cp.make_plan(mask, meta, S, 4, batch_size=2)
+    rows = plan.rows[1]
+    d = cp.shard_descriptor(mask, meta, plan, 1, batch_size=2)
+    real = (rows < S).cpu()
+    assert torch.equal(d.dense_mask().cpu()[:, real], square.cpu()[:, rows.cpu()[real]])
+    q = torch.randn(2, len(rows), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, S, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask())
