@@ -10,6 +10,11 @@ the region's
 generated predicate (``codegen.cute_predicate``) onto the interval test. Rows that see nothing
 have only empty slots, so every score is masked (FA4 then writes output 0 and LSE -inf).
 
+A descriptor of chosen rows (a served request's last rows, a context-parallel shard) of a
+mask with fallback regions runs the ``"intervals"`` form with ``positions`` ``[B, Sq]`` and
+``key_params`` ``[B, Sk, R]`` in place of ``row_params``: the same predicates, called with the
+row's position as ``i`` and the sequence's arrays by position (``_positions_lines``).
+
 When every region is a fallback region (its predicate is exact, so the interval test adds
 nothing in a partial tile), the mask_mod is the whole mask as one predicate: the first region
 whose guard holds decides, by its rule, with no Interval Table or region reads (a metadata-free
@@ -43,6 +48,7 @@ from compilemask.contract.cache import CompileCache
 from compilemask.contract.lru import LRU
 
 __all__ = ["mask_mod_source", "mask_mod", "aux_tensors", "aux_layout", "whole_mask_predicate",
+           "reads_positions",
            "variant_for_call",
            "mask_mod_variant", "forward_variant", "call_variant", "rules_fit", "metadata_matters",
            "VARIANTS", "ROWS_ATTR", "COLUMNS_ATTR"]
@@ -222,11 +228,16 @@ def _whole_source(mask, expr, heads: int = 1) -> list[str]:
     return out
 
 
-def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
+def mask_mod_source(mask, variant: str | None = None, heads: int = 1,
+                    positions: bool = False) -> str:
     """Python source of the ``@cute.jit`` mask_mod for ``mask`` (what ``mask_mod`` compiles);
     ``variant`` (one of ``VARIANTS``) overrides ``mask_mod_variant``'s choice; ``heads > 1``:
-    for a descriptor of a sequence per (batch, head), read at row ``b * heads + h``."""
+    for a descriptor of a sequence per (batch, head), read at row ``b * heads + h``;
+    ``positions``: for a descriptor of chosen rows (``ExecutionDescriptor.positions``; the
+    ``"intervals"`` variant of a mask with fallback regions), whose predicates read ``i`` as
+    the row's position and the arrays through ``key_params``."""
     variant = _check_variant(mask, variant, heads)
+    positions = _check_positions(mask, variant, positions)
     if variant not in ("intervals", "rows", "columns"):
         whole = whole_mask_predicate(mask, any_region=variant == "rules")
         what = "every region is a predicate" if variant == "predicate" else "its rules"
@@ -236,7 +247,7 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
         return "\n".join(out + _select())
     K = max(mask.num_intervals, 1)
     fbs = _fallback_sources(mask)
-    layout = aux_layout(mask, variant)
+    layout = aux_layout(mask, variant, positions)
     out = [
         f"# mask_mod for {mask.name!r} (key {mask.key}), K = {K}",
         "import cutlass",
@@ -265,7 +276,9 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
     for m in range(K):
         hit = f"Uint32(col - intervals[b, row, {2 * m}]) < Uint32(intervals[b, row, {2 * m + 1}])"
         out.append(f"    vis = {hit}" if m == 0 else f"    vis = vis | ({hit})")
-    if fbs:
+    if fbs and positions:
+        out += _positions_lines(mask, fbs, layout)
+    elif fbs:
         P, R = len(mask.scalar_params), len(mask.array_params)
         out += [f"    row_region = aux_tensors[{layout.index('row_region')}]",
                 "    region = row_region[b, row]", "    max_row = seqlen_info.seqlen_q - 1"]
@@ -280,6 +293,37 @@ def mask_mod_source(mask, variant: str | None = None, heads: int = 1) -> str:
             call = ", ".join(["row", "col"] + args + ["row_params", "b", "max_row"])
             out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
     return "\n".join(out + _select())
+
+
+def _positions_lines(mask, fbs, layout) -> list[str]:
+    """The fallback predicates of a descriptor of chosen rows: ``i`` is the row's position
+    (``positions[b, row]``, in ``[0, Sk)``), every array read through ``key_params`` (the
+    sequence's arrays by position, ``[B, Sk, R]``) at that position or at a key clamped into
+    the request's keys; the predicates' sources are the square path's."""
+    P, R = len(mask.scalar_params), len(mask.array_params)
+    out = [f"    row_region = aux_tensors[{layout.index('row_region')}]",
+           "    region = row_region[b, row]",
+           f"    positions = aux_tensors[{layout.index('positions')}]",
+           "    pos = positions[b, row]",
+           "    max_row = seqlen_info.seqlen_k - 1"]
+    if "params" in layout:
+        out.append(f"    params = aux_tensors[{layout.index('params')}]")
+    out.append(f"    key_params = aux_tensors[{layout.index('key_params')}]"
+               if "key_params" in layout else
+               "    key_params = intervals  # no per-row arrays: never read")
+    args = [f"params[b, {p}]" for p in range(P)] + [f"key_params[b, pos, {r}]" for r in range(R)]
+    call = ", ".join(["pos", "col"] + args + ["key_params", "b", "max_row"])
+    for idx, _ in fbs:
+        out.append(f"    vis = vis & ((region != {idx}) | predicate_{idx}({call}))")
+    return out
+
+
+def _check_positions(mask, variant: str, positions: bool) -> bool:
+    if positions and (variant != "intervals" or not mask.has_fallback):
+        raise ValueError(f"mask {mask.name!r}: a descriptor of chosen rows reads its rows' "
+                         "positions in the 'intervals' mask_mod of a mask with fallback regions "
+                         f"only, not {variant!r}")
+    return bool(positions)
 
 
 # code, not a comment: FA4's kernel key sees that its indices are not wrapped
@@ -324,14 +368,16 @@ def _check_variant(mask, variant, heads: int = 1):
     return variant
 
 
-def mask_mod(mask, variant: str | None = None, heads: int = 1):
+def mask_mod(mask, variant: str | None = None, heads: int = 1, positions: bool = False):
     """The compiled mask's mask_mod (a ``@cute.jit`` function), cached by the mask's key, the
-    variant and the heads folded into the batch."""
+    variant, the heads folded into the batch and whether it reads the rows' positions
+    (``mask_mod_source``)."""
     variant = _check_variant(mask, variant, heads)
+    positions = _check_positions(mask, variant, positions)
 
     def build():
         # a real module file: the CuTe DSL reads a jit function's source to build its AST
-        fn = compile_predicate(mask_mod_source(mask, variant, heads), "mask_mod")
+        fn = compile_predicate(mask_mod_source(mask, variant, heads, positions), "mask_mod")
         setattr(fn, UNWRAPPED_ATTR, True)  # the source's UNWRAPPED
         if variant == "rows":
             setattr(fn, ROWS_ATTR, (max(mask.num_intervals, 1), heads))  # the source's ROWS
@@ -339,7 +385,8 @@ def mask_mod(mask, variant: str | None = None, heads: int = 1):
             setattr(fn, COLUMNS_ATTR, _columns_attr(mask))
         return fn
 
-    return _CACHE.get((mask.key, variant, heads), build)
+    key = (mask.key, variant, heads, True) if positions else (mask.key, variant, heads)
+    return _CACHE.get(key, build)
 
 
 def forward_variant(mask, variant: str | None, backward: bool, columns: bool = False,
@@ -379,6 +426,12 @@ def variant_for_call(desc, requested: str | None, backward: bool, heads: int = 1
     mask, the backward's column view where the descriptor has it (one sequence per batch row),
     rules that fit int32 at the call's length."""
     length = max(desc.seqlen_q, desc.seqlen_k)
+    if desc.positions is not None:  # chosen rows of a mask with fallback regions
+        if requested not in (None, "intervals"):
+            raise ValueError(f"mask_mod variant {requested!r}: this descriptor's rows are chosen "
+                             "positions of their sequences and its mask keeps predicates; only "
+                             "'intervals' reads them right")
+        return "intervals"
     if desc.q_offset:
         if requested not in (None, "intervals", "rows"):
             raise ValueError(f"mask_mod variant {requested!r}: this descriptor's rows are not "
@@ -391,12 +444,17 @@ def variant_for_call(desc, requested: str | None, backward: bool, heads: int = 1
     return forward_variant(desc.mask, requested, backward, columns, length, desc.meta_max)
 
 
-def aux_layout(mask, variant: str) -> tuple[str, ...]:
+def aux_layout(mask, variant: str, positions: bool = False) -> tuple[str, ...]:
     """The mask_mod's ``aux_tensors`` by name, in order: the one description of the layout,
     which the generated source reads (``aux_tensors[i]``) and :func:`aux_tensors` passes.
-    Tensors of zero width are not passed (FA4 needs a stride-1 dimension of size > 1)."""
-    meta = (("params",) if mask.scalar_params else ()) + (
-        ("row_params",) if mask.array_params or mask.table_params else ())
+    Tensors of zero width are not passed (FA4 needs a stride-1 dimension of size > 1).
+    ``positions``: a descriptor of chosen rows (``mask_mod_source``), whose predicates read
+    the rows' positions and the sequence's arrays (``key_params``) instead of ``row_params``."""
+    arrays = mask.array_params or mask.table_params
+    if positions:
+        return ("intervals", "row_region", *(("params",) if mask.scalar_params else ()),
+                "positions", *(("key_params",) if arrays else ()))
+    meta = (("params",) if mask.scalar_params else ()) + (("row_params",) if arrays else ())
     if variant not in ("intervals", "rows", "columns"):  # the predicate forms
         return meta
     if variant == "columns":  # the view's masks have no fallback region
@@ -415,8 +473,16 @@ def _aux_tensor(desc, name: str):
     return getattr(desc, name)
 
 
+def reads_positions(desc, variant: str) -> bool:
+    """Whether a descriptor's mask_mod of ``variant`` reads its rows' positions: a descriptor
+    of chosen rows (``ExecutionDescriptor.positions``; ``variant_for_call`` gives it
+    ``"intervals"``)."""
+    return desc.positions is not None and variant == "intervals"
+
+
 def aux_tensors(desc, variant: str | None = None) -> list | None:
     """The mask_mod's ``aux_tensors`` for a descriptor (views, no copies; ``aux_layout``), or
     None for none."""
     variant = _check_variant(desc.mask, variant)
-    return [_aux_tensor(desc, n) for n in aux_layout(desc.mask, variant)] or None
+    layout = aux_layout(desc.mask, variant, reads_positions(desc, variant))
+    return [_aux_tensor(desc, n) for n in layout] or None

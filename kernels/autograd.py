@@ -264,13 +264,13 @@ def _fwd_impl(q, k, v, desc, slots: OpSlots, settings: OpSettings) -> tuple[Tens
     why = op_refusal(engine, bool(settings.score_mod), slots.sink is not None, slots.served)
     if why:
         raise NotImplementedError(f"compilemask::attention_fwd: {why}")
+    if engine in ("fa4", "cute") and desc.mask.has_fallback:
+        # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
+        _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
     if slots.served:  # a served batch: paged or packed keys, forward only
         out, lse = fa4.fwd_served(q, k, v, desc, scale, engine,
                                   **slots.served_lengths(desc.seqlen_q, desc.seqlen_k))
         return out.contiguous(), lse.contiguous()
-    if engine in ("fa4", "cute") and desc.mask.has_fallback:
-        # here the checks run eagerly, also under a compiled graph, and once per (mask, length)
-        _check_predicates(desc.mask, max(desc.seqlen_q, desc.seqlen_k), desc.meta_max)
     if engine in ("fa4", "native"):
         out, lse = fa4.fwd(q, k, v, desc, scale, engine, lists=slots.lists(backward=False),
                            variant=_mask_mod_variant(settings.options),

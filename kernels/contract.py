@@ -85,6 +85,10 @@ class OpSlots(NamedTuple):
     cu_seqlens_q: Optional[Tensor] = None
     cu_seqlens_k: Optional[Tensor] = None
     page_table: Optional[Tensor] = None
+    # a descriptor of chosen rows of a mask with fallback regions: its rows' positions and the
+    # sequence's per-position arrays, which its predicates read (``ExecutionDescriptor``)
+    positions: Optional[Tensor] = None
+    key_params: Optional[Tensor] = None
     # the score_mod's tables as the kernels read them, and the learnable sink logit per head
     score_aux: list[Tensor] = []  # noqa: RUF012 (never mutated: a schema default)
     sink: Optional[Tensor] = None
@@ -95,7 +99,8 @@ class OpSlots(NamedTuple):
         """The slots of a call of ``engine``: the fa4 engine's lists (its backward's for
         ``head_dim``) and column view, a native segments pattern's offsets; ``served``: a
         served batch's slots by name."""
-        kw = dict(served, score_aux=list(score_aux), sink=sink)
+        kw = dict(served, score_aux=list(score_aux), sink=sink, positions=desc.positions,
+                  key_params=desc.key_params)
         if engine == "fa4" and not served:
             bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
             kw.update(zip(LIST_SLOTS["fwd"], desc.block_sparse("fwd")))
@@ -130,7 +135,8 @@ class OpSlots(NamedTuple):
         """The descriptor the op reads: ``d``'s core with these slots' descriptor fields."""
         segments = None if self.cu_seqlens is None else (self.cu_seqlens, self.max_seqlen)
         return d.descriptor(mask, segments, columns=self.columns, seqused_k=self.seqused_k,
-                            seqused_q=self.seqused_q)
+                            seqused_q=self.seqused_q, positions=self.positions,
+                            key_params=self.key_params)
 
     # autograd keeps the tensors (saved for backward) apart from the structure (on ctx)
     def tensors(self) -> list:

@@ -108,6 +108,10 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
                     "or 'reference' run it")
         if desc.mask.table_params:
             return "a table param's predicate runs on the fa4 engine only"
+        if getattr(desc, "positions", None) is not None:
+            return ("its kernels read a fallback predicate's i as the local row; this "
+                    "descriptor's rows are chosen positions of their sequences (served or "
+                    "sharded rows): the fa4 engine runs it")
         return None if kernel_available(q, desc) else ("no CuTe kernel for this "
                                                        "device/dtype/head dim")
     if deterministic and engine == "fa4":

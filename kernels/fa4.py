@@ -22,7 +22,12 @@ import time
 
 import torch
 
-from compilemask.codegen.cute_mask_mod import aux_tensors, mask_mod, variant_for_call
+from compilemask.codegen.cute_mask_mod import (
+    aux_tensors,
+    mask_mod,
+    reads_positions,
+    variant_for_call,
+)
 from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
 from compilemask.contract.log import say_once
 
@@ -112,7 +117,7 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
     kw, aux = {}, []
     if engine == "fa4":
         variant = variant_for_call(desc, variant, backward, heads, served)
-        kw["mask_mod"] = mask_mod(desc.mask, variant, heads)
+        kw["mask_mod"] = mask_mod(desc.mask, variant, heads, reads_positions(desc, variant))
         aux = list(aux_tensors(desc, variant) or [])
     if score is not None:
         sm, tables = score

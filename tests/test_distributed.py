@@ -101,11 +101,16 @@ def test_gpu_shard_descriptor_writes_the_lists(name):
                 assert torch.equal(a[live], b[live]), (name, r, kind)
 
 
-def test_shard_descriptor_refuses_fallback_masks():
+def test_shard_descriptor_of_a_fallback_mask():
+    """A rank's predicates read i as the row's global position (tests/test_served_fallback.py
+    has more masks)."""
     mask = cm.compile_mask(_spec("dilated_causal"))
     plan = cp.make_plan(mask, {}, 64, 2, tile=16)
-    with pytest.raises(NotImplementedError, match="fallback"):
-        cp.shard_descriptor(mask, {}, plan, 0)
+    full = mask.preprocess(None, 64).dense_mask()
+    for rank in range(2):
+        rows = plan.rows[rank]
+        d = cp.shard_descriptor(mask, {}, plan, rank)
+        assert torch.equal(d.dense_mask()[:, rows < 64], full[:, rows[rows < 64]])
 
 
 def test_plan_balance_on_the_paper_masks(capsys):

@@ -48,9 +48,8 @@ def test_query_descriptor_errors_name_the_argument():
     short = masks.random_meta(docs.spec, 1, 8, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="covers 8 positions, the keys are 9"):
         query_descriptor(docs, short, 9, 1)
-    dilated = cm.compile_mask(masks.dilated_causal())
-    with pytest.raises(NotImplementedError, match="fallback region"):
-        query_descriptor(dilated, None, 9, 1)
+    dilated = cm.compile_mask(masks.dilated_causal())  # fallback regions are served
+    assert query_descriptor(dilated, None, 9, 1).positions.tolist() == [[8]]
     with pytest.raises(TypeError, match="compile_mask"):
         DecodeState(masks.causal())
 

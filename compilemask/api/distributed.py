@@ -149,8 +149,9 @@ def shard_descriptor(mask, meta, plan: CPPlan, rank: int, *, batch_size: int | N
     (``seqlen_q = plan.local_len``). Padding rows see nothing.
 
     Built with the torch preprocess on the metadata's device; a TileLang preprocess for a row
-    list is not written yet. Masks with fallback regions are refused: their predicates read the
-    row index from the descriptor's local row, which is not the global row here. The descriptor
+    list is not written yet. A mask with fallback regions gets the rows' global positions and
+    the sequence's arrays (``ExecutionDescriptor.positions`` / ``key_params``), which its
+    predicates read (fa4 and reference engines; the cute engine refuses it). The descriptor
     carries no segments (FA4's varlen path needs rows in global order). ``padding``: a bool or
     0/1 ``[B, seqlen]`` mask of the real tokens of the whole sequence, one contiguous run per
     sequence (``compilemask.pipeline.padding``). Made by ``compilemask.pipeline.rows``."""

@@ -22,8 +22,9 @@ seqused_q=)``); paged keys take packed queries too.
 descriptor (``state.descriptor(seqlen_q, seqlen_k)``), one per step shape, shared by every
 layer of that step.
 
-Masks with fallback regions are refused (their predicates read the local row, not the
-position), as for row-sharded context-parallel descriptors.
+Masks with fallback regions are served as well: the descriptor carries its rows' positions
+and the sequence's arrays by position (``ExecutionDescriptor.positions`` / ``key_params``),
+which their predicates read (the reference and fa4 engines; the cute engine refuses them).
 """
 
 from __future__ import annotations

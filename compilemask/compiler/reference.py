@@ -50,22 +50,32 @@ def evaluate_predicate(desc, region_index: int, batch: int | None = None, rows=N
     seqs = slice(None) if batch is None else slice(batch, batch + 1)
     nb = B if batch is None else 1
     dev = desc.intervals.device
-    i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, -1, 1)
     j = torch.arange(c0, c1, device=dev, dtype=torch.int64).view(1, 1, -1)
-    args = [i, j, Sq, Sk]
     params = desc.params[seqs].to(torch.int64)
-    args += [params[:, k].view(nb, 1, 1) for k in range(len(mask.scalar_params))]
     row_params = desc.row_params[seqs]
-    for k in range(len(mask.array_params)):
-        arr = row_params[..., k].to(torch.int64)
-        if Sk > Sq:
-            # only arrays read at i reach here (preprocess refuses reads at j when Sk > Sq):
-            # the padded key view keeps the generated signature and is never read
-            arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))
-        else:
-            arr_j = arr[:, :Sk]
-        args += [arr[:, r0:r1].view(nb, -1, 1), arr_j[:, c0:c1].view(nb, 1, -1)]
-    if mask.table_params:  # one table: its words follow the arrays
+    if desc.positions is not None:  # chosen rows: i is the row's position, keys by position
+        i = desc.positions[seqs, r0:r1].to(torch.int64).view(nb, -1, 1)
+        # the rules' seqlen_q / seqlen_k are the whole sequence's (both Sk)
+        args = [i, j, Sk, Sk] + [params[:, k].view(nb, 1, 1)
+                                 for k in range(len(mask.scalar_params))]
+        keys = desc.key_params[seqs]
+        for k in range(len(mask.array_params)):
+            args += [row_params[:, r0:r1, k].to(torch.int64).view(nb, -1, 1),
+                     keys[:, c0:c1, k].to(torch.int64).view(nb, 1, -1)]
+    else:
+        i = torch.arange(r0, r1, device=dev, dtype=torch.int64).view(1, -1, 1)
+        args = [i, j, Sq, Sk] + [params[:, k].view(nb, 1, 1)
+                                 for k in range(len(mask.scalar_params))]
+        for k in range(len(mask.array_params)):
+            arr = row_params[..., k].to(torch.int64)
+            if Sk > Sq:
+                # only arrays read at i reach here (preprocess refuses reads at j when Sk > Sq):
+                # the padded key view keeps the generated signature and is never read
+                arr_j = torch.nn.functional.pad(arr, (0, Sk - Sq))
+            else:
+                arr_j = arr[:, :Sk]
+            args += [arr[:, r0:r1].view(nb, -1, 1), arr_j[:, c0:c1].view(nb, 1, -1)]
+    if mask.table_params:  # one table: its words follow the arrays (at the rows)
         args.append(unpack_table(row_params[:, r0:r1, len(mask.array_params):]))
     fn = mask.torch_function(f"predicate_{region_index}")
     return torch.broadcast_to(fn(*args), (nb, r1 - r0, c1 - c0))

@@ -51,6 +51,15 @@ forward tiling (128x128, FA4's head-dim-64 backward).
     word: entry ``c`` of row ``q_idx`` is bit ``c % 32`` of column ``R_arrays + c // 32``
     (``pack_table``); entries past ``M`` are 0, as are columns outside the table.
 
+``positions`` int32 ``[B, Sq]`` and ``key_params`` int32 ``[B, Sk, R]`` (both or neither)
+    Only on a descriptor of chosen rows (rows that are not positions 0.. of their sequence:
+    a served request's last rows, a context-parallel shard) of a mask with fallback regions:
+    each row's position in its sequence (clamped into ``[0, Sk)``; padding rows see nothing
+    anyway) and the sequence's ``row_params`` indexed by position. A fallback predicate there
+    reads ``i`` as ``positions[b, q_idx]`` and every array (and table) through ``key_params``
+    at that position or at the key, with ``max_row = Sk - 1``; ``row_params`` still holds the
+    arrays at the rows. Absent (None), row ``q_idx`` is position ``q_idx``.
+
 The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
 constructor, ``with_fields`` the one way to set the fields a producer adds after the tables
@@ -284,6 +293,13 @@ class ExecutionDescriptor:
     # (``compilemask.compiler.columns``; slot 0 ``(0, -1)``: more runs than slots), written when the
     # pipeline is asked for it (``PipelineConfig(column_view=True)``); FA4's backward reads it
     columns: torch.Tensor | None = None
+    # A descriptor of chosen rows (``compilemask.pipeline.rows``) of a mask with fallback
+    # regions, whose predicates read ``i`` as a position and arrays at any key: int32 [B, Sq],
+    # each row's position in its sequence (clamped into [0, seqlen_k)), and int32 [B, Sk, R]
+    # the sequence's ``row_params`` by position (the keys' side). None elsewhere: there row
+    # ``r`` is position ``r`` and ``row_params`` is indexed by position
+    positions: torch.Tensor | None = None
+    key_params: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -352,7 +368,7 @@ class ExecutionDescriptor:
             segments = (segments[0].to(device), segments[1])
         lists = None if self.lists is None else self.lists.to(device)
         used = {f: None if getattr(self, f) is None else getattr(self, f).to(device)
-                for f in ("seqused_k", "seqused_q", "columns")}
+                for f in ("seqused_k", "seqused_q", "columns", "positions", "key_params")}
         return replace(self, **moved, segments=segments, lists=lists, **used)
 
 
@@ -363,18 +379,21 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     lists: PackedLists | None = None, q_offset: int = 0,
                     meta_max: int = 0, seqused_k: torch.Tensor | None = None,
                     seqused_q: torch.Tensor | None = None,
-                    columns: torch.Tensor | None = None) -> ExecutionDescriptor:
+                    columns: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None,
+                    key_params: torch.Tensor | None = None) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
         lists=lists, q_offset=q_offset, meta_max=meta_max, seqused_k=seqused_k,
-        seqused_q=seqused_q, columns=columns)
+        seqused_q=seqused_q, columns=columns, positions=positions, key_params=key_params)
 
 
 # what a producer may set after the tables and bitmaps: the rest is written with them
-POST_FIELDS = ("segments", "lists", "q_offset", "meta_max", "seqused_k", "seqused_q", "columns")
+POST_FIELDS = ("segments", "lists", "q_offset", "meta_max", "seqused_k", "seqused_q", "columns",
+               "positions", "key_params")
 
 
 def with_fields(desc: ExecutionDescriptor, **fields) -> ExecutionDescriptor:
@@ -469,7 +488,7 @@ class DescriptorArgs(NamedTuple):
     def descriptor(self, mask: Any, segments: tuple | None = None,
                    **optional) -> ExecutionDescriptor:
         """The descriptor of these fields; ``optional``: its optional tensors by name
-        (``columns``, ``seqused_k``, ``seqused_q``)."""
+        (``columns``, ``seqused_k``, ``seqused_q``, ``positions``, ``key_params``)."""
         return make_descriptor(
             mask, self.seqlen_q, self.seqlen_k, TileConfig(self.fwd_tile_m, self.fwd_tile_n),
             TileConfig(self.bwd_tile_m, self.bwd_tile_n), intervals=self.intervals,

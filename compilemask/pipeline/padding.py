@@ -126,4 +126,5 @@ def padded_tables(desc: ExecutionDescriptor, lo, hi, positions=None) -> Executio
         desc.mask, Sq, Sk, desc.fwd_tiles, desc.bwd_tiles, intervals=intervals,
         row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
         params=desc.params, row_params=desc.row_params, q_offset=-1, meta_max=desc.meta_max,
-        seqused_k=desc.seqused_k, seqused_q=desc.seqused_q)
+        seqused_k=desc.seqused_k, seqused_q=desc.seqused_q, positions=desc.positions,
+        key_params=desc.key_params)

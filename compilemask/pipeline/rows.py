@@ -25,9 +25,9 @@ from compilemask.contract.descriptor import (
 )
 from compilemask.pipeline import pipeline
 from compilemask.pipeline.compiled import _tiles_arg
-from compilemask.pipeline.padding import key_range, padded_tables
+from compilemask.pipeline.padding import _visibility_only, key_range, padded_tables
 
-__all__ = ["rows_descriptor", "normalized", "arrays_at", "rows_table"]
+__all__ = ["rows_descriptor", "normalized", "arrays_at", "rows_table", "predicate_fields"]
 
 
 def normalized(mask, meta, seqlen, batch_size, check, device=None):
@@ -41,11 +41,18 @@ def normalized(mask, meta, seqlen, batch_size, check, device=None):
 
 
 def arrays_at(mask, arrs, seqlen, rows):
-    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``)."""
+    """The rows' positions clamped into the sequence, and the arrays there (``[B, n]``; a
+    table's rows ``[B, n, M]``)."""
     at = rows.clamp(min=0, max=seqlen - 1)
     if rows.dim() == 1:
-        return at, {a: arrs[a].index_select(1, at) for a in mask.array_params}
-    return at, {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+        return at, {a: arrs[a].index_select(1, at)
+                    for a in (*mask.array_params, *mask.table_params)}
+    got = {a: torch.gather(arrs[a], 1, at) for a in mask.array_params}
+    for t in mask.table_params:
+        table = arrs[t]
+        idx = at.to(table.device).unsqueeze(-1).expand(*at.shape, table.shape[-1])
+        got[t] = torch.gather(table.expand(at.shape[0], *table.shape[1:]), 1, idx)
+    return at, got
 
 
 def rows_table(mask, B, scal, arrs, seqlen, rows):
@@ -79,7 +86,9 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     or past ``seqlen``: padding, seeing nothing) against all its keys: the rows of a
     context-parallel rank, or the last rows of a sequence being served
     (``compilemask.api.serving``; ``rows`` [B, n] per sequence there, and ``key_limit`` [B]: keys
-    at or past it are not shown). Interval-only masks: ``who`` (the caller) names a refusal.
+    at or past it are not shown); ``who`` (the caller) names a refusal. A mask with fallback
+    regions gets ``positions`` and ``key_params`` (``predicate_fields``): its predicates read
+    ``i`` as the row's position and arrays at the keys' positions.
     ``device``: where it is made (default: the metadata's, else the CPU). ``q_offset``: -1
     (the default: rows are not 0.. of the sequence, so no rule may read ``q_idx`` as the
     position), or the position of the first row where the rows are consecutive positions up
@@ -94,11 +103,6 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     installed, else the reference)."""
     if backend not in ("auto", "torch", "tilelang"):
         raise ValueError(f"{who}: backend must be auto, torch or tilelang, got {backend!r}")
-    if mask.has_fallback:
-        raise NotImplementedError(
-            f"{who}: mask {mask.name!r} has fallback region(s) "
-            f"{[r.name for r in mask.fallback_regions]}, whose predicates read the local row, "
-            "not the row's position; descriptors of chosen rows support interval-only masks")
     fwd_tiles = _tiles_arg(fwd_tiles, "fwd_tiles")
     bwd_tiles = _tiles_arg(bwd_tiles, "bwd_tiles")
     S = seqlen
@@ -113,6 +117,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
                    else key_limit.to(dev).expand(B))
         out = tilelang_preprocess(mask, B, scal, arrs_at, n, S, fwd_tiles, bwd_tiles, device=dev,
                                   rows=(rows.expand(B, n), key_end, S))
+        out["row_params"] = pipeline.with_tables(mask, arrs_at, out["row_params"])
         desc = make_descriptor(mask, n, S, fwd_tiles, bwd_tiles, **out)
     else:
         starts, lens, region, arrs_at = rows_table(mask, B, scal, arrs, S, rows)
@@ -120,10 +125,12 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
             end = torch.minimum(starts + lens, key_limit.to(starts.device).view(-1, 1, 1))
             lens = (end - starts).clamp(min=0)
             starts = torch.where(lens > 0, starts, 0)
-        always = torch.zeros_like(region, dtype=torch.bool)  # fallback rows: none (refused)
+        always = _visibility_only(mask, region)  # a fallback region's slots: never full
         fwd, bwd = bitmaps(starts, lens, always, fwd_tiles, bwd_tiles, n, S)
         desc = pipeline.assemble(mask, B, scal, arrs_at, n, S, starts, lens, region, fwd_tiles,
                                  fwd, bwd_tiles, bwd)
+    if mask.has_fallback:  # its predicates read i at the rows' positions, arrays at any key
+        desc = with_fields(desc, **predicate_fields(mask, arrs, B, S, rows))
     if padding is not None:  # the run's keys only; rows outside it see nothing
         lo, hi = key_range(padding, B, S, device=dev)
         desc, q_offset = padded_tables(desc, lo, hi, positions=rows), -1
@@ -131,3 +138,17 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     return with_fields(pipeline.with_lists(desc), q_offset=q_offset,
                        meta_max=pipeline.meta_reach(mask, meta, n, S), seqused_k=seqused_k,
                        seqused_q=seqused_q)
+
+
+def predicate_fields(mask, arrs, B: int, seqlen: int, rows: torch.Tensor) -> dict:
+    """``positions`` (int32 ``[B, n]``: the rows' positions clamped into the sequence; padding
+    rows see nothing, so any position in range is right for them) and ``key_params`` (int32
+    ``[B, seqlen, R]``: the sequence's ``row_params``, by position) of a descriptor of chosen
+    rows of a mask with fallback regions (``ExecutionDescriptor``)."""
+    at = rows.clamp(min=0, max=seqlen - 1)
+    positions = at.expand(B, at.shape[-1]).to(torch.int32).contiguous()
+    dev = rows.device
+    keys = (torch.stack([arrs[a] for a in mask.array_params], dim=-1) if mask.array_params
+            else torch.zeros(B, seqlen, 0, dtype=torch.int64, device=dev))
+    keys = pipeline.with_tables(mask, arrs, keys.to(torch.int32))
+    return {"positions": positions, "key_params": keys.to(torch.int32).contiguous()}
