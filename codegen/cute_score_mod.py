@@ -338,6 +338,12 @@ def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str],
     return em.lines, out
 
 
+
+def _plain(expr) -> str:
+    """``expr`` as text with each float at double precision: sympy's cache may hand back an
+    equal Float made earlier at another precision, and the text names the program's file."""
+    return sp.sstr(expr.xreplace({f: sp.Float(float(f)) for f in expr.atoms(sp.Float)}))
+
 def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
                      index_bits: bool = False) -> str:
     """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
@@ -360,8 +366,8 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
     return "\n".join(
         [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]"
          + (f", indices packed by {gqa} query heads per kv head" if gqa > 1 else ""),
-         f"# score <- {sp.sstr(sm.expr)}",
-         f"# d/dscore = {sp.sstr(sm.grad)}",
+         f"# score <- {_plain(sm.expr)}",
+         f"# d/dscore = {_plain(sm.grad)}",
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
          "", "", f"UNWRAPPED = {index_total(sm)}", "", "",
          *(_I2F if index_bits else []),
