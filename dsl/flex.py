@@ -72,7 +72,7 @@ from compilemask.dsl.frontend import (
     shift,
     table_function,
 )
-from compilemask.dsl.score_mask import mark_folded, rebuild_condition
+from compilemask.dsl.score_mask import rebuild_condition
 from compilemask.dsl.score_mod import _B, _H, score_mod_mask
 from compilemask.dsl.spec import RESERVED_NAMES, MaskSpec, Region
 from compilemask.dsl.tracing import KV_INDEX as _J
@@ -1090,12 +1090,11 @@ def _converted(mask_mod, batch_size, name, seqlen, head, score_mod=None):
             _leaf_value(entry, leaves, leaf).shape[d] != n for (leaf, d), n in entry.shape_deps):
         entry = None  # a row's length changed: its rules do too
     if entry is None:
-        entry, leaves = _convert_mask_mod(mask_mod, name, head, score_mod)
+        entry, leaves = _convert_mask_mod(mask_mod, name, head, score_mod,
+                                          None if score_mod is None else sm.key)
         if key is not None:
             _CACHE[key] = entry
             _count_variants(mask_mod, key)
-    if score_mod is not None:
-        mark_folded(entry.spec, sm.key)
     return entry.spec, _meta(entry, leaves, batch_size, seqlen)
 
 
@@ -1363,7 +1362,8 @@ def _as_int(t):
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
-def _convert_mask_mod(mask_mod, name, head=None, score_mod=None) -> tuple[_Entry, list]:
+def _convert_mask_mod(mask_mod, name, head=None, score_mod=None,
+                      score_key=None) -> tuple[_Entry, list]:
     fname = _fn_name(mask_mod)
     tr = _Trace(fname)
     walk = _Walk(tr)
@@ -1436,7 +1436,8 @@ def _convert_mask_mod(mask_mod, name, head=None, score_mod=None) -> tuple[_Entry
         regions.append(Region("all" if guard is sp.true else f"rows_{k}", when, visible))
     if not regions:  # the mask_mod sees nothing anywhere
         regions = [Region("all", _every_row, _generated("visible", "i, j", sp.false, fname))]
-    spec = MaskSpec(label, params=list(params), regions=regions)
+    spec = MaskSpec(label, params=list(params), regions=regions,
+                    masked_scores=() if score_key is None else (score_key,))
     return (_Entry(spec, scalars, arrays, derived, index_arrays, index_scalars, params,
                    tuple(tr.shape_deps.items())), walk.leaves)
 

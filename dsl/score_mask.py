@@ -9,35 +9,12 @@ cannot read (one on floats, on the score) is refused naming the score_mod and th
 
 from __future__ import annotations
 
-import weakref
-
 import sympy as sp
 import torch
 
-from compilemask.contract.lru import LRU
 from compilemask.dsl.score_mod import SCORE, fdiv, log2, tofloat, trunc
 
-__all__ = ["rebuild_condition", "mark_folded", "folded_keys"]
-
-# id(spec) -> (weak reference to the spec, the keys of the score_mods whose -inf it holds)
-_FOLDED = LRU(4096)
-
-
-def mark_folded(spec, key: str) -> None:
-    """Record that ``spec`` holds the -inf condition of the score_mod of ``key``."""
-    ref, keys = _FOLDED.get(id(spec), (None, frozenset()))
-    if ref is None or ref() is not spec:
-        keys = frozenset()
-    _FOLDED[id(spec)] = (weakref.ref(spec), keys | {key})
-
-
-def folded_keys(spec) -> frozenset:
-    """The score_mod keys whose -inf condition ``spec`` holds (``mark_folded``)."""
-    got = _FOLDED.get(id(spec))
-    if got is None or got[0]() is not spec:
-        return frozenset()
-    return got[1]
-
+__all__ = ["rebuild_condition"]
 
 def rebuild_condition(cond, env: dict, tables: dict, fail):
     """``cond`` (a sympy boolean of the score_mod reader) computed with traced values: ``env``

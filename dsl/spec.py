@@ -49,8 +49,12 @@ class MaskSpec:
     name: str
     params: Sequence[str] = field(default_factory=tuple)
     regions: Sequence[Region] = field(default_factory=tuple)
+    # keys of the score_mods whose -inf condition the rules hold (``from_mask_mod(...,
+    # score_mod=)``): the GPU engines run those score_mods' finite value on this mask
+    masked_scores: frozenset = frozenset()
 
     def __post_init__(self):
+        object.__setattr__(self, "masked_scores", frozenset(self.masked_scores))
         for arg in ("params", "regions"):
             got = getattr(self, arg)
             if isinstance(got, (str, bytes, Region)) or not hasattr(got, "__iter__"):

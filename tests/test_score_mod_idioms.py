@@ -122,6 +122,26 @@ def test_minus_inf_score_joins_the_mask(score_mod):
     assert torch.equal(got, score_mod(s, b_, h_, i_, j_))
 
 
+def test_minus_inf_masks_of_one_condition_keep_their_own_score_mods():
+    """Two score_mods with one -inf condition convert to equal rules: each descriptor's mask
+    still names its own score_mod as held (the engines read it from ``desc.mask.spec``)."""
+    from compilemask.api.api import _check_masked_scores
+    from compilemask.dsl.score_mod import score_mod_mask
+
+    def halved(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx < 5, score * 0.5, -math.inf)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx < 5, score - 1.0, -math.inf)
+
+    for fn in (halved, shifted):
+        spec, meta = cm.from_mask_mod(causal, score_mod=fn)
+        desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=16, batch_size=1)
+        key = score_mod_mask(fn)[0].key
+        assert desc.mask.spec.masked_scores == {key}
+        assert _check_masked_scores(fn, key, desc.mask.spec)
+
+
 @pytest.mark.parametrize("body,what", [
     ("-torch.where(q_idx >= kv_idx, score, -float('inf'))", "'-' of a value that may be -inf"),
     ("torch.exp(torch.where(q_idx >= kv_idx, score, -math.inf))", "may be -inf in"),

@@ -10,7 +10,6 @@ from compilemask.compiler.reference import attention_reference, descriptor_dense
 from compilemask.contract.descriptor import ExecutionDescriptor
 from compilemask.contract.log import said
 from compilemask.contract.options import KernelOptions
-from compilemask.dsl.score_mask import folded_keys
 from compilemask.dsl.score_mod import compile_score_mod, score_mod_for_key, traced_score_args
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.dispatch import BACKENDS, select_engine
@@ -147,7 +146,7 @@ def _check_masked_scores(score_mod, key: str, spec) -> bool:
     on the GPU engines as its finite value, on a mask that holds ``cond``
     (``from_mask_mod(..., score_mod=)``); with any other mask it is refused."""
     sm = score_mod_for_key(key)
-    if sm is None or sm.mask is None or (spec is not None and key in folded_keys(spec)):
+    if sm is None or sm.mask is None or (spec is not None and key in spec.masked_scores):
         return True
     raise NotImplementedError(
         f"cm.attention: score_mod {getattr(score_mod, '__name__', 'score_mod')!r} gives -inf "

@@ -135,7 +135,8 @@ def _spec_key(spec: MaskSpec):
             regions.append((r.name, walk.function(r.when)[0], walk.function(r.visible)[0]))
     except Uncacheable:
         return None
-    return spec.name, spec.params, tuple(regions)
+    # the score_mods whose -inf the rules hold: a spec that names them is not another's
+    return spec.name, spec.params, tuple(regions), tuple(sorted(spec.masked_scores))
 
 
 def compile_mask(spec: MaskSpec) -> CompiledMask:
