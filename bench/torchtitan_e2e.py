@@ -27,6 +27,8 @@ Methods (the layer's inner attention is the only difference):
 * ``flex_triton``: TorchTitan's ``FlexAttention`` (Triton templates);
 * ``fa4_native``: ``CompileMaskAttention(backend="native")``, FA4's own causal / varlen kernels
   (causal and documents only);
+* ``compilemask_lists``: ``CompileMaskAttention(backend="fa4")``, the block-sparse lists and the
+  interval mask_mod even where auto would run FA4's own kernel (a diagnostic);
 * ``varlen``: TorchTitan's ``VarlenAttention`` (torch's varlen_attn; documents and causal).
 
 Masks: ``hstu`` (one sequence per row: context, history to ~70 %, targets in groups of 64),
@@ -65,6 +67,8 @@ sys.path.append(str(ROOT))  # after the installed packages: kernels/ would hide 
 
 MASKS = ("hstu", "shared_prompt_rm", "clear", "causal", "documents", "packed_hstu")
 METHODS = ("compilemask", "flex_fa4", "flex_triton", "fa4_native", "varlen")
+# CompileMask with a fixed engine (diagnostics: the block-sparse lists where auto runs native)
+CM_METHODS = {"compilemask": "auto", "fa4_native": "native", "compilemask_lists": "fa4"}
 NATIVE_MASKS = ("causal", "documents")  # fa4_native and varlen run these only
 REL_TOL = 1e-2
 CHUNK = 4096
@@ -143,8 +147,8 @@ def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: i
     from compilemask.integrations.torchtitan import _compat
     from compilemask.integrations.torchtitan.attention import CompileMaskAttention
 
-    if method in ("compilemask", "fa4_native", "dense"):
-        backend = "native" if method == "fa4_native" else "auto"
+    if method in (*CM_METHODS, "dense"):
+        backend = CM_METHODS.get(method, "auto")
         inner = CompileMaskAttention.Config(mask=cm_mask, mask_options=dict(opts),
                                             backend=backend)
         return RunConfig(*_compat.qwen3_config(flavor, layers, S, "flex", inner))
@@ -162,7 +166,7 @@ def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
         for layer in model.layers.values():
             layer.attention.inner_attention = DenseAttention()
     if ac:
-        _compat.apply_sac(model, save_compilemask=method in ("compilemask", "fa4_native"),
+        _compat.apply_sac(model, save_compilemask=method in CM_METHODS,
                           compiled=compile_blocks)
     if compile_blocks:  # in place, as TorchTitan's apply_compile: the module stays FSDP-able
         for block in model.layers.values():
@@ -184,7 +188,7 @@ def batch_kwargs(method, cfg, d, labels):
     from compilemask.integrations.torchtitan.batch import BatchDescriptors, flex_block_mask
     from compilemask.integrations.torchtitan.masks import resolve_mask
 
-    if method in ("compilemask", "fa4_native", "dense"):
+    if method in (*CM_METHODS, "dense"):
         bd = batch_kwargs.cache.get(id(cfg))
         if bd is None:
             bd = batch_kwargs.cache[id(cfg)] = BatchDescriptors(cfg.inner)
@@ -233,10 +237,11 @@ def run_config(mask, S, method, args, device):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=device.type == "cuda")
     d = {k: v.to(device) for k, v in d.items()}
     labels = labels.to(device)
-    times, losses = [], []
+    times, losses, saved = [], [], []
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    torch._dynamo.utils.counters.clear()
     for step in range(args.warmup + args.steps):
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -244,7 +249,9 @@ def run_config(mask, S, method, args, device):
         t0 = time.perf_counter()
         inputs, lab, kw = batch_kwargs(method, cfg, d, labels)
         with torch.autocast(device.type, torch.bfloat16, enabled=cuda and not args.fsdp):
+            m0 = torch.cuda.memory_allocated() if cuda else 0
             h = model(inputs, **kw)
+            saved.append((torch.cuda.memory_allocated() - m0) / 2**30 if cuda else 0.0)
             loss = chunked_loss(head, h, lab)
         loss.backward()
         opt.step()
@@ -260,7 +267,14 @@ def run_config(mask, S, method, args, device):
             times.append(dt)
     step_s = statistics.median(times)
     row = {"status": "ok", "step_s": step_s, "tokens_per_s": S / step_s, "losses": losses,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+           # what the blocks' forward keeps for the backward (saved activations), and how the
+           # blocks compiled: a graph break inside a checkpointed block changes both
+           "fwd_kept_gib": statistics.median(saved)}
+    c = torch._dynamo.utils.counters
+    row["graph_breaks"] = sum(c["graph_break"].values())
+    row["break_reasons"] = [r[:160] for r in list(c["graph_break"])[:3]]
+    row["graphs"] = c["stats"].get("unique_graphs", 0)
     row["attn_share"] = attention_share(model, inputs, kw, device, args) * args.layers / step_s
     return row
 
@@ -371,7 +385,7 @@ def main(argv=None):
                     row["wall_s"] = time.monotonic() - t0
                     longest = max(longest, row["wall_s"])
                 if row["status"] == "ok":
-                    if method == "compilemask":
+                    if method == "compilemask" or base is None and method in CM_METHODS:
                         base = row
                     row["loss_agrees"] = base is not None and all(
                         abs(a - b) <= REL_TOL * abs(b) for a, b in zip(row["losses"],
@@ -410,7 +424,8 @@ def _fmt(r):
         return f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['status']}"
     return (f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['step_s'] * 1e3:8.1f} ms "
             f"{r['tokens_per_s']:9.0f} tok/s attn {100 * r['attn_share']:5.1f} % "
-            f"loss0 {r['losses'][0]:.4f}")
+            f"loss0 {r['losses'][0]:.4f} peak {r['peak_gib']:.1f} kept {r['fwd_kept_gib']:.1f} GiB "
+            f"graphs {r['graphs']} breaks {r['graph_breaks']} {r['break_reasons']}")
 
 
 def table(rows):
