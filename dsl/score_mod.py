@@ -52,7 +52,8 @@ from compilemask.dsl.tracing import RELATIONS as _REL
 from compilemask.dsl.tracing import TracedOps, user_line
 
 __all__ = ["ScoreMod", "compile_score_mod", "SCORE", "score_mod_for_key", "static_score_args",
-           "score_mod_mask", "gpu_refusal", "traced_score_args", "follow", "kernel_table"]
+           "score_mod_mask", "gpu_refusal", "traced_score_args", "follow", "kernel_table",
+           "at_rows", "ROWS_TABLE"]
 
 SCORE = sp.Symbol("score", real=True)
 _B = sp.Symbol("b", integer=True, nonnegative=True)
@@ -194,6 +195,44 @@ class ScoreMod:
         tabs.update(mask_tensors or {})
         keep = _torch_eval(self.mask, env, tabs, score.dtype)
         return torch.where(keep, out, 0.0 if grad else float("-inf")).to(score.dtype)
+
+
+# the table a score_mod at the rows' positions reads last (``at_rows``); user tables are
+# named ``tab<leaf>...``, so the name cannot collide
+ROWS_TABLE = "rowpos"
+
+
+@torch.compiler.assume_constant_result
+def at_rows(key: str, per_row: bool) -> str:
+    """The key of the score_mod ``key`` reading ``q_idx`` as its row's position, for
+    descriptors whose rows are not positions ``0..`` (served rows, context-parallel shards):
+    ``rowpos[b] + q_idx`` (``per_row`` False: an int32 ``[B]`` table, each sequence's position
+    of its local row 0) or ``rowpos[b, q_idx]`` (int32 ``[B, Sq]``, each row's position). The
+    caller passes that table after the score_mod's own; the GPU engines then compute at the
+    positions what the reference engine computes (no per-row-constant restriction, the LSE
+    exact). Registered like the score_mod (``score_mod_for_key``)."""
+    moved = _AT_ROWS.get((key, per_row))
+    if moved is not None:
+        return moved.key
+    sm = score_mod_for_key(key)
+    if _I not in sm.expr.free_symbols and (sm.mask is None or _I not in sm.mask.free_symbols):
+        return key
+    rows = sp.Function(ROWS_TABLE, integer=True)
+    pos = rows(_B, _I) if per_row else rows(_B) + _I
+    moved = ScoreMod(f"{sm.name}@rows", sm.expr.subs(_I, pos), sm.grad.subs(_I, pos),
+                     sm.tables + (Table(ROWS_TABLE, 2 if per_row else 1, False),), sm.softcap,
+                     index_bits=sm.index_bits,
+                     mask=None if sm.mask is None else sm.mask.subs(_I, pos))
+    moved.row_shift = "none"
+    for attr in ("used_leaves", "mask_leaves", "mask_tables"):
+        setattr(moved, attr, getattr(sm, attr, ()))
+    moved = SCORE_MODS.find(moved.key) or moved
+    SCORE_MODS.register(moved.key, moved)
+    _AT_ROWS[(key, per_row)] = moved  # alive while recently used (the registry holds it weakly)
+    return moved.key
+
+
+_AT_ROWS = LRU(256)
 
 
 def score_mod_for_key(key: str) -> ScoreMod:

@@ -24,11 +24,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, score_mod=None):
+def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, score_mod=None,
+                                 ref_score_mod=None):
     """cm.attention's output and gradients against a float32 reference, within twice PyTorch's
     own bf16 error; rows that see nothing give exact zeros. ``dense``: ``[B, Sq, Sk]``, or
     ``[B, H, Sq, Sk]`` for ``HeadGroups``. ``score_mod``: FlexAttention's, on
-    every path (PyTorch's bf16 rounds its result to bf16)."""
+    every path (PyTorch's bf16 rounds its result to bf16); ``ref_score_mod``: the references'
+    own where they differ (rows elsewhere in the sequence: the score_mod at their positions)."""
+    ref_score_mod = score_mod if ref_score_mod is None else ref_score_mod
     import compilemask as cm
     from compilemask.compiler.reference import apply_score_mod, attention_reference
 
@@ -43,7 +46,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
 
     def ref(dtype):
         qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        o = attention_reference(qq, kk, vv, dense, score_mod=score_mod)
+        o = attention_reference(qq, kk, vv, dense, score_mod=ref_score_mod)
         o.backward(do.to(dtype))
         return o, qq.grad, kk.grad, vv.grad
 
@@ -51,8 +54,8 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         kr, vr = (t.repeat_interleave(G, dim=2).transpose(1, 2) for t in (kk, vv))
         s = torch.matmul(qq.transpose(1, 2), kr.transpose(-1, -2)) * D**-0.5
-        if score_mod is not None:
-            s = apply_score_mod(s, score_mod)
+        if ref_score_mod is not None:
+            s = apply_score_mod(s, ref_score_mod)
         m = dense if dense.dim() == 4 else dense.unsqueeze(1)  # [B, H, Sq, Sk]: per head
         empty_row = ~m.any(-1, keepdim=True)
         s = torch.where(m, s, float("-inf"))

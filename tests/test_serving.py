@@ -534,12 +534,13 @@ def test_gpu_decode_step_captures_in_a_cuda_graph():
 
 
 def test_score_mods_on_served_rows():
-    """On the reference engine a score_mod on the last rows of a sequence reads their positions
-    as q_idx: any score_mod (a T5 bucket of kv_idx - q_idx, ALiBi with its LSE or next to a
-    learnable sink, a softcap) gives the whole sequence's last rows. The GPU engines give it
-    local rows: there one that a moved q_idx shifts by more than a per-row constant is refused
-    (as are the LSE of a shifted one and a shifted one next to a learnable sink), naming the
-    reference engine."""
+    """A score_mod on the last rows of a sequence reads their positions as q_idx: any score_mod
+    (a T5 bucket of kv_idx - q_idx, ALiBi with its LSE or next to a learnable sink, a softcap)
+    gives the whole sequence's last rows. Rows whose positions the descriptor does not record
+    (a context-parallel shard of an interval mask) run only a score_mod that a moved q_idx
+    shifts by a per-row constant (output only), and the refusal says why."""
+    import dataclasses
+
     from compilemask.api.api import _check_rows
     from compilemask.dsl import score_mods
 
@@ -564,14 +565,100 @@ def test_score_mods_on_served_rows():
     local = cm.attention(q[:, -Sq:], k, v, mask.preprocess(None, Sq, Sk, batch_size=1),
                          score_mod=t5)
     assert not torch.allclose(local, want[:, -Sq:])
-    with pytest.raises(NotImplementedError, match="per-row constant.*backend='reference'"):
-        _check_rows(last, "any", False, False)
+    shard = dataclasses.replace(last, q_offset=-1)  # rows elsewhere, positions not recorded
+    with pytest.raises(NotImplementedError, match="not record their positions.*per-row"):
+        _check_rows(shard, "any", False, False)
     with pytest.raises(NotImplementedError, match="return_lse"):
-        _check_rows(last, "row", True, False)
+        _check_rows(shard, "row", True, False)
     with pytest.raises(NotImplementedError, match="learnable_sink"):
-        _check_rows(last, "row", False, True)
-    _check_rows(last, "row", False, False)
-    _check_rows(last, "none", True, True)
+        _check_rows(shard, "row", False, True)
+    _check_rows(shard, "row", False, False)
+    _check_rows(shard, "none", True, True)
+
+
+@pytest.mark.parametrize("kind", ["last_rows", "requests", "fallback_rows"])
+def test_score_mod_at_row_positions_is_the_score_mod_there(kind):
+    """What the GPU engines run on rows elsewhere in their sequences (``at_rows``: the
+    score_mod reading ``q_idx`` from a table of the rows' positions, passed after its own),
+    evaluated as the kernels do, equals the score_mod at those positions: the last rows of a
+    sequence (one offset), requests of their own lengths (an offset per sequence) and the
+    chosen rows of a mask with fallback regions (a position per row)."""
+    from compilemask.api.api import _row_positions, _rows_table
+    from compilemask.dsl import score_mods
+    from compilemask.dsl.score_mod import at_rows, score_mod_for_key
+    from compilemask.pipeline.rows import rows_descriptor
+
+    g = torch.Generator().manual_seed(3)
+    if kind == "fallback_rows":
+        mask = cm.compile_mask(masks.dilated_causal())  # j % 2 == i % 2: a fallback rule
+        Sk, Sq, B = 24, 5, 2
+        meta = None
+        rows = torch.tensor([[3, 9, 10, 17, 23], [0, 1, 2, 20, 21]])
+        desc = rows_descriptor(mask, meta, Sk, rows, batch_size=B)
+        want_pos = rows
+    else:
+        mask = cm.compile_mask(masks.causal())
+        Sk, Sq, B = 24, 5, 2
+        used = torch.tensor([24, 11]) if kind == "requests" else None
+        desc = query_descriptor(mask, None, Sk, Sq, batch_size=B, seqused_k=used)
+        used = torch.tensor([Sk, Sk]) if used is None else used
+        want_pos = (used - Sq).view(B, 1) + torch.arange(Sq)
+    rows = _row_positions(desc, 1)
+    assert rows is not None and rows[0] == (kind == "fallback_rows")
+    table = _rows_table(rows, B)
+    t5 = score_mods.t5_bias(torch.randn(32, 3, generator=g), 16)
+    alibi = score_mods.alibi(score_mods.alibi_slopes(3))
+    for fn in (t5, alibi):
+        sm, tabs = cm.compile_score_mod(fn)
+        moved = score_mod_for_key(at_rows(sm.key, rows[0]))
+        assert moved.key != sm.key and moved.row_shift == "none"
+        b = torch.arange(B).view(B, 1, 1, 1)
+        h = torch.arange(3).view(1, 3, 1, 1)
+        i = torch.arange(Sq).view(1, 1, Sq, 1)
+        j = torch.arange(Sk).view(1, 1, 1, Sk)
+        score = torch.randn(B, 3, Sq, Sk, generator=g)
+        got = moved.evaluate(score, b, h, i, j, [*tabs, table])
+        want = sm.evaluate(score, b, h, want_pos.view(B, 1, Sq, 1), j, tabs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert at_rows(sm.key, rows[0]) == moved.key  # one key per (score_mod, kind)
+    none = cm.compile_score_mod(score_mods.softcap(5))[0]
+    assert at_rows(none.key, rows[0]) == none.key  # reads no q_idx: unchanged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["last_rows", "requests", "fallback_rows"])
+def test_gpu_score_mods_at_the_rows_positions(kind):
+    """A T5 bias and ALiBi on rows elsewhere in their sequences (a decode step and a chunk of
+    prefill, requests of their own lengths, chosen rows of a mask with fallback regions) on the
+    fa4 engine, forward and backward, within twice PyTorch's bf16 error of the float32
+    reference at the rows' positions."""
+    from compilemask.api.api import _at_positions, _row_positions
+    from compilemask.dsl import score_mods
+    from compilemask.pipeline.rows import rows_descriptor
+
+    from helpers import check_attention_vs_reference
+
+    g = torch.Generator().manual_seed(4)
+    Sk, B = 700, 2
+    for Sq in (1, 77):
+        if kind == "fallback_rows":
+            mask = cm.compile_mask(masks.dilated_causal())
+            rows = torch.stack([torch.randperm(Sk, generator=g)[:Sq].sort().values
+                                for _ in range(B)])
+            d = rows_descriptor(mask, None, Sk, rows.cuda(), batch_size=B, device="cuda")
+        else:
+            mask = cm.compile_mask(masks.causal())
+            used = torch.tensor([Sk, 300], device="cuda") if kind == "requests" else None
+            d = query_descriptor(mask, None, Sk, Sq, batch_size=B, seqused_k=used,
+                                 device="cuda")
+        q = torch.randn(B, Sq, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(B, Sk, 2, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        t5 = score_mods.t5_bias(torch.randn(32, 4, generator=g).cuda(), 128)
+        alibi = score_mods.alibi(score_mods.alibi_slopes(4).cuda())
+        for fn in (t5, alibi):
+            check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask(), score_mod=fn,
+                                         ref_score_mod=_at_positions(fn, _row_positions(d, 1)))
 
 
 def test_t5_bias_on_a_batch_of_requests_and_a_packed_batch():

@@ -10,7 +10,12 @@ from compilemask.compiler.reference import attention_reference, descriptor_dense
 from compilemask.contract.descriptor import ExecutionDescriptor
 from compilemask.contract.log import said
 from compilemask.contract.options import KernelOptions
-from compilemask.dsl.score_mod import compile_score_mod, score_mod_for_key, traced_score_args
+from compilemask.dsl.score_mod import (
+    at_rows,
+    compile_score_mod,
+    score_mod_for_key,
+    traced_score_args,
+)
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.dispatch import BACKENDS, select_engine
 from compilemask.pipeline.heads import HeadGroups, attention_heads
@@ -93,10 +98,11 @@ def check_arguments(q, k, v, softmax_scale, who: str = "cm.attention") -> None:
 
 
 def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
-    """A score_mod sees q_idx from 0 in every engine; a descriptor of queries elsewhere in the
-    sequence (serving, context-parallel shards) runs only a score_mod that does not read q_idx,
-    or one that a moved q_idx changes by a per-row constant where nothing else in the row's
-    softmax stays put (no LSE returned, no learnable sink): the output is then the same."""
+    """A descriptor of queries elsewhere in the sequence whose positions it does not hold
+    (``_row_positions`` None: a context-parallel shard of an interval mask, a padded batch)
+    runs only a score_mod that does not read q_idx, or one that a moved q_idx changes by a
+    per-row constant where nothing else in the row's softmax stays put (no LSE returned, no
+    learnable sink): the output is then the same."""
     if not desc.q_offset or row_shift == "none":
         return
     if row_shift == "row" and not return_lse and not sink:
@@ -107,32 +113,56 @@ def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
            "row": "the score_mod reads q_idx, and a moved q_idx shifts each row's scores by a "
                   f"constant that {fixed} does not share"}[row_shift]
     raise NotImplementedError(
-        "cm.attention: this descriptor's queries are not rows 0.. of the sequence (serving: the "
-        f"last rows of the keys; context-parallel shards), and {why}; the GPU engines give a "
-        "score_mod local rows (q_idx from 0): backend='reference' runs it at the rows' "
-        "positions (a query_descriptor's), or fold the offset into the score_mod's own tables")
+        "cm.attention: this descriptor's queries are not rows 0.. of the sequence and it does "
+        f"not record their positions (a context-parallel shard, a padded batch), and {why}; "
+        "served rows (query_descriptor) and rows of a mask with fallback regions record them, "
+        "or fold the offset into the score_mod's own tables")
 
 
-def _served_rows(desc, heads: int) -> torch.Tensor | None:
-    """int64 ``[B]`` (or 0-d, one for all): each sequence's position of local row 0 where the
-    descriptor's rows are a served sequence's last positions (``query_descriptor``); None for
-    rows 0.. and where the positions are not in the descriptor (context-parallel shards)."""
+def _row_positions(desc, heads: int):
+    """``(per_row, int64 tensor)``: where the descriptor's rows are not positions ``0..`` of
+    their sequences but it records where they are: ``[B, Sq]`` each row's position
+    (``per_row``; rows of a mask with fallback regions), or ``[B]`` / 0-d each sequence's
+    position of local row 0 (served rows: ``query_descriptor``'s last rows, requests of their
+    own lengths). None: rows ``0..``, or positions not recorded (``_check_rows``)."""
     if desc.q_offset > 0:
-        return torch.tensor(desc.q_offset, dtype=torch.int64, device=desc.device)
-    if desc.q_offset < 0 and desc.seqused_k is not None and heads == 1:
+        return False, torch.tensor(desc.q_offset, dtype=torch.int64, device=desc.device)
+    if not desc.q_offset or heads != 1:  # a folded descriptor's b is a (batch, head)
+        return None
+    if desc.positions is not None:
+        return True, desc.positions.long()
+    if desc.seqused_k is not None:
         used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q.long()
-        return desc.seqused_k.long() - used_q
+        return False, desc.seqused_k.long() - used_q
     return None
 
 
-def _at_positions(score_mod, first: torch.Tensor):
-    """``score_mod`` given each row's position in the sequence as ``q_idx`` (local row ``r`` of
-    sequence ``b`` is ``first[b] + r``; a packed batch's padding rows, which see nothing, read 0):
-    the reference engine evaluates it as on the whole sequence's rows."""
-    def at_positions(score, b, h, q_idx, kv_idx):
-        return score_mod(score, b, h, ((first[b] if first.dim() else first) + q_idx).clamp(min=0),
-                         kv_idx)
+def _at_positions(score_mod, rows):
+    """``score_mod`` given each row's position in the sequence as ``q_idx``
+    (``_row_positions``; a packed batch's padding rows, which see nothing, read 0): the
+    reference engine evaluates it as on the whole sequence's rows."""
+    per_row, pos = rows
+    if per_row:
+        last = pos.shape[1] - 1
+
+        def at_positions(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, pos[b, q_idx.clamp(max=last)].clamp(min=0), kv_idx)
+    elif pos.dim():
+        def at_positions(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, (pos[b] + q_idx).clamp(min=0), kv_idx)
+    else:
+        def at_positions(score, b, h, q_idx, kv_idx):
+            return score_mod(score, b, h, (pos + q_idx).clamp(min=0), kv_idx)
     return at_positions
+
+
+def _rows_table(rows, batch: int) -> torch.Tensor:
+    """The row positions as the kernels read them (``at_rows``): int32, ``[B]`` or
+    ``[B, Sq]``, contiguous."""
+    per_row, pos = rows
+    if not per_row:
+        pos = pos.expand(batch) if pos.dim() == 0 else pos
+    return pos.to(torch.int32).contiguous()
 
 
 def _spec_of(desc):
@@ -216,10 +246,9 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             "head dim, 64 or 128 (FA4's own sm90 kernels take head_dim != head_dim_v, (192, 128) "
             "included, but this engine does not pass them); backend='reference' runs it")
     score = None
-    served = _served_rows(desc, heads) if score_mod is not None and engine == "reference" \
-        else None
-    if served is not None:  # the score_mod reads the rows' positions: exact for any score_mod
-        score_mod = _at_positions(score_mod, served)
+    rows = _row_positions(desc, heads) if score_mod is not None else None
+    if rows is not None and engine == "reference":  # exact for any score_mod
+        score_mod, rows = _at_positions(score_mod, rows), None
     elif score_mod is not None and engine == "reference" and desc.q_offset:
         try:
             row_shift = compile_score_mod(score_mod)[0].row_shift
@@ -244,16 +273,19 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                                 f"{engine} engine, got {learnable_sink.dtype}")
         if score_mod is None:
             pass
-        elif torch.compiler.is_compiling():  # converted outside the graph, tables read in it
-            key, tables, row_shift = traced_score_args(score_mod)
-            _check_masked_scores(score_mod, key, _spec_of(desc))
-            score = (key, tables)
-            _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
         else:
-            sm, tables = compile_score_mod(score_mod)
-            _check_masked_scores(score_mod, sm.key, _spec_of(desc))
-            score = (sm.key, sm.aux_tensors(tables, q.device))
-            _check_rows(desc, sm.row_shift, return_lse, learnable_sink is not None)
+            if torch.compiler.is_compiling():  # converted outside the graph, tables read in it
+                key, tables, row_shift = traced_score_args(score_mod)
+            else:
+                sm, tables = compile_score_mod(score_mod)
+                key, tables, row_shift = sm.key, sm.aux_tensors(tables, q.device), sm.row_shift
+            _check_masked_scores(score_mod, key, _spec_of(desc))
+            if rows is not None and row_shift != "none":  # q_idx read at the rows' positions
+                key = at_rows(key, rows[0])
+                tables = [*tables, _rows_table(rows, q.shape[0])]
+            else:
+                _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
+            score = (key, tables)
     return attention_op(q, k, v, desc, softmax_scale=softmax_scale, return_lse=return_lse,
                         deterministic=deterministic, engine=engine, options=options, score=score,
                         sink=learnable_sink, heads=heads)

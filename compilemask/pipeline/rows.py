@@ -108,6 +108,9 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
     S = seqlen
     B, scal, arrs, dev = normalized(mask, meta, S, batch_size, check, device)
     rows = rows.to(dev)
+    if rows.dim() not in (1, 2) or rows.dim() == 2 and rows.shape[0] not in (1, B):
+        raise ValueError(f"{who}: rows must be [n] or [batch, n] with batch {B} (the metadata's "
+                         f"or batch_size), got {list(rows.shape)}")
     n = rows.shape[-1]
     if backend == "auto":  # a decode step's descriptor: 0.15 ms in one launch vs 1.2 ms (H200)
         backend = "tilelang" if dev.type == "cuda" and pipeline.has_tilelang() else "torch"
