@@ -113,6 +113,43 @@ def test_attention_on_a_padded_descriptor_equals_the_reference():
     torch.testing.assert_close(out.detach(), ref)
 
 
+def test_score_mods_on_a_padded_batch_read_the_padded_positions():
+    """A score_mod on a padded batch (a T5 bias, ALiBi with its LSE) reads ``q_idx`` and
+    ``kv_idx`` as positions of the padded tensor, as FlexAttention does: the same output and
+    LSE as the unpadded mask with the score_mod on the real rows; padded decode rows (the last
+    rows of left-padded sequences) read theirs too. The GPU engines get the rows' start
+    (``row_start``), which the reference reads the same way."""
+    from compilemask.api.api import _row_positions
+    from compilemask.api.serving import query_descriptor
+    from compilemask.dsl import score_mods
+    from compilemask.pipeline.pipeline import padded
+
+    mask = cm.compile_mask(masks.causal())
+    B, S, H, D = 4, 40, 2, 8
+    am = _paddings(B, S, 5)
+    real = am.bool()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    desc = mask.preprocess(None, S, batch_size=B, padding=am)
+    assert desc.q_offset == -1 and _row_positions(desc, 1)[1].tolist() == [0] * B
+    dense = _brute(mask, None, S, B, am)
+    t5 = score_mods.t5_bias(torch.randn(32, H, generator=g, dtype=torch.float64), 16)
+    alibi = score_mods.alibi(score_mods.alibi_slopes(H).double())
+    for fn in (t5, alibi):
+        out, lse = cm.attention(q, k, v, desc, score_mod=fn, return_lse=True)
+        want, want_lse = attention_reference(q, k, v, dense, score_mod=fn, return_lse=True)
+        torch.testing.assert_close(out[real], want[real])
+        torch.testing.assert_close(lse.transpose(1, 2)[real], want_lse.transpose(1, 2)[real])
+        assert torch.equal(out[~real], torch.zeros_like(out[~real]))
+    # the last 3 rows of each padded sequence: the rows' start is S - 3 in every sequence
+    last = padded(query_descriptor(mask, None, S, 3, batch_size=B), am)
+    assert _row_positions(last, 1)[1].tolist() == [S - 3] * B
+    got = cm.attention(q[:, -3:], k, v, last, score_mod=t5)
+    want = attention_reference(q, k, v, dense, score_mod=t5)[:, -3:]
+    keep = real[:, -3:]
+    torch.testing.assert_close(got[keep], want[keep])
+
+
 def test_non_contiguous_padding_is_refused_naming_the_argument():
     mask = cm.compile_mask(masks.causal())
     am = torch.ones(2, 20, dtype=torch.long)
@@ -207,3 +244,8 @@ def test_gpu_padded_batch_fa4_fwd_bwd_vs_float32_reference(name):
             for _ in range(2))
     assert cm.api.api.select_engine(q, desc) == "fa4"  # never the native kernels
     check_attention_vs_reference(desc, q, k, v, "fa4", dense)
+    if name == "causal":  # a score_mod reading q_idx: the padded tensor's positions
+        from compilemask.dsl import score_mods
+
+        t5 = score_mods.t5_bias(torch.randn(32, H, generator=g, device="cuda"), 128)
+        check_attention_vs_reference(desc, q, k, v, "fa4", dense, score_mod=t5)

@@ -114,7 +114,7 @@ def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
                   f"constant that {fixed} does not share"}[row_shift]
     raise NotImplementedError(
         "cm.attention: this descriptor's queries are not rows 0.. of the sequence and it does "
-        f"not record their positions (a context-parallel shard, a padded batch), and {why}; "
+        f"not record their positions (a context-parallel shard of an interval mask), and {why}; "
         "served rows (query_descriptor) and rows of a mask with fallback regions record them, "
         "or fold the offset into the score_mod's own tables")
 
@@ -124,13 +124,16 @@ def _row_positions(desc, heads: int):
     their sequences but it records where they are: ``[B, Sq]`` each row's position
     (``per_row``; rows of a mask with fallback regions), or ``[B]`` / 0-d each sequence's
     position of local row 0 (served rows: ``query_descriptor``'s last rows, requests of their
-    own lengths). None: rows ``0..``, or positions not recorded (``_check_rows``)."""
+    own lengths; a padded batch). None: rows ``0..``, or positions not recorded
+    (``_check_rows``)."""
     if desc.q_offset > 0:
         return False, torch.tensor(desc.q_offset, dtype=torch.int64, device=desc.device)
     if not desc.q_offset or heads != 1:  # a folded descriptor's b is a (batch, head)
         return None
     if desc.positions is not None:
         return True, desc.positions.long()
+    if desc.row_start is not None:
+        return False, desc.row_start.long()
     if desc.seqused_k is not None:
         used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q.long()
         return False, desc.seqused_k.long() - used_q

@@ -60,6 +60,12 @@ forward tiling (128x128, FA4's head-dim-64 backward).
     at that position or at the key, with ``max_row = Sk - 1``; ``row_params`` still holds the
     arrays at the rows. Absent (None), row ``q_idx`` is position ``q_idx``.
 
+``row_start`` int32 ``[B]``
+    Each sequence's position of its local row 0, where its rows are consecutive positions but
+    ``q_offset`` is -1 (a padded batch: its keys clipped to its real tokens). A score_mod reads
+    ``q_idx`` there as ``row_start[b] + q_idx``. Absent (None): ``q_offset`` says where the
+    rows are, or the descriptor does not know (``positions``, ``seqused_k``).
+
 The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
 constructor, ``with_fields`` the one way to set the fields a producer adds after the tables
@@ -300,6 +306,9 @@ class ExecutionDescriptor:
     # ``r`` is position ``r`` and ``row_params`` is indexed by position
     positions: torch.Tensor | None = None
     key_params: torch.Tensor | None = None
+    # int32 [B]: each sequence's position of local row 0 where the rows are consecutive but
+    # q_offset is -1 (a padded batch); what a score_mod's q_idx is read from. None elsewhere
+    row_start: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -368,7 +377,7 @@ class ExecutionDescriptor:
             segments = (segments[0].to(device), segments[1])
         lists = None if self.lists is None else self.lists.to(device)
         used = {f: None if getattr(self, f) is None else getattr(self, f).to(device)
-                for f in ("seqused_k", "seqused_q", "columns", "positions", "key_params")}
+                for f in OPTIONAL_TENSORS}
         return replace(self, **moved, segments=segments, lists=lists, **used)
 
 
@@ -381,19 +390,23 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     seqused_q: torch.Tensor | None = None,
                     columns: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
-                    key_params: torch.Tensor | None = None) -> ExecutionDescriptor:
+                    key_params: torch.Tensor | None = None,
+                    row_start: torch.Tensor | None = None) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
         row_region=row_region, fwd_tiles=fwd_tiles, fwd_bitmap=fwd_bitmap, bwd_tiles=bwd_tiles,
         bwd_bitmap=bwd_bitmap, params=params, row_params=row_params, segments=segments,
         lists=lists, q_offset=q_offset, meta_max=meta_max, seqused_k=seqused_k,
-        seqused_q=seqused_q, columns=columns, positions=positions, key_params=key_params)
+        seqused_q=seqused_q, columns=columns, positions=positions, key_params=key_params,
+        row_start=row_start)
 
 
 # what a producer may set after the tables and bitmaps: the rest is written with them
 POST_FIELDS = ("segments", "lists", "q_offset", "meta_max", "seqused_k", "seqused_q", "columns",
-               "positions", "key_params")
+               "positions", "key_params", "row_start")
+# the optional tensors, None or on the descriptor's device
+OPTIONAL_TENSORS = ("seqused_k", "seqused_q", "columns", "positions", "key_params", "row_start")
 
 
 def with_fields(desc: ExecutionDescriptor, **fields) -> ExecutionDescriptor:
