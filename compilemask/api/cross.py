@@ -8,10 +8,11 @@ the row ``i`` at least ``seqlen_q`` (one read at both, the longer); a FlexAttent
 to the common length the descriptor is made for (entries past what a rule reads are never read),
 so nothing is padded by hand.
 
-The descriptor is the batch's ``preprocess`` at ``seqlen_q`` rows. Arrays read at ``j`` with
-``seqlen_k > seqlen_q`` are refused: the engines read them from per-row metadata of ``seqlen_q``
-entries; there a rule of key ranges per row (``img_start[i] <= j < img_end[i]``) runs at any
-lengths.
+With ``seqlen_q >= seqlen_k`` the descriptor is the batch's ``preprocess`` at ``seqlen_q``
+rows. With fewer queries than keys and arrays read at ``j`` it is the descriptor of rows
+``0..seqlen_q-1`` of a ``seqlen_k``-token sequence (``pipeline.rows``, as a served chunk's):
+every array at ``seqlen_k`` entries, so that a rule's reads at any key are its own, and a
+fallback predicate reads keys' arrays through ``key_params``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from compilemask.contract.descriptor import DEFAULT_BWD_TILES, DEFAULT_FWD_TILES
 from compilemask.pipeline.compiled import CompiledMask
+from compilemask.pipeline.rows import rows_descriptor
 
 __all__ = ["cross_descriptor"]
 
@@ -69,14 +71,23 @@ def cross_descriptor(mask, meta, seqlen_q: int, seqlen_k: int, *,
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"cross_descriptor: {name} must be a positive int, got {val!r}")
     if seqlen_q < seqlen_k and mask.key_indexed_arrays:
-        # the engines read a rule's arrays from the per-row metadata, seqlen_q entries a row
-        raise NotImplementedError(
-            f"cross_descriptor: mask {mask.name!r} reads {list(mask.key_indexed_arrays)} at the "
-            f"key j, and seqlen_k ({seqlen_k}) > seqlen_q ({seqlen_q}): the engines read such "
-            "arrays from per-row metadata of seqlen_q entries. Write the rule as a range of "
-            "keys per row (e.g. `img_start[i] <= j < img_end[i]`, the keys of row i's image: "
-            "arrays read at i only), or pad the queries to seqlen_k rows (zeros) and keep the "
-            "first seqlen_q rows of the output")
+        # the keys' arrays are longer than the rows': rows 0.. of a seqlen_k-token sequence
+        meta = _fitted(mask, meta, seqlen_q, seqlen_k, seqlen_k)
+        rows = torch.arange(seqlen_q, device=_device(meta, device))
+        return rows_descriptor(mask, meta, seqlen_k, rows, batch_size=batch_size,
+                               fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+                               device=device, who="cross_descriptor", backend=backend,
+                               q_offset=0)
     return mask.preprocess(_fitted(mask, meta, seqlen_q, seqlen_k, seqlen_q), seqlen_q, seqlen_k,
                            batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles,
                            check=check, device=device, backend=backend)
+
+
+def _device(meta: dict, device):
+    """Where the descriptor is made: ``device``, else the metadata's, else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    for v in meta.values():
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
