@@ -20,10 +20,32 @@ from .fa4 import BWD_TILE_M
 
 __all__ = ["BACKENDS", "ENGINES", "why_not", "select_engine", "select_served_engine",
            "kernel_available", "cute_kernel_reason", "fa4_reason", "runs_native_served",
-           "op_refusal"]
+           "op_refusal", "head_dims_reason"]
 
 BACKENDS = ("auto", "fa4", "native", "cute", "reference")
 ENGINES = BACKENDS[1:]
+# (q/k head dim, v head dim) of FA4's own sm90 kernels as the native engine runs them: the
+# block-sparse lists are laid out for 64 and 128 only (BWD_TILE_M), and (192, 128), MLA's
+# shape, has a backward kv tile of 96, so it runs FA4's causal / window / varlen kernels only
+NATIVE_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+
+
+def head_dims_reason(engine: str, head_dim: int, head_dim_v: int) -> str | None:
+    """Why ``engine`` has no kernel for these head dims (q and k, v), or None."""
+    if engine == "reference":
+        return None
+    if engine == "native":
+        if (head_dim, head_dim_v) in NATIVE_HEAD_DIMS:
+            return None
+        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the native engine runs "
+                f"{', '.join(f'({a}, {b})' for a, b in NATIVE_HEAD_DIMS)}")
+    if head_dim_v != head_dim:
+        return (f"v's head dim {head_dim_v} differs from q and k's {head_dim}: the {engine} "
+                "engine runs one head dim (64 or 128); the native engine runs (192, 128) for "
+                "masks the compiler proved causal, windowed or segments")
+    if engine == "fa4" and head_dim not in BWD_TILE_M:
+        return f"head dim {head_dim} (the fa4 engine: 64 or 128)"
+    return None
 
 
 def kernel_available(q, desc) -> bool:
@@ -56,9 +78,10 @@ def cute_kernel_reason(q) -> str | None:
     return None
 
 
-def fa4_reason(q, desc, engine: str) -> str | None:
+def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None) -> str | None:
     """Why FA4's ``engine`` ("fa4" or "native") cannot run this call on these tensors, or None
-    (device, FA4 itself, dtype, head dim, the descriptor's tiles or proof)."""
+    (device, FA4 itself, dtype, head dims, the descriptor's tiles or proof); ``head_dim_v``:
+    v's head dim where it differs from q's."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
     err = fa4_lib.unavailable_reason()
@@ -69,8 +92,9 @@ def fa4_reason(q, desc, engine: str) -> str | None:
         return f"FA4's block-sparse sm90 path needs compute capability 9.x, got {major}.x"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"FA4 runs bf16/fp16, got {q.dtype}"
-    if q.shape[-1] not in BWD_TILE_M:
-        return f"head dim {q.shape[-1]} (FA4 here: 64 or 128)"
+    why = head_dims_reason(engine, q.shape[-1], head_dim_v or q.shape[-1])
+    if why:
+        return why
     if engine == "native":
         pat = desc.native
         if pat is None:
@@ -91,9 +115,11 @@ def fa4_reason(q, desc, engine: str) -> str | None:
 
 
 def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
-            score_mod: bool = False, sink: bool = False) -> str | None:
+            score_mod: bool = False, sink: bool = False,
+            head_dim_v: int | None = None) -> str | None:
     """None when ``engine`` can run this ``cm.attention`` call on CUDA, else the reason (for the
-    error message); ``score_mod`` / ``sink``: the call has one."""
+    error message); ``score_mod`` / ``sink``: the call has one; ``head_dim_v``: v's head dim
+    (None: q's)."""
     if heads > 1 and engine in ("native", "cute"):
         return ("folded heads (a sequence per batch and head) run on the fa4 engine; "
                 "preprocess_heads(..., fold=False) keeps a descriptor per head group")
@@ -112,11 +138,14 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
             return ("its kernels read a fallback predicate's i as the local row; this "
                     "descriptor's rows are chosen positions of their sequences (served or "
                     "sharded rows): the fa4 engine runs it")
+        why = head_dims_reason("cute", q.shape[-1], head_dim_v or q.shape[-1])
+        if why:
+            return why
         return None if kernel_available(q, desc) else ("no CuTe kernel for this "
                                                        "device/dtype/head dim")
     if deterministic and engine == "fa4":
         return "FA4's deterministic block-sparse backward needs dQ write orders (not built)"
-    why = fa4_reason(q, desc, engine)
+    why = fa4_reason(q, desc, engine, head_dim_v)
     if why is None and engine == "native" and score_mod and desc.native.kind == "segments":
         # FA4's varlen path numbers rows, keys and sequences per segment, not as the
         # score_mod's b, q_idx, kv_idx: the lists run it
@@ -126,7 +155,8 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
 
 
 def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
-                  heads: int = 1, score_mod: bool = False, sink: bool = False) -> str:
+                  heads: int = 1, score_mod: bool = False, sink: bool = False,
+                  head_dim_v: int | None = None) -> str:
     """The engine ``attention`` runs for these tensors (see ``docs/decisions/engine.md``).
 
     ``auto`` on CUDA: ``native`` when the compiler proved the mask a native FA4 pattern for this
@@ -135,7 +165,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
     deterministic mode here). On CPU: ``reference``. A CUDA call that no engine can run raises
     ``NotImplementedError`` with each engine's reason, unless ``backend="reference"``.
     ``score_mod`` / ``sink``: the call has a score_mod / a learnable sink (engines without them
-    are passed over)."""
+    are passed over); ``head_dim_v``: v's head dim where it differs from q's."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -148,7 +178,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
                  "GPU engines need CUDA)")
         return "reference"
     if backend != "auto":
-        why = why_not(q, desc, backend, deterministic, heads, score_mod, sink)
+        why = why_not(q, desc, backend, deterministic, heads, score_mod, sink, head_dim_v)
         if why:
             raise NotImplementedError(f"cm.attention: backend={backend!r} cannot run this call: "
                                       f"{why}")
@@ -156,7 +186,7 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
     order = ("cute",) if deterministic else ("native", "fa4", "cute")
     reasons = []
     for engine in order:
-        why = why_not(q, desc, engine, deterministic, heads, score_mod, sink)
+        why = why_not(q, desc, engine, deterministic, heads, score_mod, sink, head_dim_v)
         if why is None:
             return engine
         reasons.append(f"{engine}: {why}")

@@ -171,10 +171,10 @@ def _fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=N
             window = _window(pat, max_len, max_len)
             out, lse = fa4_lib.varlen_fwd(
                 q.reshape(B * S, H, D), k.reshape(B * S, k.shape[2], D),
-                v.reshape(B * S, v.shape[2], D), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                v.reshape(B * S, v.shape[2], v.shape[3]), cu_seqlens_q=cu, cu_seqlens_k=cu,
                 max_seqlen_q=max_len, max_seqlen_k=max_len, softmax_scale=softmax_scale,
                 causal=window[0] is None, window_size=window, return_lse=True, **mods)
-            return out.view(B, S, H, D), lse.view(H, B, S).permute(1, 0, 2)
+            return out.view(B, S, H, v.shape[3]), lse.view(H, B, S).permute(1, 0, 2)
         return fa4_lib.fwd(q, k, v, softmax_scale=softmax_scale,
                            **_native_kwargs(pat, q.shape[1], k.shape[1]), **mods)
 
@@ -208,7 +208,7 @@ def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=
             B, S, H, _ = q.shape
             cu, max_len = desc.segments
             window = _window(pat, max_len, max_len)
-            flat = [t.reshape(B * S, t.shape[2], D) for t in (q, k, v, out, dout)]
+            flat = [t.reshape(B * S, t.shape[2], t.shape[3]) for t in (q, k, v, out, dout)]
             lse_flat = lse.permute(1, 0, 2).reshape(H, B * S)
             dlse_flat = None if dlse is None else dlse.permute(1, 0, 2).reshape(H, B * S)
             dq, dk, dv, *dsink = fa4_lib.bwd(

@@ -241,13 +241,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                         f"{type(learnable_sink).__name__}")
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic, heads,
-                           score_mod=score_mod is not None, sink=learnable_sink is not None)
-    if v.shape[-1] != q.shape[-1] and engine != "reference":
-        raise NotImplementedError(
-            f"cm.attention: v's head dim ({v.shape[-1]}, v {list(v.shape)}) differs from q and "
-            f"k's ({q.shape[-1]}, q {list(q.shape)}); the {engine} engine runs q, k, v of one "
-            "head dim, 64 or 128 (FA4's own sm90 kernels take head_dim != head_dim_v, (192, 128) "
-            "included, but this engine does not pass them); backend='reference' runs it")
+                           score_mod=score_mod is not None, sink=learnable_sink is not None,
+                           head_dim_v=v.shape[-1])
     score = None
     rows = _row_positions(desc, heads) if score_mod is not None else None
     if rows is not None and engine == "reference":  # exact for any score_mod
