@@ -196,6 +196,53 @@ class ScoreMod:
         keep = _torch_eval(self.mask, env, tabs, score.dtype)
         return torch.where(keep, out, 0.0 if grad else float("-inf")).to(score.dtype)
 
+    def table_reads(self, table: int) -> tuple:
+        """``(read, d expr / d read)`` for each read of float table ``table`` (its position in
+        ``tables``) in ``expr``: a table's gradient collects ``dM * d expr / d read`` at each
+        read's index (``docs/decisions/trainable-score-tables.md``)."""
+        tab = self.tables[table]
+        if not tab.is_float:
+            raise TypeError(f"score_mod {self.name!r}: table {tab.name} holds integers (no "
+                            "gradient)")
+        stand_in = sp.Dummy("read", real=True)
+        out = []
+        reads = [r for r in self.expr.atoms(sp.core.function.AppliedUndef)
+                 if type(r).__name__ == tab.name]
+        for r in sorted(reads, key=sp.default_sort_key):
+            d = sp.diff(self.expr.xreplace({r: stand_in}), stand_in).xreplace({stand_in: r})
+            if d.has(sp.Derivative, sp.Subs, sp.Heaviside, sp.DiracDelta):
+                raise NotImplementedError(
+                    f"score_mod {self.name!r}: no closed-form derivative of "
+                    f"{sp.sstr(self.expr)} with respect to {sp.sstr(r)}")
+            out.append((r, d))
+        return tuple(out)
+
+    def table_grads(self, score, b, h, q_idx, kv_idx, tensors, dm, train) -> list:
+        """The gradients of the tables at positions ``train`` given ``dm`` (d loss / d the
+        modified score, broadcast with the indices) in torch, as the kernels accumulate them:
+        each read's ``dm * d expr / d read`` added at its index, negative indices counted from
+        the end and every index clamped into the table (for tests against autograd)."""
+        env = {SCORE: score, _B: b, _H: h, _I: q_idx, _J: kv_idx}
+        tabs = {t.name: x for t, x in zip(self.tables, tensors)}
+        grads = []
+        for n in train:
+            t = tensors[n]
+            g = torch.zeros(t.shape if t.dim() else (1,), dtype=torch.float64)
+            for r, d in self.table_reads(n):
+                val = (dm * _torch_eval(d, env, tabs, score.dtype)).double()
+                idx = []
+                for k, a in enumerate(r.args if t.dim() else ()):
+                    x = _torch_eval(a, env, tabs, score.dtype).long()
+                    x = torch.where(x < 0, x + t.shape[k], x).clamp(0, t.shape[k] - 1)
+                    idx.append(x)
+                if not idx:
+                    idx = [torch.zeros((), dtype=torch.long)]
+                shape = torch.broadcast_shapes(val.shape, *(x.shape for x in idx))
+                g.index_put_(tuple(x.expand(shape).reshape(-1) for x in idx),
+                             val.expand(shape).reshape(-1), accumulate=True)
+            grads.append(g.view(t.shape))
+        return grads
+
 
 # the table a score_mod at the rows' positions reads last (``at_rows``); user tables are
 # named ``tab<leaf>...``, so the name cannot collide
