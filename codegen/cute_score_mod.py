@@ -316,6 +316,15 @@ class _Emit:
     def _load(self, e) -> str:
         pos, tab = self.tables[type(e).__name__]
         src = f"aux_tensors[{pos}]"
+        frags = self.index_frags(e, src)
+        out = self.tmp(f"cute.make_rmem_tensor(n, {'Float32' if tab.is_float else 'Int32'})")
+        idx = ", ".join(f"{f}[e]" for f in frags)
+        self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{idx}]"]
+        return self.tmp(f"{out}.load()")
+
+    def index_frags(self, e, src: str) -> list[str]:
+        """Register fragments of the table read ``e``'s indices into ``src`` (a tensor of the
+        table's shape): torch's negative indices, then clamped into the table."""
         frags = []
         for n, a in enumerate(e.args):
             x = self.get(a, "i")
@@ -326,10 +335,23 @@ class _Emit:
             frag = self.tmp("cute.make_rmem_tensor(n, Int32)")
             self.lines.append(f"{frag}.store({x})")
             frags.append(frag)
-        out = self.tmp(f"cute.make_rmem_tensor(n, {'Float32' if tab.is_float else 'Int32'})")
-        idx = ", ".join(f"{f}[e]" for f in frags)
-        self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{idx}]"]
-        return self.tmp(f"{out}.load()")
+        return frags
+
+    def table_grads(self, sm: ScoreMod, train: tuple, first: int) -> None:
+        """Code that adds ``grad * d expr / d read`` for every read of the tables at positions
+        ``train`` into their gradient buffers (``aux_tensors[first + k]``, float32, the
+        tables' shapes), at the reads' indices; zeros (masked scores) add nothing."""
+        for k, n in enumerate(train):
+            dst = f"aux_tensors[{first + k}]"
+            for read, d in sm.table_reads(n):
+                val = self.tmp(f"grad * {self.get(d, 'f')}")
+                frags = self.index_frags(read, dst)
+                buf = self.tmp("cute.make_rmem_tensor(n, Float32)")
+                self.lines.append(f"{buf}.store({val})")
+                idx = ", ".join(f"{f}[e]" for f in frags)
+                self.lines += ["for e in cutlass.range_constexpr(n):",
+                               f"    if {buf}[e] != Float32(0.0):",
+                               f"        atomic_add_fp32({buf}[e], elem_pointer({dst}, ({idx},)))"]
 
 
 def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:
@@ -345,12 +367,14 @@ def _plain(expr) -> str:
     return sp.sstr(expr.xreplace({f: sp.Float(float(f)) for f in expr.atoms(sp.Float)}))
 
 def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
-                     index_bits: bool = False) -> str:
+                     index_bits: bool = False, train: tuple = ()) -> str:
     """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
     tables at ``aux_tensors[offset:]``; ``gqa > 1``: for FA4's backward, whose indices come
     packed (see the module's docstring); ``index_bits``: q_idx and kv_idx are below
     INDEX_BOUND, and linear index expressions convert to float by bits (no I2F, whose
-    quarter rate competes with the softmax's exp2)."""
+    quarter rate competes with the softmax's exp2); ``train``: the positions of the tables
+    whose gradients ``score_mod_bwd`` adds into float32 buffers after the tables
+    (``docs/decisions/trainable-score-tables.md``)."""
     head = ["    n = cute.size(score.shape)",
             "    s = score",
             "    b = batch_idx"]
@@ -361,14 +385,22 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
         head += ["    h = head_idx", "    q = q_idx"]
     head += ["    kv = kv_idx"]
     fwd, out = _body(sm, sm.expr, offset, index_bits)
-    bwd, dout = _body(sm, sm.grad, offset, index_bits)
+    em = _Emit(sm, offset, index_bits)
+    dout = em.get(sm.grad, "f")
+    if train:  # trainable tables: their gradients, in the backward's per-score hook
+        em.table_grads(sm, train, offset + len(sm.tables))
+    bwd = em.lines
     ind = "    "
     return "\n".join(
         [f"# score_mod {sm.name!r} (key {sm.key}), tables at aux_tensors[{offset}:]"
          + (f", indices packed by {gqa} query heads per kv head" if gqa > 1 else ""),
          f"# score <- {_plain(sm.expr)}",
          f"# d/dscore = {_plain(sm.grad)}",
+         *([f"# gradients of tables {list(train)} added at aux_tensors"
+            f"[{offset + len(sm.tables)}:]"] if train else []),
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
+         *(["from flash_attn.cute.utils import atomic_add_fp32, elem_pointer"] if train
+           else []),
          "", "", f"UNWRAPPED = {index_total(sm)}", "", "",
          *(_I2F if index_bits else []),
          "@cute.jit",
@@ -390,14 +422,15 @@ _I2F = [
     "", ""]
 
 
-def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool = False):
+def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool = False,
+                  train: tuple = ()):
     """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset, gqa,
-    index_bits)."""
+    index_bits, trainable tables)."""
     def build():
-        src = score_mod_source(sm, offset, gqa, index_bits)
+        src = score_mod_source(sm, offset, gqa, index_bits, train)
         fns = compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
         for fn in fns:  # the source's UNWRAPPED (so FA4's kernel key sees it)
             setattr(fn, UNWRAPPED_ATTR, index_total(sm))
         return fns
 
-    return _CACHE.get((sm.key, offset, gqa, index_bits), build)
+    return _CACHE.get((sm.key, offset, gqa, index_bits, tuple(train)), build)

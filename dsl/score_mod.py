@@ -952,11 +952,6 @@ def traced_score_args(score_mod) -> tuple:
             f"score_mod {getattr(score_mod, '__name__', '')!r} is made inside the compiled "
             "region, whose closure the graph cannot read; make it once outside (a module "
             "attribute, a global) and pass that") from None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tables):
-        raise NotImplementedError(
-            f"score_mod {getattr(score_mod, '__name__', '')!r}: gradients into a captured "
-            "tensor are not built on the GPU engines; detach it (t.detach()), or "
-            "backend='reference' where they flow")
     return key, [kernel_table(t, f) for t, f in zip(tables, floats)], row_shift
 
 
@@ -1075,13 +1070,11 @@ def _as_table(t, spec: Table, device, fname):
         raise ValueError(f"score_mod {fname!r}: captured tensor {label!r} is on {t.device}, the "
                          f"attention on {device}; move it there once (a copy per call would be "
                          "a hidden transfer)")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"score_mod {fname!r}: gradients into captured tensor {label!r} are not built on "
-            "the GPU engines; detach it (t.detach()), or backend='reference' where they flow")
     want = torch.float32 if spec.is_float else torch.int32
     if t.dtype == want and t.dim() and t.is_contiguous():
         return t
+    if t.requires_grad and torch.is_grad_enabled():  # a trained table: autograd converts it
+        return kernel_table(t, spec.is_float)
     memo = _CONVERTED.get(id(t))
     if memo is not None and memo[0] is t and memo[1] == t._version:
         return memo[2]

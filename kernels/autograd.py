@@ -225,9 +225,10 @@ def _cuda_bwd(dout, dlse, q, k, v, out, lse, desc, mask_key, scale, deterministi
 # The schemas are generated from kernels.contract's groups (a field added there reaches both
 # ops); the implementations take them as ``*args`` and unpack them by name.
 _FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {args_schema()}) -> (Tensor, Tensor)"
-# the backward's fourth output is the sink's gradient (empty without a sink)
+# the backward's fourth output is the sink's gradient (empty without a sink),
+# and the fifth the gradients of the score_mod's trained tables (``OpSettings.train_tables``)
 _BWD_SCHEMA = ("(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-               f"{args_schema()}) -> (Tensor, Tensor, Tensor, Tensor)")
+               f"{args_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor[])")
 
 
 _READ = LRUSet(1024)  # mask keys whose fallback rules the GPU code generator reads
@@ -302,30 +303,36 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
         raise NotImplementedError("compilemask::attention_bwd: a served batch (paged or packed "
                                   "keys) runs forward only")
     if engine in ("fa4", "native"):
+        train = settings.trained()
+        dtables = [torch.zeros(slots.score_aux[n].shape, dtype=torch.float32, device=q.device)
+                   for n in train]
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=settings.deterministic,
                         lists=slots.lists(backward=True),
                         variant=_mask_mod_variant(settings.options),
                         score=_score_of(settings, slots.score_aux), sink=slots.sink,
-                        heads=settings.heads)
+                        heads=settings.heads, train=train, table_grads=dtables)
         grads = tuple(g.contiguous() for g in grads)
-        return grads if len(grads) == 4 else (*grads, no_sink)
+        return (*grads, dtables) if len(grads) == 4 else (*grads, no_sink, dtables)
     if q.is_cuda and engine == "cute":
         return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, settings.mask_key, scale,
-                           settings.deterministic, settings.options), no_sink)
+                           settings.deterministic, settings.options), no_sink, [])
     grads = attention_bwd_reference(dout, dlse, q, k, v, out, lse,
                                     descriptor_dense_mask(desc, settings.heads), scale,
                                     slots.sink)
-    return grads if slots.sink is not None else (*grads, no_sink)
+    return (*grads, []) if slots.sink is not None else (*grads, no_sink, [])
 
 
 @attention_bwd.register_fake
 def _(dout, dlse, q, k, v, out, lse, *args):
-    sink = unpack(args)[1].sink
+    _, slots, settings = unpack(args)
+    sink = slots.sink
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format),
-            q.new_empty(0) if sink is None else torch.empty_like(sink))
+            q.new_empty(0) if sink is None else torch.empty_like(sink),
+            [q.new_empty(slots.score_aux[n].shape, dtype=torch.float32)
+             for n in settings.trained()])
 
 
 def _setup_context(ctx, inputs, output):
@@ -346,10 +353,12 @@ def _backward(ctx, dout, dlse):
     slots = OpSlots.rebuild(ctx.slots, saved[n:])
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsink = torch.ops.compilemask.attention_bwd(
+    dq, dk, dv, dsink, dtables = torch.ops.compilemask.attention_bwd(
         dout.contiguous(), dlse, q, k, v, out, lse, *op_args(d, slots, ctx.settings))
-    # one gradient per input: None but the sink's; a list of tensors' slot a list of them
-    return ((dq, dk, dv) + (None,) * len(d) + slots.no_grads(dsink)
+    # one gradient per input: None but the sink's and the trained tables'; a list of tensors'
+    # slot a list of them
+    return ((dq, dk, dv) + (None,) * len(d)
+            + slots.grads(dsink, dtables, ctx.settings.trained())
             + (None,) * len(OpSettings._fields))
 
 
@@ -385,10 +394,18 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
         raise NotImplementedError(f"attention_op: {why}")
     slots = OpSlots.of(desc, engine, q.shape[-1], score_aux=score[1] if score else (),
                        sink=sink, **(served or {}))
+    tables = list(score[1]) if score is not None else []
+    train = sum(1 << n for n, t in enumerate(tables) if t.requires_grad) \
+        if torch.is_grad_enabled() else 0
+    if train and (engine not in ("fa4", "native") or deterministic):
+        raise NotImplementedError(
+            "attention_op: gradients into a score_mod's tables run on the fa4 and native "
+            "engines, not deterministically (their adds are unordered float atomics); "
+            "backend='reference' runs them deterministically")
     settings = OpSettings(key, scale, bool(deterministic), engine,
                           options.to_str() if options is not None else "",
-                          score[0] if score is not None else "", int(heads))
-    if _needs_op(q, k, v, sink):
+                          score[0] if score is not None else "", int(heads), train)
+    if _needs_op(q, k, v, sink, *tables):
         out, lse = torch.ops.compilemask.attention_fwd(
             q, k, v, *op_args(DescriptorArgs.of(desc), slots, settings))
     else:  # the op's own body: a decode step's host time is mostly the op's dispatch

@@ -169,9 +169,12 @@ class OpSlots(NamedTuple):
                 vals.append(None)
         return cls(*vals)
 
-    def no_grads(self, dsink) -> tuple:
-        """One gradient per slot (None; a list's a list of them), the sink's ``dsink``."""
-        return tuple([None] * len(v) if isinstance(v, (list, tuple))
+    def grads(self, dsink, dtables=(), train: tuple = ()) -> tuple:
+        """One gradient per slot: None (a list's a list of them) but the sink's ``dsink`` and
+        the score_mod's tables at positions ``train``, ``dtables`` in that order."""
+        got = dict(zip(train, dtables))
+        return tuple([got.get(n) for n in range(len(v))] if f == "score_aux"
+                     else [None] * len(v) if isinstance(v, (list, tuple))
                      else (dsink if f == "sink" and v is not None else None)
                      for f, v in zip(self._fields, self))
 
@@ -186,6 +189,14 @@ class OpSettings(NamedTuple):
     options: str  # the kernels' ``KernelOptions.to_str()`` ("" for the defaults)
     score_mod: str  # the converted score_mod's key (``SCORE_MODS``; "" for none)
     heads: int  # > 1: the descriptor's sequences are (batch, head) pairs, head-major per batch
+    # bit n: the score_mod's table n takes a gradient (the backward adds into a float32 buffer
+    # per such table, ``docs/decisions/trainable-score-tables.md``)
+    train_tables: int = 0
+
+    def trained(self) -> tuple:
+        """The positions of the score_mod's tables that take a gradient."""
+        return tuple(n for n in range(self.train_tables.bit_length())
+                     if self.train_tables >> n & 1)
 
 
 def unpack(args) -> tuple[DescriptorArgs, OpSlots, OpSettings]:

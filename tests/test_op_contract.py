@@ -79,9 +79,12 @@ def test_named_slots_round_trip():
             assert len(a) == len(b) and all(x is y for x, y in zip(a, b)), f
         else:
             assert a is b or a == b, f
-    grads = slots.no_grads("dsink")
+    grads = slots.grads("dsink")
     assert grads[OpSlots._fields.index("sink")] == "dsink"
     assert grads[OpSlots._fields.index("score_aux")] == [None, None]
+    # a trained table's gradient in its place (OpSettings.train_tables, bit per table)
+    grads = slots.grads("dsink", ["dt1"], OpSettings(*settings[:-1], 0b10).trained())
+    assert grads[OpSlots._fields.index("score_aux")] == [None, "dt1"]
     # a native segments pattern's offsets, in their own slot
     doc = cm.compile_mask(masks.packed_documents())
     starts = torch.tensor([[0] * 5 + [5] * 7 + [12] * 4])

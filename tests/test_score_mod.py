@@ -278,8 +278,10 @@ def test_score_mod_tables_as_the_kernels_read_them():
     def ordered(**by_name):
         return [by_name[n] for n in names]
 
-    with pytest.raises(NotImplementedError, match="gradients into captured tensor 'slopes'"):
-        sm.aux_tensors(tables, torch.device("cpu"))
+    trained = dict(zip(names, sm.aux_tensors(tables, torch.device("cpu"))))
+    assert trained["slopes"].requires_grad  # a trained table: converted through autograd
+    trained["slopes"].sum().backward()
+    torch.testing.assert_close(slopes.grad, torch.ones_like(slopes))
     with torch.no_grad():
         aux = dict(zip(names, sm.aux_tensors(tables, torch.device("cpu"))))
     assert (aux["slopes"].dtype, aux["ids"].dtype) == (torch.float32, torch.int32)
@@ -554,22 +556,30 @@ def test_score_mod_made_inside_a_compiled_graph_is_refused_saying_so():
     assert f(torch.zeros(2))[1] == traced_score_args(outside)[0]
 
 
-def test_score_mod_gradients_into_captures_are_refused_in_a_compiled_graph():
-    """A captured tensor that requires grad is refused on the GPU engines in a compiled graph
-    as in eager (the kernels build no gradient for it), not dropped; without grad it runs."""
+def test_score_mod_trained_tables_reach_the_op_in_a_compiled_graph():
+    """A captured tensor that requires grad reaches the op in a compiled graph through
+    autograd (its float32 conversion recorded), so its gradient flows back as in eager; the op
+    refuses it deterministically, naming the reference engine."""
     from compilemask.dsl.score_mod import traced_score_args
 
-    slopes = torch.nn.Parameter(torch.rand(4))
+    slopes = torch.nn.Parameter(torch.rand(4, dtype=torch.float64))
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
 
     f = torch.compile(lambda x: (x + 1, traced_score_args(alibi)[1]), fullgraph=True,
                       backend="eager")
-    with pytest.raises(Exception, match="gradients into a captured tensor"):
-        f(torch.zeros(2))
-    with torch.no_grad():
-        torch.testing.assert_close(f(torch.zeros(2))[1][0], slopes.detach())
+    (table,) = f(torch.zeros(2))[1]
+    assert table.dtype == torch.float32 and table.requires_grad
+    (table * 2).sum().backward()
+    torch.testing.assert_close(slopes.grad, torch.full_like(slopes, 2.0))
+    from compilemask.kernels.autograd import attention_op
+
+    desc = cm.compile_mask(masks.causal()).preprocess(None, 8)
+    q = torch.randn(1, 8, 4, 64)
+    with pytest.raises(NotImplementedError, match="not deterministically.*reference"):
+        attention_op(q, q, q, desc, engine="fa4", deterministic=True,
+                     score=(traced_score_args(alibi)[0], [table]))
 
 
 def test_score_mod_tensors_read_as_attributes_are_refused():
@@ -783,7 +793,7 @@ def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
     sm = dataclasses.replace(sm, index_bits=True, key="")
     seen = []
     monkeypatch.setattr(fa4, "score_mod_fns",
-                        lambda sm, offset, gqa, bits: seen.append(bits) or (None, None))
+                        lambda sm, offset, gqa, bits, train=(): seen.append(bits) or (None, None))
     monkeypatch.setattr(fa4, "patches", lambda: ())
     for S in (64, INDEX_BOUND - 256, INDEX_BOUND - 255):
         desc = types.SimpleNamespace(seqlen_q=S, seqlen_k=S)  # what the native engine reads

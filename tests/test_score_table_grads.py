@@ -79,6 +79,37 @@ def test_table_reads_name_each_read_and_its_derivative():
     assert d == j - i  # d (score + t[h] (j - i)) / d t[h]
 
 
+@pytest.mark.parametrize("name", ["t5", "temperature"])
+def test_trained_tables_compile_in_fa4_backward(name):
+    """The backward's score_mod_bwd with a trained table (each read's product added into its
+    float32 buffer after the tables) compiles inside FA4's sm90 block-sparse backward, with
+    GQA; the buffers are passed after the tables."""
+    pytest.importorskip("flash_attn.cute")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.kernels import fa4
+
+    from helpers import fake_on_cuda
+
+    Bf, S, H, Hkv, D = 2, 300, 4, 2, 128
+    ts = _tensors(H, S, torch.Generator().manual_seed(0), torch.float32)[name]
+    sm, tables = cm.compile_score_mod(_score_mod(name, ts))
+    assert "atomic_add_fp32(" in score_mod_source(sm, 0, 2, False, (0,))
+    desc = cm.compile_mask(masks.causal()).preprocess(None, seqlen_q=S, batch_size=Bf)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(Bf, S, H, D, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(Bf, S, Hkv, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, flists, fake = fake_on_cuda(desc, lists)
+        score = (sm, [fake(t.float()) for t in tables])
+        out, lse = fa4.fwd(q, kv, kv, fdesc, D**-0.5, "fa4", lists=flists["fwd"], score=score)
+        grads = [fake(torch.zeros(tables[0].shape))]
+        dq, dk, dv = fa4.bwd(q, q, kv, kv, out, lse, fdesc, D**-0.5, "fa4",
+                             lists=flists["bwd64"], score=score, train=(0,), table_grads=grads)
+        assert dq.shape == q.shape and dk.shape == kv.shape
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["t5", "alibi", "temperature", "time_bias"])
 def test_gpu_table_gradients_vs_float32_reference(name):
