@@ -340,7 +340,9 @@ class _Emit:
     def table_grads(self, sm: ScoreMod, train: tuple, first: int) -> None:
         """Code that adds ``grad * d expr / d read`` for every read of the tables at positions
         ``train`` into their gradient buffers (``aux_tensors[first + k]``, float32, the
-        tables' shapes), at the reads' indices; zeros (masked scores) add nothing."""
+        tables' shapes), at the reads' indices; zeros (masked scores) add nothing. FA4 calls
+        the hook on whole fragments in every lane (no divergence), so warp votes and
+        shuffles are safe here."""
         for k, n in enumerate(train):
             dst = f"aux_tensors[{first + k}]"
             for read, d in sm.table_reads(n):
@@ -349,9 +351,18 @@ class _Emit:
                 buf = self.tmp("cute.make_rmem_tensor(n, Float32)")
                 self.lines.append(f"{buf}.store({val})")
                 idx = ", ".join(f"{f}[e]" for f in frags)
-                self.lines += ["for e in cutlass.range_constexpr(n):",
-                               f"    if {buf}[e] != Float32(0.0):",
-                               f"        atomic_add_fp32({buf}[e], elem_pointer({dst}, ({idx},)))"]
+                # lanes whose scores read one entry (a far T5 bucket, a per-head value) add
+                # the warp's sum once: per-score atomics serialize on such hot entries
+                diff = " | ".join(f"({f}[e] - cute.arch.shuffle_sync({f}[e], 0))"
+                                  for f in frags)
+                self.lines += [
+                    "for e in cutlass.range_constexpr(n):",
+                    f"    if cute.arch.vote_all_sync(({diff}) == Int32(0)):",
+                    f"        total = cute.arch.warp_reduction_sum({buf}[e])",
+                    "        if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
+                    f"            atomic_add_fp32(total, elem_pointer({dst}, ({idx},)))",
+                    f"    elif {buf}[e] != Float32(0.0):",
+                    f"        atomic_add_fp32({buf}[e], elem_pointer({dst}, ({idx},)))"]
 
 
 def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:
