@@ -1,0 +1,88 @@
+"""Train steps (forward + backward) with a trainable T5 relative-bias table on causal attention,
+in interleaved rounds (one length, 128K tokens per batch, H=8, D=128, bf16):
+
+* ``cm_trained``: ``cm.attention`` on the fa4 engine, the table's gradient from the backward's
+  hook (``docs/decisions/trainable-score-tables.md``);
+* ``cm_frozen``: the same call with the table detached (the bar: within 1.3x of this);
+* ``flex_triton``: compiled FlexAttention (Triton), which trains the table with an atomic add
+  per score (the bar: at least 1.5x as fast as this).
+
+Each method's median over the rounds, every round timing the methods one after another; the
+table gradients of ``cm_trained`` and ``flex_triton`` are compared once (relative error).
+
+    python bench/score_tables.py [S] [ROUNDS]
+"""
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+
+import compilemask as cm  # noqa: E402
+from compilemask import masks  # noqa: E402
+from compilemask.dsl import score_mods  # noqa: E402
+
+S = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+B, H, D, dev = max(1, 131072 // S), 8, 128, "cuda"
+g = torch.Generator(device=dev).manual_seed(S)
+q, k, v, do = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16, generator=g)
+               for _ in range(4))
+table = torch.randn(32, H, device=dev, generator=g).requires_grad_()
+trained = score_mods.t5_bias(table, 128)
+frozen = score_mods.t5_bias(table.detach(), 128)
+desc = cm.compile_mask(masks.causal()).preprocess(None, S, batch_size=B, device=dev)
+bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, B, None, S, S, device=dev)
+fx = torch.compile(flex_attention, dynamic=False)
+qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))
+
+
+def leaf(*ts):
+    return [t.detach().requires_grad_() for t in ts]
+
+
+def cm_trained():
+    table.grad = None
+    a, b, c = leaf(q, k, v)
+    cm.attention(a, b, c, desc, backend="fa4", score_mod=trained).backward(do)
+
+
+def cm_frozen():
+    a, b, c = leaf(q, k, v)
+    cm.attention(a, b, c, desc, backend="fa4", score_mod=frozen).backward(do)
+
+
+def flex_triton():
+    table.grad = None
+    a, b, c = leaf(qt, kt, vt)
+    fx(a, b, c, score_mod=trained, block_mask=bm).backward(dot)
+
+
+METHODS = {"cm_trained": cm_trained, "cm_frozen": cm_frozen, "flex_triton": flex_triton}
+
+
+def main():
+    cm_trained()
+    ours = table.grad.clone()
+    flex_triton()
+    theirs = table.grad.clone()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    times = {n: [] for n in METHODS}
+    for _ in range(ROUNDS):
+        for n, fn in METHODS.items():
+            times[n].append(triton.testing.do_bench(fn, warmup=5, rep=100))
+    med = {n: statistics.median(t) for n, t in times.items()}
+    print(f"{torch.cuda.get_device_name()} S={S} B={B} H={H} D={D} causal, T5 table 32x{H}; "
+          f"table grad vs Flex-Triton: rel err {rel:.2e}")
+    for n, t in med.items():
+        print(f"  {n:12s} {t:8.3f} ms")
+    print(f"  trained / frozen {med['cm_trained'] / med['cm_frozen']:.3f}x (bar <= 1.3x); "
+          f"Flex-Triton / trained {med['flex_triton'] / med['cm_trained']:.2f}x (bar >= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
