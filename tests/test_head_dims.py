@@ -1,6 +1,6 @@
 """q/k and v of different head dims (MLA: 192 for q and k, 128 for v) on the reference engine,
-forward and backward against a float64 recomputation, eager and compiled; on the native
-engine (FA4's own kernels) on the GPU; the other engines' refusals name the shapes."""
+forward and backward against a float64 recomputation, eager and compiled; the GPU engines'
+refusals name the shapes."""
 
 from __future__ import annotations
 
@@ -49,44 +49,20 @@ def test_v_head_dim_differs_on_the_reference(dims):
 
 
 def test_head_dim_rules_name_the_shapes_and_what_runs_them():
-    """Which engine runs which (q/k, v) head dims: the native engine FA4's own kernels at
-    (64, 64), (128, 128) and MLA's (192, 128); the fa4 and cute engines one head dim (their
-    tile lists and kernels), each refusal naming both dims and the native engine."""
+    """Which engine runs which (q/k, v) head dims: the GPU engines one head dim, 64 or 128
+    (their tile lists and FA4 calls); MLA's (192, 128) only the reference engine. Each refusal
+    names both dims and the reference engine."""
     from compilemask.kernels.dispatch import head_dims_reason
 
-    assert head_dims_reason("native", 192, 128) is None
     assert head_dims_reason("native", 128, 128) is None
-    assert head_dims_reason("reference", 16, 8) is None
+    assert head_dims_reason("reference", 192, 128) is None
     assert head_dims_reason("fa4", 64, 64) is None
-    assert "(192, 128)" in head_dims_reason("native", 96, 64)
+    assert "(64, 64), (128, 128)" in head_dims_reason("native", 192, 128)
     for engine in ("fa4", "cute"):
         why = head_dims_reason(engine, 192, 128)
-        assert "v's head dim 128 differs from q and k's 192" in why and "native" in why
+        assert "v's head dim 128 differs from q and k's 192" in why and "reference" in why
     assert "64 or 128" in head_dims_reason("fa4", 96, 96)
     desc = cm.compile_mask(masks.causal()).preprocess(None, 8)
     q, k, v = torch.randn(1, 8, 2, 192), torch.randn(1, 8, 2, 192), torch.randn(1, 8, 2, 128)
     with pytest.raises(ValueError, match="same shape but for the head dim"):
         cm.attention(q, k, v[:, :7], desc)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["causal", "sliding_window", "block_causal"])
-def test_gpu_mla_head_dims_on_the_native_engine(name):
-    """MLA's head dims (q and k 192, v 128) on FA4's own causal / window / varlen kernels
-    through the native engine, forward and backward within twice PyTorch's bf16 error; the
-    fa4 engine refuses them, naming the shapes."""
-    from helpers import check_attention_vs_reference
-
-    mask = cm.compile_mask(masks.EXAMPLES[name]())
-    B, S = 2, 1000
-    meta = {k: v.cuda() for k, v in masks.random_meta(
-        mask.spec, B, S, torch.Generator().manual_seed(1)).items()} or None
-    desc = mask.preprocess(meta, S, batch_size=B, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, S, 4, 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(B, S, 2, 192, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(B, S, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    assert cm.api.api.select_engine(q, desc, head_dim_v=128) == "native"
-    check_attention_vs_reference(desc, q, k, v, "native", desc.dense_mask())
-    with pytest.raises(NotImplementedError, match="v's head dim 128 differs"):
-        cm.attention(q, k, v, desc, backend="fa4")

@@ -21,15 +21,16 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 
 
 def _config(family, dtype, **kw):
+    kw = {**BASE, **kw}  # a GPU test's head dim replaces BASE's
     if family == "qwen3":
-        return transformers.Qwen3Config(**BASE, dtype=dtype, **kw)
+        return transformers.Qwen3Config(dtype=dtype, **kw)
     if family == "llama":
-        return transformers.LlamaConfig(**BASE, dtype=dtype, **kw)
+        return transformers.LlamaConfig(dtype=dtype, **kw)
     if not hasattr(transformers, "Gemma2Config"):
         pytest.skip("this transformers has no Gemma 2")
     # its sliding layers' window past every position generated (a decode step's cache would
     # otherwise hold only the window); softcapping as a score_mod
-    return transformers.Gemma2Config(**BASE, dtype=dtype, sliding_window=4096,
+    return transformers.Gemma2Config(dtype=dtype, sliding_window=4096,
                                      attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
                                      query_pre_attn_scalar=16, attention_dropout=0.0, **kw)
 
@@ -91,8 +92,10 @@ def test_gpu_left_padded_generate_equals_sdpa(family, monkeypatch):
     engines (the block-sparse fa4: no native kernel takes a key start), not the reference."""
     import compilemask.api.api as api_mod
 
+    # head dim 64: the GPU engines' kernels run 64 and 128
     ref, mod = _models(family, "cuda", torch.bfloat16,
-                       ref_impl="eager" if family == "gemma2" else "sdpa", initializer_range=0.3)
+                       ref_impl="eager" if family == "gemma2" else "sdpa", initializer_range=0.3,
+                       head_dim=64)
     engines = []
     real_select = api_mod.select_engine
 
