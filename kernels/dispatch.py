@@ -24,25 +24,33 @@ __all__ = ["BACKENDS", "ENGINES", "why_not", "select_engine", "select_served_eng
 
 BACKENDS = ("auto", "fa4", "native", "cute", "reference")
 ENGINES = BACKENDS[1:]
-# (q/k head dim, v head dim) of FA4's own sm90 kernels as the native engine runs them. MLA's
-# (192, 128) is not among them: FA4 has kernels for it, but this engine's calls of them do not
-# pass the GPU test (tests/test_head_dims.py); the block-sparse lists are laid out for 64 and
-# 128 only (BWD_TILE_M), and FA4's (192, 128) backward uses kv tiles of 96
-NATIVE_HEAD_DIMS = ((64, 64), (128, 128))
+# (q/k head dim, v head dim) of FA4's own sm90 kernels as the native engine runs them; MLA's
+# (192, 128) with one kv head per query head only: FA4's sm90 GQA backward needs one head dim.
+# The block-sparse lists are laid out for 64 and 128 only (BWD_TILE_M), and FA4's (192, 128)
+# backward uses kv tiles of 96: the other engines run one head dim
+NATIVE_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 
 
-def head_dims_reason(engine: str, head_dim: int, head_dim_v: int) -> str | None:
-    """Why ``engine`` has no kernel for these head dims (q and k, v), or None."""
+def head_dims_reason(engine: str, head_dim: int, head_dim_v: int,
+                     gqa: bool = False) -> str | None:
+    """Why ``engine`` has no kernel for these head dims (q and k, v), or None; ``gqa``: fewer
+    kv heads than query heads."""
     if engine == "reference":
         return None
     if engine == "native":
-        if (head_dim, head_dim_v) in NATIVE_HEAD_DIMS:
-            return None
-        return (f"head dims (q/k {head_dim}, v {head_dim_v}): the native engine runs "
-                f"{', '.join(f'({a}, {b})' for a, b in NATIVE_HEAD_DIMS)}")
+        if (head_dim, head_dim_v) not in NATIVE_HEAD_DIMS:
+            return (f"head dims (q/k {head_dim}, v {head_dim_v}): the native engine runs "
+                    f"{', '.join(f'({a}, {b})' for a, b in NATIVE_HEAD_DIMS)}")
+        if gqa and head_dim != head_dim_v:
+            return (f"head dims (q/k {head_dim}, v {head_dim_v}) with fewer kv heads than query "
+                    "heads: FA4's sm90 GQA backward needs one head dim (repeat k and v per "
+                    "query head, or backend='reference')")
+        return None
     if head_dim_v != head_dim:
         return (f"v's head dim {head_dim_v} differs from q and k's {head_dim}: the {engine} "
-                "engine runs one head dim (64 or 128); backend='reference' runs it")
+                "engine runs one head dim (64 or 128); the native engine runs (192, 128) with "
+                "a kv head per query head for masks the compiler proved causal, windowed or "
+                "segments; backend='reference' runs any")
     if engine == "fa4" and head_dim not in BWD_TILE_M:
         return f"head dim {head_dim} (the fa4 engine: 64 or 128)"
     return None
@@ -78,10 +86,11 @@ def cute_kernel_reason(q) -> str | None:
     return None
 
 
-def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None) -> str | None:
+def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None,
+               kv_heads: int | None = None) -> str | None:
     """Why FA4's ``engine`` ("fa4" or "native") cannot run this call on these tensors, or None
     (device, FA4 itself, dtype, head dims, the descriptor's tiles or proof); ``head_dim_v``:
-    v's head dim where it differs from q's."""
+    v's head dim where it differs from q's; ``kv_heads``: k and v's head count."""
     if not q.is_cuda:
         return "the tensors are not on a CUDA device"
     err = fa4_lib.unavailable_reason()
@@ -92,7 +101,8 @@ def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None) -> str | Non
         return f"FA4's block-sparse sm90 path needs compute capability 9.x, got {major}.x"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"FA4 runs bf16/fp16, got {q.dtype}"
-    why = head_dims_reason(engine, q.shape[-1], head_dim_v or q.shape[-1])
+    why = head_dims_reason(engine, q.shape[-1], head_dim_v or q.shape[-1],
+                           gqa=kv_heads is not None and kv_heads != q.shape[2])
     if why:
         return why
     if engine == "native":
@@ -116,10 +126,10 @@ def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None) -> str | Non
 
 def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
             score_mod: bool = False, sink: bool = False,
-            head_dim_v: int | None = None) -> str | None:
+            head_dim_v: int | None = None, kv_heads: int | None = None) -> str | None:
     """None when ``engine`` can run this ``cm.attention`` call on CUDA, else the reason (for the
     error message); ``score_mod`` / ``sink``: the call has one; ``head_dim_v``: v's head dim
-    (None: q's)."""
+    (None: q's); ``kv_heads``: k and v's head count (None: q's)."""
     if heads > 1 and engine in ("native", "cute"):
         return ("folded heads (a sequence per batch and head) run on the fa4 engine; "
                 "preprocess_heads(..., fold=False) keeps a descriptor per head group")
@@ -145,7 +155,7 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
                                                        "device/dtype/head dim")
     if deterministic and engine == "fa4":
         return "FA4's deterministic block-sparse backward needs dQ write orders (not built)"
-    why = fa4_reason(q, desc, engine, head_dim_v)
+    why = fa4_reason(q, desc, engine, head_dim_v, kv_heads)
     if why is None and engine == "native" and score_mod and desc.native.kind == "segments":
         # FA4's varlen path numbers rows, keys and sequences per segment, not as the
         # score_mod's b, q_idx, kv_idx: the lists run it
@@ -156,7 +166,7 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
 
 def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
                   heads: int = 1, score_mod: bool = False, sink: bool = False,
-                  head_dim_v: int | None = None) -> str:
+                  head_dim_v: int | None = None, kv_heads: int | None = None) -> str:
     """The engine ``attention`` runs for these tensors (see ``docs/decisions/engine.md``).
 
     ``auto`` on CUDA: ``native`` when the compiler proved the mask a native FA4 pattern for this
@@ -165,7 +175,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
     deterministic mode here). On CPU: ``reference``. A CUDA call that no engine can run raises
     ``NotImplementedError`` with each engine's reason, unless ``backend="reference"``.
     ``score_mod`` / ``sink``: the call has a score_mod / a learnable sink (engines without them
-    are passed over); ``head_dim_v``: v's head dim where it differs from q's."""
+    are passed over); ``head_dim_v`` / ``kv_heads``: v's head dim and k and v's head count
+    where they differ from q's."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
@@ -178,7 +189,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
                  "GPU engines need CUDA)")
         return "reference"
     if backend != "auto":
-        why = why_not(q, desc, backend, deterministic, heads, score_mod, sink, head_dim_v)
+        why = why_not(q, desc, backend, deterministic, heads, score_mod, sink, head_dim_v,
+                      kv_heads)
         if why:
             raise NotImplementedError(f"cm.attention: backend={backend!r} cannot run this call: "
                                       f"{why}")
@@ -186,7 +198,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
     order = ("cute",) if deterministic else ("native", "fa4", "cute")
     reasons = []
     for engine in order:
-        why = why_not(q, desc, engine, deterministic, heads, score_mod, sink, head_dim_v)
+        why = why_not(q, desc, engine, deterministic, heads, score_mod, sink, head_dim_v,
+                      kv_heads)
         if why is None:
             return engine
         reasons.append(f"{engine}: {why}")

@@ -242,7 +242,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
     desc = on_device(desc, q.device)  # a descriptor made elsewhere: its copy here, made once
     engine = select_engine(q, desc, backend, deterministic, heads,
                            score_mod=score_mod is not None, sink=learnable_sink is not None,
-                           head_dim_v=v.shape[-1])
+                           head_dim_v=v.shape[-1], kv_heads=v.shape[2])
     score = None
     rows = _row_positions(desc, heads) if score_mod is not None else None
     if rows is not None and engine == "reference":  # exact for any score_mod
