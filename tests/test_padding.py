@@ -131,7 +131,7 @@ def test_score_mods_on_a_padded_batch_read_the_padded_positions():
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, S, H, D, generator=g, dtype=torch.float64) for _ in range(3))
     desc = mask.preprocess(None, S, batch_size=B, padding=am)
-    assert desc.q_offset == -1 and _row_positions(desc, 1)[1].tolist() == [0] * B
+    assert desc.q_offset == -1 and _row_positions(desc, 1, B)[1].tolist() == [0] * B
     dense = _brute(mask, None, S, B, am)
     t5 = score_mods.t5_bias(torch.randn(32, H, generator=g, dtype=torch.float64), 16)
     alibi = score_mods.alibi(score_mods.alibi_slopes(H).double())
@@ -143,7 +143,7 @@ def test_score_mods_on_a_padded_batch_read_the_padded_positions():
         assert torch.equal(out[~real], torch.zeros_like(out[~real]))
     # the last 3 rows of each padded sequence: the rows' start is S - 3 in every sequence
     last = padded(query_descriptor(mask, None, S, 3, batch_size=B), am)
-    assert _row_positions(last, 1)[1].tolist() == [S - 3] * B
+    assert _row_positions(last, 1, B)[1].tolist() == [S - 3] * B
     got = cm.attention(q[:, -3:], k, v, last, score_mod=t5)
     want = attention_reference(q, k, v, dense, score_mod=t5)[:, -3:]
     keep = real[:, -3:]

@@ -583,7 +583,7 @@ def test_score_mod_at_row_positions_is_the_score_mod_there(kind):
     evaluated as the kernels do, equals the score_mod at those positions: the last rows of a
     sequence (one offset), requests of their own lengths (an offset per sequence) and the
     chosen rows of a mask with fallback regions (a position per row)."""
-    from compilemask.api.api import _row_positions, _rows_table
+    from compilemask.api.api import _row_positions
     from compilemask.dsl import score_mods
     from compilemask.dsl.score_mod import at_rows, score_mod_for_key
     from compilemask.pipeline.rows import rows_descriptor
@@ -603,9 +603,9 @@ def test_score_mod_at_row_positions_is_the_score_mod_there(kind):
         desc = query_descriptor(mask, None, Sk, Sq, batch_size=B, seqused_k=used)
         used = torch.tensor([Sk, Sk]) if used is None else used
         want_pos = (used - Sq).view(B, 1) + torch.arange(Sq)
-    rows = _row_positions(desc, 1)
+    rows = _row_positions(desc, 1, B)
     assert rows is not None and rows[0] == (kind == "fallback_rows")
-    table = _rows_table(rows, B)
+    table = rows[1].contiguous()
     t5 = score_mods.t5_bias(torch.randn(32, 3, generator=g), 16)
     alibi = score_mods.alibi(score_mods.alibi_slopes(3))
     for fn in (t5, alibi):
@@ -658,7 +658,7 @@ def test_gpu_score_mods_at_the_rows_positions(kind):
         alibi = score_mods.alibi(score_mods.alibi_slopes(4).cuda())
         for fn in (t5, alibi):
             check_attention_vs_reference(d, q, k, v, "fa4", d.dense_mask(), score_mod=fn,
-                                         ref_score_mod=_at_positions(fn, _row_positions(d, 1)))
+                                         ref_score_mod=_at_positions(fn, _row_positions(d, 1, B)))
 
 
 def test_t5_bias_on_a_batch_of_requests_and_a_packed_batch():

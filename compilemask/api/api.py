@@ -99,10 +99,10 @@ def check_arguments(q, k, v, softmax_scale, who: str = "cm.attention") -> None:
 
 def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
     """A descriptor of queries elsewhere in the sequence whose positions it does not hold
-    (``_row_positions`` None: a context-parallel shard of an interval mask, a padded batch)
-    runs only a score_mod that does not read q_idx, or one that a moved q_idx changes by a
-    per-row constant where nothing else in the row's softmax stays put (no LSE returned, no
-    learnable sink): the output is then the same."""
+    (``_row_positions`` None: a context-parallel shard of an interval mask) runs only a
+    score_mod that does not read q_idx, or one that a moved q_idx changes by a per-row
+    constant where nothing else in the row's softmax stays put (no LSE returned, no learnable
+    sink): the output is then the same."""
     if not desc.q_offset or row_shift == "none":
         return
     if row_shift == "row" and not return_lse and not sink:
@@ -119,24 +119,25 @@ def _check_rows(desc, row_shift: str, return_lse: bool, sink: bool):
         "or fold the offset into the score_mod's own tables")
 
 
-def _row_positions(desc, heads: int):
-    """``(per_row, int64 tensor)``: where the descriptor's rows are not positions ``0..`` of
-    their sequences but it records where they are: ``[B, Sq]`` each row's position
-    (``per_row``; rows of a mask with fallback regions), or ``[B]`` / 0-d each sequence's
-    position of local row 0 (served rows: ``query_descriptor``'s last rows, requests of their
-    own lengths; a padded batch). None: rows ``0..``, or positions not recorded
-    (``_check_rows``)."""
+def _row_positions(desc, heads: int, batch: int):
+    """``(per_row, int32 tensor)`` on the descriptor's device, where its rows are not positions
+    ``0..`` of their sequences but it records where they are: ``[B, Sq]`` each row's position
+    (``per_row``; rows of a mask with fallback regions), or ``[B]`` each sequence's position of
+    its local row 0 (served rows: ``query_descriptor``'s last rows, requests of their own
+    lengths; a padded batch). None: rows ``0..``, or positions not recorded (``_check_rows``).
+    What the GPU engines read as the score_mod's last table (``at_rows``); made on the device
+    (a fill, no copy from the host: this runs per layer)."""
     if desc.q_offset > 0:
-        return False, torch.tensor(desc.q_offset, dtype=torch.int64, device=desc.device)
+        return False, torch.full((batch,), desc.q_offset, dtype=torch.int32, device=desc.device)
     if not desc.q_offset or heads != 1:  # a folded descriptor's b is a (batch, head)
         return None
     if desc.positions is not None:
-        return True, desc.positions.long()
+        return True, desc.positions
     if desc.row_start is not None:
-        return False, desc.row_start.long()
+        return False, desc.row_start
     if desc.seqused_k is not None:
-        used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q.long()
-        return False, desc.seqused_k.long() - used_q
+        used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q
+        return False, (desc.seqused_k - used_q).to(torch.int32)
     return None
 
 
@@ -145,27 +146,16 @@ def _at_positions(score_mod, rows):
     (``_row_positions``; a packed batch's padding rows, which see nothing, read 0): the
     reference engine evaluates it as on the whole sequence's rows."""
     per_row, pos = rows
+    pos = pos.long()
     if per_row:
         last = pos.shape[1] - 1
 
         def at_positions(score, b, h, q_idx, kv_idx):
             return score_mod(score, b, h, pos[b, q_idx.clamp(max=last)].clamp(min=0), kv_idx)
-    elif pos.dim():
-        def at_positions(score, b, h, q_idx, kv_idx):
-            return score_mod(score, b, h, (pos[b] + q_idx).clamp(min=0), kv_idx)
     else:
         def at_positions(score, b, h, q_idx, kv_idx):
-            return score_mod(score, b, h, (pos + q_idx).clamp(min=0), kv_idx)
+            return score_mod(score, b, h, (pos[b] + q_idx).clamp(min=0), kv_idx)
     return at_positions
-
-
-def _rows_table(rows, batch: int) -> torch.Tensor:
-    """The row positions as the kernels read them (``at_rows``): int32, ``[B]`` or
-    ``[B, Sq]``, contiguous."""
-    per_row, pos = rows
-    if not per_row:
-        pos = pos.expand(batch) if pos.dim() == 0 else pos
-    return pos.to(torch.int32).contiguous()
 
 
 def _spec_of(desc):
@@ -244,7 +234,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                            score_mod=score_mod is not None, sink=learnable_sink is not None,
                            head_dim_v=v.shape[-1], kv_heads=v.shape[2])
     score = None
-    rows = _row_positions(desc, heads) if score_mod is not None else None
+    rows = _row_positions(desc, heads, q.shape[0]) if score_mod is not None else None
     if rows is not None and engine == "reference":  # exact for any score_mod
         score_mod, rows = _at_positions(score_mod, rows), None
     elif score_mod is not None and engine == "reference" and desc.q_offset:
@@ -280,7 +270,7 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             _check_masked_scores(score_mod, key, _spec_of(desc))
             if rows is not None and row_shift != "none":  # q_idx read at the rows' positions
                 key = at_rows(key, rows[0])
-                tables = [*tables, _rows_table(rows, q.shape[0])]
+                tables = [*tables, rows[1].contiguous()]
             else:
                 _check_rows(desc, row_shift, return_lse, learnable_sink is not None)
             score = (key, tables)
