@@ -303,16 +303,16 @@ def attention_bwd(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v:
         raise NotImplementedError("compilemask::attention_bwd: a served batch (paged or packed "
                                   "keys) runs forward only")
     if engine in ("fa4", "native"):
-        train = settings.trained()
-        dtables = [torch.zeros(slots.score_aux[n].shape, dtype=torch.float32, device=q.device)
-                   for n in train]
+        dtables = {n: torch.zeros(slots.score_aux[n].shape, dtype=torch.float32,
+                                  device=q.device) for n in settings.trained()}
         grads = fa4.bwd(dout, q, k, v, out, lse, desc, scale, engine, dlse=dlse,
                         deterministic=settings.deterministic,
                         lists=slots.lists(backward=True),
                         variant=_mask_mod_variant(settings.options),
                         score=_score_of(settings, slots.score_aux), sink=slots.sink,
-                        heads=settings.heads, train=train, table_grads=dtables)
+                        heads=settings.heads, table_grads=dtables)
         grads = tuple(g.contiguous() for g in grads)
+        dtables = list(dtables.values())
         return (*grads, dtables) if len(grads) == 4 else (*grads, no_sink, dtables)
     if q.is_cuda and engine == "cute":
         return (*_cuda_bwd(dout, dlse, q, k, v, out, lse, desc, settings.mask_key, scale,
@@ -397,7 +397,7 @@ def attention_op(q, k, v, desc, softmax_scale: Optional[float] = None, return_ls
     tables = list(score[1]) if score is not None else []
     train = sum(1 << n for n, t in enumerate(tables) if t.requires_grad) \
         if torch.is_grad_enabled() else 0
-    if train and (engine not in ("fa4", "native") or deterministic):
+    if train and deterministic:  # (a score_mod runs on the fa4 and native engines only)
         raise NotImplementedError(
             "attention_op: gradients into a score_mod's tables run on the fa4 and native "
             "engines, not deterministically (their adds are unordered float atomics); "

@@ -91,13 +91,13 @@ def fwd(q, k, v, desc, softmax_scale: float, engine: str, lists=None, variant=No
 
 def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
         deterministic: bool = False, lists=None, variant=None, score=None, sink=None,
-        heads: int = 1, train: tuple = (), table_grads=()):
+        heads: int = 1, table_grads: dict | None = None):
     """(dq, dk, dv), and dsink with a ``sink``, through FA4's backward for the same engine as
-    the forward; ``table_grads``: float32 zeros, one per score_mod table at positions
-    ``train``, into which the backward adds the tables' gradients."""
+    the forward; ``table_grads``: score_mod table position -> float32 zeros of its shape, into
+    which the backward adds that table's gradient."""
     return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
                                                      softmax_scale, engine, dlse, deterministic,
-                                                     lists, variant, score, sink, heads, train,
+                                                     lists, variant, score, sink, heads,
                                                      table_grads)
 
 
@@ -111,7 +111,7 @@ def _per_head(lists, heads: int):
 
 
 def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=None,
-          heads: int = 1, served: bool = False, train: tuple = (), table_grads=()) -> dict:
+          heads: int = 1, served: bool = False, table_grads: dict | None = None) -> dict:
     """FA4's mask_mod, score_mod(_bwd) / softcap and aux_tensors for this call: the mask's aux
     tensors first, then the score_mod's tables (its code reads them at that offset); ``gqa``:
     query heads per kv head (the backward's score_mod indices come packed by it); ``variant``:
@@ -130,13 +130,12 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             # backward too, since its indices are not wrapped: no spill, docs/decisions/engine.md)
             bits = (sm.index_bits
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
-            train = train if backward else ()
-            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits, train)
+            grads = table_grads if backward and table_grads else {}
+            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits, tuple(grads))
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
-            aux += list(tables)
-            aux += list(table_grads) if train else []  # after the tables, as the code reads
+            aux += [*tables, *grads.values()]  # the buffers after the tables, as the code reads
     if aux:
         kw["aux_tensors"] = [_leading_dim(t) for t in aux]
     if sink is not None:
@@ -202,10 +201,10 @@ def fwd_served(q, k, v, desc, softmax_scale: float, engine: str, **lengths):
 
 def _bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=None,
          deterministic: bool = False, lists=None, variant=None, score=None, sink=None,
-         heads: int = 1, train: tuple = (), table_grads=()):
+         heads: int = 1, table_grads: dict | None = None):
     D = q.shape[-1]
     mods = _mods(desc, engine, variant, score, backward=True, gqa=q.shape[2] // k.shape[2],
-                 sink=sink, heads=heads, train=train, table_grads=table_grads)
+                 sink=sink, heads=heads, table_grads=table_grads)
     if engine == "native":
         pat = desc.native
         if pat.kind == "segments":

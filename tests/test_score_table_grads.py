@@ -104,9 +104,9 @@ def test_trained_tables_compile_in_fa4_backward(name):
         fdesc, flists, fake = fake_on_cuda(desc, lists)
         score = (sm, [fake(t.float()) for t in tables])
         out, lse = fa4.fwd(q, kv, kv, fdesc, D**-0.5, "fa4", lists=flists["fwd"], score=score)
-        grads = [fake(torch.zeros(tables[0].shape))]
+        grads = {0: fake(torch.zeros(tables[0].shape))}
         dq, dk, dv = fa4.bwd(q, q, kv, kv, out, lse, fdesc, D**-0.5, "fa4",
-                             lists=flists["bwd64"], score=score, train=(0,), table_grads=grads)
+                             lists=flists["bwd64"], score=score, table_grads=grads)
         assert dq.shape == q.shape and dk.shape == kv.shape
 
 
