@@ -371,11 +371,11 @@ def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str],
     return em.lines, out
 
 
-
 def _plain(expr) -> str:
     """``expr`` as text with each float at double precision: sympy's cache may hand back an
     equal Float made earlier at another precision, and the text names the program's file."""
     return sp.sstr(expr.xreplace({f: sp.Float(float(f)) for f in expr.atoms(sp.Float)}))
+
 
 def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
                      index_bits: bool = False, train: tuple = ()) -> str:

@@ -73,21 +73,12 @@ def cross_descriptor(mask, meta, seqlen_q: int, seqlen_k: int, *,
     if seqlen_q < seqlen_k and mask.key_indexed_arrays:
         # the keys' arrays are longer than the rows': rows 0.. of a seqlen_k-token sequence
         meta = _fitted(mask, meta, seqlen_q, seqlen_k, seqlen_k)
-        rows = torch.arange(seqlen_q, device=_device(meta, device))
-        return rows_descriptor(mask, meta, seqlen_k, rows, batch_size=batch_size,
-                               fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles, check=check,
+        return rows_descriptor(mask, meta, seqlen_k, torch.arange(seqlen_q),
+                               batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles,
+                               check=check,
                                device=device, who="cross_descriptor", backend=backend,
                                q_offset=0)
     return mask.preprocess(_fitted(mask, meta, seqlen_q, seqlen_k, seqlen_q), seqlen_q, seqlen_k,
                            batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles,
                            check=check, device=device, backend=backend)
 
-
-def _device(meta: dict, device):
-    """Where the descriptor is made: ``device``, else the metadata's, else the CPU."""
-    if device is not None:
-        return torch.device(device)
-    for v in meta.values():
-        if isinstance(v, torch.Tensor):
-            return v.device
-    return torch.device("cpu")
