@@ -127,18 +127,25 @@ def _row_positions(desc, heads: int, batch: int):
     lengths; a padded batch). None: rows ``0..``, or positions not recorded (``_check_rows``).
     What the GPU engines read as the score_mod's last table (``at_rows``); made on the device
     (a fill, no copy from the host: this runs per layer)."""
-    if desc.q_offset > 0:
-        return False, torch.full((batch,), desc.q_offset, dtype=torch.int32, device=desc.device)
-    if not desc.q_offset or heads != 1:  # a folded descriptor's b is a (batch, head)
+    if not desc.q_offset:
+        return None
+    start = _row_start(desc)
+    if start >= 0:
+        return False, torch.full((batch,), start, dtype=torch.int32, device=desc.device)
+    if heads != 1:  # a folded descriptor's b is a (batch, head)
         return None
     if desc.positions is not None:
         return True, desc.positions
-    if desc.row_start is not None:
-        return False, desc.row_start
     if desc.seqused_k is not None:
         used_q = desc.seqlen_q if desc.seqused_q is None else desc.seqused_q
         return False, (desc.seqused_k - used_q).to(torch.int32)
     return None
+
+
+def _row_start(desc) -> int:
+    """Every sequence's position of its local row 0 where it is one for all (``q_offset``, or
+    a padded batch's ``row_start``), else -1."""
+    return desc.q_offset if desc.q_offset >= 0 else desc.row_start
 
 
 def _at_positions(score_mod, rows):
@@ -268,7 +275,9 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                 sm, tables = compile_score_mod(score_mod)
                 key, tables, row_shift = sm.key, sm.aux_tensors(tables, q.device), sm.row_shift
             _check_masked_scores(score_mod, key, _spec_of(desc))
-            if rows is not None and row_shift != "none":  # q_idx read at the rows' positions
+            if row_shift == "none" or _row_start(desc) == 0:
+                pass  # q_idx unread, or the local rows are the positions (a padded square batch)
+            elif rows is not None:  # q_idx read at the rows' positions
                 key = at_rows(key, rows[0])
                 tables = [*tables, rows[1].contiguous()]
             else:

@@ -60,11 +60,12 @@ forward tiling (128x128, FA4's head-dim-64 backward).
     at that position or at the key, with ``max_row = Sk - 1``; ``row_params`` still holds the
     arrays at the rows. Absent (None), row ``q_idx`` is position ``q_idx``.
 
-``row_start`` int32 ``[B]``
-    Each sequence's position of its local row 0, where its rows are consecutive positions but
-    ``q_offset`` is -1 (a padded batch: its keys clipped to its real tokens). A score_mod reads
-    ``q_idx`` there as ``row_start[b] + q_idx``. Absent (None): ``q_offset`` says where the
-    rows are, or the descriptor does not know (``positions``, ``seqused_k``).
+``row_start`` (an int)
+    Every sequence's position of its local row 0 where the rows are consecutive positions,
+    the same in every sequence, but ``q_offset`` is -1 (a padded batch: its keys clipped to
+    its real tokens; 0 for a square one). A score_mod reads ``q_idx`` there as
+    ``row_start + q_idx``. -1: ``q_offset`` says where the rows are, or the descriptor does
+    not know (``positions``, ``seqused_k``).
 
 The encoding constants and helpers below (``TILE_*``, ``bitmap_words``, ``state_in_word``,
 ``in_interval``) are the only place the layout is spelled out; ``make_descriptor`` is the one
@@ -306,9 +307,9 @@ class ExecutionDescriptor:
     # ``r`` is position ``r`` and ``row_params`` is indexed by position
     positions: torch.Tensor | None = None
     key_params: torch.Tensor | None = None
-    # int32 [B]: each sequence's position of local row 0 where the rows are consecutive but
-    # q_offset is -1 (a padded batch); what a score_mod's q_idx is read from. None elsewhere
-    row_start: torch.Tensor | None = None
+    # every sequence's position of local row 0 where the rows are consecutive but q_offset is
+    # -1 (a padded batch); what a score_mod's q_idx is read from. -1 elsewhere
+    row_start: int = -1
 
     @property
     def batch_size(self) -> int:
@@ -391,7 +392,7 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
                     columns: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
                     key_params: torch.Tensor | None = None,
-                    row_start: torch.Tensor | None = None) -> ExecutionDescriptor:
+                    row_start: int = -1) -> ExecutionDescriptor:
     """The one constructor of an :class:`ExecutionDescriptor` (producers and op readers)."""
     return ExecutionDescriptor(
         mask=mask, seqlen_q=seqlen_q, seqlen_k=seqlen_k, intervals=intervals,
@@ -406,7 +407,7 @@ def make_descriptor(mask: Any, seqlen_q: int, seqlen_k: int, fwd_tiles: TileConf
 POST_FIELDS = ("segments", "lists", "q_offset", "meta_max", "seqused_k", "seqused_q", "columns",
                "positions", "key_params", "row_start")
 # the optional tensors, None or on the descriptor's device
-OPTIONAL_TENSORS = ("seqused_k", "seqused_q", "columns", "positions", "key_params", "row_start")
+OPTIONAL_TENSORS = ("seqused_k", "seqused_q", "columns", "positions", "key_params")
 
 
 def with_fields(desc: ExecutionDescriptor, **fields) -> ExecutionDescriptor:

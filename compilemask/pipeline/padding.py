@@ -101,13 +101,14 @@ def _visibility_only(mask, region):
 
 
 def padded_tables(desc: ExecutionDescriptor, lo, hi, positions=None,
-                  row_start: int | None = None) -> ExecutionDescriptor:
+                  row_start: int = -1) -> ExecutionDescriptor:
     """``desc`` with its rows clipped to the key ranges ``[lo_b, hi_b)`` (module docstring):
     the table clipped, both bitmaps made anew, ``q_offset`` -1; no lists (the caller adds
     them) and no segments. ``positions``: the rows' positions (int ``[Sq]`` or ``[B, Sq]``);
     by default ``q_offset + r`` for row ``r`` (rows 0.. of a square batch, the last rows of a
     served one). A descriptor of chosen rows (``q_offset`` -1) needs them given, and
-    ``row_start`` where they are consecutive from it (recorded: a score_mod's ``q_idx``)."""
+    ``row_start`` where they are consecutive from one position in every sequence (recorded:
+    a score_mod's ``q_idx``)."""
     Sq, Sk = desc.seqlen_q, desc.seqlen_k
     if positions is None and desc.q_offset >= 0:
         row_start = desc.q_offset
@@ -131,6 +132,4 @@ def padded_tables(desc: ExecutionDescriptor, lo, hi, positions=None,
         row_region=region.to(torch.int32).contiguous(), fwd_bitmap=fwd, bwd_bitmap=bwd,
         params=desc.params, row_params=desc.row_params, q_offset=-1, meta_max=desc.meta_max,
         seqused_k=desc.seqused_k, seqused_q=desc.seqused_q, positions=desc.positions,
-        key_params=desc.key_params,
-        row_start=desc.row_start if row_start is None else torch.full(
-            (desc.batch_size,), row_start, dtype=torch.int32, device=desc.device))
+        key_params=desc.key_params, row_start=row_start if row_start >= 0 else desc.row_start)
