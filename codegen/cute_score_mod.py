@@ -410,8 +410,9 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          *([f"# gradients of tables {list(train)} added at aux_tensors"
             f"[{offset + len(sm.tables)}:]"] if train else []),
          "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
-         *(["from flash_attn.cute.utils import atomic_add_fp32, elem_pointer"] if train
-           else []),
+         *(["from compilemask.kernels import fa4_lib", "",
+            "atomic_add_fp32 = fa4_lib.module('utils').atomic_add_fp32",
+            "elem_pointer = fa4_lib.module('utils').elem_pointer"] if train else []),
          "", "", f"UNWRAPPED = {index_total(sm)}", "", "",
          *(_I2F if index_bits else []),
          "@cute.jit",
