@@ -39,7 +39,7 @@ def check_attention_vs_reference(desc, q, k, v, engine, dense, options=None, sco
     G = H // k.shape[2]
     dense = dense.to(q.device)
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    do = torch.randn_like(q)
+    do = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # out's shape
     out = cm.attention(q, k, v, desc, backend=engine, options=options, score_mod=score_mod)
     out.backward(do)
     got = (out, q.grad, k.grad, v.grad)

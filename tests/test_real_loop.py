@@ -254,8 +254,12 @@ def test_gpu_cuda_graph_preprocess_and_train_step(name, engine):
         g.replay()
         out_e, grad_e = run()
         assert torch.equal(out_g, out_e)
-        assert (torch.equal(grad_g, grad_e) if det else
-                torch.allclose(grad_g, grad_e, atol=1e-2)), (grad_g - grad_e).abs().max()
+        if det:
+            assert torch.equal(grad_g, grad_e)
+        else:  # one fp32 sum in another order, rounded to bf16: one bf16 step apart at most
+            a, b = grad_g.float(), grad_e.float()
+            step = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs())
+            assert ((a - b).abs() <= step + 1e-5 * b.abs().max()).all(), (a - b).abs().max()
 
 
 @pytest.mark.gpu

@@ -42,10 +42,12 @@ def _case(gen):
     return name, B, Sk, Sq, used, page
 
 
-def _pages(gen, B, Sk, page, used, Hkv, D):
+def _pages(gen, B, Sk, page, used, Hkv, D, stale_tails=False):
     """A pool with a shuffled page table for keys ``[0, Sk)`` of each request (spare pages in
     the pool, table entries past a request's pages -1), clean and with everything a request
-    does not own junk."""
+    does not own junk; with ``stale_tails`` the rows of a request's last page past its length
+    hold other finite values instead (an earlier owner's keys), and only pages it does not
+    need are junk."""
     per = -(-Sk // page)
     n = B * per + 3
     table = torch.randperm(n, generator=gen)[:B * per].view(B, per).to(torch.int32)
@@ -57,10 +59,17 @@ def _pages(gen, B, Sk, page, used, Hkv, D):
             owned[int(table[b, p]), :rows] = True
     unset = torch.arange(per).view(1, -1) >= need.view(-1, 1)
     dirty_table = torch.where(unset, torch.full_like(table, -1), table)
+    needed = torch.zeros(n, dtype=torch.bool)
+    for b in range(B):
+        needed[table[b, :int(need[b])].long()] = True
     caches = []
     for _ in range(2):
         clean = torch.randn(n, page, Hkv, D, generator=gen)
-        caches.append((clean, _junk(clean, ~owned, gen)))
+        if stale_tails:
+            stale = torch.where(owned.view(n, page, 1, 1), clean, torch.randn_like(clean))
+            caches.append((clean, _junk(stale, ~needed, gen)))
+        else:
+            caches.append((clean, _junk(clean, ~owned, gen)))
     return table, dirty_table, caches
 
 
@@ -153,16 +162,17 @@ def test_attention_with_a_served_descriptor_ignores_unowned_rows_forward_and_bac
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["causal", "prefix_lm", "tree_verify", "hstu"])
 def test_gpu_unowned_pages_and_rows_never_reach_the_output(name):
-    """The GPU engines (FA4's paged and varlen kernels): NaN / inf in the tail of a request's
-    last page, in spare pages and in a packed key buffer's rows past the batch's keys give the
-    clean buffers' output, finite, bit for bit."""
+    """The GPU engines (FA4's paged and varlen kernels): NaN / inf in spare pages and in a packed
+    key buffer's rows past the batch's keys, and other finite values in the tail of a request's
+    last page, give the clean buffers' output, finite, bit for bit. (FA4 loads a page whole
+    when the page is one key tile: its tail must be finite, ``paged_attention``'s contract.)"""
     gen = torch.Generator().manual_seed(11)
     mask = _mask(name)
     H, Hkv, D, page = 4, 2, 128, 128
     used_k, used_q = torch.tensor([300, 17, 1, 129]), torch.tensor([5, 17, 1, 0])
     B, Sk = len(used_k), int(used_k.max())
     meta = {k: v.cuda() for k, v in masks.random_meta(mask.spec, B, Sk, gen).items()} or None
-    table, _, caches = _pages(gen, B, Sk, page, used_k, Hkv, D)
+    table, _, caches = _pages(gen, B, Sk, page, used_k, Hkv, D, stale_tails=True)
     (kc, kd), (vc, vd) = ((c.to("cuda", torch.bfloat16), d.to("cuda", torch.bfloat16))
                           for c, d in caches)
     table = table.cuda()

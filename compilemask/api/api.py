@@ -170,20 +170,26 @@ def _spec_of(desc):
     return getattr(mask, "spec", None)
 
 
-@torch.compiler.assume_constant_result
 def _check_masked_scores(score_mod, key: str, spec) -> bool:
     """A score_mod that gives -inf (``torch.where(cond, score, -inf)``: a masked score) runs
     on the GPU engines as its finite value, on a mask that holds ``cond``
     (``from_mask_mod(..., score_mod=)``); with any other mask it is refused."""
+    held = spec is not None and key in spec.masked_scores
+    return _masked_scores_held(getattr(score_mod, "__name__", "score_mod"), key, held)
+
+
+# a constant under torch.compile, called with plain values only (a frozen spec cannot be
+# rebuilt as a constant by every torch release's dynamo)
+@torch.compiler.assume_constant_result
+def _masked_scores_held(name: str, key: str, held: bool) -> bool:
     sm = score_mod_for_key(key)
-    if sm is None or sm.mask is None or (spec is not None and key in spec.masked_scores):
+    if sm is None or sm.mask is None or held:
         return True
     raise NotImplementedError(
-        f"cm.attention: score_mod {getattr(score_mod, '__name__', 'score_mod')!r} gives -inf "
-        f"(a masked score) unless {sm.mask}, which the GPU engines read from the mask: convert "
-        "the mask with that condition, cm.from_mask_mod(mask_mod, score_mod=score_mod) (or "
-        "from_mask_mod_heads), and pass its descriptor; backend='reference' runs the "
-        "score_mod as written")
+        f"cm.attention: score_mod {name!r} gives -inf (a masked score) unless {sm.mask}, which "
+        "the GPU engines read from the mask: convert the mask with that condition, "
+        "cm.from_mask_mod(mask_mod, score_mod=score_mod) (or from_mask_mod_heads), and pass its "
+        "descriptor; backend='reference' runs the score_mod as written")
 
 
 def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
