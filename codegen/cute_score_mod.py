@@ -6,7 +6,7 @@ aux_tensors=)`` on vectors of 1, 2 or 4 scaled scores (the width depends on the 
 whether aux tensors are passed), and ``score_mod_bwd(grad, score, ...)`` for the gradient, which
 is ``grad * d score_mod / d score`` at the pre-modification score. Both functions loop over the
 vector, evaluate the expression per element in float32 (integers in Int32), and return the
-vector. FA4's sm90 backward (4.0.0b36) runs GQA unpacked but hands the score_mod indices in its
+vector. FA4's sm90 backward (4.0.0b40) runs GQA unpacked but hands the score_mod indices in its
 packed-GQA form (``q_idx // G`` and ``h * G + q_idx % G``, G query heads per kv head); the
 backward's functions (``gqa=G``) undo that, and a GPU test with GQA fails if FA4 changes it.
 Tables are ``aux_tensors[offset + t]`` (the mask_mod's aux tensors come first); a

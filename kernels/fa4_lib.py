@@ -42,7 +42,7 @@ __all__ = ["TESTED_VERSIONS", "unavailable_reason", "version", "module", "fwd", 
 DISTRIBUTION = "flash-attn-4"
 # the releases whose private entry points and patched globals these calls are verified against
 # (tests/test_fa4_unwrap.py, test_fa4_rowmask.py, test_fa4_colmask.py pin the internals)
-TESTED_VERSIONS = ("4.0.0b36",)
+TESTED_VERSIONS = ("4.0.0b40",)
 
 
 def version() -> str | None:

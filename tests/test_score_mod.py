@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 
 import numpy as np
@@ -420,11 +421,18 @@ def test_fa4_backward_packs_score_mod_indices_as_relied_on():
     pytest.importorskip("flash_attn.cute")
     import inspect
 
-    from flash_attn.cute import flash_bwd_sm90, interface
+    from flash_attn.cute import config, flash_bwd_sm90, interface
 
-    assert "pack_gqa = False" in inspect.getsource(interface._flash_attn_bwd)
-    src = inspect.getsource(flash_bwd_sm90.FlashAttentionBackwardSm90.apply_score_mod)
-    assert "qhead_per_kvhead=self.qhead_per_kvhead" in src
+    # unpacked: the query-head fold (pack_factor) is SM100's and must stay 1 on sm90
+    assert config._SM100_ONLY_NEUTRAL_FIELDS["pack_factor"] == 1
+    assert "capacity not in (10, 11) and sm100_only" in inspect.getsource(config)
+    # ... yet built with the GQA ratio, which the score_mod hooks pack indices by
+    bwd = inspect.getsource(interface._flash_attn_bwd)
+    assert re.search(r"FlashAttentionBackwardSm90\(\s*dtype,\s*head_dim,\s*head_dim_v,\s*"
+                     r"qhead_per_kvhead,", bwd)
+    for hook in ("apply_score_mod", "apply_score_mod_bwd"):
+        src = inspect.getsource(getattr(flash_bwd_sm90.FlashAttentionBackwardSm90, hook))
+        assert "qhead_per_kvhead=self.qhead_per_kvhead" in src, hook
 
 
 @pytest.mark.gpu
