@@ -3,8 +3,8 @@
 Whenever a call has aux tensors, FA4 4.0.0b40 clamps q_idx and kv_idx into the sequence
 lengths before a mask_mod call on an edge tile (every partial tile of the sm90 backward) and
 before every score_mod call (a min per index and score; 4.0.0b36 reduced them modulo the
-lengths, a fast division each), so that a mask_mod's or a score_mod's table reads stay in bounds on the padded
-rows and columns past the sequence.
+lengths, a fast division each), so that a mask_mod's or a score_mod's table reads stay in
+bounds on the padded rows and columns past the sequence.
 
 The generated functions clamp their reads themselves, so they carry ``UNWRAPPED_ATTR``:
 - a mask_mod, always: the padded positions' mask values are replaced by FA4's own seqlen test;

@@ -268,12 +268,13 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     (bottom-right per request); any other runs FA4's paged kernel with the interval
     ``mask_mod`` on every tile (FA4 loads paged keys without block-sparse lists, so no tile is
     skipped: exact, at a decode step's cost little more). Rows of a sequence's last page past
-    its length must be finite where a page is one of FA4's key tiles (its TMA loads read the
-    page whole; a masked score's zero probability times NaN is NaN): zeros, or an earlier
-    owner's keys; page table entries must lie in ``[0, num_pages)`` (not checked on the GPU: that
-    would synchronize). ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or ``"reference"``
-    (the pages gathered, then the dense float32 path; the CPU's: it reads no row past a
-    request's length and no page past its last, so those may hold anything, NaN included)."""
+    its length must be finite on the GPU engines (where a page is one of FA4's key tiles its
+    TMA loads read the page whole; a masked score's zero probability times NaN is NaN): zeros,
+    or an earlier owner's keys; page table entries must lie in ``[0, num_pages)`` (not checked
+    on the GPU: that would synchronize). ``backend``: ``"auto"``, ``"native"``, ``"fa4"`` or
+    ``"reference"`` (the pages gathered, then the dense float32 path; the CPU's: it reads no
+    row past a request's length and no page past its last, so those may hold anything, NaN
+    included)."""
     _checks("paged_attention", q, k_cache, v_cache, page_table, desc, softmax_scale)
     engine = select_served_engine("paged_attention", q, desc, backend)
     if engine == "reference":
