@@ -14,6 +14,7 @@ table gradients of ``cm_trained`` and ``flex_triton`` are compared once (relativ
 """
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -72,9 +73,20 @@ def flex_triton():
 METHODS = {"cm_trained": cm_trained, "cm_frozen": cm_frozen, "flex_triton": flex_triton}
 
 
+T0 = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    """Where the time goes (compiles dominate a first run), as it goes."""
+    print(f"[{time.perf_counter() - T0:6.1f} s] {what}", flush=True)
+
+
 def main():
     cm_trained()
     ours = table.grad.clone()
+    phase("cm_trained compiled and run")
+    cm_frozen()
+    phase("cm_frozen compiled and run")
     try:
         flex_triton()
     except Exception as e:  # its default tiles do not fit: the smaller ones, said
@@ -83,11 +95,13 @@ def main():
         torch._dynamo.reset()
         flex_triton()
     theirs = table.grad.clone()
+    phase("flex_triton compiled and run")
     rel = ((ours - theirs).norm() / theirs.norm()).item()
     times = {n: [] for n in METHODS}
-    for _ in range(ROUNDS):
+    for r in range(ROUNDS):
         for n, fn in METHODS.items():
             times[n].append(triton.testing.do_bench(fn, warmup=5, rep=100))
+        phase(f"round {r + 1}: " + ", ".join(f"{n} {t[-1]:.3f} ms" for n, t in times.items()))
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"{torch.cuda.get_device_name()} S={S} B={B} H={H} D={D} causal, T5 table 32x{H}; "
           f"table grad vs Flex-Triton: rel err {rel:.2e}")
