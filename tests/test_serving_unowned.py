@@ -198,3 +198,31 @@ def test_gpu_unowned_pages_and_rows_never_reach_the_output(name):
         want = paged_attention(q, kc, vc, table, d)
         got = paged_attention(q, kd, vd, table, d)
         assert torch.isfinite(got).all() and torch.equal(got, want), name
+
+
+def test_cpu_says_once_when_a_last_page_tail_is_not_finite(caplog):
+    """The reference engine never reads a request's last page past its length, the GPU engines'
+    page loads may: on the CPU a NaN there gives the exact output and a warning naming the
+    cache, the page and the request; finite tails (an earlier owner's keys) give none."""
+    from compilemask.contract.log import said
+
+    gen = torch.Generator().manual_seed(5)
+    mask = _mask("causal")
+    used = torch.tensor([5, 8, 0])  # pages of 4: request 0 ends inside its second page
+    d = query_descriptor(mask, None, 8, 2, batch_size=3, seqused_k=used)
+    k, v = (torch.randn(7, 4, 1, 8, generator=gen) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3], [4, -1]], dtype=torch.int32)
+    q = torch.randn(3, 2, 2, 8, generator=gen)
+    said.clear()
+    with caplog.at_level("WARNING", logger="compilemask"):
+        want = paged_attention(q, k, v, table, d)
+        stale = v.clone()
+        stale[1, 1:] = torch.randn(3, 1, 8, generator=gen)  # another owner's finite values
+        assert torch.equal(paged_attention(q, k, stale, table, d), want)
+        assert not [r for r in caplog.records if "past request" in r.getMessage()]
+        dirty = v.clone()
+        dirty[1, 2] = float("nan")
+        dirty[5] = float("nan")  # a spare page: never read by any engine, no warning for it
+        assert torch.equal(paged_attention(q, k, dirty, table, d), want)
+    msgs = [r.getMessage() for r in caplog.records if "past request" in r.getMessage()]
+    assert len(msgs) == 1 and "v_cache page 1" in msgs[0] and "request 0's 5 keys" in msgs[0]

@@ -39,6 +39,7 @@ from compilemask.contract.descriptor import (
     DEFAULT_FWD_TILES,
     ExecutionDescriptor,
 )
+from compilemask.contract.log import say_once
 from compilemask.kernels.autograd import attention_op
 from compilemask.kernels.dispatch import select_served_engine
 from compilemask.pipeline.compiled import CompiledMask, check_device
@@ -254,6 +255,33 @@ def _gathered(cache, page_table, seqlen_k: int, used=None):
     return torch.where(own.view(B, seqlen_k, *(1,) * (rows.dim() - 2)), rows, 0)
 
 
+def _check_tails(k_cache, v_cache, page_table, desc) -> None:
+    """On the CPU, say once when a request's last page holds NaN or inf past its length: the
+    reference engine never reads those rows, the GPU engines' page loads may (the result would
+    be NaN there)."""
+    page = k_cache.shape[1]
+    B = page_table.shape[0]
+    used = (torch.full((B,), desc.seqlen_k) if desc.seqused_k is None
+            else desc.seqused_k.to("cpu", torch.int64))
+    start = used % page
+    has_tail = (used > 0) & (start > 0)
+    if not bool(has_tail.any()):
+        return
+    last = page_table[torch.arange(B), ((used - 1).clamp(min=0) // page)].long()
+    last = torch.where(has_tail & (last >= 0) & (last < k_cache.shape[0]), last, -1)
+    rows = (torch.arange(page).view(1, -1) >= start.view(-1, 1)) & (last >= 0).view(-1, 1)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        bad = ~torch.isfinite(cache[last.clamp(min=0)]).flatten(2).all(-1) & rows  # [B, page]
+        if bool(bad.any()):
+            b = int(bad.any(-1).nonzero()[0])
+            say_once(f"paged_attention: {name} page {int(last[b])} holds NaN or inf in the rows "
+                     f"past request {b}'s {int(used[b])} keys; the reference engine never reads "
+                     "them, but the GPU engines may (FA4 loads a page whole where it is one key "
+                     "tile) and would give NaN: keep those rows finite (allocate the pool with "
+                     "torch.zeros)")
+            return
+
+
 def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, *,
                     softmax_scale: float | None = None, backend: str = "auto"):
     """The forward of ``cm.attention(q, k, v, desc)`` with keys and values in a paged KV cache:
@@ -278,6 +306,8 @@ def paged_attention(q, k_cache, v_cache, page_table, desc: ExecutionDescriptor, 
     _checks("paged_attention", q, k_cache, v_cache, page_table, desc, softmax_scale)
     engine = select_served_engine("paged_attention", q, desc, backend)
     if engine == "reference":
+        if k_cache.device.type == "cpu":
+            _check_tails(k_cache, v_cache, page_table, desc)
         k = _gathered(k_cache, page_table, desc.seqlen_k, desc.seqused_k)
         v = _gathered(v_cache, page_table, desc.seqlen_k, desc.seqused_k)
         return _reference(q, k, v, desc, softmax_scale)
