@@ -27,6 +27,7 @@ from torch import Tensor
 
 from compilemask.contract.cache import SCORE_MODS, mask_for_key, register_mask
 from compilemask.contract.descriptor import BlockSparseLists, DescriptorArgs
+from compilemask.contract.log import say_once
 
 __all__ = ["OpSlots", "OpSettings", "schema_of", "args_schema", "op_args", "unpack",
            "register_mask", "mask_for_key", "score_mod_for_key", "fake_outputs", "LIST_SLOTS"]
@@ -102,6 +103,12 @@ class OpSlots(NamedTuple):
         kw = dict(served, score_aux=list(score_aux), sink=sink, positions=desc.positions,
                   key_params=desc.key_params)
         if engine == "fa4" and not served:
+            if (desc.lists is None and desc.device.type == "cuda"
+                    and not torch.compiler.is_compiling()):
+                say_once(f"cm.attention: the fa4 engine builds mask {desc.mask.name!r}'s tile "
+                         "lists in every call: its producer wrote none (a mask proved native "
+                         "gets them only where the native engine cannot run the batch); "
+                         "compilemask.pipeline.pipeline.with_lists(desc) writes them once")
             bwd = desc.block_sparse("bwd64" if head_dim == 128 else "bwd128")
             kw.update(zip(LIST_SLOTS["fwd"], desc.block_sparse("fwd")))
             kw.update(zip(LIST_SLOTS["bwd"], bwd))

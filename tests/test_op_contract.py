@@ -351,3 +351,31 @@ def test_fa4_check_is_a_constant_under_fullgraph_compile():
     want = f(torch.zeros(3))
     got = torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(3))
     assert torch.equal(got, want)
+
+
+def test_fa4_lists_built_in_every_call_are_said_once(caplog):
+    """The fa4 engine on a CUDA descriptor without lists (a proved-native mask's producer writes
+    none) builds them in every call: said once, naming the mask and the fix; a descriptor with
+    lists, or one on the CPU, is silent."""
+    from compilemask.contract.log import said
+    from compilemask.kernels.contract import OpSlots
+
+    desc = cm.compile_mask(masks.causal()).preprocess(None, 300, batch_size=1)
+
+    class OnCuda:  # the descriptor as a CUDA one looks to the slots (no GPU needed)
+        def __init__(self, lists):
+            self.lists, self.device = lists, torch.device("cuda")
+
+        def __getattr__(self, name):
+            return getattr(desc, name)
+
+    said.clear()
+    with caplog.at_level("WARNING", logger="compilemask"):
+        OpSlots.of(desc, "fa4", 128)
+        OpSlots.of(OnCuda(lists=object()), "fa4", 128)
+        assert not caplog.records
+        for _ in range(2):
+            slots = OpSlots.of(OnCuda(lists=None), "fa4", 128)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "'causal'" in msgs[0] and "with_lists(desc)" in msgs[0], msgs
+    assert torch.equal(slots.fwd_mask_cnt, desc.block_sparse("fwd").mask_cnt)

@@ -178,6 +178,20 @@ def test_debug_model_forward_equals_flex(eager_flex):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["fa4", "auto", "native"])
+def test_a_layer_forced_onto_the_fa4_engine_gets_its_lists_once_per_batch(backend, monkeypatch):
+    """A proved-native mask's producer writes no FA4 lists; with ``backend='fa4'`` the batch's
+    descriptor gets them (once, shared by every layer), with any other backend it does not."""
+    from compilemask.integrations.torchtitan import batch
+
+    seen = []
+    monkeypatch.setattr(batch, "with_lists", lambda desc: seen.append(desc) or desc)
+    d, labels = packed_batch()
+    cfg = CompileMaskAttention.Config(mask="documents", backend=backend)
+    _, _, extra = BatchDescriptors(cfg)(d, labels)
+    assert seen == ([extra["attention_masks"].desc] if backend == "fa4" else [])
+
+
 class DenseAttention(torch.nn.Module):
     """float32 dense masked softmax attention through autograd (rows that see nothing: 0)."""
 

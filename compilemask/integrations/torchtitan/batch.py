@@ -9,6 +9,7 @@ import torch
 
 from compilemask.api.distributed import make_plan, shard_descriptor
 from compilemask.pipeline.compiled import compile_mask
+from compilemask.pipeline.pipeline import with_lists
 
 from . import _compat
 from .attention import CompileMaskAttention, CompileMaskBatch
@@ -61,7 +62,7 @@ class BatchDescriptors:
         fields = {k: v for k, v in input_dict.items() if k not in NOT_META}
         meta = self.meta(positions, fields)
         if self.cp_mesh is None:
-            desc = self.mask.preprocess(meta, seqlen_q=S, batch_size=B, **self.tiles)
+            desc = self._lists(self.mask.preprocess(meta, seqlen_q=S, batch_size=B, **self.tiles))
             return inputs, labels, {"positions": positions,
                                     "attention_masks": CompileMaskBatch(desc)}
         W = self.cp_mesh.size()
@@ -70,9 +71,15 @@ class BatchDescriptors:
                          batch_size=B)
         inputs, labels, positions = _compat.context_parallel_shard(
             self.cp_mesh, (inputs, labels, positions), plan)
-        desc = shard_descriptor(self.mask, meta, plan, rank, batch_size=B, **self.tiles)
+        desc = self._lists(shard_descriptor(self.mask, meta, plan, rank, batch_size=B,
+                                            **self.tiles))
         return inputs, labels, {"positions": positions,
                                 "attention_masks": CompileMaskBatch(desc, plan)}
+
+    def _lists(self, desc):
+        # the producer writes FA4's lists only where the native engine cannot run the batch; a
+        # layer forced onto the fa4 engine reads them once per batch, not once per layer
+        return with_lists(desc) if self.config.backend == "fa4" else desc
 
 
 def flex_block_mask(source, positions: torch.Tensor, fields: dict, attn_config):
