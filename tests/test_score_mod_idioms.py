@@ -122,6 +122,28 @@ def test_minus_inf_score_joins_the_mask(score_mod):
     assert torch.equal(got, score_mod(s, b_, h_, i_, j_))
 
 
+def test_masked_score_check_is_a_constant_of_strings_under_compile():
+    """The check ``cm.attention`` makes for the GPU engines, as ``torch.compile(fullgraph=True)``
+    traces it: strings in (the score_mod's name and key, the mask's registry key), held or
+    refused as in eager."""
+    from compilemask.api.api import _check_masked_scores_of
+    from compilemask.dsl.score_mod import score_mod_mask
+
+    key = score_mod_mask(window_bias)[0].key
+    spec, meta = cm.from_mask_mod(causal, score_mod=window_bias)
+    masks_alive = [cm.compile_mask(spec), cm.compile_mask(cm.from_mask_mod(causal)[0])]
+    held, plain = (str(m.key) for m in masks_alive)  # the registry holds masks weakly
+
+    def f(x, mask_key):
+        _check_masked_scores_of("window_bias", key, mask_key)
+        return x + 1
+
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(lambda x: f(x, held), fullgraph=True)(x), x + 1)
+    with pytest.raises(Exception, match="from_mask_mod.mask_mod, score_mod="):
+        torch.compile(lambda x: f(x, plain), fullgraph=True)(x)
+
+
 def test_minus_inf_masks_of_one_condition_keep_their_own_score_mods():
     """Two score_mods with one -inf condition convert to equal rules: each descriptor's mask
     still names its own score_mod as held (the engines read it from ``desc.mask.spec``)."""

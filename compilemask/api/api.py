@@ -7,6 +7,7 @@ import math
 import torch
 
 from compilemask.compiler.reference import attention_reference, descriptor_dense_mask
+from compilemask.contract.cache import mask_for_key
 from compilemask.contract.descriptor import ExecutionDescriptor
 from compilemask.contract.log import said
 from compilemask.contract.options import KernelOptions
@@ -165,11 +166,6 @@ def _at_positions(score_mod, rows):
     return at_positions
 
 
-def _spec_of(desc):
-    mask = getattr(desc, "mask", None)
-    return getattr(mask, "spec", None)
-
-
 def _check_masked_scores(score_mod, key: str, spec) -> bool:
     """A score_mod that gives -inf (``torch.where(cond, score, -inf)``: a masked score) runs
     on the GPU engines as its finite value, on a mask that holds ``cond``
@@ -178,9 +174,14 @@ def _check_masked_scores(score_mod, key: str, spec) -> bool:
     return _masked_scores_held(getattr(score_mod, "__name__", "score_mod"), key, held)
 
 
-# a constant under torch.compile, called with plain values only (a frozen spec cannot be
-# rebuilt as a constant by every torch release's dynamo)
+# a constant under torch.compile, called with strings only: the mask by its registry key (a
+# frozen spec cannot be rebuilt as a constant by every torch release's dynamo)
 @torch.compiler.assume_constant_result
+def _check_masked_scores_of(name: str, key: str, mask_key: str | None) -> bool:
+    spec = getattr(None if mask_key is None else mask_for_key(mask_key), "spec", None)
+    return _masked_scores_held(name, key, spec is not None and key in spec.masked_scores)
+
+
 def _masked_scores_held(name: str, key: str, held: bool) -> bool:
     sm = score_mod_for_key(key)
     if sm is None or sm.mask is None or held:
@@ -280,7 +281,9 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
             else:
                 sm, tables = compile_score_mod(score_mod)
                 key, tables, row_shift = sm.key, sm.aux_tensors(tables, q.device), sm.row_shift
-            _check_masked_scores(score_mod, key, _spec_of(desc))
+            mask = getattr(desc, "mask", None)
+            _check_masked_scores_of(getattr(score_mod, "__name__", "score_mod"), key,
+                                    None if mask is None else str(mask.key))
             if row_shift == "none" or _row_start(desc) == 0:
                 pass  # q_idx unread, or the local rows are the positions (a padded square batch)
             elif rows is not None:  # q_idx read at the rows' positions
