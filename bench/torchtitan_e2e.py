@@ -273,7 +273,8 @@ def run_config(mask, S, method, args, device):
            "fwd_kept_gib": statistics.median(saved)}
     c = torch._dynamo.utils.counters
     row["graph_breaks"] = sum(c["graph_break"].values())
-    row["break_reasons"] = [r[:160] for r in list(c["graph_break"])[:3]]
+    # whole: the hint and the user frame that say which write broke a checkpointed block
+    row["break_reasons"] = list(c["graph_break"])[:3]
     row["graphs"] = c["stats"].get("unique_graphs", 0)
     row["attn_share"] = attention_share(model, inputs, kw, device, args) * args.layers / step_s
     return row
@@ -422,10 +423,11 @@ def _init_single_rank() -> bool:
 def _fmt(r):
     if r["status"] != "ok":
         return f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['status']}"
+    reasons = [x[:160] for x in r["break_reasons"]]  # whole in the JSON
     return (f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['step_s'] * 1e3:8.1f} ms "
             f"{r['tokens_per_s']:9.0f} tok/s attn {100 * r['attn_share']:5.1f} % "
             f"loss0 {r['losses'][0]:.4f} peak {r['peak_gib']:.1f} kept {r['fwd_kept_gib']:.1f} GiB "
-            f"graphs {r['graphs']} breaks {r['graph_breaks']} {r['break_reasons']}")
+            f"graphs {r['graphs']} breaks {r['graph_breaks']} {reasons}")
 
 
 def table(rows):
