@@ -38,8 +38,10 @@ workload (``compilemask.integrations.torchtitan.data.PackedSequences``: lognorma
 mu = log(S / 8), sigma = 1.0, clipped to [64, S], targets the last 20 % in groups of 64).
 
 Per (mask, S, method): median step time (CUDA events around whole steps after ``--warmup``;
-descriptor or BlockMask build included), tokens/s, peak memory, the first ``--steps`` losses
-(agree with compilemask's to 1e-2 relative: same init, same data), and the attention's share:
+descriptor or BlockMask build included; with ``--runs N``, the median of N groups' medians,
+each reported), tokens/s, peak memory, every step's loss (agree with compilemask's to 1e-2
+relative: same init, same data; ``--steps 16 --runs 3`` compares the first 51), and the
+attention's share:
 the forward + backward of one layer's inner attention alone on that step's q, k, v (same
 method, same mask object), times the layers, over the step time. Each config runs in
 try/except: an out-of-memory is reported as OOM, any other error by its message.
@@ -242,7 +244,7 @@ def run_config(mask, S, method, args, device):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     torch._dynamo.utils.counters.clear()
-    for step in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps * args.runs):
         if cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
@@ -265,8 +267,11 @@ def run_config(mask, S, method, args, device):
         losses.append(float(loss.detach()))
         if step >= args.warmup:
             times.append(dt)
-    step_s = statistics.median(times)
-    row = {"status": "ok", "step_s": step_s, "tokens_per_s": S / step_s, "losses": losses,
+    runs = [statistics.median(times[r * args.steps:(r + 1) * args.steps])
+            for r in range(args.runs)]
+    step_s = statistics.median(runs)
+    row = {"status": "ok", "step_s": step_s, "run_step_s": runs, "tokens_per_s": S / step_s,
+           "losses": losses,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
            # what the blocks' forward keeps for the backward (saved activations), and how the
            # blocks compiled: a graph break inside a checkpointed block changes both
@@ -319,6 +324,9 @@ def main(argv=None):
     p.add_argument("--seqlens", default="8192,32768")
     p.add_argument("--steps", type=int, default=8, help="timed steps (their losses compared)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--runs", type=int, default=1,
+                   help="groups of --steps timed steps, one after another on the same model: "
+                        "each group's median is reported, the step time is their median")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--flavor", default="8B", help="TorchTitan Qwen3 flavor (8B: the 8B shape)")
     p.add_argument("--vocab", type=int, default=151936)

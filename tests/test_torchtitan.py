@@ -420,10 +420,12 @@ def test_bench_smoke(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     sys.modules["torchtitan_e2e"] = mod
     spec.loader.exec_module(mod)
-    rows = mod.main(["--smoke", "--out", str(tmp_path)])
+    rows = mod.main(["--smoke", "--runs", "2", "--out", str(tmp_path)])
     assert (tmp_path / "torchtitan_e2e.json").is_file()
     ok = [r for r in rows if r["status"] == "ok"]
     assert ok and all(r["tokens_per_s"] > 0 for r in ok)
+    # two groups of the smoke's two timed steps: each group's median, every step's loss
+    assert all(len(r["run_step_s"]) == 2 and len(r["losses"]) == 4 for r in ok)
     assert all(r["loss_agrees"] for r in ok if r["method"] != "compilemask")
 
 
