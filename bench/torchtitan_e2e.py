@@ -158,8 +158,10 @@ def trainer_config(method: str, cm_mask: str, opts: dict, flavor: str, layers: i
                      opts)
 
 
-def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
-    """(model, output projection): the model returns the final norm's output."""
+def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp, compile_scope="block"):
+    """(model, output projection): the model returns the final norm's output.
+    ``compile_scope``: ``block`` compiles each checkpointed block whole, the checkpoint inside
+    the graph (TorchTitan's order); ``inner`` compiles the block inside an eager checkpoint."""
     from compilemask.integrations.torchtitan import _compat
 
     model = _compat.build_qwen3(cfg.model_config, device, seed)
@@ -172,7 +174,8 @@ def build_model(cfg, method, device, seed, compile_blocks, ac, fsdp):
                           compiled=compile_blocks)
     if compile_blocks:  # in place, as TorchTitan's apply_compile: the module stays FSDP-able
         for block in model.layers.values():
-            block.compile()
+            inner = getattr(block, "_checkpoint_wrapped_module", None)
+            (inner if compile_scope == "inner" and inner is not None else block).compile()
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -235,7 +238,7 @@ def run_config(mask, S, method, args, device):
         return {"status": f"unavailable: {why}"}
     cfg = trainer_config(method, cm_mask, opts, args.flavor, args.layers, S)
     model, head = build_model(cfg, method, device, args.seed, not args.no_compile,
-                              not args.no_ac, args.fsdp)
+                              not args.no_ac, args.fsdp, args.compile_scope)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=device.type == "cuda")
     d = {k: v.to(device) for k, v in d.items()}
     labels = labels.to(device)
@@ -333,6 +336,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--compile-scope", choices=("block", "inner"), default="block",
+                   help="block: each checkpointed block compiled whole (TorchTitan's order); "
+                        "inner: the block compiled inside an eager checkpoint")
     p.add_argument("--no-ac", action="store_true")
     p.add_argument("--out", default=".")
     p.add_argument("--budget-s", type=float, default=0.0,
