@@ -166,25 +166,17 @@ def _at_positions(score_mod, rows):
     return at_positions
 
 
-def _check_masked_scores(score_mod, key: str, spec) -> bool:
-    """A score_mod that gives -inf (``torch.where(cond, score, -inf)``: a masked score) runs
-    on the GPU engines as its finite value, on a mask that holds ``cond``
-    (``from_mask_mod(..., score_mod=)``); with any other mask it is refused."""
-    held = spec is not None and key in spec.masked_scores
-    return _masked_scores_held(getattr(score_mod, "__name__", "score_mod"), key, held)
-
-
 # a constant under torch.compile, called with strings only: the mask by its registry key (a
 # frozen spec cannot be rebuilt as a constant by every torch release's dynamo)
 @torch.compiler.assume_constant_result
-def _check_masked_scores_of(name: str, key: str, mask_key: str | None) -> bool:
-    spec = getattr(None if mask_key is None else mask_for_key(mask_key), "spec", None)
-    return _masked_scores_held(name, key, spec is not None and key in spec.masked_scores)
-
-
-def _masked_scores_held(name: str, key: str, held: bool) -> bool:
+def _check_masked_scores(name: str, key: str, mask_key: str | None) -> bool:
+    """A score_mod that gives -inf (``torch.where(cond, score, -inf)``: a masked score) runs
+    on the GPU engines as its finite value, on a mask that holds ``cond``
+    (``from_mask_mod(..., score_mod=)``); with any other mask it is refused. ``name``: the
+    score_mod's, for the message; ``key``: its converted key; ``mask_key``: the mask's."""
     sm = score_mod_for_key(key)
-    if sm is None or sm.mask is None or held:
+    spec = getattr(None if mask_key is None else mask_for_key(mask_key), "spec", None)
+    if sm is None or sm.mask is None or (spec is not None and key in spec.masked_scores):
         return True
     raise NotImplementedError(
         f"cm.attention: score_mod {name!r} gives -inf (a masked score) unless {sm.mask}, which "
@@ -282,8 +274,8 @@ def attention(q, k, v, desc: ExecutionDescriptor | HeadGroups, *,
                 sm, tables = compile_score_mod(score_mod)
                 key, tables, row_shift = sm.key, sm.aux_tensors(tables, q.device), sm.row_shift
             mask = getattr(desc, "mask", None)
-            _check_masked_scores_of(getattr(score_mod, "__name__", "score_mod"), key,
-                                    None if mask is None else str(mask.key))
+            _check_masked_scores(getattr(score_mod, "__name__", "score_mod"), key,
+                                 None if mask is None else str(mask.key))
             if row_shift == "none" or _row_start(desc) == 0:
                 pass  # q_idx unread, or the local rows are the positions (a padded square batch)
             elif rows is not None:  # q_idx read at the rows' positions
