@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention 
 import compilemask as cm  # noqa: E402
 from compilemask import masks  # noqa: E402
 from compilemask.dsl import score_mods  # noqa: E402
+from compilemask.pipeline.pipeline import with_lists  # noqa: E402
 
 S = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -35,7 +36,8 @@ q, k, v, do = (torch.randn(B, S, H, D, device=dev, dtype=torch.bfloat16, generat
 table = torch.randn(32, H, device=dev, generator=g).requires_grad_()
 trained = score_mods.t5_bias(table, 128)
 frozen = score_mods.t5_bias(table.detach(), 128)
-desc = cm.compile_mask(masks.causal()).preprocess(None, S, batch_size=B, device=dev)
+# a native mask's descriptor has no tile lists of its own: the fa4 engine reads these
+desc = with_lists(cm.compile_mask(masks.causal()).preprocess(None, S, batch_size=B, device=dev))
 bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, B, None, S, S, device=dev)
 fx = torch.compile(flex_attention, dynamic=False)
 qt, kt, vt, dot = (t.transpose(1, 2) for t in (q, k, v, do))

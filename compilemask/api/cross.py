@@ -75,10 +75,8 @@ def cross_descriptor(mask, meta, seqlen_q: int, seqlen_k: int, *,
         meta = _fitted(mask, meta, seqlen_q, seqlen_k, seqlen_k)
         return rows_descriptor(mask, meta, seqlen_k, torch.arange(seqlen_q),
                                batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles,
-                               check=check,
-                               device=device, who="cross_descriptor", backend=backend,
-                               q_offset=0)
+                               check=check, device=device, who="cross_descriptor",
+                               backend=backend, q_offset=0)
     return mask.preprocess(_fitted(mask, meta, seqlen_q, seqlen_k, seqlen_q), seqlen_q, seqlen_k,
                            batch_size=batch_size, fwd_tiles=fwd_tiles, bwd_tiles=bwd_tiles,
                            check=check, device=device, backend=backend)
-

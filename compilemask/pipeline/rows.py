@@ -136,8 +136,7 @@ def rows_descriptor(mask, meta, seqlen: int, rows: torch.Tensor, *,
         desc = with_fields(desc, **predicate_fields(mask, arrs, B, S, rows))
     if padding is not None:  # the run's keys only; rows outside it see nothing
         lo, hi = key_range(padding, B, S, device=dev)
-        desc = padded_tables(desc, lo, hi, positions=rows,
-                             row_start=q_offset)
+        desc = padded_tables(desc, lo, hi, positions=rows, row_start=q_offset)
         q_offset = -1
     # no segments: FA4's varlen needs rows in global order
     return with_fields(pipeline.with_lists(desc), q_offset=q_offset,
