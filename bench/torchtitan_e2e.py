@@ -73,6 +73,10 @@ METHODS = ("compilemask", "flex_fa4", "flex_triton", "fa4_native", "varlen")
 CM_METHODS = {"compilemask": "auto", "fa4_native": "native", "compilemask_lists": "fa4"}
 NATIVE_MASKS = ("causal", "documents")  # fa4_native and varlen run these only
 REL_TOL = 1e-2
+# what CompileMask's tokens/s must reach, over which peer's, per mask (the bars are set at 32K)
+BARS = {"hstu": ("flex_fa4", 1.05), "shared_prompt_rm": ("flex_fa4", 1.05),
+        "clear": ("flex_fa4", 1.05), "packed_hstu": ("flex_fa4", 1.2),
+        "causal": ("fa4_native", 0.98), "documents": ("fa4_native", 0.98)}
 CHUNK = 4096
 
 
@@ -410,6 +414,9 @@ def main(argv=None):
                 # rewritten after every config: a run stopped midway keeps its rows
                 (out / "torchtitan_e2e.json").write_text(json.dumps(meta, indent=1))
     print(table(rows), flush=True)
+    meta["bars"] = against_bars(rows)
+    (out / "torchtitan_e2e.json").write_text(json.dumps(meta, indent=1))
+    print(bars_table(meta["bars"]), flush=True)
     return rows
 
 
@@ -455,6 +462,53 @@ def table(rows):
         lines.append(f"| {r['mask']} | {r['seqlen']} | {r['method']} | {r['step_s'] * 1e3:.1f} "
                      f"| {r['tokens_per_s']:.0f} | {100 * r['attn_share']:.1f} % | "
                      f"{r['peak_gib']:.1f} | {'yes' if r.get('loss_agrees') else 'NO'} |")
+    return "\n".join(lines)
+
+
+def against_bars(rows):
+    """Per (mask, S) with a bar: CompileMask's step against its peer's in the same run, and what
+    bounds it. Attention's time is its share times the step, the rest is the step without it;
+    ``ceiling`` is the ratio with CompileMask's attention free, ``needed`` the attention speedup
+    over the peer's that would meet the bar with CompileMask's rest (None: the rest alone
+    misses it)."""
+    ok = {(r["mask"], r["seqlen"], r["method"]): r for r in rows if r["status"] == "ok"}
+    out = []
+    for (mask, S, method), cm in ok.items():
+        if method != "compilemask" or mask not in BARS:
+            continue
+        peer_name, bar = BARS[mask]
+        peer = ok.get((mask, S, peer_name))
+        if peer is None:
+            continue
+        attn, rest = _split(cm)
+        p_attn, p_rest = _split(peer)
+        room = peer["step_s"] / bar - rest
+        out.append({"mask": mask, "seqlen": S, "peer": peer_name, "bar": bar,
+                    "ratio": peer["step_s"] / cm["step_s"], "attn_ratio": p_attn / attn,
+                    "attn_ms": attn * 1e3, "peer_attn_ms": p_attn * 1e3,
+                    "rest_ms": rest * 1e3, "peer_rest_ms": p_rest * 1e3,
+                    "attn_share": cm["attn_share"], "ceiling": peer["step_s"] / rest,
+                    "needed": p_attn / room if room > 0 else None})
+    return out
+
+
+def _split(row):
+    attn = row["attn_share"] * row["step_s"]
+    return attn, row["step_s"] - attn
+
+
+def bars_table(bars):
+    lines = ["| mask | S | vs | bar | step ratio | attention ratio | attention share | "
+             "attention ms (peer) | rest ms (peer) | attention free | attention ratio needed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for b in bars:
+        need = ("unreachable: the rest alone" if b["needed"] is None
+                else f"{b['needed']:.2f}x")
+        lines.append(
+            f"| {b['mask']} | {b['seqlen']} | {b['peer']} | {b['bar']:.2f}x | "
+            f"{b['ratio']:.3f}x | {b['attn_ratio']:.2f}x | {100 * b['attn_share']:.1f} % | "
+            f"{b['attn_ms']:.0f} ({b['peer_attn_ms']:.0f}) | "
+            f"{b['rest_ms']:.0f} ({b['peer_rest_ms']:.0f}) | {b['ceiling']:.2f}x | {need} |")
     return "\n".join(lines)
 
 

@@ -413,20 +413,54 @@ def test_context_parallel_equals_one_process(world, tmp_path):
 
 # ---- the GPU bench's CPU smoke mode -------------------------------------------------------------
 
-@pytest.mark.slow  # 50 s on a loaded 2-core CPU (two methods x two steps of a debug model)
-def test_bench_smoke(tmp_path):
+def _bench():
     spec = importlib.util.spec_from_file_location("torchtitan_e2e",
                                                   ROOT / "bench" / "torchtitan_e2e.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["torchtitan_e2e"] = mod
     spec.loader.exec_module(mod)
-    rows = mod.main(["--smoke", "--runs", "2", "--out", str(tmp_path)])
+    return mod
+
+
+@pytest.mark.slow  # 50 s on a loaded 2-core CPU (two methods x two steps of a debug model)
+def test_bench_smoke(tmp_path):
+    rows = _bench().main(["--smoke", "--runs", "2", "--out", str(tmp_path)])
     assert (tmp_path / "torchtitan_e2e.json").is_file()
     ok = [r for r in rows if r["status"] == "ok"]
     assert ok and all(r["tokens_per_s"] > 0 for r in ok)
     # two groups of the smoke's two timed steps: each group's median, every step's loss
     assert all(len(r["run_step_s"]) == 2 and len(r["losses"]) == 4 for r in ok)
     assert all(r["loss_agrees"] for r in ok if r["method"] != "compilemask")
+
+
+def test_bench_bars_say_what_bounds_a_row():
+    """The bench's reading of a row against its bar: attention's time from its share, the
+    ratio with attention free, the attention speedup the bar needs (numbers of an H100 run)."""
+    mod = _bench()
+
+    def row(mask, method, step, share):
+        return {"mask": mask, "seqlen": 32768, "method": method, "status": "ok",
+                "step_s": step, "attn_share": share}
+
+    rows = [row("hstu", "compilemask", 1.469, 0.2764), row("hstu", "flex_fa4", 1.503, 0.2847),
+            row("packed_hstu", "compilemask", 1.138, 0.093),
+            row("packed_hstu", "flex_fa4", 1.194, 0.137),
+            row("causal", "compilemask", 1.648, 0.236), row("causal", "flex_fa4", 1.473, 0.278),
+            row("clear", "compilemask", 1.0, 0.3), {**row("clear", "flex_fa4", 0, 0),
+                                                     "status": "OOM"}]
+    bars = {b["mask"]: b for b in mod.against_bars(rows)}
+    assert set(bars) == {"hstu", "packed_hstu"}  # causal's peer is FA4 native; CLEAR's OOM'd
+    h = bars["hstu"]
+    assert h["peer"] == "flex_fa4" and h["bar"] == 1.05
+    assert h["ratio"] == pytest.approx(1.503 / 1.469)
+    assert h["attn_ms"] == pytest.approx(406.0, abs=1)
+    assert h["rest_ms"] == pytest.approx(1063, abs=1)
+    # 1503 / 1.05 ms for the step leaves 368 ms for 428 ms of Flex-FA4's attention
+    assert h["needed"] == pytest.approx(1.16, abs=0.01)
+    p = bars["packed_hstu"]
+    assert p["needed"] is None and p["ceiling"] == pytest.approx(1.157, abs=0.002)
+    text = mod.bars_table(mod.against_bars(rows))
+    assert "unreachable" in text and "| hstu | 32768 | flex_fa4 | 1.05x | 1.023x |" in text
 
 
 def test_flex_baseline_documents_use_torchtitans_mask_mods(eager_flex):
