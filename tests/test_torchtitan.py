@@ -24,12 +24,17 @@ from compilemask.integrations.torchtitan.attention import (  # noqa: E402
     CompileMaskBatch,
 )
 from compilemask.integrations.torchtitan.config_registry import compilemask_config  # noqa: E402
+from compilemask.integrations.torchtitan.data import (  # noqa: E402
+    PackedSequenceDataLoader,
+    rows_data,
+)
 from compilemask.integrations.torchtitan.masks import (  # noqa: E402
     _hstu_meta,
     document_bounds,
     resolve_mask,
 )
 from compilemask.integrations.torchtitan.packed import IGNORE_INDEX, PackedSequences  # noqa: E402
+from compilemask.integrations.torchtitan.rows import RowSequences  # noqa: E402
 from compilemask.integrations.torchtitan.sac import (  # noqa: E402
     CompileMaskSelectiveAC,
     upgrade_ac_config,
@@ -38,6 +43,7 @@ from compilemask.integrations.torchtitan.trainer import (  # noqa: E402
     BatchDescriptors,
     CompileMaskTrainer,
     attention_config_of,
+    choose_mask,
     flex_block_mask,
 )
 
@@ -318,6 +324,11 @@ def test_config_registry_parses_and_builds(tmp_path):
     from compilemask.integrations.torchtitan import config_registry as reg
 
     for name in reg.__all__[1:]:
+        if "flex_flash" in name and not torch.cuda.is_available():
+            # TorchTitan refuses FlexAttention's FA4 backend off Hopper / Blackwell, at parsing
+            with pytest.raises(ValueError, match="Hopper or Blackwell"):
+                _parse(name)
+            continue
         cfg = ConfigManager().parse_args(["--module", "compilemask.integrations.torchtitan",
                                           "--config", name, "--training.steps", "3"])
         assert type(cfg) is CompileMaskTrainer.Config and cfg.training.steps == 3, name
@@ -333,6 +344,76 @@ def test_config_registry_parses_and_builds(tmp_path):
     with pytest.raises(ValueError, match="spmd_backend"):
         cfg.parallelism.spmd_backend = "spmd_types"
         _compat.check_parallelism(cfg.parallelism)
+
+
+def _parse(config, *extra):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "compilemask.integrations.torchtitan",
+                                       "--config", config, *extra])
+
+
+@pytest.mark.parametrize("name,options", [
+    ("shared_prompt_rm", ()), ("clear", ("--mask_options", "radius", "1", "width", "32")),
+    ("prefix_lm", ()), ("hstu_row", ()), ("causal", ()), ("hstu", ()), ("block_causal", ())])
+def test_mask_from_the_command_line_and_its_data(name, options):
+    """``--mask NAME`` sets every layer's mask and the packaged data follows it (packed for
+    documents and HSTU, one sequence per row with the mask's fields otherwise): each batch's
+    descriptor equals the mask's Flex mask_mod on that batch, drawn anew per batch."""
+    cfg = _parse("compilemask_qwen3_debug", "--mask", name, *options)
+    assert choose_mask(cfg) == name
+    attn = attention_config_of(cfg.model_spec.model)  # one mask in every layer, or it raises
+    assert attn.mask == cfg.dataloader.mask == name
+    assert rows_data(cfg.dataloader) == (name not in ("hstu", "block_causal"))
+    S = 256
+    loader = PackedSequenceDataLoader(cfg.dataloader, dp_world_size=1, dp_rank=0, seq_len=S,
+                                      local_batch_size=2)
+    hook, source = BatchDescriptors(attn), resolve_mask(name, attn.mask_options)
+    masks = []
+    for (d, labels), _ in zip(loader, range(2)):
+        _, _, extra = hook(dict(d), labels)
+        fields = {k: v for k, v in d.items() if k not in ("input", "positions")}
+        ref = create_mask(source.flex(d["positions"], fields), 2, None, S, S, device="cpu")[:, 0]
+        got = extra["attention_masks"].desc.dense_mask()
+        assert torch.equal(got, ref)
+        assert got.any(-1).float().mean() > 0.9  # not a degenerate draw
+        masks.append(got)
+    assert name == "causal" or not torch.equal(*masks)
+
+
+def test_mask_from_the_command_line_on_the_flex_baseline():
+    cfg = _parse("flex_qwen3_debug", "--mask", "clear", "--mask_options", "radius", "2")
+    assert choose_mask(cfg) == "clear" and attention_config_of(cfg.model_spec.model) is None
+    assert (cfg.flex_mask, cfg.flex_mask_options) == ("clear", {"radius": 2})
+    assert rows_data(cfg.dataloader) and cfg.dataloader.mask_options == {"radius": 2}
+    cfg = _parse("flex_qwen3_debug")  # TorchTitan's own document mask, on packed data
+    assert choose_mask(cfg) == "" and not rows_data(cfg.dataloader)
+    with pytest.raises(ValueError, match="pkg.module:NAME"):
+        choose_mask(_parse("compilemask_qwen3_debug", "--mask", "no_such_mask"))
+    with pytest.raises(ValueError, match="takes mask_options radius, width"):
+        choose_mask(_parse("compilemask_qwen3_debug", "--mask", "clear", "--mask_options",
+                           "radius", "1", "rows", "2"))
+
+
+def test_row_dataset_resumes_and_refuses_what_it_cannot_draw(tmp_path, monkeypatch):
+    ds = RowSequences(64, "clear", {"radius": 1, "width": 8}, seed=1)
+    ds._row()
+    state = ds.state_dict()
+    a = ds._row()
+    ds.load_state_dict(state)
+    b = ds._row()
+    assert all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and torch.equal(a[1], b[1])
+    assert set(a[0]) == {"input", "positions", "text_end", "img_rows"}
+    assert a[0]["img_rows"].dim() == 0 and int(a[0]["img_rows"]) == 64 * 15 // 16 // 8
+    with pytest.raises(ValueError, match="packed_hstu_lognormal"):
+        RowSequences(64, "hstu")
+    (tmp_path / "mine.py").write_text(
+        "from compilemask.dsl import MaskSpec, Region\n"
+        "SPEC = MaskSpec('mine', params=['n'], regions=[Region('all', when=lambda i: True, "
+        "visible=lambda i, j: j < n)])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reads \['n'\]"):
+        RowSequences(64, "mine:SPEC")
 
 
 def test_packed_dataset_lengths_and_metadata():
@@ -482,7 +563,7 @@ def test_compilemask_never_imports_torchtitan():
     import subprocess
 
     code = ("import sys, compilemask, compilemask.integrations.torchtitan\n"
-            "from compilemask.integrations.torchtitan import masks, packed\n"
+            "from compilemask.integrations.torchtitan import masks, packed, rows\n"
             "assert 'torchtitan' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

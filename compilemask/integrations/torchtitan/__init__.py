@@ -1,7 +1,7 @@
 """CompileMask in TorchTitan (0.3.0): an inner attention, a trainer that builds one descriptor
 per batch, a selective-AC policy that keeps CompileMask's attention output, context parallelism
-through TorchTitan's own input sharding with CompileMask's CP plan, named masks, and a packed
-variable-length dataset.
+through TorchTitan's own input sharding with CompileMask's CP plan, named masks, a packed
+variable-length dataset and one of a sequence per row with each mask's metadata.
 
     python -m torchtitan.train --module compilemask.integrations.torchtitan \\
         --config compilemask_qwen3_debug_hstu
@@ -16,13 +16,14 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["CompileMaskAttention", "CompileMaskBatch", "CompileMaskTrainer", "BatchDescriptors",
-           "CompileMaskSelectiveAC", "resolve_mask", "PackedSequences",
+           "CompileMaskSelectiveAC", "resolve_mask", "PackedSequences", "RowSequences",
            "PackedSequenceDataLoader"]
 
 _WHERE = {"CompileMaskAttention": "attention", "CompileMaskBatch": "attention",
           "CompileMaskTrainer": "trainer", "BatchDescriptors": "trainer",
           "CompileMaskSelectiveAC": "sac", "resolve_mask": "masks",
-          "PackedSequences": "data", "PackedSequenceDataLoader": "data"}
+          "PackedSequences": "data", "RowSequences": "rows",
+          "PackedSequenceDataLoader": "data"}
 
 
 def __getattr__(name):

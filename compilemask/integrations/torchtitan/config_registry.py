@@ -9,11 +9,15 @@ any ``--section.key value`` after it overrides the config).
   (TorchTitan's block-causal documents), CompileMask;
 * ``flex_qwen3_debug_documents`` / ``flex_qwen3_debug_hstu``: the Flex baselines, the BlockMask
   built as TorchTitan builds it (``create_attention_mask``, its block size);
-* ``compilemask_qwen3_8b_hstu``: Qwen3-8B's shape, 32K tokens per row, packed HSTU.
+* ``compilemask_qwen3_8b_hstu``: Qwen3-8B's shape, 32K tokens per row, packed HSTU;
+* ``compilemask_qwen3_debug`` / ``flex_qwen3_debug`` (debug model) and ``compilemask_qwen3_8b``
+  / ``flex_flash_qwen3_8b`` (8B shape, 8 layers, 32K tokens, compiled; the Flex one on
+  TorchTitan's ``flex_flash``, FlexAttention's FA4 backend): any mask, named on the command
+  line (``--mask clear --mask_options radius 1 width 64``; default: packed documents).
 
-The mask is the inner attention's: ``--config compilemask_qwen3_debug_documents`` with another
-mask needs a config function (the model config is not a CLI section); write one that calls
-``compilemask_config(mask=..., mask_options=...)``.
+``--mask`` picks every layer's mask for any of these configs (``CompileMaskTrainer.Config``),
+and the packaged data follows it: packed sequences for documents and HSTU, one sequence per
+row with the mask's metadata for the others (``data.PackedSequenceDataLoader``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from .trainer import CompileMaskTrainer
 
 __all__ = ["compilemask_config", "compilemask_qwen3_debug_hstu",
            "compilemask_qwen3_debug_documents", "flex_qwen3_debug_documents",
-           "flex_qwen3_debug_hstu", "compilemask_qwen3_8b_hstu"]
+           "flex_qwen3_debug_hstu", "compilemask_qwen3_8b_hstu", "compilemask_qwen3_debug",
+           "flex_qwen3_debug", "compilemask_qwen3_8b", "flex_flash_qwen3_8b"]
 
 
 def compilemask_config(*, mask: str | None = "block_causal", mask_options: dict | None = None,
@@ -85,5 +90,27 @@ def flex_qwen3_debug_hstu() -> CompileMaskTrainer.Config:
 def compilemask_qwen3_8b_hstu() -> CompileMaskTrainer.Config:
     config = compilemask_config(mask="hstu", flavor="8B", seq_len=32768, local_batch_size=1,
                                 n_layers=4)
+    config.compile.enable = True
+    return config
+
+
+def compilemask_qwen3_debug() -> CompileMaskTrainer.Config:
+    return compilemask_config(mask="block_causal")
+
+
+def flex_qwen3_debug() -> CompileMaskTrainer.Config:
+    return compilemask_config(mask=None)
+
+
+def compilemask_qwen3_8b() -> CompileMaskTrainer.Config:
+    config = compilemask_config(mask="block_causal", flavor="8B", seq_len=32768,
+                                local_batch_size=1, n_layers=8)
+    config.compile.enable = True
+    return config
+
+
+def flex_flash_qwen3_8b() -> CompileMaskTrainer.Config:
+    config = compilemask_config(mask=None, flavor="8B", seq_len=32768, local_batch_size=1,
+                                n_layers=8, flex_backend="flex_flash")
     config.compile.enable = True
     return config

@@ -1,25 +1,39 @@
 """TorchTitan's dataloader and tokenizer over ``packed.PackedSequences`` (the packed
-variable-length HSTU data; its length distribution and metadata are described there)."""
+variable-length HSTU data; its length distribution and metadata are described there) or
+``rows.RowSequences`` (one sequence per row with the metadata of the mask it trains)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.tokenizer import BaseTokenizer
 
+from .masks import resolve_mask
 from .packed import IGNORE_INDEX, PackedSequences, pack_sequences
+from .rows import RowSequences
 
-__all__ = ["PackedSequences", "PackedSequenceDataLoader", "SyntheticTokenizer",
-           "pack_sequences", "IGNORE_INDEX"]
+__all__ = ["PackedSequences", "RowSequences", "PackedSequenceDataLoader", "SyntheticTokenizer",
+           "pack_sequences", "IGNORE_INDEX", "DATASETS"]
+
+DATASETS = ("auto", "packed_hstu_lognormal", "rows")
 
 
 class PackedSequenceDataLoader(ParallelAwareDataloader):
-    """TorchTitan dataloader over ``PackedSequences``."""
+    """TorchTitan dataloader over ``PackedSequences`` or ``RowSequences``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ParallelAwareDataloader.Config):
-        dataset: str = "packed_hstu_lognormal"
+        dataset: str = "auto"
+        """packed_hstu_lognormal (packed sequences: documents from positions, HSTU fields),
+        rows (one sequence per row with ``mask``'s fields), or auto: rows where ``mask``'s
+        fields can be drawn per row, packed otherwise."""
+
+        mask: str = ""
+        """The mask whose fields ``rows`` draws (the trainer sets the model's)."""
+
+        mask_options: dict[str, int] = field(default_factory=dict)
+
         vocab_size: int = 2048
         mu: float = 6.0
         """log-length mean (lognormal sequence lengths)"""
@@ -36,14 +50,27 @@ class PackedSequenceDataLoader(ParallelAwareDataloader):
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer=None,
                  seq_len: int, local_batch_size: int, snapshot_every_n_steps: int | None = 1,
                  **kwargs):
-        ds = PackedSequences(seq_len, vocab_size=config.vocab_size, mu=config.mu,
-                             sigma=config.sigma, min_len=config.min_len,
-                             max_len=config.max_len or None, ctx_len=config.ctx_len,
-                             target_frac=config.target_frac, group_size=config.group_size,
-                             seed=config.seed, dp_rank=dp_rank, dp_world_size=dp_world_size)
+        if config.dataset not in DATASETS:
+            raise ValueError(f"dataloader.dataset: one of {DATASETS}, got {config.dataset!r}")
+        if rows_data(config):
+            ds = RowSequences(seq_len, config.mask, config.mask_options,
+                              vocab_size=config.vocab_size, seed=config.seed, dp_rank=dp_rank,
+                              dp_world_size=dp_world_size)
+        else:
+            ds = PackedSequences(seq_len, vocab_size=config.vocab_size, mu=config.mu,
+                                 sigma=config.sigma, min_len=config.min_len,
+                                 max_len=config.max_len or None, ctx_len=config.ctx_len,
+                                 target_frac=config.target_frac, group_size=config.group_size,
+                                 seed=config.seed, dp_rank=dp_rank, dp_world_size=dp_world_size)
         super().__init__(ds, dp_rank=dp_rank, dp_world_size=dp_world_size,
                          batch_size=local_batch_size, num_workers=0,
                          snapshot_every_n_steps=snapshot_every_n_steps)
+
+def rows_data(config: PackedSequenceDataLoader.Config) -> bool:
+    """Whether ``config`` loads ``RowSequences`` (else ``PackedSequences``)."""
+    if config.dataset != "auto":
+        return config.dataset == "rows"
+    return bool(config.mask) and resolve_mask(config.mask, config.mask_options).rows is not None
 
 
 class SyntheticTokenizer(BaseTokenizer):

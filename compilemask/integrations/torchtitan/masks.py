@@ -25,6 +25,11 @@ Names (``CompileMaskAttention.Config.mask``; options in ``mask_options``):
   FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` (converted by ``cm.from_mask_mod``). A spec's
   params are read from batch fields of the same names (``[B]`` or per-row ``[B, S]``);
   ``doc_start`` / ``seq_start`` / ``seq_end`` not in the batch come from ``positions``.
+
+Data for each: ``documents``/``block_causal`` and ``hstu`` read packed sequences
+(``packed.PackedSequences``); the others take one sequence per row, and ``MaskSource.rows``
+draws a row's fields for ``rows.RowSequences`` (the mask module's at-scale metadata where it
+has one, else its random metadata; None for a spec whose metadata only the user's data has).
 """
 
 from __future__ import annotations
@@ -101,6 +106,9 @@ class MaskSource:
     flex_fn: Callable | None = None
     fields: tuple = ()
     optional: tuple = field(default=())
+    rows: Callable | None = None
+    """``rows(seqlen, seed)`` -> the fields of one row holding one sequence (``[1]`` int32
+    tensors); None where the mask reads packed sequences or only the user's data has them."""
 
     def meta(self, positions: torch.Tensor, fields: Mapping) -> dict:
         _need(fields, self.fields, self.name)
@@ -186,7 +194,8 @@ def _builtin(name: str, options: Mapping) -> MaskSource:
 
     if name == "causal":
         no_options()
-        return MaskSource(name, cm_masks.causal(), lambda p, f: {}, _causal_flex)
+        return MaskSource(name, cm_masks.causal(), lambda p, f: {}, _causal_flex,
+                          rows=_no_fields)
     if name in ("block_causal", "documents"):
         no_options()
         return MaskSource(name, cm_masks.packed_documents(), _documents_meta, _documents_flex)
@@ -198,12 +207,14 @@ def _builtin(name: str, options: Mapping) -> MaskSource:
         no_options()
         spec = cm_masks.hstu()
         names = ("ctx_end", "hist_end", "seq_end", "group_size")
-        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names)
+        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names,
+                          rows=_bench_rows(spec))
     if name == "shared_prompt_rm":
         no_options()
         spec = cm_masks.shared_prompt_rm()
         ends = tuple(RM_ENDS)
-        return MaskSource(name, spec, _row_fields(ends), _recipe_flex(spec, ends), fields=ends)
+        return MaskSource(name, spec, _row_fields(ends), _recipe_flex(spec, ends), fields=ends,
+                          rows=_bench_rows(spec))
     if name == "clear":
         unknown = set(opts) - {"radius", "width"}
         if unknown:
@@ -211,13 +222,41 @@ def _builtin(name: str, options: Mapping) -> MaskSource:
                              f"{sorted(unknown)}")
         spec = cm_masks.clear(int(opts.get("radius", 1)), int(opts.get("width", 16)))
         names = ("text_end", "img_rows")
-        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names)
+        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names,
+                          rows=_bench_rows(spec))
     if name == "prefix_lm":
         no_options()
         spec = cm_masks.prefix_lm()
         names = ("prefix_len",)
-        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names)
+        return MaskSource(name, spec, _row_fields(names), _recipe_flex(spec, names), fields=names,
+                          rows=_prefix_rows)
     raise AssertionError(name)
+
+
+def _no_fields(seqlen: int, seed: int) -> dict:
+    return {}
+
+
+def _bench_rows(spec: MaskSpec):
+    """The mask module's at-scale metadata (``bench_meta``), else its random metadata (edge
+    cases included), for one row."""
+    recipes = cm_masks.recipes_for(spec)
+
+    def rows(seqlen: int, seed: int) -> dict:
+        if recipes.bench_meta is not None:
+            meta = recipes.bench_meta(1, seqlen, seed)
+        else:
+            meta = recipes.random_meta(1, seqlen, torch.Generator().manual_seed(seed))
+        return {k: v.to(torch.int32) for k, v in meta.items()}
+    return rows
+
+
+def _prefix_rows(seqlen: int, seed: int) -> dict:
+    """A prefix of S/8 to S/2 tokens (a prompt before the continuation it conditions)."""
+    g = torch.Generator().manual_seed(seed)
+    lo = max(seqlen // 8, 1)
+    return {"prefix_len": torch.randint(lo, max(seqlen // 2, lo) + 1, (1,), generator=g,
+                                        dtype=torch.int32)}
 
 
 # ---- masks by import path ------------------------------------------------------------------
@@ -254,7 +293,8 @@ def _from_path(path: str, options: Mapping) -> MaskSource:
     if callable(obj) and _positional_arity(obj) == 4:
         spec, const = from_mask_mod(obj)
         # the tensors it captured are the metadata of every batch (expanded to its size)
-        return MaskSource(path, spec, _const_meta(const), lambda p, f, mm=obj: mm)
+        return MaskSource(path, spec, _const_meta(const), lambda p, f, mm=obj: mm,
+                          rows=_no_fields)
     raise TypeError(f"mask {path!r} is a {type(obj).__name__}: expected a MaskSpec, a function "
                     "of no arguments returning one, or a FlexAttention mask_mod(b, h, q_idx, "
                     "kv_idx)")
@@ -289,7 +329,17 @@ def _spec_source(name: str, spec: MaskSpec) -> MaskSource:
                 bounds = document_bounds(positions) if bounds is None else bounds
                 out[p] = bounds[derived[p]]
         return out
-    return MaskSource(name, spec, meta, None, fields=required)
+    rows = None
+    if any(p in derived for p in params):
+        pass  # documents from positions: packed data
+    elif not required:
+        rows = _no_fields
+    else:
+        try:  # a factory of compilemask.masks: its recipes draw the metadata
+            rows = _bench_rows(spec)
+        except KeyError:
+            pass
+    return MaskSource(name, spec, meta, None, fields=required, rows=rows)
 
 
 @functools.lru_cache(maxsize=64)  # a job names a few masks; each entry holds its compiled spec

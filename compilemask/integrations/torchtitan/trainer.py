@@ -21,16 +21,25 @@ from torchtitan.trainer import Trainer
 
 from . import _compat
 from .batch import NOT_META, BatchDescriptors, attention_config_of, flex_block_mask
+from .data import PackedSequenceDataLoader
 from .masks import resolve_mask
 from .sac import upgrade_ac_config
 
-__all__ = ["CompileMaskTrainer", "BatchDescriptors", "attention_config_of", "flex_block_mask"]
+__all__ = ["CompileMaskTrainer", "BatchDescriptors", "attention_config_of", "flex_block_mask",
+           "choose_mask"]
 
 class CompileMaskTrainer(Trainer):
     """TorchTitan's Trainer, with CompileMask's descriptors, SAC policy and CP."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        mask: str = ""
+        """The mask of every layer, from the command line (``--mask clear --mask_options radius
+        1 width 64``): a name in ``masks.MASK_NAMES`` or an import path; it replaces the
+        CompileMask attention's mask, or a Flex model's ``flex_mask``. Empty: the config's."""
+
+        mask_options: dict[str, int] = field(default_factory=dict)
+
         flex_mask: str = ""
         """For a model on TorchTitan's FlexAttention (the baseline): the mask (a CompileMask
         mask name, see ``masks``) whose BlockMask is built per batch as TorchTitan builds its
@@ -39,6 +48,7 @@ class CompileMaskTrainer(Trainer):
         flex_mask_options: dict[str, int] = field(default_factory=dict)
 
     def __init__(self, config: Config):
+        choose_mask(config)
         attn = attention_config_of(config.model_spec.model) if config.model_spec else None
         if attn is not None:
             _compat.check_parallelism(config.parallelism)
@@ -81,3 +91,26 @@ class CompileMaskTrainer(Trainer):
                                      self.model_config.first_attention)
         self.ntokens_seen += labels.numel()
         return inputs, labels, {"positions": positions, "attention_masks": block_mask}
+
+
+def choose_mask(config: CompileMaskTrainer.Config) -> str:
+    """Apply ``config.mask`` (if set) to the model's attention, and give the packaged
+    dataloader the mask whose fields it draws; returns the mask the run trains."""
+    attn = attention_config_of(config.model_spec.model) if config.model_spec else None
+    if config.mask:
+        resolve_mask(config.mask, config.mask_options)  # a bad name fails here, not in a step
+        if attn is not None:
+            attn = dataclasses.replace(attn, mask=config.mask,
+                                       mask_options=dict(config.mask_options))
+            _compat.replace_inner_attention(config.model_spec.model, attn)
+        else:
+            config.flex_mask = config.mask
+            config.flex_mask_options = dict(config.mask_options)
+    if attn is not None:
+        name, options = attn.mask, attn.mask_options
+    else:
+        name, options = config.flex_mask, config.flex_mask_options
+    loader = config.dataloader
+    if isinstance(loader, PackedSequenceDataLoader.Config) and not loader.mask:
+        loader.mask, loader.mask_options = name, dict(options)
+    return name
