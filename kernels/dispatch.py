@@ -11,9 +11,13 @@ made without them. The engines trust the choice: none checks again.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from compilemask.contract.log import say_once
+from compilemask.contract.lru import LRUSet
+from compilemask.contract.options import GpuRefusalWarning
 
 from . import fa4_lib
 from .fa4 import BWD_TILE_M
@@ -124,6 +128,42 @@ def fa4_reason(q, desc, engine: str, head_dim_v: int | None = None,
     return None
 
 
+def cute_call_refusal(q, desc, score_mod: bool = False, sink: bool = False,
+                      head_dim_v: int | None = None) -> str | None:
+    """Why the cute engine cannot run this call on any device, or None (what ``why_not`` checks
+    before the device: the CPU says it of ``deterministic=True`` calls)."""
+    if score_mod:
+        return ("the cute engine has no score_mod; backend='fa4' or 'native' (sm90) or "
+                "'reference' run it")
+    if sink:
+        return ("the cute engine has no learnable_sink; backend='fa4' or 'native' (sm90) "
+                "or 'reference' run it")
+    if desc.mask.table_params:
+        return "a table param's predicate runs on the fa4 engine only"
+    if getattr(desc, "positions", None) is not None:
+        return ("its kernels read a fallback predicate's i as the local row; this "
+                "descriptor's rows are chosen positions of their sequences (served or "
+                "sharded rows): the fa4 engine runs it")
+    return head_dims_reason("cute", q.shape[-1], head_dim_v or q.shape[-1])
+
+
+_SAID_DETERMINISTIC = LRUSet(256)  # the reasons already said (one warning each)
+
+
+def _say_deterministic_refusal(q, desc, heads, score_mod, sink, head_dim_v) -> None:
+    """On the CPU: a ``deterministic=True`` call that CUDA's only deterministic engine (cute)
+    would refuse is said once, as the other GPU refusals are (``GpuRefusalWarning``)."""
+    why = ("folded heads run on the fa4 engine only" if heads > 1
+           else cute_call_refusal(q, desc, score_mod, sink, head_dim_v))
+    if why is None or why in _SAID_DETERMINISTIC or torch.compiler.is_compiling():
+        return
+    _SAID_DETERMINISTIC.add(why)
+    warnings.warn("cm.attention: the reference engine runs this deterministic=True call, which "
+                  f"the GPU engines refuse (on CUDA only the cute engine is deterministic: {why});"
+                  " deterministic=False runs it there; silence with warnings.filterwarnings("
+                  "'ignore', category=cm.GpuRefusalWarning)", GpuRefusalWarning, stacklevel=4)
+
+
 def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
             score_mod: bool = False, sink: bool = False,
             head_dim_v: int | None = None, kv_heads: int | None = None) -> str | None:
@@ -136,19 +176,7 @@ def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,
     if engine == "reference":
         return None
     if engine == "cute":
-        if score_mod:
-            return ("the cute engine has no score_mod; backend='fa4' or 'native' (sm90) or "
-                    "'reference' run it")
-        if sink:
-            return ("the cute engine has no learnable_sink; backend='fa4' or 'native' (sm90) "
-                    "or 'reference' run it")
-        if desc.mask.table_params:
-            return "a table param's predicate runs on the fa4 engine only"
-        if getattr(desc, "positions", None) is not None:
-            return ("its kernels read a fallback predicate's i as the local row; this "
-                    "descriptor's rows are chosen positions of their sequences (served or "
-                    "sharded rows): the fa4 engine runs it")
-        why = head_dims_reason("cute", q.shape[-1], head_dim_v or q.shape[-1])
+        why = cute_call_refusal(q, desc, score_mod, sink, head_dim_v)
         if why:
             return why
         return None if kernel_available(q, desc) else ("no CuTe kernel for this "
@@ -187,6 +215,8 @@ def select_engine(q, desc, backend: str = "auto", deterministic: bool = False,
                                       f"{q.device.type}; use backend='reference' or 'auto'")
         say_once(f"cm.attention: {q.device.type} tensors use the dense reference path (the "
                  "GPU engines need CUDA)")
+        if deterministic:
+            _say_deterministic_refusal(q, desc, heads, score_mod, sink, head_dim_v)
         return "reference"
     if backend != "auto":
         why = why_not(q, desc, backend, deterministic, heads, score_mod, sink, head_dim_v,

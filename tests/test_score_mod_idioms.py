@@ -274,3 +274,25 @@ def test_no_warning_for_what_the_gpu_runs():
         warnings.simplefilter("error", cm.GpuRefusalWarning)
         for sm in (window_bias, same_doc_alibi, score_mods.softcap(20.0)):
             cm.attention(q, q, q, desc, score_mod=sm, backend="reference")
+
+
+def test_deterministic_call_the_gpu_refuses_is_said_on_the_cpu():
+    """On CUDA, deterministic=True picks the cute engine only, which has no score_mod or
+    learnable sink: the CPU says so (once, at the user's line) and still runs the call."""
+    S = 8
+    spec, meta = cm.from_mask_mod(causal)
+    desc = cm.compile_mask(spec).preprocess(meta, seqlen_q=S, batch_size=1)
+    q = torch.randn(1, S, 2, 8)
+    table = torch.randn(32, 2, requires_grad=True)
+    with pytest.warns(cm.GpuRefusalWarning,
+                      match=r"deterministic=True.*cute.*no score_mod") as said:
+        out = cm.attention(q, q, q, desc, score_mod=score_mods.t5_bias(table, 16),
+                           deterministic=True)
+    assert said[0].filename == __file__
+    out.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    with warnings.catch_warnings():  # said once; what the cute engine runs is not said at all
+        warnings.simplefilter("error", cm.GpuRefusalWarning)
+        cm.attention(q, q, q, desc, score_mod=score_mods.t5_bias(table, 16), deterministic=True)
+        cm.attention(q, q, q, desc, deterministic=True)
+        cm.attention(q, q, q, desc, score_mod=score_mods.t5_bias(table, 16))
