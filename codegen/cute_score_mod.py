@@ -322,14 +322,15 @@ class _Emit:
         self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{idx}]"]
         return self.tmp(f"{out}.load()")
 
-    def index_frags(self, e, src: str) -> list[str]:
+    def index_frags(self, e, src: str, first_dim: int = 0) -> list[str]:
         """Register fragments of the table read ``e``'s indices into ``src`` (a tensor of the
-        table's shape): torch's negative indices, then clamped into the table."""
+        table's shape from dimension ``first_dim``): torch's negative indices, then clamped
+        into the table."""
         frags = []
         for n, a in enumerate(e.args):
             x = self.get(a, "i")
             # torch's negative indices, then clamped into the table: no read leaves it
-            size = self.tmp(f"Int32(cute.size({src}.shape[{n}]))")
+            size = self.tmp(f"Int32(cute.size({src}.shape[{n + first_dim}]))")
             x = self.tmp(f"cute.where({x} < Int32(0), {x} + {size}, {x})")
             x = self._min(self._max(x, "Int32(0)"), f"{size} - Int32(1)")
             frag = self.tmp("cute.make_rmem_tensor(n, Int32)")
@@ -339,30 +340,51 @@ class _Emit:
 
     def table_grads(self, sm: ScoreMod, train: tuple, first: int) -> None:
         """Code that adds ``grad * d expr / d read`` for every read of the tables at positions
-        ``train`` into their gradient buffers (``aux_tensors[first + k]``, float32, the
-        tables' shapes), at the reads' indices; zeros (masked scores) add nothing. FA4 calls
-        the hook on whole fragments in every lane (no divergence), so warp votes and
+        ``train`` into their gradient buffers (``aux_tensors[first + k]``, float32, ``[C,
+        *table shape]``: C private copies, the CTA's copy chosen by its linear block index and
+        summed after the kernel), at the reads' indices; zeros (masked scores) add nothing.
+        FA4 calls the hook on whole fragments in every lane (no divergence), so warp votes and
         shuffles are safe here."""
+        if not train:
+            return
+        # CTAs running at once add into different copies: hot entries stop serializing in L2
+        self.lines += ["bx, by, bz = cute.arch.block_idx()",
+                       "gx, gy, _gz = cute.arch.grid_dim()",
+                       "cta = Int32(bx) + Int32(gx) * (Int32(by) + Int32(gy) * Int32(bz))"]
         for k, n in enumerate(train):
             dst = f"aux_tensors[{first + k}]"
+            copy = self.tmp(f"cta % Int32(cute.size({dst}.shape[0]))")
             for read, d in sm.table_reads(n):
                 val = self.tmp(f"grad * {self.get(d, 'f')}")
-                frags = self.index_frags(read, dst)
+                frags = self.index_frags(read, dst, first_dim=1)
                 buf = self.tmp("cute.make_rmem_tensor(n, Float32)")
                 self.lines.append(f"{buf}.store({val})")
                 idx = ", ".join(f"{f}[e]" for f in frags)
-                # lanes whose scores read one entry (a far T5 bucket, a per-head value) add
-                # the warp's sum once: per-score atomics serialize on such hot entries
-                diff = " | ".join(f"({f}[e] - cute.arch.shuffle_sync({f}[e], 0))"
-                                  for f in frags)
+                idx0 = ", ".join(f"{f}[0]" for f in frags)
+                # the lane's fragment summed first: where every score of the warp's fragments
+                # reads one entry (a far T5 tile, a per-head value), one add per warp and call
+                acc, diff = self.tmp("Float32(0.0)"), self.tmp("Int32(0)")
+                lane_diff = " | ".join(f"({f}[0] - cute.arch.shuffle_sync({f}[0], 0))"
+                                       for f in frags)
+                elem_diff = " | ".join(f"({f}[e] - cute.arch.shuffle_sync({f}[e], 0))"
+                                       for f in frags)
                 self.lines += [
                     "for e in cutlass.range_constexpr(n):",
-                    f"    if cute.arch.vote_all_sync(({diff}) == Int32(0)):",
-                    f"        total = cute.arch.warp_reduction_sum({buf}[e])",
-                    "        if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
-                    f"            atomic_add_fp32(total, elem_pointer({dst}, ({idx},)))",
-                    f"    elif {buf}[e] != Float32(0.0):",
-                    f"        atomic_add_fp32({buf}[e], elem_pointer({dst}, ({idx},)))"]
+                    f"    {acc} = {acc} + {buf}[e]",
+                    *(f"    {diff} = {diff} | ({f}[e] - {f}[0])" for f in frags),
+                    f"if cute.arch.vote_all_sync(({diff} | {lane_diff}) == Int32(0)):",
+                    f"    total = cute.arch.warp_reduction_sum({acc})",
+                    "    if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
+                    f"        atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx0})))",
+                    "else:",
+                    # entry by entry: a warp whose lanes share an entry adds the warp's sum
+                    "    for e in cutlass.range_constexpr(n):",
+                    f"        if cute.arch.vote_all_sync(({elem_diff}) == Int32(0)):",
+                    f"            total = cute.arch.warp_reduction_sum({buf}[e])",
+                    "            if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
+                    f"                atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx})))",
+                    f"        elif {buf}[e] != Float32(0.0):",
+                    f"            atomic_add_fp32({buf}[e], elem_pointer({dst}, ({copy}, {idx})))"]
 
 
 def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:

@@ -95,10 +95,27 @@ def bwd(dout, q, k, v, out, lse, desc, softmax_scale: float, engine: str, dlse=N
     """(dq, dk, dv), and dsink with a ``sink``, through FA4's backward for the same engine as
     the forward; ``table_grads``: score_mod table position -> float32 zeros of its shape, into
     which the backward adds that table's gradient."""
-    return _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
-                                                     softmax_scale, engine, dlse, deterministic,
-                                                     lists, variant, score, sink, heads,
-                                                     table_grads)
+    copies = {n: g.new_zeros((table_grad_copies(g.numel()), *g.shape))
+              for n, g in (table_grads or {}).items()}
+    grads = _timed("backward", desc, engine, q)(_bwd)(dout, q, k, v, out, lse, desc,
+                                                      softmax_scale, engine, dlse, deterministic,
+                                                      lists, variant, score, sink, heads,
+                                                      copies)
+    for n, c in copies.items():  # on the device: no host synchronization
+        table_grads[n].add_(c.sum(0))
+    return grads
+
+
+# private copies of a trained table's gradient buffer, the CTA's own chosen by its block index
+# (docs/decisions/trainable-score-tables.md): enough for every CTA an H100 runs at once, within
+# 16 MiB
+TABLE_GRAD_COPIES, TABLE_GRAD_COPY_BYTES = 256, 16 << 20
+
+
+def table_grad_copies(numel: int) -> int:
+    """How many private copies of a ``numel``-entry float32 gradient buffer the backward adds
+    into (a hot entry's adds from CTAs running at once then land in different sectors)."""
+    return max(1, min(TABLE_GRAD_COPIES, TABLE_GRAD_COPY_BYTES // (4 * max(numel, 1))))
 
 
 def _per_head(lists, heads: int):

@@ -156,3 +156,19 @@ def test_gpu_table_gradients_vs_float32_reference(name):
     err = ((got - exact).norm() / exact.norm()).item()
     ref_err = ((bf16 - exact).norm() / exact.norm()).item()
     assert torch.isfinite(got).all() and err <= 2 * ref_err + 1e-4, (name, err, ref_err)
+
+
+def test_gradient_buffers_have_private_copies_within_their_budget():
+    """Each CTA adds into its own copy of a trained table's gradient buffer (chosen by its
+    block index, summed after the kernel), and a lane's fragment is summed before the warp's
+    sum; copies stay within 16 MiB per table, at least one."""
+    from compilemask.codegen.cute_score_mod import score_mod_source
+    from compilemask.kernels.fa4 import TABLE_GRAD_COPY_BYTES, table_grad_copies
+
+    assert table_grad_copies(32 * 8) == 256
+    assert table_grad_copies(10**6) * 4 * 10**6 <= TABLE_GRAD_COPY_BYTES
+    assert table_grad_copies(10**8) == 1
+    sm, _ = cm.compile_score_mod(score_mods.t5_bias(torch.randn(32, 4), 128))
+    src = score_mod_source(sm, 0, 2, False, (0,))
+    assert "cta % Int32(cute.size(aux_tensors[1].shape[0]))" in src
+    assert src.count("atomic_add_fp32(total, elem_pointer(aux_tensors[1], (t1, ") == 2
