@@ -100,7 +100,7 @@ def test_gpu_torchtitan_loop_trains_each_mask(mask, tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "torchtitan_e2e.py"), "--masks", mask,
            "--methods", "compilemask,flex_triton", "--seqlens", "2048", "--flavor",
            "debugmodel", "--layers", "2", "--vocab", "2048", "--steps", str(STEPS),
-           "--warmup", "0", "--lr", "1e-3", "--out", str(tmp_path)]
+           "--warmup", "0", "--out", str(tmp_path)]
     out = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
