@@ -44,7 +44,9 @@ relative: same init, same data; ``--steps 16 --runs 3`` compares the first 51), 
 attention's share:
 the forward + backward of one layer's inner attention alone on that step's q, k, v (same
 method, same mask object), times the layers, over the step time. Each config runs in
-try/except: an out-of-memory is reported as OOM, any other error by its message.
+try/except: an out-of-memory is reported as OOM, any other error by its message. With
+``--peak-top N`` one more step runs under the allocator's history and the N largest
+allocations live at its peak are reported with where each was made (what a higher peak is).
 Each row is printed when its config ends and ``torchtitan_e2e.json`` in ``--out`` is rewritten
 after every config (a stopped run keeps its rows); ``--budget-s`` skips the configs that start
 with less time left than the method's last config took (its first, which compiles, counts as
@@ -252,11 +254,8 @@ def run_config(mask, S, method, args, device):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     torch._dynamo.utils.counters.clear()
-    for step in range(args.warmup + args.steps * args.runs):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-        t0 = time.perf_counter()
+
+    def train_step():
         inputs, lab, kw = batch_kwargs(method, cfg, d, labels)
         with torch.autocast(device.type, torch.bfloat16, enabled=cuda and not args.fsdp):
             m0 = torch.cuda.memory_allocated() if cuda else 0
@@ -266,6 +265,14 @@ def run_config(mask, S, method, args, device):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return inputs, kw, loss
+
+    for step in range(args.warmup + args.steps * args.runs):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        inputs, kw, loss = train_step()
         if cuda:
             e1.record()
             e1.synchronize()
@@ -290,7 +297,52 @@ def run_config(mask, S, method, args, device):
     row["break_reasons"] = list(c["graph_break"])[:3]
     row["graphs"] = c["stats"].get("unique_graphs", 0)
     row["attn_share"] = attention_share(model, inputs, kw, device, args) * args.layers / step_s
+    if args.peak_top and cuda:
+        # one more step under the allocator's history: what is live when the step peaks
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+        try:
+            train_step()
+            torch.cuda.synchronize()
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        row["peak_top"] = peak_live(trace, args.peak_top)
     return row
+
+
+def peak_live(trace, top: int) -> dict:
+    """The allocations live when an allocator trace (``torch.cuda.memory._snapshot()``'s
+    ``device_traces[d]``) peaks, the ``top`` largest with the innermost frame of this project
+    or TorchTitan that made them (allocations made before the trace are not in it)."""
+    live, total, peak, at = {}, 0, 0, -1
+    for n, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > peak:
+                peak, at = total, n
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])
+    live = {}
+    for ev in trace[:at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    largest = sorted(live.values(), key=lambda ev: -ev["size"])[:top]
+    return {"peak_gib_over_trace_start": peak / 2**30, "live": len(live),
+            "top": [{"mib": ev["size"] / 2**20, "where": _where(ev.get("frames", []))}
+                    for ev in largest]}
+
+
+def _where(frames) -> str:
+    ours = ("compilemask", "torchtitan", "kernels", "bench", "flash_attn", "flex_attention")
+    for f in frames:  # innermost first
+        name = f.get("filename", "")
+        if any(k in name for k in ours):
+            return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    return (f"{frames[0].get('filename', '?').rsplit('/', 1)[-1]}:{frames[0].get('line')} "
+            f"{frames[0].get('name')}") if frames else "?"
 
 
 def attention_share(model, inputs, kw, device, args):
@@ -345,6 +397,9 @@ def main(argv=None):
                    help="block: each checkpointed block compiled whole (TorchTitan's order); "
                         "inner: the block compiled inside an eager checkpoint")
     p.add_argument("--no-ac", action="store_true")
+    p.add_argument("--peak-top", type=int, default=0,
+                   help="after the timed steps, one step under the allocator's history: the N "
+                        "largest allocations live at its peak, with where they were made")
     p.add_argument("--out", default=".")
     p.add_argument("--budget-s", type=float, default=0.0,
                    help="wall-clock seconds for all configs (0: no limit): a config whose "
@@ -450,10 +505,12 @@ def _fmt(r):
     if r["status"] != "ok":
         return f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['status']}"
     reasons = [x[:160] for x in r["break_reasons"]]  # whole in the JSON
+    peak = "".join(f"\n    {a['mib']:9.1f} MiB  {a['where']}" for a in r.get("peak_top", {})
+                   .get("top", []))
     return (f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['step_s'] * 1e3:8.1f} ms "
             f"{r['tokens_per_s']:9.0f} tok/s attn {100 * r['attn_share']:5.1f} % "
             f"loss0 {r['losses'][0]:.4f} peak {r['peak_gib']:.1f} kept {r['fwd_kept_gib']:.1f} GiB "
-            f"graphs {r['graphs']} breaks {r['graph_breaks']} {reasons}")
+            f"graphs {r['graphs']} breaks {r['graph_breaks']} {reasons}{peak}")
 
 
 def table(rows):

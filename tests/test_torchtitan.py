@@ -547,6 +547,25 @@ def test_bench_bars_say_what_bounds_a_row():
     assert "unreachable" in text and "| hstu | 32768 | flex_fa4 | 1.05x | 1.023x |" in text
 
 
+def test_bench_peak_live_reads_an_allocator_trace():
+    """What is live at a trace's peak: allocations freed before it are not, those made after it
+    are not, and each is named by the innermost frame of this project."""
+    mod = _bench()
+
+    def ev(action, addr, mib, where="x.py"):
+        return {"action": action, "addr": addr, "size": mib << 20,
+                "frames": [{"filename": "/torch/nn/functional.py", "line": 1, "name": "f"},
+                           {"filename": f"/src/compilemask/{where}", "line": 7, "name": "g"}]}
+
+    trace = [ev("alloc", 1, 10, "a.py"), ev("alloc", 2, 30, "b.py"),
+             ev("free_requested", 1, 10), ev("free_completed", 1, 10),
+             ev("alloc", 3, 50, "c.py"),  # the peak: 80 MiB live (2 and 3)
+             ev("free_completed", 3, 50), ev("alloc", 4, 40, "d.py")]  # 70 MiB
+    got = mod.peak_live(trace, top=5)
+    assert got["peak_gib_over_trace_start"] == pytest.approx(80 / 1024) and got["live"] == 2
+    assert [(a["mib"], a["where"]) for a in got["top"]] == [(50.0, "c.py:7 g"), (30.0, "b.py:7 g")]
+
+
 def test_flex_baseline_documents_use_torchtitans_mask_mods(eager_flex):
     """The Flex baseline of block_causal is TorchTitan's own document BlockMask, equal to the
     CompileMask descriptor."""
