@@ -11,13 +11,9 @@ made without them. The engines trust the choice: none checks again.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from compilemask.contract.log import say_once
-from compilemask.contract.lru import LRUSet
-from compilemask.contract.options import GpuRefusalWarning
+from compilemask.contract.log import say_once, warn_gpu_refusal
 
 from . import fa4_lib
 from .fa4 import BWD_TILE_M
@@ -147,21 +143,17 @@ def cute_call_refusal(q, desc, score_mod: bool = False, sink: bool = False,
     return head_dims_reason("cute", q.shape[-1], head_dim_v or q.shape[-1])
 
 
-_SAID_DETERMINISTIC = LRUSet(256)  # the reasons already said (one warning each)
-
-
 def _say_deterministic_refusal(q, desc, heads, score_mod, sink, head_dim_v) -> None:
     """On the CPU: a ``deterministic=True`` call that CUDA's only deterministic engine (cute)
-    would refuse is said once, as the other GPU refusals are (``GpuRefusalWarning``)."""
+    would refuse is said once per reason, as the other GPU refusals are."""
     why = ("folded heads run on the fa4 engine only" if heads > 1
            else cute_call_refusal(q, desc, score_mod, sink, head_dim_v))
-    if why is None or why in _SAID_DETERMINISTIC or torch.compiler.is_compiling():
-        return
-    _SAID_DETERMINISTIC.add(why)
-    warnings.warn("cm.attention: the reference engine runs this deterministic=True call, which "
-                  f"the GPU engines refuse (on CUDA only the cute engine is deterministic: {why});"
-                  " deterministic=False runs it there; silence with warnings.filterwarnings("
-                  "'ignore', category=cm.GpuRefusalWarning)", GpuRefusalWarning, stacklevel=4)
+    if why is not None:
+        warn_gpu_refusal(("deterministic", why),
+                         "cm.attention: the reference engine runs this deterministic=True call, "
+                         "which the GPU engines refuse (on CUDA only the cute engine is "
+                         f"deterministic: {why}); deterministic=False runs it there",
+                         stacklevel=4)
 
 
 def why_not(q, desc, engine: str, deterministic: bool = False, heads: int = 1,

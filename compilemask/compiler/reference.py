@@ -8,13 +8,11 @@ import functools
 import operator
 import os
 import types
-import warnings
 
 import torch
 
 from compilemask.contract.descriptor import in_interval, unpack_table
-from compilemask.contract.lru import LRUSet
-from compilemask.contract.options import GpuRefusalWarning
+from compilemask.contract.log import warn_gpu_refusal
 from compilemask.dsl.score_mod import gpu_refusal
 
 __all__ = ["descriptor_dense_mask", "brute_force_mask", "attention_reference"]
@@ -304,22 +302,15 @@ def _user_frame(tb) -> str:
     return where
 
 
-_WARNED = LRUSet(1024)  # the functions (code objects) already warned about
-
-
 def _warn_refused(score_mod, why: str) -> None:
     """One ``GpuRefusalWarning`` per score_mod function (its code)."""
     fn = score_mod
     while isinstance(fn, functools.partial):
         fn = fn.func
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    marker = code if code is not None else id(fn)
-    if marker in _WARNED or torch.compiler.is_compiling():
-        return
-    _WARNED.add(marker)
-    warnings.warn(f"the reference engine runs this score_mod, which the GPU engines refuse "
-                  f"({why}); silence with warnings.filterwarnings('ignore', "
-                  "category=cm.GpuRefusalWarning)", GpuRefusalWarning, stacklevel=5)
+    warn_gpu_refusal(code if code is not None else id(fn),
+                     f"the reference engine runs this score_mod, which the GPU engines refuse "
+                     f"({why})", stacklevel=5)
 
 
 def attention_reference(q, k, v, dense_mask, softmax_scale=None, return_lse=False,

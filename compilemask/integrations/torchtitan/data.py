@@ -66,6 +66,7 @@ class PackedSequenceDataLoader(ParallelAwareDataloader):
                          batch_size=local_batch_size, num_workers=0,
                          snapshot_every_n_steps=snapshot_every_n_steps)
 
+
 def rows_data(config: PackedSequenceDataLoader.Config) -> bool:
     """Whether ``config`` loads ``RowSequences`` (else ``PackedSequences``)."""
     if config.dataset != "auto":

@@ -239,8 +239,11 @@ def _no_fields(seqlen: int, seed: int) -> dict:
 
 def _bench_rows(spec: MaskSpec):
     """The mask module's at-scale metadata (``bench_meta``), else its random metadata (edge
-    cases included), for one row."""
-    recipes = cm_masks.recipes_for(spec)
+    cases included), for one row; None for a spec no factory of ``compilemask.masks`` made."""
+    try:
+        recipes = cm_masks.recipes_for(spec)
+    except KeyError:
+        return None
 
     def rows(seqlen: int, seed: int) -> dict:
         if recipes.bench_meta is not None:
@@ -329,16 +332,9 @@ def _spec_source(name: str, spec: MaskSpec) -> MaskSource:
                 bounds = document_bounds(positions) if bounds is None else bounds
                 out[p] = bounds[derived[p]]
         return out
-    rows = None
-    if any(p in derived for p in params):
-        pass  # documents from positions: packed data
-    elif not required:
-        rows = _no_fields
-    else:
-        try:  # a factory of compilemask.masks: its recipes draw the metadata
-            rows = _bench_rows(spec)
-        except KeyError:
-            pass
+    rows = None  # documents from positions read packed data
+    if not any(p in derived for p in params):
+        rows = _bench_rows(spec) if required else _no_fields
     return MaskSource(name, spec, meta, None, fields=required, rows=rows)
 
 
