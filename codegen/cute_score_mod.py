@@ -368,6 +368,8 @@ class _Emit:
                                        for f in frags)
                 elem_diff = " | ".join(f"({f}[e] - cute.arch.shuffle_sync({f}[e], 0))"
                                        for f in frags)
+                # the lanes whose element e reads the same entry (every index equal)
+                peers = " & ".join(f"cute.arch.match_sync(0xFFFFFFFF, {f}[e])" for f in frags)
                 self.lines += [
                     "for e in cutlass.range_constexpr(n):",
                     f"    {acc} = {acc} + {buf}[e]",
@@ -377,14 +379,25 @@ class _Emit:
                     "    if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
                     f"        atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx0})))",
                     "else:",
-                    # entry by entry: a warp whose lanes share an entry adds the warp's sum
+                    # entry by entry: one add per distinct entry the warp reads (near a T5
+                    # diagonal a lane's scores read several buckets, and lanes share them)
                     "    for e in cutlass.range_constexpr(n):",
                     f"        if cute.arch.vote_all_sync(({elem_diff}) == Int32(0)):",
                     f"            total = cute.arch.warp_reduction_sum({buf}[e])",
                     "            if cute.arch.lane_idx() == Int32(0) and total != Float32(0.0):",
                     f"                atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx})))",
-                    f"        elif {buf}[e] != Float32(0.0):",
-                    f"            atomic_add_fp32({buf}[e], elem_pointer({dst}, ({copy}, {idx})))"]
+                    "        else:",
+                    f"            peers = {peers}",
+                    # every lane sums its group in lane order (32 shuffles); the group's lowest
+                    # lane adds the sum
+                    "            total = Float32(0.0)",
+                    "            for src in cutlass.range_constexpr(32):",
+                    f"                v = cute.arch.shuffle_sync({buf}[e], src)",
+                    "                if (peers >> Uint32(src)) & Uint32(1) != Uint32(0):",
+                    "                    total = total + v",
+                    "            if (peers & cute.arch.lanemask_lt()) == Uint32(0) and "
+                    "total != Float32(0.0):",
+                    f"                atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx})))"]
 
 
 def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:
@@ -431,7 +444,8 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          f"# d/dscore = {_plain(sm.grad)}",
          *([f"# gradients of tables {list(train)} added at aux_tensors"
             f"[{offset + len(sm.tables)}:]"] if train else []),
-         "import cutlass", "import cutlass.cute as cute", "from cutlass import Float32, Int32",
+         "import cutlass", "import cutlass.cute as cute",
+         "from cutlass import Float32, Int32, Uint32",
          *(["from compilemask.kernels import fa4_lib", "",
             "atomic_add_fp32 = fa4_lib.module('utils').atomic_add_fp32",
             "elem_pointer = fa4_lib.module('utils').elem_pointer"] if train else []),

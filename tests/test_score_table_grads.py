@@ -5,6 +5,8 @@ reference."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -161,7 +163,8 @@ def test_gpu_table_gradients_vs_float32_reference(name):
 def test_gradient_buffers_have_private_copies_within_their_budget():
     """Each CTA adds into its own copy of a trained table's gradient buffer (chosen by its
     block index, summed after the kernel), and a lane's fragment is summed before the warp's
-    sum; copies stay within 16 MiB per table, at least one."""
+    sum, lanes sharing an entry summed before its one add; copies stay within 16 MiB per
+    table, at least one."""
     from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.kernels.fa4 import TABLE_GRAD_COPY_BYTES, table_grad_copies
 
@@ -171,4 +174,7 @@ def test_gradient_buffers_have_private_copies_within_their_budget():
     sm, _ = cm.compile_score_mod(score_mods.t5_bias(torch.randn(32, 4), 128))
     src = score_mod_source(sm, 0, 2, False, (0,))
     assert "cta % Int32(cute.size(aux_tensors[1].shape[0]))" in src
-    assert src.count("atomic_add_fp32(total, elem_pointer(aux_tensors[1], (t1, ") == 2
+    # one add per warp (every lane one entry), per element (lanes agree), per distinct entry
+    assert src.count("atomic_add_fp32(total, elem_pointer(aux_tensors[1], (t1, ") == 3
+    assert "cute.arch.match_sync(0xFFFFFFFF, " in src
+    assert not re.search(r"atomic_add_fp32\(t\d+\[e\]", src)  # no add of one lane's score
