@@ -70,16 +70,21 @@ def _uniform(e) -> bool:
     return not any(s.name in ("score", "i", "j") for s in e.free_symbols)
 
 
-def index_total(sm: ScoreMod) -> bool:
+def index_total(sm: ScoreMod, relative: bool = False) -> bool:
     """Whether ``sm``'s value and gradient are finite at every integer q_idx / kv_idx given
     finite scores and tables: where they read an index, only through sums, products,
     non-negative integer powers, min / max / abs and selects (no division, function or table
-    read of an index)."""
+    read of an index); ``relative``: its relative indices are read from their tables, and a
+    table read at them and at finite indices is a clamped load."""
+    loaded = {a for a, _ in sm.relative} if relative else set()
+
     def total(e) -> bool:
         if not any(s.name in ("i", "j") for s in e.free_symbols):
             return True
         if isinstance(e, sp.Symbol):
             return True
+        if isinstance(e, sp.core.function.AppliedUndef) and any(a in loaded for a in e.args):
+            return all(a in loaded or total(a) for a in e.args)
         if isinstance(e, sp.Pow):
             return bool(e.args[1].is_Integer and int(e.args[1]) >= 0 and total(e.args[0]))
         return isinstance(e, _TOTAL) and all(total(a) for a in e.args)
@@ -94,9 +99,13 @@ class _Emit:
     (ALiBi: 68 bytes per thread, ``docs/decisions/engine.md``). A table read takes its indices
     through a register fragment, one element at a time."""
 
-    def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False):
+    def __init__(self, sm: ScoreMod, offset: int, index_bits: bool = False,
+                 relative: bool = False):
         self.index_bits = index_bits
         self.tables = {t.name: (offset + n, t) for n, t in enumerate(sm.tables)}
+        # relative indices read from their tables, after the score_mod's own
+        self.relative = ({a: offset + len(sm.tables) + n for n, (a, _) in enumerate(sm.relative)}
+                         if relative else {})
         self.lines: list[str] = []
         self.memo: dict = {}
         self.n = 0
@@ -212,6 +221,8 @@ class _Emit:
 
     # ---- Int32 ---------------------------------------------------------------------------
     def _i(self, e) -> str:
+        if e in self.relative:
+            return self._relative(e)
         if isinstance(e, sp.Symbol):
             if e.name not in _NAMES:
                 raise NotImplementedError(f"score_mod: unknown symbol {e}")
@@ -322,6 +333,20 @@ class _Emit:
         self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{idx}]"]
         return self.tmp(f"{out}.load()")
 
+    def _relative(self, e) -> str:
+        """A relative index read from its table at ``q - kv`` (``ScoreMod.relative_table``):
+        one load for the rounding float arithmetic; positions clamped into the table (only
+        the padded rows and columns of edge tiles, whose scores are masked, reach past it)."""
+        src = f"aux_tensors[{self.relative[e]}]"
+        size = self.tmp(f"Int32(cute.size({src}.shape[0]))")
+        pos = self.tmp(f"q - kv + ({size} - Int32(1)) // Int32(2)")
+        pos = self._min(self._max(pos, "Int32(0)"), f"{size} - Int32(1)")
+        frag = self.tmp("cute.make_rmem_tensor(n, Int32)")
+        self.lines.append(f"{frag}.store({pos})")
+        out = self.tmp("cute.make_rmem_tensor(n, Int32)")
+        self.lines += ["for e in cutlass.range_constexpr(n):", f"    {out}[e] = {src}[{frag}[e]]"]
+        return self.tmp(f"{out}.load()")
+
     def index_frags(self, e, src: str, first_dim: int = 0) -> list[str]:
         """Register fragments of the table read ``e``'s indices into ``src`` (a tensor of the
         table's shape from dimension ``first_dim``): torch's negative indices, then clamped
@@ -400,8 +425,9 @@ class _Emit:
                     f"                atomic_add_fp32(total, elem_pointer({dst}, ({copy}, {idx})))"]
 
 
-def _body(sm: ScoreMod, expr, offset: int, index_bits: bool) -> tuple[list[str], str]:
-    em = _Emit(sm, offset, index_bits)
+def _body(sm: ScoreMod, expr, offset: int, index_bits: bool,
+          relative: bool) -> tuple[list[str], str]:
+    em = _Emit(sm, offset, index_bits, relative)
     out = em.get(expr, "f")
     return em.lines, out
 
@@ -413,14 +439,16 @@ def _plain(expr) -> str:
 
 
 def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
-                     index_bits: bool = False, train: tuple = ()) -> str:
+                     index_bits: bool = False, train: tuple = (), relative: bool = False) -> str:
     """Python source of the ``@cute.jit`` ``score_mod`` and ``score_mod_bwd`` of ``sm``, its
     tables at ``aux_tensors[offset:]``; ``gqa > 1``: for FA4's backward, whose indices come
     packed (see the module's docstring); ``index_bits``: q_idx and kv_idx are below
     INDEX_BOUND, and linear index expressions convert to float by bits (no I2F, whose
     quarter rate competes with the softmax's exp2); ``train``: the positions of the tables
     whose gradients ``score_mod_bwd`` adds into float32 buffers after the tables
-    (``docs/decisions/trainable-score-tables.md``)."""
+    (``docs/decisions/trainable-score-tables.md``); ``relative``: ``sm.relative``'s indices
+    are read from their tables (``ScoreMod.relative_table``), passed after the score_mod's
+    own and before the gradient buffers."""
     head = ["    n = cute.size(score.shape)",
             "    s = score",
             "    b = batch_idx"]
@@ -430,11 +458,11 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
     else:
         head += ["    h = head_idx", "    q = q_idx"]
     head += ["    kv = kv_idx"]
-    fwd, out = _body(sm, sm.expr, offset, index_bits)
-    em = _Emit(sm, offset, index_bits)
+    fwd, out = _body(sm, sm.expr, offset, index_bits, relative)
+    em = _Emit(sm, offset, index_bits, relative)
     dout = em.get(sm.grad, "f")
     if train:  # trainable tables: their gradients, in the backward's per-score hook
-        em.table_grads(sm, train, offset + len(sm.tables))
+        em.table_grads(sm, train, offset + len(sm.tables) + len(em.relative))
     bwd = em.lines
     ind = "    "
     return "\n".join(
@@ -449,7 +477,9 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          *(["from compilemask.kernels import fa4_lib", "",
             "atomic_add_fp32 = fa4_lib.module('utils').atomic_add_fp32",
             "elem_pointer = fa4_lib.module('utils').elem_pointer"] if train else []),
-         "", "", f"UNWRAPPED = {index_total(sm)}", "", "",
+         *([f"# indices read from tables over q_idx - kv_idx at aux_tensors"
+            f"[{offset + len(sm.tables)}:]"] if relative and sm.relative else []),
+         "", "", f"UNWRAPPED = {index_total(sm, relative)}", "", "",
          *(_I2F if index_bits else []),
          "@cute.jit",
          "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
@@ -471,14 +501,16 @@ _I2F = [
 
 
 def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool = False,
-                  train: tuple = ()):
+                  train: tuple = (), relative: bool = False):
     """``(score_mod, score_mod_bwd)`` for FA4, compiled once per (score_mod, offset, gqa,
-    index_bits, trainable tables)."""
+    index_bits, trainable tables, relative)."""
+    relative = relative and bool(sm.relative)
+
     def build():
-        src = score_mod_source(sm, offset, gqa, index_bits, train)
+        src = score_mod_source(sm, offset, gqa, index_bits, train, relative)
         fns = compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
         for fn in fns:  # the source's UNWRAPPED (so FA4's kernel key sees it)
-            setattr(fn, UNWRAPPED_ATTR, index_total(sm))
+            setattr(fn, UNWRAPPED_ATTR, index_total(sm, relative))
         return fns
 
-    return _CACHE.get((sm.key, offset, gqa, index_bits, tuple(train)), build)
+    return _CACHE.get((sm.key, offset, gqa, index_bits, tuple(train), relative), build)

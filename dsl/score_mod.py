@@ -153,8 +153,17 @@ class ScoreMod:
     # score, which the GPU engines read from the mask (``from_mask_mod(..., score_mod=)``);
     # ``expr`` is the value where it is finite
     mask: object = None
+    # index expressions of table reads that depend on q_idx and kv_idx only through
+    # ``q_idx - kv_idx`` and round a float to an integer (T5's log buckets), each as ``(expr,
+    # g)`` with ``g`` its value in ``RELATIVE``: the GPU engines read them from a table over the
+    # difference (``relative_table``) rather than compute them per score
+    relative: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        reads = [r for e in (self.expr, self.grad) for r in e.atoms(sp.core.function.AppliedUndef)]
+        args = {a for r in reads for a in r.args}
+        self.relative = tuple(sorted(((a, g) for a in args if (g := _relative(a)) is not None),
+                                     key=lambda p: sp.default_sort_key(p[0])))
         if not self.key:
             text = repr((sp.srepr(self.expr), self.tables, self.softcap)
                         + ((True,) if self.index_bits else ())
@@ -217,6 +226,16 @@ class ScoreMod:
             out.append((r, d))
         return tuple(out)
 
+    def relative_table(self, n: int, reach: int, device) -> torch.Tensor:
+        """int32 ``[2 * reach - 1]``: relative index ``n``'s value at each ``q_idx - kv_idx``
+        from ``-(reach - 1)`` to ``reach - 1`` (position ``d + reach - 1``), computed as the
+        reference engine computes it (float32 arithmetic), so that both engines read one
+        value; saturated to int32 (the read clamps it into its table either way)."""
+        _, g = self.relative[n]
+        d = torch.arange(-(reach - 1), reach, device=device, dtype=torch.int64)
+        val = _torch_eval(g, {RELATIVE: d}, {}, torch.float32).long().expand(d.shape)
+        return val.clamp(-(2**31), 2**31 - 1).to(torch.int32).contiguous()
+
     def table_grads(self, score, b, h, q_idx, kv_idx, tensors, dm, train) -> list:
         """The gradients of the tables at positions ``train`` given ``dm`` (d loss / d the
         modified score, broadcast with the indices) in torch, as the kernels accumulate them:
@@ -242,6 +261,25 @@ class ScoreMod:
                              val.expand(shape).reshape(-1), accumulate=True)
             grads.append(g.view(t.shape))
         return grads
+
+
+# q_idx - kv_idx, the variable of a relative index's table (``ScoreMod.relative``)
+RELATIVE = sp.Symbol("d", integer=True)
+# a float rounded to an integer: a relative index worth a table (computed per score, its log
+# or division costs more than the table's load)
+_ROUNDED = (trunc, sp.floor)
+
+
+def _relative(a):
+    """``a`` as an expression in ``RELATIVE`` when it reads q_idx and kv_idx only through their
+    difference, reads no table, batch or head, and rounds a float; else None."""
+    if a.free_symbols != {_I, _J} or a.atoms(sp.core.function.AppliedUndef):
+        return None
+    if not any(isinstance(x, _ROUNDED) and not x.args[0].is_integer
+               for x in sp.preorder_traversal(a)):
+        return None
+    g = a.subs(_I, _J + RELATIVE)
+    return g if g.free_symbols == {RELATIVE} else None
 
 
 # the table a score_mod at the rows' positions reads last (``at_rows``); user tables are

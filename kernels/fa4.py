@@ -21,6 +21,7 @@ import functools
 import time
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from compilemask.codegen.cute_mask_mod import (
     aux_tensors,
@@ -30,6 +31,7 @@ from compilemask.codegen.cute_mask_mod import (
 )
 from compilemask.codegen.cute_score_mod import INDEX_BOUND, score_mod_fns
 from compilemask.contract.log import say_once
+from compilemask.contract.lru import LRU
 
 from . import fa4_lib
 
@@ -148,17 +150,43 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
             bits = (sm.index_bits
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             grads = table_grads if backward and table_grads else {}
-            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits, tuple(grads))
+            # served rows read q_idx at their positions (a table read, never relative)
+            luts = ([] if served else
+                    relative_tables(sm, max(desc.seqlen_q, desc.seqlen_k), desc.device))
+            fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits, tuple(grads),
+                                       relative=bool(luts))
             kw["score_mod"] = fn
             if backward:
                 kw["score_mod_bwd"] = fn_bwd
-            aux += [*tables, *grads.values()]  # the buffers after the tables, as the code reads
+            # the relative indices' tables, then the buffers after them, as the code reads
+            aux += [*tables, *luts, *grads.values()]
     if aux:
         kw["aux_tensors"] = [_leading_dim(t) for t in aux]
     if sink is not None:
         kw["learnable_sink"] = sink
     kw["patches"] = patches()
     return kw
+
+
+# relative indices' tables (``ScoreMod.relative_table``) per (score_mod, index, reach, device):
+# a few KiB to a MiB each, built once per length class
+_RELATIVE = LRU(64)
+
+
+def relative_tables(sm, seqlen: int, device) -> list:
+    """The tables of ``sm``'s relative indices for calls of up to ``seqlen`` queries and keys
+    (reach rounded up to a multiple of 4096, so lengths that change share them)."""
+    reach = -(-max(seqlen, 1) // 4096) * 4096
+    out = []
+    for n in range(len(sm.relative)):
+        key = (sm.key, n, reach, str(device))
+        lut = _RELATIVE.get(key)
+        if lut is None:
+            lut = sm.relative_table(n, reach, device)
+            if not is_fake(lut):  # a traced call's stand-in is no table for a real one
+                lut = _RELATIVE.setdefault(key, lut)
+        out.append(lut)
+    return out
 
 
 def patches() -> tuple:
