@@ -471,7 +471,7 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
          f"# score <- {_plain(sm.expr)}",
          f"# d/dscore = {_plain(sm.grad)}",
          *([f"# gradients of tables {list(train)} added at aux_tensors"
-            f"[{offset + len(sm.tables)}:]"] if train else []),
+            f"[{offset + len(sm.tables) + len(em.relative)}:]"] if train else []),
          "import cutlass", "import cutlass.cute as cute",
          "from cutlass import Float32, Int32, Uint32",
          *(["from compilemask.kernels import fa4_lib", "",
