@@ -937,11 +937,14 @@ def _run_generated(src, fn_name, score, b, h, q, kv, tables, grad=None):
                                   "sigmoid_abs_min_max", "float_to_int", "floor_div_mod"])
 @pytest.mark.parametrize("index_bits", [False, True])
 @pytest.mark.parametrize("python_rounding", [False, True])
-def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, monkeypatch):
+@pytest.mark.parametrize("relative", [False, True])
+def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, relative,
+                                             monkeypatch):
     """The generated ``score_mod`` / ``score_mod_bwd`` source, run by a CPU model of the CuTe
     DSL's vector semantics (signed ``//`` floors, ``%`` keeps the dividend's sign, float to int
     truncates; and with a floor remainder), equals the score_mod as written, with negative index
-    differences."""
+    differences; ``relative``: relative indices read from their tables (reach 64, past the
+    indices' 40)."""
     monkeypatch.setattr(_Vec, "python_rounding", python_rounding)
     from compilemask.codegen.cute_score_mod import score_mod_source
     from compilemask.dsl.score_mod import compile_score_mod, kernel_table
@@ -949,7 +952,11 @@ def test_generated_code_equals_the_score_mod(name, index_bits, python_rounding, 
     fn = _all_score_mods()[name]
     sm, tables = compile_score_mod(fn)
     tables = [kernel_table(t, spec.is_float) for t, spec in zip(tables, sm.tables)]
-    src = score_mod_source(sm, index_bits=index_bits)
+    if relative:
+        if not sm.relative:
+            pytest.skip("no relative index")
+        tables += [sm.relative_table(n, 64, "cpu") for n in range(len(sm.relative))]
+    src = score_mod_source(sm, index_bits=index_bits, relative=relative)
     g = torch.Generator().manual_seed(3)
     for _ in range(40):
         s = float(torch.randn((), generator=g)) * 6
@@ -1130,3 +1137,50 @@ def test_unsupported_score_mods_are_refused_with_the_construct_named():
     with pytest.raises(NotImplementedError, match="compare their difference with a constant"):
         compile_score_mod(lambda s, b, h, q, kv: s + ((kv * 2 - q) > (q - kv)).float())
     compile_score_mod(lambda s, b, h, q, kv: s + (3 * kv - 2 * q > 0).float())
+
+
+def test_relative_indices_read_from_tables_equal_the_reference():
+    """Index expressions that read q_idx and kv_idx only through their difference and round a
+    float (T5's buckets, both directions; a floor of a true division) become tables over the
+    difference, equal to the reference's evaluation at every (q_idx, kv_idx) of a 301-long
+    sequence; linear indices, indices that read the head or one index alone do not; the
+    engine's tables are shared by lengths of one 4096 class and bounded."""
+    from compilemask.dsl.score_mod import _I, _J, _torch_eval, compile_score_mod
+    from compilemask.kernels.fa4 import _RELATIVE, relative_tables
+
+    table = torch.randn(32, H)
+
+    def causal_t5(score, b, h, q_idx, kv_idx):  # transformers' unidirectional bucket
+        n = (q_idx - kv_idx).clamp(min=0)
+        large = 16 + (torch.log(n.float() / 16) / math.log(128 / 16) * 16).to(torch.long)
+        return score + table[torch.where(n < 16, n, large.clamp(max=31)), h]
+
+    def thirds(score, b, h, q_idx, kv_idx):
+        return score + table[((q_idx - kv_idx) / 3).long().clamp(-31, 31), h]
+
+    def linear(score, b, h, q_idx, kv_idx):
+        return score + table[(q_idx - kv_idx).clamp(0, 31), h]
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + table[score_mods.t5_bucket((kv_idx - q_idx) * (h + 1)), h]
+
+    def one_index(score, b, h, q_idx, kv_idx):
+        return score + table[score_mods.t5_bucket(q_idx), h]
+
+    S, reach = 301, 512
+    i, j = torch.arange(S).view(-1, 1), torch.arange(S).view(1, -1)
+    for fn in (score_mods.t5_bias(table, 128), causal_t5, thirds):
+        sm, _ = compile_score_mod(fn)
+        assert len(sm.relative) == 1, fn
+        lut = sm.relative_table(0, reach, "cpu")
+        assert lut.dtype == torch.int32 and lut.shape == (2 * reach - 1,)
+        want = _torch_eval(sm.relative[0][0], {_I: i, _J: j}, {}, torch.float32).long()
+        assert torch.equal(lut[i - j + reach - 1].long(), want), fn
+    for fn in (linear, per_head, one_index, score_mods.alibi(torch.rand(H))):
+        assert compile_score_mod(fn)[0].relative == (), fn
+    sm, _ = compile_score_mod(score_mods.t5_bias(table, 128))
+    a, = relative_tables(sm, 1000, "cpu")
+    b, = relative_tables(sm, 4096, "cpu")
+    c, = relative_tables(sm, 4097, "cpu")
+    assert a is b and a.shape == (2 * 4096 - 1,) and c.shape == (2 * 8192 - 1,)
+    assert _RELATIVE.maxsize == 64
