@@ -1141,7 +1141,7 @@ def test_unsupported_score_mods_are_refused_with_the_construct_named():
 
 def test_relative_indices_read_from_tables_equal_the_reference():
     """Index expressions that read q_idx and kv_idx only through their difference and round a
-    float (T5's buckets, both directions; a floor of a true division) become tables over the
+    float (T5's buckets, both directions; a true division truncated) become tables over the
     difference, equal to the reference's evaluation at every (q_idx, kv_idx) of a 301-long
     sequence; linear indices, indices that read the head or one index alone do not; the
     engine's tables are shared by lengths of one 4096 class and bounded."""
