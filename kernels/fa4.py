@@ -151,8 +151,8 @@ def _mods(desc, engine: str, variant, score, backward: bool, gqa: int = 1, sink=
                     and max(desc.seqlen_q, desc.seqlen_k) + 256 <= INDEX_BOUND)
             grads = table_grads if backward and table_grads else {}
             # served rows read q_idx at their positions (a table read, never relative)
-            luts = ([] if served else
-                    relative_tables(sm, max(desc.seqlen_q, desc.seqlen_k), desc.device))
+            luts = (relative_tables(sm, max(desc.seqlen_q, desc.seqlen_k), desc.device)
+                    if sm.relative and not served else [])
             fn, fn_bwd = score_mod_fns(sm, len(aux), gqa if backward else 1, bits, tuple(grads),
                                        relative=bool(luts))
             kw["score_mod"] = fn

@@ -801,7 +801,8 @@ def test_index_bits_reach_both_passes_below_the_bound(monkeypatch):
     sm = dataclasses.replace(sm, index_bits=True, key="")
     seen = []
     monkeypatch.setattr(fa4, "score_mod_fns",
-                        lambda sm, offset, gqa, bits, train=(): seen.append(bits) or (None, None))
+                        lambda sm, offset, gqa, bits, train=(), relative=False:
+                        seen.append(bits) or (None, None))
     monkeypatch.setattr(fa4, "patches", lambda: ())
     for S in (64, INDEX_BOUND - 256, INDEX_BOUND - 255):
         desc = types.SimpleNamespace(seqlen_q=S, seqlen_k=S)  # what the native engine reads
