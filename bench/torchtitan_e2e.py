@@ -298,16 +298,29 @@ def run_config(mask, S, method, args, device):
     row["graphs"] = c["stats"].get("unique_graphs", 0)
     row["attn_share"] = attention_share(model, inputs, kw, device, args) * args.layers / step_s
     if args.peak_top and cuda:
-        # one more step under the allocator's history: what is live when the step peaks
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
+        row["peak_top"] = peak_step(train_step, args.peak_top)
+    return row
+
+
+def peak_step(train_step, top: int) -> dict:
+    """One more step under the allocator's history: what is live when the step peaks. Python
+    stacks first; where recording them fails inside the step (the backward's recomputation
+    has raised a SystemError there), sizes alone, the row's timings kept either way."""
+    failed = []
+    for context in ("all", None):
+        torch.cuda.memory._record_memory_history(
+            context=context, stacks="python", max_entries=2_000_000)
         try:
             train_step()
             torch.cuda.synchronize()
             trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        except Exception as e:  # noqa: BLE001 - said in the row, then sizes alone
+            failed.append(f"stacks: {type(e).__name__}: {e}"[:200])
+            continue
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-        row["peak_top"] = peak_live(trace, args.peak_top)
-    return row
+        return {**peak_live(trace, top), **({"failed": failed} if failed else {})}
+    return {"failed": failed}
 
 
 def peak_live(trace, top: int) -> dict:
@@ -507,6 +520,7 @@ def _fmt(r):
     reasons = [x[:160] for x in r["break_reasons"]]  # whole in the JSON
     peak = "".join(f"\n    {a['mib']:9.1f} MiB  {a['where']}" for a in r.get("peak_top", {})
                    .get("top", []))
+    peak += "".join(f"\n    peak trace: {f}" for f in r.get("peak_top", {}).get("failed", []))
     return (f"{r['mask']:>16} {r['seqlen']:>6} {r['method']:>12}: {r['step_s'] * 1e3:8.1f} ms "
             f"{r['tokens_per_s']:9.0f} tok/s attn {100 * r['attn_share']:5.1f} % "
             f"loss0 {r['losses'][0]:.4f} peak {r['peak_gib']:.1f} kept {r['fwd_kept_gib']:.1f} GiB "

@@ -566,6 +566,29 @@ def test_bench_peak_live_reads_an_allocator_trace():
     assert [(a["mib"], a["where"]) for a in got["top"]] == [(50.0, "c.py:7 g"), (30.0, "b.py:7 g")]
 
 
+def test_bench_peak_step_keeps_going_without_stacks(monkeypatch):
+    """Where recording Python stacks fails inside the step, the step runs again recording
+    sizes alone, and the failure is said; recording is switched off after each try."""
+    mod = _bench()
+    calls, tries = [], []
+    trace = [{"action": "alloc", "addr": 1, "size": 64 << 20, "frames": []}]
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append((enabled, kw.get("context"))))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [trace]})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def step():
+        tries.append(calls[-1][1])
+        if len(tries) == 1:
+            raise SystemError("returned NULL without setting an exception")
+
+    got = mod.peak_step(step, top=3)
+    assert tries == ["all", None] and calls[1] == (None, None) and calls[-1] == (None, None)
+    assert got["failed"][0].startswith("stacks: SystemError")
+    assert [(a["mib"], a["where"]) for a in got["top"]] == [(64.0, "?")]
+
+
 def test_flex_baseline_documents_use_torchtitans_mask_mods(eager_flex):
     """The Flex baseline of block_causal is TorchTitan's own document BlockMask, equal to the
     CompileMask descriptor."""
