@@ -13,7 +13,10 @@ bf16, the native engine:
   pairs on their engines, forward and backward;
 * ``t5``: the same for prefix-LM + T5, its index by bits or I2F, with and without FA4's wrap,
   and with the per-score rules in the forward (``KernelOptions(mask_mod="rules")``) for the
-  row mask the default picks.
+  row mask the default picks;
+* ``tables``: causal + T5 on the fa4 engine (the table bench's pair), the backward with the
+  table frozen and trained (``score_mod_bwd`` adding its gradient,
+  ``docs/decisions/trainable-score-tables.md``): registers, spills and the backward's opcodes.
 
 Per kernel: instructions, branches, MUFU.TANH / MUFU.EX2, I2FP (sm90's int-to-float), FFMA /
 FMUL, and the PTX's ``div.rn.f32`` (an IEEE division per score, which ptxas expands into a
@@ -26,6 +29,7 @@ each score costs, the H200 says what that is worth (``bench/h200.sh engines``).
     python bench/sass_score_mod.py unwrap
     python bench/sass_score_mod.py spills
     python bench/sass_score_mod.py t5
+    python bench/sass_score_mod.py tables
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ KINDS = {"softcap": ("fa4", "score_mod"), "alibi": ("none", "cvt", "bits"),
          "spills": ("causal/alibi/native", "causal/alibi/fa4", "prefix_lm/t5/fa4",
                     "sliding_window/softcap/native", "hstu/temperature/fa4"),
          "t5": ("prefix_lm/t5/fa4", "prefix_lm/t5/fa4/cvt", "prefix_lm/t5/fa4-wrapped",
-                "prefix_lm/t5/fa4/cvt-wrapped", "prefix_lm/t5/fa4/rules")}
+                "prefix_lm/t5/fa4/cvt-wrapped", "prefix_lm/t5/fa4/rules"),
+         "tables": ("frozen", "trained")}
 
 
 def _spills_child(item: str) -> None:
@@ -70,7 +75,39 @@ def _spills_child(item: str) -> None:
              tables=tables)
 
 
+def _tables_child(kind: str) -> None:
+    # causal + T5 on the fa4 engine as bench/score_tables.py runs it, the backward with the
+    # table's gradient buffer where trained
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compilemask as cm
+    from compilemask import masks
+    from compilemask.dsl import score_mods
+    from compilemask.dsl.score_mod import compile_score_mod
+    from compilemask.kernels import fa4
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import fake_on_cuda
+
+    B, S, H, D = 2, 1000, 8, 128
+    sm, tables = compile_score_mod(score_mods.t5_bias(torch.randn(32, H), 128))
+    desc = cm.compile_mask(masks.causal()).preprocess(None, seqlen_q=S, batch_size=B)
+    lists = {k: desc.block_sparse(k) for k in ("fwd", "bwd64")}
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=torch.bfloat16, device="cuda")
+        fdesc, fl, fake = fake_on_cuda(desc, lists)
+        sc = (sm, [fake(t) for t in tables])
+        out, lse = fa4.fwd(q, q, q, fdesc, D**-0.5, "fa4", lists=fl["fwd"], score=sc)
+        grads = {0: fake(torch.zeros(tables[0].shape))} if kind == "trained" else None
+        fa4.bwd(q, q, q, q, out, lse, fdesc, D**-0.5, "fa4", lists=fl["bwd64"], score=sc,
+                table_grads=grads)
+
+
 def _child(kind: str) -> None:
+    if kind in KINDS["tables"]:
+        _tables_child(kind)
+        return
     if kind.endswith("-wrapped"):  # FA4's calls as they are: every index wrapped
         from compilemask.kernels import fa4_unwrap
 
@@ -130,10 +167,15 @@ def main() -> None:
             for kernel in ("fwd_sm90", "bwd_sm90"):
                 if which in ("spills", "t5"):
                     rows[(kind, kernel)] = registers(next(dump.glob(f"*{kernel}*.ptx")))
+                elif which == "tables":
+                    rows[(kind, kernel)] = {
+                        **registers(next(dump.glob(f"*{kernel}*.ptx"))),
+                        **opcodes(next(dump.glob(f"*{kernel}*.sass")).read_text(),
+                                  ["SHFL", "VOTE", "MATCH", "RED", "ATOM", "STL", "LDL"])}
                 else:
                     rows[(kind, kernel)] = _counts(dump, kernel)
     label = {"softcap": "softcap as", "spills": "mask / score_mod / engine",
-             "t5": "mask / score_mod / engine"}
+             "t5": "mask / score_mod / engine", "tables": "causal + T5, table"}
     print_table([label.get(which, "score_mod"), "kernel"], rows)
 
 

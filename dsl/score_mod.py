@@ -22,12 +22,14 @@ line.
 Arithmetic is float32 (Int32 for integers) in the order sympy normalizes the expression, so a
 float rounded to an integer exactly at a multiple (a log bucket's edge) can land in the
 neighbouring bucket where that order rounds differently from torch's (as any two compilers of
-one score_mod can). The derivative (``ScoreMod.grad``) is sympy's, exact;
-``c * tanh(score / c)`` is recognized as a softcap (``ScoreMod.softcap``:
-FA4's own under ``KernelOptions(softcap="fa4")``).
-Conversions are cached by everything the score_mod
-reads apart from tensor values (``compilemask.dsl.fingerprint``) plus the tables' shapes; the key
-(``ScoreMod.key``) is the expression itself, so two score_mods of equal meaning share kernels.
+one score_mod can); an index of the difference ``q_idx - kv_idx`` alone (``ScoreMod.relative``:
+T5's bucket) is computed once per length class by this module's own evaluation and read from
+that table by the GPU engines, so both engines pick the same bucket. The derivative
+(``ScoreMod.grad``) is sympy's, exact; ``c * tanh(score / c)`` is recognized as a softcap
+(``ScoreMod.softcap``: FA4's own under ``KernelOptions(softcap="fa4")``). Conversions are
+cached by everything the score_mod reads apart from tensor values
+(``compilemask.dsl.fingerprint``) plus the tables' shapes; the key (``ScoreMod.key``) is the
+expression itself, so two score_mods of equal meaning share kernels.
 """
 
 from __future__ import annotations
