@@ -42,6 +42,10 @@ from compilemask.dsl.frontend import IntBitOp
 # False for every key past seqlen_k; a score_mod: whose value is finite at any index): FA4 need
 # not wrap its indices, nor test a mask_mod's keys (kernels/fa4_unwrap.py)
 UNWRAPPED_ATTR = "__compilemask_unwrapped__"
+# on a generated score_mod_bwd that adds a trained table's gradient: the scores per call it
+# wants from FA4 (which hands one per call when a call has aux tensors), so that its warp sums
+# and adds are shared by that many scores (kernels/fa4_unwrap.py)
+VECTOR_ATTR = "__compilemask_vector__"
 
 __all__ = ["predicate_source", "compile_predicate", "source_hash", "UnsupportedExpression"]
 

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import sympy as sp
 
-from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, compile_predicate
+from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, VECTOR_ATTR, compile_predicate
 from compilemask.contract.cache import CompileCache
 from compilemask.dsl.score_mod import SCORE, ScoreMod, fdiv, log2, tofloat, trunc
 
 __all__ = ["score_mod_source", "score_mod_fns", "index_total"]
 
 _CACHE = CompileCache("score_mod")
+# scores per call of a score_mod_bwd that trains a table (``VECTOR_ATTR``): FA4's sm90 backward
+# holds 32 per thread and tile, and calls the hook on one at a time when a call has aux tensors
+TRAIN_VECTOR = 8
 _NAMES = {"b": "b", "h": "h", "i": "q", "j": "kv"}
 
 
@@ -416,7 +419,9 @@ class _Emit:
                     # every lane sums its group in lane order (32 shuffles); the group's lowest
                     # lane adds the sum
                     "            total = Float32(0.0)",
-                    "            for src in cutlass.range_constexpr(32):",
+                    # a loop, not unrolled: this path runs on the diagonal tiles only, and 32
+                    # shuffles per element unrolled made the backward 4.4x its instructions
+                    "            for src in cutlass.range(32, unroll=1):",
                     f"                v = cute.arch.shuffle_sync({buf}[e], src)",
                     "                if (peers >> Uint32(src)) & Uint32(1) != Uint32(0):",
                     "                    total = total + v",
@@ -479,7 +484,8 @@ def score_mod_source(sm: ScoreMod, offset: int = 0, gqa: int = 1,
             "elem_pointer = fa4_lib.module('utils').elem_pointer"] if train else []),
          *([f"# indices read from tables over q_idx - kv_idx at aux_tensors"
             f"[{offset + len(sm.tables)}:]"] if relative and sm.relative else []),
-         "", "", f"UNWRAPPED = {index_total(sm, relative)}", "", "",
+         "", "", f"UNWRAPPED = {index_total(sm, relative)}",
+         *([f"VECTOR = {TRAIN_VECTOR}"] if train else []), "", "",
          *(_I2F if index_bits else []),
          "@cute.jit",
          "def score_mod(score, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):",
@@ -509,8 +515,10 @@ def score_mod_fns(sm: ScoreMod, offset: int = 0, gqa: int = 1, index_bits: bool 
     def build():
         src = score_mod_source(sm, offset, gqa, index_bits, train, relative)
         fns = compile_predicate(src, "score_mod"), compile_predicate(src, "score_mod_bwd")
-        for fn in fns:  # the source's UNWRAPPED (so FA4's kernel key sees it)
+        for fn in fns:  # the source's UNWRAPPED and VECTOR (so FA4's kernel key sees them)
             setattr(fn, UNWRAPPED_ATTR, index_total(sm, relative))
+        if train:
+            setattr(fns[1], VECTOR_ATTR, TRAIN_VECTOR)
         return fns
 
     return _CACHE.get((sm.key, offset, gqa, index_bits, tuple(train), relative), build)

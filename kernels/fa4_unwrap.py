@@ -32,7 +32,7 @@ from typing import ClassVar
 import cutlass
 import cutlass.cute as cute
 
-from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR
+from compilemask.codegen.cute_predicate import UNWRAPPED_ATTR, VECTOR_ATTR
 from compilemask.kernels import fa4_lib
 
 __all__ = ["UnwrappedMask", "PATCHES"]
@@ -120,6 +120,11 @@ def apply_score_mod_bwd_inner(grad_tensor, score_tensor, index_tensor, score_mod
                               head_idx, softmax_scale, vec_size, qk_acc_dtype, aux_data,
                               fastdiv_mods, seqlen_info, constant_q_idx, qhead_per_kvhead=1,
                               transpose_indices=False):
+    # a generated hook that trains a table takes its scores several at a time (it reads its
+    # tables per element itself), where they divide the fragment
+    want = getattr(score_mod_bwd, VECTOR_ATTR, None) if score_mod_bwd is not None else None
+    if want and cute.size(grad_tensor.shape) % want == 0:
+        vec_size = want
     return _BWD(grad_tensor, score_tensor, index_tensor, score_mod_bwd, batch_idx, head_idx,
                 softmax_scale, vec_size, qk_acc_dtype, aux_data,
                 None if _unwrapped(score_mod_bwd) else fastdiv_mods, seqlen_info,

@@ -182,3 +182,31 @@ def test_gradient_buffers_have_private_copies_within_their_budget():
     assert src.count("atomic_add_fp32(total, elem_pointer(aux_tensors[1], (t1, ") == 3
     assert "cute.arch.match_sync(0xFFFFFFFF, " in src
     assert not re.search(r"atomic_add_fp32\(t\d+\[e\]", src)  # no add of one lane's score
+
+
+def test_trained_hook_takes_several_scores_per_call(monkeypatch):
+    """FA4 hands a score_mod_bwd one score per call when a call has aux tensors; the hook that
+    trains a table asks for ``TRAIN_VECTOR`` (its source says so, for FA4's kernel key) where
+    that divides the fragment, so its warp sums and adds are shared by as many scores; other
+    hooks keep FA4's width."""
+    pytest.importorskip("flash_attn.cute")
+    import types
+
+    from compilemask.codegen.cute_predicate import VECTOR_ATTR
+    from compilemask.codegen.cute_score_mod import TRAIN_VECTOR, score_mod_fns, score_mod_source
+    from compilemask.kernels import fa4_unwrap
+
+    sm, _ = cm.compile_score_mod(score_mods.t5_bias(torch.randn(32, 4), 128))
+    assert f"VECTOR = {TRAIN_VECTOR}" in score_mod_source(sm, 0, 2, False, (0,))
+    assert "VECTOR =" not in score_mod_source(sm, 0, 2, False)
+    fwd, bwd = score_mod_fns(sm, 0, 2, False, (0,))
+    assert getattr(bwd, VECTOR_ATTR) == TRAIN_VECTOR and not hasattr(fwd, VECTOR_ATTR)
+    frozen = score_mod_fns(sm, 0, 2, False)[1]
+    seen = []
+    monkeypatch.setattr(fa4_unwrap, "_BWD", lambda *a: seen.append(a[7]))
+    # the fragment's size, read while FA4's kernel is traced
+    monkeypatch.setattr(fa4_unwrap.cute, "size", lambda shape: shape[0])
+    for fn, n in ((bwd, 32), (bwd, TRAIN_VECTOR + 1), (frozen, 32)):
+        fa4_unwrap.apply_score_mod_bwd_inner(types.SimpleNamespace(shape=(n,)), None, None, fn,
+                                             0, 0, 1.0, 1, None, None, None, None, None)
+    assert seen == [TRAIN_VECTOR, 1, 1]
