@@ -13,6 +13,8 @@ shapes: B=2, H=4, Hkv=2, S=1000, D=128, causal):
   it (the bound is twice this);
 * ``ratio``: flash / torch_bf16.
 
+Seed 0 is the draw of ``test_gpu_table_gradients_vs_float32_reference``.
+
     python bench/table_grad_precision.py [FIRST_SEED] [SEEDS]
 """
 import sys
