@@ -149,7 +149,7 @@ def score_mod_sources() -> dict[str, str]:
         for offset, gqa, bits in ((0, 1, False), (2, 1, False), (0, 4, False), (0, 1, True)):
             out[f"score_mod/{name}/o{offset}_g{gqa}_b{int(bits)}"] = _text(
                 src, sm, offset, gqa, bits)
-        if getattr(sm, "relative", ()):  # relative indices read from tables, a trained table
+        if sm.relative:  # relative indices read from tables, a trained table
             out[f"score_mod/{name}/o0_g4_b0_relative"] = _text(src, sm, 0, 4, False,
                                                                 relative=True)
             out[f"score_mod/{name}/o0_g4_b0_relative_train"] = _text(
